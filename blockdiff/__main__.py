@@ -1,0 +1,5 @@
+import sys
+
+from blockdiff.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,82 @@
+"""One denoising step of the entropy-bound sampler, batched over canvases.
+
+For each canvas, with n counting down from max_denoising_steps to 1:
+  temperature t = t_min + (t_max - t_min) * n / N; processed logits = logits / t;
+  candidates drawn from softmax(processed); the argmax canvas kept aside;
+  the lowest-entropy positions are accepted while Σentropy - entropy_of_last <= entropy_bound,
+  the others renoised to uniform random tokens;
+  the canvas is done when the argmax canvas equals the previous `stability_threshold` ones and
+  the mean entropy is below `confidence_threshold`, or when the steps run out.
+The distribution is computed once (`VocabParallel.distribution`) and everything else derives from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
+
+
+@dataclass
+class DenoiseParams:
+    """Per-canvas parameters and random draws, [canvases] or [canvases, canvas_length]."""
+
+    step: torch.Tensor  # int32, steps remaining including this one (n)
+    max_steps: torch.Tensor  # int32 (N)
+    t_min: torch.Tensor  # float32
+    t_max: torch.Tensor
+    entropy_bound: torch.Tensor
+    stability: torch.Tensor  # int64
+    confidence: torch.Tensor  # float32
+    uniform: torch.Tensor  # [canvases, CL] float32 in [0, 1), for candidate sampling
+    renoise: torch.Tensor  # [canvases, CL] int64 uniform random tokens
+
+    def to(self, device: torch.device | str) -> "DenoiseParams":
+        return DenoiseParams(**{k: v.to(device, non_blocking=True) for k, v in self.__dict__.items()})
+
+
+@dataclass
+class DenoiseResult:
+    canvas: torch.Tensor  # [canvases, CL] the next step's input
+    argmax: torch.Tensor  # [canvases, CL] the committed canvas if this step ends the canvas
+    entropy: torch.Tensor  # [canvases, CL]
+    accepted: torch.Tensor  # [canvases, CL] bool
+    run: torch.Tensor  # [canvases] how many previous argmax canvases equal this one
+    finished: torch.Tensor  # [canvases] bool
+    dist: Distribution
+
+
+def temperature(step: torch.Tensor, max_steps: torch.Tensor, t_min: torch.Tensor, t_max: torch.Tensor) -> torch.Tensor:
+    """The reference's float32 arithmetic: t_min + (t_max - t_min) * (n / N)."""
+    return t_min + (t_max - t_min) * (step.float() / max_steps.float())
+
+
+def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Accept the longest lowest-entropy prefix with Σentropy - max entropy <= bound."""
+    sorted_entropy, order = torch.sort(entropy, dim=-1)
+    keep = (torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy) <= bound.unsqueeze(-1)
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def denoise_step(
+    logits: torch.Tensor,
+    last_argmax: torch.Tensor,
+    run: torch.Tensor,
+    params: DenoiseParams,
+    vocab: VocabParallel,
+) -> DenoiseResult:
+    """logits [canvases, CL, local vocab] float32 (overwritten)."""
+    t = temperature(params.step, params.max_steps, params.t_min, params.t_max)
+    dist = vocab.distribution(logits.div_(t[:, None, None]))
+    argmax = vocab.argmax(dist)
+    candidates = vocab.sample(dist, params.uniform)
+    accepted = entropy_bound_accept(dist.entropy, params.entropy_bound)
+    canvas = torch.where(accepted, candidates, params.renoise)
+    same = (argmax == last_argmax).all(dim=-1)
+    run = torch.where(same, run + 1, torch.zeros_like(run))
+    stable = run >= params.stability
+    confident = dist.entropy.mean(dim=-1) < params.confidence
+    finished = (stable & confident) | (params.step <= 1)
+    return DenoiseResult(canvas, argmax, dist.entropy, accepted, run, finished, dist)

@@ -1,0 +1,127 @@
+"""Statistics of a distribution whose logits are split over ranks by vocabulary.
+
+Every function works on this rank's logits [..., local_rows] and returns full-vocabulary answers
+using collectives over [...]-sized statistics only: the max, Σexp and Σexp·(x - max) give log Z
+and the entropy; argmax and sampling reduce per-rank candidates. With one rank there is no
+collective and no masking: the same code is the plain single-device computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdiff.parallel.group import TPGroup
+from blockdiff.parallel.vocab import VocabShard
+
+_CHUNK = 128  # inverse-CDF sampling searches chunk sums first, then one chunk
+
+
+@dataclass
+class Distribution:
+    shifted: torch.Tensor  # [..., local_rows] x - max: log-probabilities up to log_z below
+    exp: torch.Tensor  # [..., local_rows] exp(shifted): unnormalised local probabilities
+    local_sum: torch.Tensor  # [...] Σ exp over this rank's rows
+    total: torch.Tensor  # [...] Σ exp over the whole vocabulary
+    entropy: torch.Tensor  # [...]
+
+    @property
+    def log_total(self) -> torch.Tensor:
+        return self.total.log()
+
+
+class VocabParallel:
+    """The vocabulary layout of this rank and the collectives over it."""
+
+    def __init__(self, shard: VocabShard, group: TPGroup, device: torch.device | str = "cpu"):
+        self.shard = shard
+        self.group = group
+        self.sharded = group.size > 1
+        valid = shard.valid_rows(device)
+        self.padding = None if bool(valid.all()) else ~valid
+        self.global_ids = shard.global_ids(device)
+
+    def distribution(self, x: torch.Tensor) -> Distribution:
+        """softmax statistics of logits x (float32, modified in place into x - max)."""
+        if self.padding is not None:
+            x.masked_fill_(self.padding, -1e30)  # finite: exp gives 0 and 0 * x stays 0
+        m = x.amax(dim=-1, keepdim=True)
+        if self.sharded:
+            self.group.all_reduce(m, op="max")
+        y = x.sub_(m)
+        e = y.exp()
+        local_sum = e.sum(dim=-1)
+        # Σ e·y as a batched dot product, without an [..., vocab] temporary.
+        dot = torch.matmul(e.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+        total = local_sum
+        if self.sharded:
+            both = torch.stack((local_sum, dot))
+            self.group.all_reduce(both)
+            total, dot = both[0], both[1]
+        entropy = total.log() - dot / total
+        return Distribution(shifted=y, exp=e, local_sum=local_sum, total=total, entropy=entropy)
+
+    def argmax(self, d: Distribution) -> torch.Tensor:
+        """Global token ids of the maxima, ties to the lowest id like torch.argmax."""
+        value, index = d.shifted.max(dim=-1)
+        if not self.sharded:
+            return index
+        return self._pick(value, self.global_ids[index])
+
+    def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
+        """One token per position from the distribution by inverse CDF, u ~ U[0, 1) [...]."""
+        target = u.to(d.total.dtype) * d.total
+        if not self.sharded:
+            return _inverse_cdf(d.exp, target)
+        sums = self.group.all_gather(d.local_sum)  # [ranks, ...]
+        before = sums.cumsum(0) - sums
+        mine = (target >= before[self.group.rank]) & (target < before[self.group.rank] + d.local_sum)
+        last = self.group.size - 1
+        # Rounding can leave the target just past the last rank's mass: that rank takes it.
+        if self.group.rank == last:
+            mine |= target >= before[last] + d.local_sum
+        local = _inverse_cdf(d.exp, (target - before[self.group.rank]).clamp(min=0))
+        ids = torch.where(mine, self.global_ids[local], -1)
+        return self.group.all_reduce(ids, op="max")
+
+    def top_logprobs(self, d: Distribution, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely tokens per position: (logprobs [..., k], ids [..., k])."""
+        value, ids = d.shifted.topk(k, dim=-1)
+        if self.sharded:
+            ids = self.global_ids[ids]
+            value = self.group.all_gather(value).movedim(0, -2).flatten(-2)
+            ids = self.group.all_gather(ids).movedim(0, -2).flatten(-2)
+            value, pick = value.topk(k, dim=-1)
+            ids = ids.gather(-1, pick)
+        return value - d.log_total.unsqueeze(-1), ids
+
+    def _pick(self, value: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        values = self.group.all_gather(value)
+        all_ids = self.group.all_gather(ids)
+        best = values.amax(dim=0)
+        candidates = torch.where(values == best, all_ids, torch.iinfo(all_ids.dtype).max)
+        return candidates.amin(dim=0)
+
+
+def _inverse_cdf(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """First index i with cumsum(weights)[i] > target, per row of [..., V] weights.
+
+    Sums over chunks of the vocabulary locate the chunk, then one chunk is scanned, so the cost is
+    one read of the weights instead of a full cumulative sum.
+    """
+    v = weights.shape[-1]
+    full = v // _CHUNK
+    chunk_sums = weights[..., : full * _CHUNK].unflatten(-1, (full, _CHUNK)).sum(-1)
+    if v % _CHUNK:
+        chunk_sums = torch.cat((chunk_sums, weights[..., full * _CHUNK :].sum(-1, keepdim=True)), dim=-1)
+    cum = chunk_sums.cumsum(-1)
+    n_chunks = cum.shape[-1]
+    chunk = torch.searchsorted(cum, target.unsqueeze(-1), right=True).clamp(max=n_chunks - 1)
+    before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target.unsqueeze(-1)))
+    offsets = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)
+    inside = offsets < v
+    values = weights.gather(-1, offsets.clamp(max=v - 1)) * inside
+    pos = torch.searchsorted(values.cumsum(-1), (target.unsqueeze(-1) - before), right=True)
+    last = inside.sum(-1, keepdim=True) - 1
+    return (chunk * _CHUNK + torch.minimum(pos, last)).squeeze(-1)

@@ -1,0 +1,113 @@
+"""Runs one engine step on one rank: a forward over the step's rows, then the sampler.
+
+Per-slot denoising state (canvas, last argmax canvas, its run length, self-conditioning input)
+lives in preallocated device tensors indexed by the request's slot. Every rank runs the same
+`execute` on the same `StepPlan`; with tensor parallelism the collectives inside keep them equal,
+and rank 0 returns the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdiff.diffusion.sampler import DenoiseParams, denoise_step
+from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.engine.kv_cache import CacheConfig, allocate, geometry
+from blockdiff.model.attention import Row, build_metadata
+from blockdiff.model.diffusion_gemma import DiffusionGemma
+
+
+@dataclass
+class StepPlan:
+    rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised
+    encoder_ids: torch.Tensor  # [encoder tokens] int64
+    new_canvas_rows: list[int]  # decoder rows (0-based among decoder rows) that start a canvas
+    new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64
+    denoise: DenoiseParams | None
+    top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
+
+
+@dataclass
+class StepOutput:
+    finished: torch.Tensor  # [decoder rows] bool
+    argmax: torch.Tensor  # [decoder rows, CL]
+    mean_entropy: torch.Tensor  # [decoder rows]
+    accepted: torch.Tensor  # [decoder rows] accepted positions
+    logprob: torch.Tensor | None  # [decoder rows, CL] logprob of each argmax token
+    top_logprobs: torch.Tensor | None  # [decoder rows, CL, k]
+    top_ids: torch.Tensor | None
+
+
+class ModelRunner:
+    def __init__(self, model: DiffusionGemma, cache: CacheConfig, device: torch.device | str):
+        self.model = model
+        self.device = torch.device(device)
+        self.cache_config = cache
+        self.kv = allocate(model, cache, self.device)
+        self.geometry = geometry(model, cache)
+        self.vocab = VocabParallel(model.shard, model.group, self.device)
+        self.canvas_length = model.config.canvas_length
+        s, cl, h = cache.num_slots, self.canvas_length, model.config.hidden_size
+        with torch.device(self.device):
+            self.canvas = torch.zeros(s, cl, dtype=torch.long)
+            self.last_argmax = torch.full((s, cl), -1, dtype=torch.long)
+            self.run = torch.zeros(s, dtype=torch.long)
+            self.soft = torch.zeros(s, cl, h, dtype=model.dtype)
+            self.has_soft = torch.zeros(s, dtype=torch.bool)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput | None:
+        dec_rows = [r for r in plan.rows if r.decoder]
+        slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
+        if plan.new_canvas_rows:
+            starting = slots[torch.tensor(plan.new_canvas_rows, device=self.device)]
+            self.canvas[starting] = plan.new_canvases.to(self.device)
+            self.last_argmax[starting] = -1
+            self.run[starting] = 0
+            self.soft[starting] = 0
+            self.has_soft[starting] = False
+
+        ids = plan.encoder_ids.to(self.device)
+        soft = None
+        if dec_rows:
+            ids = torch.cat((ids, self.canvas[slots].reshape(-1)))
+            if bool(self.has_soft[slots].any()):
+                soft = self.soft[slots].reshape(-1, self.soft.shape[-1])
+        meta = build_metadata(plan.rows, self.geometry, self.model.kinds, self.device)
+        if meta.num_tokens > ids.shape[0]:
+            ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
+        logits = self.model(ids, meta, self.kv, soft)
+        if not dec_rows:
+            return None
+
+        params = plan.denoise.to(self.device)
+        res = denoise_step(logits.view(len(dec_rows), self.canvas_length, -1), self.last_argmax[slots], self.run[slots], params, self.vocab)
+        self.canvas[slots] = res.canvas
+        self.last_argmax[slots] = res.argmax
+        self.run[slots] = res.run
+        weights = res.dist.exp.to(self.model.dtype)
+        soft_next = soft_embedding(weights, self.model.embed.weight, self.model.embed_scale, self._shard, self.model.group)
+        self.soft[slots] = (soft_next / res.dist.total.unsqueeze(-1)).to(self.model.dtype)
+        self.has_soft[slots] = True
+
+        logprob = top_lp = top_ids = None
+        if plan.top_logprobs >= 0:
+            logprob = -res.dist.log_total
+            if plan.top_logprobs > 0:
+                top_lp, top_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs)
+        return StepOutput(
+            finished=res.finished.cpu(),
+            argmax=res.argmax.cpu(),
+            mean_entropy=res.entropy.mean(-1).cpu(),
+            accepted=res.accepted.sum(-1).cpu(),
+            logprob=None if logprob is None else logprob.cpu(),
+            top_logprobs=None if top_lp is None else top_lp.cpu(),
+            top_ids=None if top_ids is None else top_ids.cpu(),
+        )
+
+    @property
+    def _shard(self):
+        return self.model.shard if self.model.group.size > 1 else None

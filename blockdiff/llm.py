@@ -1,0 +1,119 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.outputs import RequestOutput
+from blockdiff.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        **engine_options,
+    ):
+        if model is None:
+            from blockdiff.demo import demo_checkpoint
+
+            model = demo_checkpoint()
+        self.engine = LLMEngine(
+            EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, device=device, seed=seed, **engine_options)
+        )
+        self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_engine_config(cls, cfg: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(cfg)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        requests = []
+        try:
+            for prompt, p in zip(prompts, params):
+                requests.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for req in requests:
+                self.engine.abort(req.request_id)
+            raise
+        return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template and generate the reply."""
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(requests) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc="Generating", unit="req")
+        wanted = {r.request_id for r in requests}
+        try:
+            while len(results) < len(wanted):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for req in requests:
+                self.engine.abort(req.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[r.request_id] for r in requests]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return [list(p) if isinstance(p, tuple) else p for p in prompts]
+    raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; got {type(prompts).__name__}")

@@ -1,0 +1,264 @@
+"""Attention in both modes over a mixed batch, and the per-step metadata that drives it.
+
+A forward pass holds rows of two modes. Encoder rows (a prompt chunk or a finished canvas) attend
+causally to the cache and to themselves and append their K/V to the cache; decoder rows (a canvas
+being denoised) attend bidirectionally to the cached prefix and to the whole canvas and write
+nothing. Tokens are packed [encoder tokens | decoder tokens]. For attention, rows of the same mode
+and the same shape (new tokens, cached tokens) form one SDPA batch with no padding at all, so a
+row's result never depends on the rows it shares the step with. The keys of a row are [its own new
+tokens | its cached tokens]; masks come from positions and are shared by the rows of a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockdiff.config import LayerSpec, ModelConfig
+from blockdiff.model.layers import RMSNorm, apply_rotary
+from blockdiff.parallel.group import TPGroup
+from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+# SDPA broadcasts KV heads over query groups itself from torch 2.5 on.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass
+class AttnGroup:
+    """Rows of one mode and one shape: [rows, q_len] queries over [rows, q_len + cached] keys."""
+
+    rows: int
+    q_len: int
+    token_start: int  # the rows' tokens are contiguous from here on...
+    gather: torch.Tensor | None  # ...unless this [rows * q_len] token index is given
+    cache_index: torch.Tensor | None  # [rows, cached] flat index into the layer kind's cache
+    mask: torch.Tensor | None  # [1, 1, q_len, q_len + cached] bool; None: attend to every key
+
+
+@dataclass
+class KindMetadata:
+    """Everything one layer kind (sliding or full) needs for one step."""
+
+    groups: list[AttnGroup]
+    write_src: torch.Tensor | None  # encoder tokens whose K/V are stored...
+    write_dst: torch.Tensor | None  # ...at these flat cache positions
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+# Token rows of a forward are padded to a multiple of this. CPU BLAS kernels compute a row the same
+# way wherever it sits in a matmul whose row count is a multiple of 8, but tail rows another way;
+# with the padding a request's numbers do not depend on its batch companions.
+ROW_ALIGN = 8
+
+
+def align(n: int) -> int:
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int  # packed [encoder | decoder | padding]
+    num_encoder_tokens: int
+    num_decoder_tokens: int
+    positions: torch.Tensor  # [num_tokens]
+    sliding: KindMetadata | None
+    full: KindMetadata | None
+
+    def kind(self, sliding: bool) -> KindMetadata:
+        return self.sliding if sliding else self.full
+
+
+def qkv_parts(config: ModelConfig, spec: LayerSpec, group: TPGroup) -> list[tuple[int, int, int]]:
+    """Row ranges of q, k (and v) owned by this rank. KV heads are split when there are at least as
+    many as ranks, else each rank holds the one KV head its query heads use."""
+    heads, kv, hd = config.num_heads, spec.num_kv_heads, spec.head_dim
+    if heads % group.size:
+        raise ValueError(f"{heads} attention heads cannot be split over {group.size} ranks")
+    local_heads = heads // group.size
+    if kv % group.size == 0:
+        local_kv, kv_start = kv // group.size, group.rank * (kv // group.size)
+    elif group.size % kv == 0:
+        local_kv, kv_start = 1, (group.rank * local_heads) // (heads // kv)
+    else:
+        raise ValueError(f"{kv} KV heads cannot be split or replicated over {group.size} ranks")
+    q = (heads * hd, local_heads * hd, group.rank * local_heads * hd)
+    k = (kv * hd, local_kv * hd, kv_start * hd)
+    return [q, k, k] if spec.has_v_proj else [q, k]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        parts = qkv_parts(config, spec, group)
+        self.head_dim = spec.head_dim
+        self.local_heads = parts[0][1] // spec.head_dim
+        self.local_kv_heads = parts[1][1] // spec.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, dtype=dtype)
+        self.o_proj = RowParallelLinear(config.num_heads * spec.head_dim, config.hidden_size, group, dtype=dtype)
+        self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
+        self.v_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, with_scale=False)
+        self.splits = [p[1] for p in parts]
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        kind = meta.kind(self.spec.sliding)
+        n = x.shape[0]
+        qkv = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = self.q_norm(qkv[0].view(n, self.local_heads, self.head_dim))
+        k_raw = qkv[1].view(n, self.local_kv_heads, self.head_dim)
+        v = self.v_norm(qkv[2].view(n, self.local_kv_heads, self.head_dim) if self.spec.has_v_proj else k_raw)
+        k = self.k_norm(k_raw)
+        q = apply_rotary(q, kind.cos, kind.sin)
+        k = apply_rotary(k, kind.cos, kind.sin)
+
+        k_cache, v_cache = cache
+        g = kind.groups[0]
+        if len(kind.groups) == 1 and g.gather is None and g.rows * g.q_len == n:
+            out = _attend(q, k, v, g, k_cache, v_cache).reshape(n, -1)
+        else:
+            out = q.new_zeros(n, self.local_heads * self.head_dim)  # padding rows stay zero
+            for g in kind.groups:
+                o = _attend(q, k, v, g, k_cache, v_cache).reshape(g.rows * g.q_len, -1)
+                if g.gather is None:
+                    out[g.token_start : g.token_start + g.rows * g.q_len] = o
+                else:
+                    out[g.gather] = o
+        if kind.write_dst is not None:
+            k_cache[kind.write_dst] = k[kind.write_src]
+            v_cache[kind.write_dst] = v[kind.write_src]
+        return self.o_proj(out)
+
+
+def _rows(t: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+    """[tokens, heads, dim] -> [rows, q_len, heads, dim] for the group."""
+    if g.gather is None:
+        t = t[g.token_start : g.token_start + g.rows * g.q_len]
+    else:
+        t = t[g.gather]
+    return t.view(g.rows, g.q_len, *t.shape[1:])
+
+
+def _attend(q, k, v, g: AttnGroup, k_cache, v_cache) -> torch.Tensor:
+    """SDPA over one group; returns [rows, q_len, heads, dim]."""
+    qs, ks, vs = _rows(q, g), _rows(k, g), _rows(v, g)
+    if g.cache_index is not None:
+        ks = torch.cat((ks, k_cache[g.cache_index]), dim=1)
+        vs = torch.cat((vs, v_cache[g.cache_index]), dim=1)
+    qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+    extra = {}
+    if qs.shape[1] != ks.shape[1]:
+        if _SDPA_HAS_GQA:
+            extra["enable_gqa"] = True
+        else:
+            rep = qs.shape[1] // ks.shape[1]
+            ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=1.0, **extra)
+    return out.transpose(1, 2)
+
+
+@dataclass
+class Row:
+    """One sequence's part of a forward pass."""
+
+    slot: int  # the request's cache slot (sliding-layer ring)
+    start: int  # tokens already in the cache = position of the first new token
+    length: int  # new tokens: a prompt chunk, a canvas to commit, or a canvas to denoise
+    decoder: bool
+    blocks: tuple[int, ...] = ()  # full-attention cache blocks of the request, in order
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Where a position of a request lives in the flat cache storage."""
+
+    block_size: int  # full-attention layers: paged blocks
+    ring: int  # sliding layers: a ring of the last `ring` positions per slot (window - 1)
+    window: int | None  # sliding window, the query itself included
+    encoder_causal: bool = True
+
+    def full_index(self, blocks: tuple[int, ...], positions: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(blocks, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def ring_index(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        return slot * self.ring + positions % self.ring
+
+    def cached_positions(self, row: Row, sliding: bool) -> torch.Tensor:
+        first = max(0, row.start - self.ring) if sliding else 0
+        return torch.arange(first, row.start)
+
+    def index(self, row: Row, positions: torch.Tensor, sliding: bool) -> torch.Tensor:
+        return self.ring_index(row.slot, positions) if sliding else self.full_index(row.blocks, positions)
+
+
+def build_metadata(
+    rows: list[Row], geometry: CacheGeometry, kinds: set[bool], device: torch.device | str
+) -> AttentionMetadata:
+    """Index tensors and masks for one forward over `rows` (encoder rows first). `kinds` holds the
+    layer kinds present (True: sliding)."""
+    starts, offset = [], 0
+    for r in rows:
+        starts.append(offset)
+        offset += r.length
+    total = align(offset)
+    positions = torch.zeros(total, dtype=torch.long)
+    positions[:offset] = torch.cat([torch.arange(r.start, r.start + r.length) for r in rows])
+    num_enc = sum(r.length for r in rows if not r.decoder)
+    meta = AttentionMetadata(total, num_enc, offset - num_enc, positions.to(device), None, None)
+    for sliding in kinds:
+        shapes: dict[tuple[bool, int, int], list[int]] = {}
+        for i, r in enumerate(rows):
+            cached = min(r.start, geometry.ring) if sliding else r.start
+            shapes.setdefault((r.decoder, r.length, cached), []).append(i)
+        groups = [
+            _group([rows[i] for i in idx], [starts[i] for i in idx], key, geometry, sliding, device)
+            for key, idx in shapes.items()
+        ]
+        src, dst = [], []
+        for r, s in zip(rows, starts):
+            if r.decoder:
+                continue
+            keep = min(r.length, geometry.ring) if sliding else r.length
+            pos = torch.arange(r.start + r.length - keep, r.start + r.length)
+            src.append(torch.arange(s + r.length - keep, s + r.length))
+            dst.append(geometry.index(r, pos, sliding))
+        write_src = torch.cat(src).to(device) if src else None
+        write_dst = torch.cat(dst).to(device) if dst else None
+        kind = KindMetadata(groups, write_src, write_dst)
+        if sliding:
+            meta.sliding = kind
+        else:
+            meta.full = kind
+    return meta
+
+
+def _group(rows: list[Row], token_starts: list[int], shape: tuple[bool, int, int], geo: CacheGeometry, sliding: bool, device) -> AttnGroup:
+    decoder, q_len, cached = shape
+    n = len(rows)
+    contiguous = all(token_starts[i] == token_starts[0] + i * q_len for i in range(n))
+    gather = None
+    if not contiguous:
+        gather = (torch.tensor(token_starts)[:, None] + torch.arange(q_len)[None, :]).reshape(-1).to(device)
+    cache_index = None
+    if cached:
+        index = torch.stack([geo.index(r, torch.arange(r.start - cached, r.start), sliding) for r in rows])
+        cache_index = index.to(device)
+    mask = None
+    if not decoder:
+        # Keys are [new tokens | cached tokens]; positions relative to the first new token.
+        q_pos = torch.arange(q_len)
+        k_pos = torch.cat((q_pos, torch.arange(-cached, 0)))
+        dist = q_pos[:, None] - k_pos[None, :]
+        if geo.encoder_causal:
+            allowed = dist >= 0
+            if sliding:
+                allowed &= dist < geo.window
+        else:
+            allowed = dist.abs() <= geo.window if sliding else torch.ones_like(dist, dtype=torch.bool)
+        mask = allowed[None, None].to(device)
+    return AttnGroup(rows=n, q_len=q_len, token_start=token_starts[0], gather=gather, cache_index=cache_index, mask=mask)

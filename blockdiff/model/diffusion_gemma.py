@@ -1,0 +1,155 @@
+"""DiffusionGemma: one Gemma 4 MoE backbone used in encoder and decoder mode.
+
+One forward pass runs both modes at once: encoder-mode tokens (prompt chunks, finished canvases)
+are packed before decoder-mode tokens (canvases being denoised). The two modes share every weight
+except the per-layer scalar; decoder tokens also get the self-conditioning input, and only they
+reach the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockdiff.config import LayerSpec, ModelConfig
+from blockdiff.model.attention import Attention, AttentionMetadata
+from blockdiff.model.layers import RMSNorm, Rotary
+from blockdiff.model.moe import Experts, GatedMLP, Router
+from blockdiff.parallel.group import TPGroup
+from blockdiff.parallel.layers import VocabParallelEmbedding, replicated_loader
+from blockdiff.parallel.vocab import VocabShard
+
+NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "post_feedforward_layernorm_1",
+    "post_feedforward_layernorm_2",
+    "pre_feedforward_layernorm_2",
+)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.attn = Attention(config, spec, group, dtype)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation, group, dtype)
+        self.router = Router(config, dtype)
+        self.experts = Experts(config, group, dtype)
+        for name in NORMS:
+            setattr(self, name, RMSNorm(h, eps, dtype=dtype))
+        # The one weight the modes do not share (a buffer in the reference, stored per mode).
+        self.encoder_scalar = nn.Parameter(torch.ones(1, dtype=dtype), requires_grad=False)
+        self.decoder_scalar = nn.Parameter(torch.ones(1, dtype=dtype), requires_grad=False)
+        for p in self.parameters():
+            if not hasattr(p, "weight_loader"):
+                p.weight_loader = replicated_loader
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        residual = x
+        x = self.post_attention_layernorm(self.attn(self.input_layernorm(x), meta, cache))
+        x = residual + x
+
+        residual = x
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        weights, index = self.router(x)
+        moe = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index))
+        x = residual + self.post_feedforward_layernorm(dense + moe)
+
+        ne = meta.num_encoder_tokens
+        if ne:
+            x[:ne] *= self.encoder_scalar
+        if ne < x.shape[0]:
+            x[ne:] *= self.decoder_scalar
+        return x
+
+
+class SelfConditioning(nn.Module):
+    """post_norm(canvas embeddings + MLP(pre_norm(soft embeddings of the previous step)))."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        h = config.hidden_size
+        self.pre_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation, group, dtype)
+        self.post_norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
+        self.pre_norm.weight.weight_loader = replicated_loader
+
+    def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        # Without a previous step the reference feeds zeros, whose MLP output is exactly zero.
+        if soft is not None:
+            embeds = embeds + self.mlp(self.pre_norm(soft))
+        return self.post_norm(embeds)
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, config: ModelConfig, group: TPGroup | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        group = group or TPGroup()
+        dtype = dtype or config.dtype
+        self.config = config
+        self.group = group
+        self.dtype = dtype
+        self.shard = VocabShard.make(group.rank, group.size, config.vocab_size)
+        # The reference rounds sqrt(hidden) to the weight dtype before scaling.
+        self.embed_scale = float(torch.tensor(config.hidden_size**0.5).to(dtype))
+        self.embed = VocabParallelEmbedding(self.shard, config.hidden_size, group, self.embed_scale, dtype=dtype)
+        self.layers = nn.ModuleList(Block(config, spec, group, dtype) for spec in config.layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm.weight.weight_loader = replicated_loader
+        self.self_conditioning = SelfConditioning(config, group, dtype)
+        self.rotary = nn.ModuleDict()
+        for spec in config.layers:
+            key = "sliding" if spec.sliding else "full"
+            if key not in self.rotary:
+                self.rotary[key] = Rotary(spec)
+        self.softcap = config.final_logit_softcapping
+
+    @property
+    def kinds(self) -> set[bool]:
+        """Layer kinds present (True: sliding)."""
+        return {spec.sliding for spec in self.config.layers}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        soft_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [meta.num_tokens] packed [encoder | decoder | padding]; soft_embeds
+        [decoder tokens, hidden] or None.
+
+        Returns float32 soft-capped logits of the decoder tokens over this rank's vocabulary rows.
+        """
+        hidden = self.backbone(input_ids, meta, cache, soft_embeds)
+        ne = meta.num_encoder_tokens
+        return self.logits(self.norm(hidden[ne : ne + meta.num_decoder_tokens]))
+
+    def backbone(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        soft_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Last-layer hidden states of every token, before the final norm (training reads the
+        encoder tokens' too, for the autoregressive loss)."""
+        x = self.embed(input_ids)
+        ne, nd = meta.num_encoder_tokens, meta.num_decoder_tokens
+        if nd:
+            x[ne : ne + nd] = self.self_conditioning(x[ne : ne + nd], soft_embeds)
+        for key, rotary in self.rotary.items():
+            kind = meta.kind(key == "sliding")
+            kind.cos, kind.sin = rotary.cos_sin(meta.positions, x.dtype)
+        for layer, layer_cache in zip(self.layers, cache):
+            x = layer(x, meta, layer_cache)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.embed.logits(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

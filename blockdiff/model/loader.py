@@ -1,0 +1,169 @@
+"""Load a Hugging Face DiffusionGemma checkpoint (safetensors only) into `DiffusionGemma`.
+
+Each rank reads only its own slices: a tensor is opened lazily and each parameter's weight_loader
+takes the rows or columns it owns.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+
+import torch
+from safetensors import safe_open
+
+from blockdiff.config import ModelConfig
+from blockdiff.model.diffusion_gemma import DiffusionGemma
+from blockdiff.parallel.group import TPGroup
+
+log = logging.getLogger(__name__)
+
+DECODER = "model.decoder."
+ENCODER = "model.encoder.language_model."
+SKIPPED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+# checkpoint name below DECODER / ENCODER -> (our parameter, part of a fused parameter)
+_LAYER_RULES = [
+    (r"self_attn\.q_proj\.weight", "attn.qkv_proj.weight", 0),
+    (r"self_attn\.k_proj\.weight", "attn.qkv_proj.weight", 1),
+    (r"self_attn\.v_proj\.weight", "attn.qkv_proj.weight", 2),
+    (r"self_attn\.o_proj\.weight", "attn.o_proj.weight", None),
+    (r"self_attn\.(q_norm|k_norm)\.weight", r"attn.\1.weight", None),
+    (r"mlp\.gate_proj\.weight", "mlp.gate_up_proj.weight", 0),
+    (r"mlp\.up_proj\.weight", "mlp.gate_up_proj.weight", 1),
+    (r"mlp\.down_proj\.weight", "mlp.down_proj.weight", None),
+    (r"router\.(proj\.weight|scale|per_expert_scale)", r"router.\1", None),
+    (r"experts\.gate_up_proj", "experts.gate_up", None),
+    (r"experts\.down_proj", "experts.down", None),
+    (r"(\w+layernorm(?:_\d)?)\.weight", r"\1.weight", None),
+]
+_SC_RULES = [
+    (r"pre_norm\.weight", "self_conditioning.pre_norm.weight", None),
+    (r"gate_proj\.weight", "self_conditioning.mlp.gate_up_proj.weight", 0),
+    (r"up_proj\.weight", "self_conditioning.mlp.gate_up_proj.weight", 1),
+    (r"down_proj\.weight", "self_conditioning.mlp.down_proj.weight", None),
+]
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def map_name(name: str) -> tuple[str, int | None] | None:
+    """Checkpoint tensor name -> (parameter name, part), or None when it is not a text weight we know."""
+    if name.startswith(DECODER + "self_conditioning."):
+        rest = name[len(DECODER + "self_conditioning.") :]
+        return _apply(_SC_RULES, rest, "")
+    for prefix in (DECODER, ENCODER):
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix) :]
+        if rest == "embed_tokens.weight":
+            return "embed.weight", None
+        if rest == "norm.weight":
+            return "norm.weight", None
+        m = re.fullmatch(r"layers\.(\d+)\.layer_scalar", rest)
+        if m:
+            return f"layers.{m.group(1)}.{'decoder' if prefix == DECODER else 'encoder'}_scalar", None
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", rest)
+        if m:
+            return _apply(_LAYER_RULES, m.group(2), f"layers.{m.group(1)}.")
+    return None
+
+
+def _apply(rules, rest: str, prefix: str):
+    for pattern, target, part in rules:
+        m = re.fullmatch(pattern, rest)
+        if m:
+            return prefix + m.expand(target), part
+    return None
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        return files
+    pickles = [f for f in os.listdir(path) if f.endswith(PICKLE_SUFFIXES)] if os.path.isdir(path) else []
+    if pickles:
+        raise CheckpointError(
+            f"{path!r} holds only pickle checkpoints ({', '.join(sorted(pickles))}); blockdiff loads only "
+            "safetensors, since unpickling runs arbitrary code. Convert the checkpoint to safetensors first."
+        )
+    raise CheckpointError(f"no safetensors checkpoint in {path!r}")
+
+
+def load_weights(model: DiffusionGemma, path: str) -> None:
+    params = dict(model.named_parameters())
+    seen_encoder, seen, unexpected, skipped = {}, set(), [], 0
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(SKIPPED):
+                    skipped += 1
+                    continue
+                if name == "lm_head.weight":  # tied to the embedding; some exports still write it
+                    continue
+                mapped = map_name(name)
+                if mapped is None or mapped[0] not in params:
+                    unexpected.append(name)
+                    continue
+                target, part = mapped
+                key = (target, part)
+                # Shared weights may be spelled under the decoder or the encoder; the decoder's win,
+                # as in the reference's tying.
+                if name.startswith(ENCODER) and not target.endswith("_scalar"):
+                    seen_encoder[key] = (file, name)
+                    continue
+                _load_one(params[target], f.get_slice(name), name, part)
+                seen.add(key)
+    for key, (file, name) in seen_encoder.items():
+        if key not in seen:
+            with safe_open(file, framework="pt") as f:
+                _load_one(params[key[0]], f.get_slice(name), name, key[1])
+            seen.add(key)
+    if skipped:
+        log.info("skipped %d vision tensors (image input is not supported yet)", skipped)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors in checkpoint {path!r}: {', '.join(sorted(unexpected))}")
+    missing = sorted(_expected_keys(model) - seen)
+    if missing:
+        names = [f"{t}[part {p}]" if p is not None else t for t, p in missing]
+        raise CheckpointError(f"tensors missing from checkpoint {path!r}: {', '.join(names)}")
+
+
+def _load_one(param: torch.Tensor, source, name: str, part: int | None) -> None:
+    if part is None:
+        param.weight_loader(param, source, name)
+    else:
+        param.weight_loader(param, source, name, part)
+
+
+def _expected_keys(model: DiffusionGemma) -> set[tuple[str, int | None]]:
+    keys = set()
+    for name, param in model.named_parameters():
+        parts = getattr(param, "num_parts", 1)
+        keys.update([(name, i) for i in range(parts)] if parts > 1 else [(name, None)])
+    return keys
+
+
+def load_model(
+    path: str,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    group: TPGroup | None = None,
+    config: ModelConfig | None = None,
+) -> DiffusionGemma:
+    config = config or ModelConfig.from_pretrained(path)
+    with torch.device(device):
+        model = DiffusionGemma(config, group=group, dtype=dtype)
+    load_weights(model, path)
+    return model.eval()

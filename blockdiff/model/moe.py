@@ -1,0 +1,110 @@
+"""Feed-forward blocks: the dense gated MLP and the mixture of experts that runs beside it.
+
+Under tensor parallelism both are split along their intermediate dimension (every rank holds every
+expert, with 1/N of each expert's width), so routing stays replicated, no tokens move between
+ranks, and one all-reduce ends each block. At DiffusionGemma's size this keeps all ranks equally
+loaded whatever the router does; docs/architecture.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockdiff.config import ModelConfig
+from blockdiff.model.attention import align
+from blockdiff.model.layers import RMSNorm, activation
+from blockdiff.parallel.group import TPGroup
+from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_shape, copy_into, replicated_loader
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused in one column-parallel matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, group: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        part = ColumnParallelLinear.even_part(intermediate, group)
+        self.local = part[1]
+        self.gate_up_proj = ColumnParallelLinear(hidden, [part, part], dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, group, dtype=dtype)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        h, e = config.hidden_size, config.num_experts
+        self.top_k = config.top_k_experts
+        self.norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
+        self.root = h**-0.5
+        self.proj = nn.Linear(h, e, bias=False, dtype=dtype)
+        self.scale = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(e, dtype=dtype), requires_grad=False)
+        for p in (self.proj.weight, self.scale, self.per_expert_scale):
+            p.requires_grad_(False)
+            p.weight_loader = replicated_loader
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights [tokens, k] float32, expert index [tokens, k])."""
+        scores = self.proj(self.norm(x) * self.scale * self.root)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[index], index
+
+
+class Experts(nn.Module):
+    """Experts stored as 3-D tensors like the checkpoint: gate_up [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        if i % group.size:
+            raise ValueError(f"moe_intermediate_size {i} cannot be split over {group.size} ranks")
+        self.num_experts, self.hidden, self.inter = e, h, i
+        self.local = i // group.size
+        self.rank = group.rank
+        self.group = group
+        self.reduce = group.size > 1
+        self.act = activation(config.hidden_activation)
+        # Stored transposed ([E, in, out]) so both products are plain batched matmuls.
+        self.gate_up = nn.Parameter(torch.empty(e, h, 2 * self.local, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(e, self.local, h, dtype=dtype), requires_grad=False)
+        self.gate_up.weight_loader = self.load_gate_up
+        self.down.weight_loader = self.load_down
+
+    def load_gate_up(self, param: torch.Tensor, source, name: str) -> None:
+        check_shape(name, source, (self.num_experts, 2 * self.inter, self.hidden))
+        lo = self.rank * self.local
+        copy_into(param.data[:, :, : self.local], source[:, lo : lo + self.local].transpose(1, 2))
+        copy_into(param.data[:, :, self.local :], source[:, self.inter + lo : self.inter + lo + self.local].transpose(1, 2))
+
+    def load_down(self, param: torch.Tensor, source, name: str) -> None:
+        check_shape(name, source, (self.num_experts, self.hidden, self.inter))
+        lo = self.rank * self.local
+        copy_into(param.data, source[:, :, lo : lo + self.local].transpose(1, 2))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Tokens are sorted by expert into a padded [E, capacity, H] batch: two bmm's do all experts."""
+        n, k = index.shape
+        flat = index.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // k
+        expert = flat[order]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        capacity = align(int(counts.max()))
+        slot = torch.arange(n * k, device=x.device) - (counts.cumsum(0) - counts).repeat_interleave(counts, output_size=n * k)
+        batch = x.new_zeros(self.num_experts, capacity, self.hidden)
+        batch[expert, slot] = x[token]
+        gate, up = torch.bmm(batch, self.gate_up).split(self.local, dim=-1)
+        y = torch.bmm(self.act(gate) * up, self.down)[expert, slot]
+        y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+        out = x.new_zeros(n, self.hidden).index_add_(0, token, y)
+        if self.reduce:
+            self.group.all_reduce(out)
+        return out

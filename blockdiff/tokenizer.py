@@ -1,0 +1,84 @@
+"""The checkpoint's tokenizer (tokenizer.json via `tokenizers`) and its jinja2 chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _Tokenizer
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialisation
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: _Tokenizer, config: dict, chat_template: str | None):
+        self._tok = tokenizer
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.add_bos = bool(config.get("add_bos_token", True)) and self.bos_token is not None
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.chat_template = chat_template
+        self._template = None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "Tokenizer | None":
+        """None when the checkpoint has no tokenizer.json (token-id prompts still work)."""
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            return None
+        config = {}
+        config_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(config_file):
+            with open(config_file) as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_file):
+            with open(jinja_file) as f:
+                template = f.read()
+        return cls(_Tokenizer.from_file(file), config, template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if self.chat_template is None:
+            raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from e
+
+
+def _raise(message: str):
+    raise jinja2.TemplateError(message)

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random checkpoints built once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from blockdiff.model.tiny import TinySpec, make_tiny_model
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """make(name, **spec) -> path of a tiny checkpoint, built once per session and name."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    made: dict[str, str] = {}
+
+    def make(name: str = "default", **spec) -> str:
+        if name not in made:
+            made[name] = make_tiny_model(str(root / name), TinySpec(**spec))
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny(checkpoints) -> str:
+    """The default tiny checkpoint: odd vocabulary, GQA, sliding/full layers of different head dims."""
+    return checkpoints("default", vocab_size=301, canvas_length=8, sliding_window=6, seed=1)
