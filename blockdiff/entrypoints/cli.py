@@ -10,6 +10,8 @@ import sys
 COMMAND_MODULES = [
     "blockdiff.entrypoints.generate",
     "blockdiff.entrypoints.make_tiny_model",
+    "blockdiff.entrypoints.train_demo",
+    "blockdiff.entrypoints.eval",
 ]
 
 
