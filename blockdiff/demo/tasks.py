@@ -1,4 +1,4 @@
-"""The demo's checkable tasks: sorting digits, adding numbers, reversing words.
+"""The demo's checkable tasks: sorting digits, reversing words, upper-casing words.
 
 Every problem is a one-line question with exactly one right answer. A problem belongs to the
 held-out set when a hash of its question says so; training never draws such a problem and the
@@ -12,7 +12,7 @@ import string
 import zlib
 from dataclasses import dataclass
 
-TASKS = ("sort", "add", "reverse")
+TASKS = ("sort", "reverse", "upper")
 HELD_OUT_SHARE = 10  # one question in this many is held out
 EVAL_SEED = 20_240_601
 
@@ -28,18 +28,17 @@ def make_problem(task: str, rng: random.Random) -> Problem:
     if task == "sort":
         digits = [rng.choice(string.digits) for _ in range(rng.randint(3, 8))]
         return Problem(task, "sort: " + " ".join(digits), " ".join(sorted(digits)))
-    if task == "add":
-        a, b = _number(rng), _number(rng)
-        return Problem(task, f"add: {a}+{b}", str(a + b))
     if task == "reverse":
-        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 12)))
+        word = _word(rng)
         return Problem(task, "reverse: " + word, word[::-1])
+    if task == "upper":
+        word = _word(rng)
+        return Problem(task, "upper: " + word, word.upper())
     raise ValueError(f"unknown demo task {task!r}; the tasks are {', '.join(TASKS)}")
 
 
-def _number(rng: random.Random) -> int:
-    digits = rng.randint(1, 3)
-    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 12)))
 
 
 def held_out(problem: Problem) -> bool:
@@ -47,7 +46,7 @@ def held_out(problem: Problem) -> bool:
 
 
 def training_problems(rng: random.Random):
-    """An endless stream of training problems, tasks in equal shares, none of them held out."""
+    """An endless stream of training problems, the tasks in equal shares, none of them held out."""
     while True:
         problem = make_problem(rng.choice(TASKS), rng)
         if not held_out(problem):

@@ -74,11 +74,12 @@ def demo_spec(**overrides) -> TinySpec:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1500
+    steps: int = 2000
     batch_size: int = 64
     lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.01
+    ar_weight: float = 1.0  # weight of the encoder's autoregressive loss
     t_eps: float = 1e-3
     self_conditioning_prob: float = 0.5
     seed: int = 0
@@ -135,22 +136,22 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
     geo = geometry(model, cache_cfg)
     kv = allocate(model, cache_cfg, "cpu")
 
-    # 1. encoder over the clean sequences, padded to one length (causal: padding changes nothing before it)
+    # 1. encoder over the clean sequences
     enc_rows, enc_ids, ar_targets = [], [], []
     dec_rows, canvas_targets = [], []
     for i, e in enumerate(examples):
         seq = e.prompt + e.answer
         own = tuple(range(i * blocks, (i + 1) * blocks))
-        enc_rows.append(Row(i, 0, length, False, own))
-        enc_ids += seq + [PAD] * (length - len(seq))
-        ar_targets += seq[1:] + [IGNORE] * (length - len(seq) + 1)
+        enc_rows.append(Row(i, 0, len(seq), False, own))
+        enc_ids += seq
+        ar_targets += seq[1:] + [IGNORE]
         for k in range(0, len(e.answer), cl):
             dec_rows.append(Row(i, len(e.prompt) + k, cl, True, own))
             chunk = e.answer[k : k + cl]
             canvas_targets += chunk + [PAD] * (cl - len(chunk))
     enc_meta = build_metadata(enc_rows, geo, model.kinds, "cpu")
     hidden = model.backbone(_padded(enc_ids, enc_meta.num_tokens), enc_meta, kv)
-    ar_logits = model.logits(model.norm(hidden[: enc_meta.num_encoder_tokens]))
+    ar_logits = model.logits(model.norm(hidden[: len(ar_targets)]))
     ar_loss = F.cross_entropy(ar_logits, torch.tensor(ar_targets), ignore_index=IGNORE)
 
     # 2. corruption
@@ -172,7 +173,7 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
     # 4. the second pass, with gradients
     logits = model(dec_ids, dec_meta, kv, soft)
     canvas_loss = F.cross_entropy(logits, target.view(-1))
-    loss = canvas_loss + ar_loss
+    loss = canvas_loss + cfg.ar_weight * ar_loss
     return loss, {"loss": loss.item(), "canvas": canvas_loss.item(), "ar": ar_loss.item()}
 
 

@@ -11,7 +11,7 @@ TASK_SETS = ("demo",)
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="measure task accuracy on held-out problems")
-    p.add_argument("--task", required=True, choices=TASK_SETS, help="demo: sorting, addition and reversal problems")
+    p.add_argument("--task", required=True, choices=TASK_SETS, help="demo: sorting, reversal and upper-casing problems")
     p.add_argument("--num", type=int, default=100, help="held-out problems to ask")
     p.add_argument("--problem-seed", type=int, default=None, help="draw other held-out problems (default: the fixed evaluation set)")
     add_engine_args(p)

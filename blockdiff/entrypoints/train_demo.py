@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from blockdiff.demo.train import TrainConfig
 
     d = TrainConfig()
-    p = sub.add_parser("train-demo", help="train the bundled demo model (CPU, seeded) on sorting, addition and reversal")
+    p = sub.add_parser("train-demo", help="train the bundled demo model (CPU, seeded) on sorting, reversal and upper-casing")
     p.add_argument("--out", default=CHECKPOINT_DIR, help="checkpoint directory (default: the bundled demo checkpoint)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
