@@ -217,10 +217,10 @@ class LLMEngine:
             reason = "stop"
         if p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(ids)
-            hit = min((text.find(s) for s in p.stop if s in text), default=-1)
-            if hit >= 0:
-                # Keep the fewest tokens whose text reaches the end of the stop string.
-                end = min(text.find(s) + len(s) for s in p.stop if s in text)
+            ends = [text.find(s) + len(s) for s in p.stop if s in text]
+            if ends:
+                # Keep the fewest tokens whose text reaches the end of the first stop string.
+                end = min(ends)
                 n = next(n for n in range(1, len(ids) + 1) if len(self.tokenizer.decode(ids[:n])) >= end)
                 del ids[n:]
                 reason = "stop"
