@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from blockdiff.sampling_params import SamplingParams
 
 
 class _Request(BaseModel):
@@ -23,7 +25,16 @@ class StreamOptions(_Request):
     include_usage: bool | None = None
 
 
-class _GenerationRequest(_Request):
+# Sampler fields a request may set directly (the diffusion extensions), typed as in SamplingParams.
+SAMPLER_EXTENSIONS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
+                      "confidence_threshold", "ignore_eos", "draft", "stop_token_ids", "stream_drafts")
+_hints = get_type_hints(SamplingParams)
+_SamplerExtensions = create_model(
+    "_SamplerExtensions", __base__=_Request, **{name: (_hints[name] | None, None) for name in SAMPLER_EXTENSIONS}
+)
+
+
+class _GenerationRequest(_SamplerExtensions):
     """Fields both endpoints accept."""
 
     model: str | None = None
@@ -38,18 +49,7 @@ class _GenerationRequest(_Request):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # diffusion extensions
-    max_denoising_steps: int | None = None
-    entropy_bound: float | None = None
-    t_min: float | None = None
-    t_max: float | None = None
-    stability_threshold: int | None = None
-    confidence_threshold: float | None = None
-    ignore_eos: bool | None = None
-    draft: list[int] | None = None
-    stop_token_ids: list[int] | None = None
-    stream_drafts: bool | None = None
-    return_token_ids: bool | None = None
+    return_token_ids: bool | None = None  # extension: token ids in every choice and chunk
 
 
 class CompletionRequest(_GenerationRequest):

@@ -154,9 +154,10 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
+    # The last added runs first: count every response, check the key before reading any body.
+    app.add_middleware(LimitBody, limit=cfg.max_request_bytes)
     if cfg.api_key:
         app.add_middleware(RequireAPIKey, key=cfg.api_key)
-    app.add_middleware(LimitBody, limit=cfg.max_request_bytes)
     app.add_middleware(CountResponses, metrics=metrics)
     return app
 
@@ -184,6 +185,8 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
                             timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=5)
     try:
         _Server(config, app.state.async_engine, cfg.shutdown_timeout).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
+        pass
     finally:
         # Normally the lifespan already stopped the engine; this covers a server that never started
         # (e.g. the port is taken).

@@ -22,7 +22,6 @@ from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 # temperature 0 asks for greedy decoding; the schedule is scaled by this instead, since the sampler
 # divides by the temperature.
 GREEDY_SCALE = 1e-6
-DIFFUSION_FIELDS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold")
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
     f.name for f in fields(SamplingParams)
 }
@@ -254,7 +253,7 @@ class OpenAIServing:
         """Request fields over the server's sampler flags; the engine fills the rest from the
         checkpoint. An unset max_tokens takes the server default, cut to what fits the context."""
         values = {k: v for k, v in self.defaults.items() if k != "max_tokens"}
-        values.update({k: getattr(req, k) for k in DIFFUSION_FIELDS if getattr(req, k) is not None})
+        values.update({k: getattr(req, k) for k in p.SAMPLER_EXTENSIONS if getattr(req, k) is not None})
         if max_tokens is None:
             default = self.defaults.get("max_tokens", self.llm.defaults["max_tokens"])
             max_tokens = max(1, min(default, self.llm.max_model_len - prompt_len))
@@ -269,11 +268,7 @@ class OpenAIServing:
                 max_tokens=max_tokens,
                 seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop,
-                stop_token_ids=req.stop_token_ids,
-                ignore_eos=bool(req.ignore_eos),
-                draft=req.draft,
                 logprobs=logprobs,
-                stream_drafts=bool(req.stream_drafts),
             )
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS) from None
