@@ -44,7 +44,7 @@ class ChoiceState:
     len(longest stop) - 1 characters, which a stop string finishing in the next canvas may cut."""
 
     def __init__(self, stop: list[str] | None):
-        self.holdback = max((len(s) for s in stop), default=1) - 1 if stop else 0
+        self.holdback = max(map(len, stop)) - 1 if stop else 0
         self.text_sent = 0
         self.tokens_sent = 0
         self.canvases = 0
