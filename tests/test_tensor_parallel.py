@@ -152,7 +152,7 @@ def test_bytes_per_denoising_step_do_not_grow_with_the_vocabulary(tp_ckpt, check
                 return out
 
             executor.execute = recording
-            llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, max_denoising_steps=3, seed=0, ignore_eos=True))
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, max_denoising_steps=3, seed=0, ignore_eos=True))
         per_step[path] = set(seen)
     # two kinds of step: a canvas's first (no self-conditioning input yet) and the others
     assert per_step[tp_ckpt] == per_step[large] and len(per_step[large]) == 2
