@@ -45,7 +45,7 @@ def tp_ranks(request):
 
 @pytest.fixture
 def single_threaded_workers(monkeypatch):
-    """Processes spawned by the test run one intra-op thread each. Several ranks on a 2-core
+    """Processes started by the test run one intra-op thread each. Several ranks on a 2-core
     machine otherwise each split every op over both cores, and each op waits for all its threads
     to be scheduled: steps took ten times longer on a busy machine."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -194,7 +194,7 @@ from blockdiff import LLM, SamplingParams
 def main(path, how):
     box = []
     start = lambda: box.append(LLM(path, tensor_parallel_size=2))
-    if how == "thread":  # no PR_SET_PDEATHSIG then: the pipe and the parent watchdog must do
+    if how == "thread":  # no PR_SET_PDEATHSIG then: the socket and the parent watchdog must do
         thread = threading.Thread(target=start)
         thread.start()
         thread.join()

@@ -1,19 +1,24 @@
-"""The processes of a tensor-parallel group: this process is rank 0, ranks 1..N-1 are spawned.
+"""The processes of a tensor-parallel group: this process is rank 0, ranks 1..N-1 are started.
 
 `RankProcesses.run(fn, *args)` sends `fn` and its arguments to every worker and runs
 `fn(context, *args)` on all ranks at once, rank 0 included; their collectives meet in the group.
-Pipes, not collectives, carry these control messages: an idle worker waits on its pipe with no
-timeout, a pipe reports at once when the other end is gone, and the small CPU tensors of a step
-pickle through numpy in microseconds.
+Socket pairs, not collectives, carry these control messages: an idle worker waits on its socket
+with no timeout, a socket reports at once when the other end is gone, and the small CPU tensors of
+a step pickle through numpy in microseconds.
+
+Workers are fresh interpreters started with `subprocess` (`python -c`, this process's sys.path),
+not with multiprocessing: the caller's main module is never re-imported (no `__main__` guard
+needed) and no multiprocessing helper process (the resource tracker) outlives the group.
 
 Nothing is left running and nobody waits forever:
-- a worker that raises sends its traceback and exits; a worker that dies shows in its process
-  sentinel (and, under gloo, as a failed collective on rank 0). Rank 0 then raises `WorkerError`
-  naming the rank, stops every worker, and the group is closed. On CUDA a watchdog aborts the
+- a worker that raises sends its traceback and exits; a worker that dies shows in its sentinel
+  (a pipe whose write end only the worker holds) and, under gloo, as a failed collective on
+  rank 0. Rank 0 then raises `WorkerError` naming the rank, stops every worker, and the group is
+  closed. On CUDA a watchdog aborts the
   NCCL communicator when a worker dies, since NCCL would otherwise wait for it forever.
-- workers exit when rank 0's process dies: end of file on the pipe, a thread that polls the
+- workers exit when rank 0's process dies: end of file on the socket, a thread that polls the
   parent's pid (for a worker blocked in a collective), and PR_SET_PDEATHSIG where the parent
-  spawned them from its main thread (the signal follows the spawning thread, not the process).
+  started them from its main thread (the signal follows the starting thread, not the process).
 - `close()`, garbage collection of the `RankProcesses` and interpreter exit stop the workers:
   a stop message, then SIGTERM, then SIGKILL.
 """
@@ -23,11 +28,12 @@ from __future__ import annotations
 import ctypes
 import datetime
 import io
-import multiprocessing as mp
-import multiprocessing.connection
+import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -79,9 +85,58 @@ def rank_device(device: torch.device | str, rank: int, size: int) -> torch.devic
     return torch.device("cuda", first + rank)
 
 
+class _Worker:
+    """Rank 0's handle on one worker: its process, its control socket, and its sentinel."""
+
+    def __init__(self, rank: int, bootstrap: tuple):
+        ours, theirs = socket.socketpair()
+        sentinel, held = os.pipe()  # `held` stays open in the worker only: EOF here when it exits
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        command = [sys.executable, "-c", _WORKER_COMMAND, str(theirs.fileno())]
+        try:
+            self.proc = subprocess.Popen(command, pass_fds=(theirs.fileno(), held), env=env)
+        except BaseException:
+            ours.close()
+            os.close(sentinel)
+            raise
+        finally:
+            theirs.close()
+            os.close(held)
+        self.rank = rank
+        self.conn = mpc.Connection(ours.detach())
+        self.sentinel = sentinel
+        self.conn.send_bytes(_dumps(bootstrap))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> bool:
+        if not mpc.wait([self.sentinel], timeout=0):
+            return False
+        self.join(_JOIN_S)  # the sentinel closes a moment before the exit status is there to read
+        return True
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def death(self) -> str:
+        self.join(_JOIN_S)
+        code = self.proc.returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
+        return f"tensor-parallel rank {self.rank} (pid {self.pid}) {how}"
+
+    def close(self) -> None:
+        self.conn.close()
+        os.close(self.sentinel)
+
+
 class RankProcesses:
     def __init__(self, size: int, device: torch.device | str, timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
-        """Spawn ranks 1..size-1 and join the group as rank 0. `timeout` bounds a collective (and
+        """Start ranks 1..size-1 and join the group as rank 0. `timeout` bounds a collective (and
         the group's start-up) waiting for a rank that is alive but stuck; dead ranks are noticed at once."""
         if size < 2:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, got {size}")
@@ -92,26 +147,15 @@ class RankProcesses:
         self._failure: str | None = None  # why the group was closed, if it failed
         self._reports: dict[int, tuple[float, str]] = {}  # rank -> (time, traceback) of its failure
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
-        spawn = mp.get_context("spawn")
         pdeathsig = threading.current_thread() is threading.main_thread()
-        self._procs: list[mp.process.BaseProcess] = []
-        self._conns: list[mp.connection.Connection] = []
+        self._workers: list[_Worker] = []
         self._group_box: list[TPGroup] = []  # rank 0's group, once joined, for the finalizer
         self._abort = [False]  # whether close() follows a failure: abort the group, not shut it down
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._group_box, self._abort)
+        self._finalizer = weakref.finalize(self, _stop, self._workers, self._group_box, self._abort)
         try:
             for rank in range(1, size):
-                ours, theirs = spawn.Pipe(duplex=True)
-                proc = spawn.Process(
-                    target=_worker_main,
-                    args=(rank, size, store.port, devices[rank], os.getpid(), theirs, pdeathsig, timeout),
-                    name=f"blockdiff-tp-rank{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                theirs.close()
-                self._procs.append(proc)
-                self._conns.append(ours)
+                bootstrap = (rank, size, store.port, devices[rank], os.getpid(), pdeathsig, timeout)
+                self._workers.append(_Worker(rank, bootstrap))
             for rank in range(1, size):
                 self._reply(rank)  # started: imported, on its device, about to join the group
             if devices[0].type == "cuda":
@@ -124,27 +168,29 @@ class RankProcesses:
         self._group_box.append(group)
         self.context = RankContext(0, size, devices[0], group)
         if devices[0].type == "cuda":
-            watch = threading.Thread(target=_abort_on_death, args=(weakref.ref(self), [p.sentinel for p in self._procs]), daemon=True)
-            watch.start()
+            sentinels = [w.sentinel for w in self._workers]
+            threading.Thread(target=_abort_on_death, args=(weakref.ref(self), sentinels), daemon=True).start()
 
     @property
     def pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""
-        return [p.pid for p in self._procs]
+        return [w.pid for w in self._workers]
 
     def run(self, fn: Callable, *args, gather: bool = False):
         """fn(context, *args) on every rank; -> rank 0's result, or every rank's with `gather`.
-        `fn` must be importable by name (a module-level function)."""
+        `fn` must be importable by name from a module (the workers do not run `__main__`)."""
+        if getattr(fn, "__module__", None) == "__main__":
+            raise ValueError(f"{fn.__qualname__} is defined in __main__, which the workers do not run: move it to a module")
         if self._closed:
             raise WorkerError(f"the tensor-parallel group is closed{' after: ' + self._failure if self._failure else ''}")
         self._raise_failures()
         message = _dumps((fn, args, gather))
         try:
-            for rank, conn in enumerate(self._conns, 1):
+            for w in self._workers:
                 try:
-                    conn.send_bytes(message)
+                    w.conn.send_bytes(message)
                 except OSError as e:
-                    raise self._failures(wait=True) or WorkerError(f"tensor-parallel rank {rank} is gone: {e}") from e
+                    raise self._failures(wait=True) or WorkerError(f"tensor-parallel rank {w.rank} is gone: {e}") from e
             mine = fn(self.context, *args)
             if self._aborted_by:
                 raise WorkerError(self._aborted_by)
@@ -176,18 +222,18 @@ class RankProcesses:
 
     # ---- failures -----------------------------------------------------------------------------
     def _reply(self, rank: int):
-        conn, proc = self._conns[rank - 1], self._procs[rank - 1]
-        mp.connection.wait([conn, proc.sentinel])
+        w = self._workers[rank - 1]
+        mpc.wait([w.conn, w.sentinel])
         message = self._receive(rank)
         if message is None or message[0] == "error":
-            raise self._failures(wait=True) or WorkerError(_death(rank, proc))
+            raise self._failures(wait=True) or WorkerError(w.death())
         return message[1]
 
     def _receive(self, rank: int) -> tuple | None:
         """The next message from a worker, if one is there; an error report stays kept for _failures."""
         if rank in self._reports:
             return "error", self._reports[rank]
-        conn = self._conns[rank - 1]
+        conn = self._workers[rank - 1].conn
         try:
             if not conn.poll():
                 return None
@@ -212,16 +258,16 @@ class RankProcesses:
         """What went wrong on the workers: ranks that died unannounced first (the likely cause),
         then ranks that reported an error. With `wait`, give a failing worker time to show it."""
         if wait:
-            mp.connection.wait(self._conns + [p.sentinel for p in self._procs], timeout=_FAILURE_WAIT_S)
+            mpc.wait([w.conn for w in self._workers] + [w.sentinel for w in self._workers], timeout=_FAILURE_WAIT_S)
             time.sleep(0.1)  # a worker that failed because of another one reports right after it
         died, reported = [], []
-        for rank, proc in enumerate(self._procs, 1):
-            message = self._receive(rank)
+        for w in self._workers:
+            message = self._receive(w.rank)
             if message is not None and message[0] == "error":
                 when, text = message[1]
-                reported.append((when, f"tensor-parallel rank {rank} failed:\n{text}"))
-            elif _exited(proc):
-                died.append(_death(rank, proc))
+                reported.append((when, f"tensor-parallel rank {w.rank} failed:\n{text}"))
+            elif w.exited():
+                died.append(w.death())
         if not died and not reported:
             return None
         # The first to fail is the cause; the others failed in a collective with it.
@@ -252,29 +298,12 @@ class RankProcesses:
 def _abort_on_death(ranks: weakref.ref, sentinels: list) -> None:
     """CUDA only: NCCL waits for a dead peer forever, so abort the communicator when a worker dies;
     rank 0's step then returns or fails, and run() raises WorkerError naming the rank."""
-    rank = sentinels.index(mp.connection.wait(sentinels)[0]) + 1
+    rank = sentinels.index(mpc.wait(sentinels)[0]) + 1
     owner = ranks()
     if owner is None or owner._closed:
         return
-    owner._aborted_by = _death(rank, owner._procs[rank - 1])
+    owner._aborted_by = owner._workers[rank - 1].death()
     owner.context.group.backend.abort()
-
-
-def _exited(proc) -> bool:
-    if not mp.connection.wait([proc.sentinel], timeout=0):
-        return False
-    proc.join(_JOIN_S)  # the sentinel closes a moment before the exit status is there to read
-    return True
-
-
-def _death(rank: int, proc) -> str:
-    proc.join(_JOIN_S)
-    code = proc.exitcode
-    if code is not None and code < 0:
-        how = f"was killed by {signal.Signals(-code).name}"
-    else:
-        how = f"exited with code {code}"
-    return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
 
 
 def _connect_rank0(size: int, store: dist.Store, device: torch.device, timeout: datetime.timedelta) -> TPGroup:
@@ -291,27 +320,28 @@ def _connect_rank0(size: int, store: dist.Store, device: torch.device, timeout: 
             del os.environ[key]
 
 
-def _stop(procs: list, conns: list, group_box: list, abort: list) -> None:
-    for conn in conns:
+def _stop(workers: list[_Worker], group_box: list, abort: list) -> None:
+    for w in workers:
         try:
-            conn.send_bytes(_STOP)
+            w.conn.send_bytes(_STOP)
         except OSError:
             pass
     for group in group_box:
         group.shutdown(abort=abort[0])
     deadline = time.monotonic() + _JOIN_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        w.join(max(0.0, deadline - time.monotonic()))
     for escalate in ("terminate", "kill"):
-        alive = [p for p in procs if p.is_alive()]
+        alive = [w for w in workers if w.proc.poll() is None]
         if not alive:
             break
-        for proc in alive:
-            getattr(proc, escalate)()
-        for proc in alive:
-            proc.join(_JOIN_S)
-    for conn in conns:
-        conn.close()
+        for w in alive:
+            getattr(w.proc, escalate)()
+        for w in alive:
+            w.join(_JOIN_S)
+    for w in workers:
+        w.close()
+    workers.clear()
 
 
 # ---- the wire ------------------------------------------------------------------------------------
@@ -334,8 +364,17 @@ def _dumps(obj) -> bytes:
 
 
 # ---- the worker side -----------------------------------------------------------------------------
-def _worker_main(rank, size, port, device, parent_pid, conn, pdeathsig, timeout) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+# Ctrl-C in a terminal reaches the whole process group: it is rank 0's to handle (it stops us), so
+# the worker ignores it from its first line on.
+_WORKER_COMMAND = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "from blockdiff.parallel.ranks import _worker_main; _worker_main()"
+)
+
+
+def _worker_main() -> None:
+    conn = mpc.Connection(int(sys.argv[1]))
+    rank, size, port, device, parent_pid, pdeathsig, timeout = pickle.loads(conn.recv_bytes())
     if pdeathsig and sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="blockdiff-parent-watch", daemon=True).start()
