@@ -203,3 +203,12 @@ def test_invalid_values_against_the_model(llm):
         llm.generate([[]])
     # a failed batch leaves nothing behind
     assert not llm.engine.has_unfinished()
+
+
+def test_unseeded_requests_follow_the_engine_seed(tiny):
+    params = SamplingParams(max_tokens=8, max_denoising_steps=4, ignore_eos=True)
+    runs = []
+    for seed in (3, 3, 4):
+        with LLM(tiny, seed=seed) as llm:
+            runs.append([o.token_ids for o in llm.generate([[2, 5, 9], [2, 7]], params, use_tqdm=False)])
+    assert runs[0] == runs[1] and runs[0] != runs[2]

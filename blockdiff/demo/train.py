@@ -99,7 +99,7 @@ def demo_tokenizer() -> Tokenizer:
 
 def chat_prompt(tokenizer: Tokenizer, question: str) -> list[int]:
     """The token ids `LLM.chat` sends for a one-message conversation."""
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
+    return tokenizer.encode_chat([{"role": "user", "content": question}])
 
 
 def encode(tokenizer: Tokenizer, problem: Problem) -> Example:

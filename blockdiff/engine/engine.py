@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass
 
@@ -63,7 +64,8 @@ class LLMEngine:
             )
         dtype = parse_dtype(cfg.dtype, self.model_config)
         device = cfg.resolved_device()
-        torch.manual_seed(cfg.seed)
+        # Seeds of requests that bring none: reproducible from the engine seed, in arrival order.
+        self._seeds = random.Random(cfg.seed)
 
         from blockdiff.parallel.executor import make_executor
 
@@ -121,7 +123,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        req = Request(request_id, text, ids, params, self.eos_token_ids, self.canvas_length)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        req = Request(request_id, text, ids, params, self.eos_token_ids, self.canvas_length, seed)
         if self.allocator.blocks_for(req.max_cached_tokens) > self.allocator.num_blocks:
             raise ValueError(
                 f"request needs {req.max_cached_tokens} cached tokens, more than the whole KV cache "
@@ -217,10 +220,10 @@ class LLMEngine:
             reason = "stop"
         if p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(ids)
-            hit = min((text.find(s) for s in p.stop if s in text), default=-1)
-            if hit >= 0:
-                # Keep the fewest tokens whose text reaches the end of the stop string.
-                end = min(text.find(s) + len(s) for s in p.stop if s in text)
+            ends = [text.find(s) + len(s) for s in p.stop if s in text]
+            if ends:
+                # Keep the fewest tokens whose text reaches the end of the first stop string.
+                end = min(ends)
                 n = next(n for n in range(1, len(ids) + 1) if len(self.tokenizer.decode(ids[:n])) >= end)
                 del ids[n:]
                 reason = "stop"

@@ -59,6 +59,7 @@ class Request:
     params: SamplingParams  # with every default filled in
     eos_token_ids: tuple[int, ...]
     canvas_length: int
+    seed: int  # params.seed, or one drawn by the engine
     state: State = State.WAITING
     slot: int | None = None
     blocks: tuple[int, ...] = ()
@@ -74,8 +75,7 @@ class Request:
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     def __post_init__(self) -> None:
-        seed = self.params.seed if self.params.seed is not None else torch.seed()
-        self.generator.manual_seed(seed % 2**64)
+        self.generator.manual_seed(self.seed % 2**64)
         if self.params.logprobs is not None:
             self.logprobs = []
 

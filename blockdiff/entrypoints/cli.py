@@ -10,6 +10,7 @@ import sys
 COMMAND_MODULES = [
     "blockdiff.entrypoints.generate",
     "blockdiff.entrypoints.make_tiny_model",
+    "blockdiff.entrypoints.serve",
     "blockdiff.entrypoints.train_demo",
     "blockdiff.entrypoints.eval",
 ]
