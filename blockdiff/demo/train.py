@@ -11,9 +11,10 @@ One training step on a batch of (prompt, answer) pairs:
      otherwise) as the self-conditioning input of
   4. the second decoder pass, whose cross-entropy against the clean canvas is the diffusion loss.
 Decoder rows read only cache positions before their canvas, which the encoder wrote in step 1 (the
-sliding window is larger than any training sequence, so the ring never wraps). The loss is the sum
-of the diffusion loss and the autoregressive loss. Every draw comes from generators seeded by
-`TrainConfig.seed`: the same seed gives the same model on the same machine and thread count.
+sliding window is larger than any training sequence, so the ring never wraps). The loss is the
+diffusion loss plus `ar_weight` (1 by default) times the autoregressive loss. Every draw comes from
+generators seeded by `TrainConfig.seed`: the same seed gives the same model on the same machine
+and thread count.
 """
 
 from __future__ import annotations
