@@ -88,10 +88,16 @@ class ModelRunner:
         self.canvas[slots] = res.canvas
         self.last_argmax[slots] = res.argmax
         self.run[slots] = res.run
-        weights = res.dist.exp.to(self.model.dtype)
-        soft_next = soft_embedding(weights, self.model.embed.weight, self.model.embed_scale, self._shard, self.model.group)
-        self.soft[slots] = (soft_next / res.dist.total.unsqueeze(-1)).to(self.model.dtype)
-        self.has_soft[slots] = True
+        # A finished canvas is committed and the next one starts without self-conditioning, so only
+        # the canvases that go on need their soft embeddings (the product is as big as the LM head).
+        going = ~res.finished
+        if bool(going.any()):
+            probs, total, keep = res.dist.exp, res.dist.total, slots
+            if not bool(going.all()):
+                probs, total, keep = probs[going], total[going], slots[going]
+            soft_next = soft_embedding(probs.to(self.model.dtype), self.model.embed.weight, self.model.embed_scale, self._shard, self.model.group)
+            self.soft[keep] = (soft_next / total.unsqueeze(-1)).to(self.model.dtype)
+            self.has_soft[keep] = True
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:
