@@ -70,9 +70,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False) for c in conversations
-        ]
+        prompts = [self.tokenizer.encode_chat(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:

@@ -79,6 +79,10 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of a conversation; the template writes any BOS itself."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
 
 def _raise(message: str):
     raise jinja2.TemplateError(message)

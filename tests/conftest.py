@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from blockdiff.model.tiny import TinySpec, make_tiny_model
+from blockdiff.parallel.ranks import RankProcesses
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -30,3 +31,21 @@ def checkpoints(tmp_path_factory):
 def tiny(checkpoints) -> str:
     """The default tiny checkpoint: odd vocabulary, GQA, sliding/full layers of different head dims."""
     return checkpoints("default", vocab_size=301, canvas_length=8, sliding_window=6, seed=1)
+
+
+@pytest.fixture(scope="session", params=[2, 3], ids=["tp2", "tp3"])
+def tp_ranks(request):
+    """A real tensor-parallel group of CPU processes (gloo): this process is rank 0."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # see single_threaded_workers
+        ranks = RankProcesses(request.param, "cpu")
+    with ranks:
+        yield ranks
+
+
+@pytest.fixture
+def single_threaded_workers(monkeypatch):
+    """Processes started by the test run one intra-op thread each. Several ranks on a 2-core
+    machine otherwise each split every op over both cores, and each op waits for all its threads
+    to be scheduled: steps took ten times longer on a busy machine."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -38,8 +38,9 @@ class VocabParallel:
         self.shard = shard
         self.group = group
         self.sharded = group.size > 1
-        valid = shard.valid_rows(device)
-        self.padding = None if bool(valid.all()) else ~valid
+        self.valid = shard.valid_rows(device)
+        self.padding = None if bool(self.valid.all()) else ~self.valid
+        self.last_valid = int(self.valid.nonzero().max()) if bool(self.valid.any()) else 0
         self.global_ids = shard.global_ids(device)
 
     def distribution(self, x: torch.Tensor) -> Distribution:
@@ -71,17 +72,21 @@ class VocabParallel:
 
     def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
         """One token per position from the distribution by inverse CDF, u ~ U[0, 1) [...]."""
-        target = u.to(d.total.dtype) * d.total
         if not self.sharded:
-            return _inverse_cdf(d.exp, target)
+            return _inverse_cdf(d.exp, u.to(d.total.dtype) * d.total)
+        # Every rank cuts [0, total) the same way from the same gathered sums, so exactly one rank
+        # owns each target: ranks in order, each over its own mass.
         sums = self.group.all_gather(d.local_sum)  # [ranks, ...]
-        before = sums.cumsum(0) - sums
-        mine = (target >= before[self.group.rank]) & (target < before[self.group.rank] + d.local_sum)
-        last = self.group.size - 1
-        # Rounding can leave the target just past the last rank's mass: that rank takes it.
-        if self.group.rank == last:
-            mine |= target >= before[last] + d.local_sum
-        local = _inverse_cdf(d.exp, (target - before[self.group.rank]).clamp(min=0))
+        bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
+        target = u.to(sums.dtype) * bounds[-1]
+        r = self.group.rank
+        mine = (target >= bounds[r]) & (target < bounds[r + 1])
+        # A u just below 1 can round the target onto the total: the last rank with mass takes it.
+        ranks = torch.arange(self.group.size, device=sums.device).view(-1, *([1] * target.dim()))
+        mine |= (target >= bounds[-1]) & (torch.where(sums > 0, ranks, -1).amax(0) == r)
+        local = _inverse_cdf(d.exp, target - bounds[r])
+        # ...and then this rank's own search can run past its mass onto a padding row.
+        local = torch.where(self.valid[local], local, self.last_valid)
         ids = torch.where(mine, self.global_ids[local], -1)
         return self.group.all_reduce(ids, op="max")
 

@@ -94,7 +94,7 @@ class DiffusionGemma(nn.Module):
         self.dtype = dtype
         self.shard = VocabShard.make(group.rank, group.size, config.vocab_size)
         # The reference rounds sqrt(hidden) to the weight dtype before scaling.
-        self.embed_scale = float(torch.tensor(config.hidden_size**0.5).to(dtype))
+        self.embed_scale = float(torch.tensor(config.hidden_size**0.5, device="cpu").to(dtype))
         self.embed = VocabParallelEmbedding(self.shard, config.hidden_size, group, self.embed_scale, dtype=dtype)
         self.layers = nn.ModuleList(Block(config, spec, group, dtype) for spec in config.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)

@@ -3,10 +3,15 @@
 A `TPGroup` of size 1 is a plain value with no process group behind it; layers ask `group.size`
 once at construction and build their single-device form, so one device never reaches a collective.
 Every collective counts the bytes it moves, so tests and benchmarks can see what a step costs.
+
+Groups are built from a private `TCPStore` (`connect`) and call their c10d backend directly, so
+blockdiff never touches torch.distributed's global default group: a program may hold several
+engines, or run blockdiff inside its own torch.distributed job.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -31,22 +36,48 @@ class CommCounter:
 class TPGroup:
     rank: int = 0
     size: int = 1
-    group: object = None  # torch.distributed process group for tensors (gloo on CPU, NCCL on CUDA)
+    backend: object = None  # a c10d Backend: ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA
     counter: CommCounter = field(default_factory=CommCounter)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place on a contiguous tensor; returns it."""
         self.counter.add(t)
-        dist.all_reduce(t, op=_OPS[op], group=self.group)
+        self.backend.allreduce([t], _OPS[op]).wait()
         return t
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[*] on every rank -> [size, *], rank order."""
-        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        flat = torch.empty(self.size * t.numel(), dtype=t.dtype, device=t.device)
         self.counter.add(t, self.size)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
-        return out
+        self.backend._allgather_base(flat, t.contiguous().view(-1)).wait()
+        return flat.view(self.size, *t.shape)
+
+    def shutdown(self, abort: bool = False) -> None:
+        """Release the group; `abort` when ranks may be stuck in a collective."""
+        if self.backend is not None:
+            self.backend.abort() if abort else self.backend.shutdown()
+            self.backend = None
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 SINGLE = TPGroup()
+
+
+def connect(rank: int, size: int, store: dist.Store, device: torch.device, timeout: datetime.timedelta) -> TPGroup:
+    """Join the group of `size` ranks that meet at `store`: gloo for CPU tensors, NCCL for CUDA.
+    Blocks until every rank has called it."""
+    prefixed = dist.PrefixStore("blockdiff_tp", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        backend = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        backend._set_sequence_number_for_group()
+        # Create the communicator now rather than inside the first step's collective.
+        backend.eager_connect_single_device(device)
+    elif device.type == "cpu":
+        backend = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    else:
+        raise ValueError(f"tensor parallelism runs on cpu or cuda devices, not {device.type!r}")
+    return TPGroup(rank=rank, size=size, backend=backend)

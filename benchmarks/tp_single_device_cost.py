@@ -1,0 +1,211 @@
+"""What tensor parallelism costs on one device: ours against plain torch, side by side in one run.
+
+(a) The self-conditioning helper `soft_embedding(P, W, scale)` at one rank against a bare `P @ W`,
+    at DiffusionGemma-like shapes: a 256-token canvas, vocabularies from 32k to 262k, hidden sizes
+    up to 2816 (scaled so that each product fits this machine's memory and time).
+(b) One whole denoising step (decoder forward, sampler, self-conditioning) of a `ModelRunner` on a
+    model built from the parallel layers, against the same runner on the same model with every
+    parallel layer swapped for `nn.Linear` / `nn.Embedding` sharing the same weights, and the
+    sampler's and the helper's single-device arithmetic written out without any group logic; and,
+    as the measurement's noise floor, against a second identical runner of our own.
+
+Repetitions alternate between the two sides; printed are the medians and their ratio (ours / plain;
+1.00 = no cost), and the median of each round's ratio. Both sides must also produce the same
+tokens, which the script checks.
+
+    python benchmarks/tp_single_device_cost.py [--reps 7] [--threads 1] [--shapes 32768x2816,131072x1024,262144x512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import blockdiff.engine.model_runner as model_runner
+from blockdiff.diffusion.sampler import DenoiseParams
+from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.diffusion.vocab_parallel import Distribution, _inverse_cdf
+from blockdiff.engine.kv_cache import CacheConfig
+from blockdiff.engine.model_runner import ModelRunner, StepPlan
+from blockdiff.model.attention import Row
+from blockdiff.model.loader import load_model
+from blockdiff.model.tiny import TinySpec, make_tiny_model
+from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+CANVAS = 256
+
+
+def interleaved(ours: Callable, plain: Callable, reps: int, names: tuple[str, str] = ("ours", "plain")) -> str:
+    """Both sides alternating (their order flipping) each round; -> medians and two ratios: of the
+    medians, and the median of the rounds' own ratios (robust to the machine's load drifting)."""
+    times: dict[Callable, list[float]] = {ours: [], plain: []}
+    for i in range(reps):
+        for fn in (ours, plain) if i % 2 == 0 else (plain, ours):
+            t0 = time.perf_counter()
+            fn()
+            times[fn].append(time.perf_counter() - t0)
+    a, b = times[ours], times[plain]
+    return (
+        f"{names[0]} {statistics.median(a) * 1e3:8.2f} ms  {names[1]} {statistics.median(b) * 1e3:8.2f} ms  "
+        f"ratio {statistics.median(a) / statistics.median(b):.3f}  "
+        f"(median of per-round ratios {statistics.median(x / y for x, y in zip(a, b)):.3f})"
+    )
+
+
+# ---- (a) the helper -------------------------------------------------------------------------
+def helper_vs_matmul(vocab: int, hidden: int, reps: int, dtype: torch.dtype) -> str:
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(CANVAS, vocab, generator=g), dim=-1).to(dtype)
+    weight = torch.randn(vocab, hidden, generator=g).to(dtype)
+    scale = float(torch.tensor(hidden**0.5).to(dtype))
+    ours, bare = (lambda: soft_embedding(probs, weight, scale)), (lambda: probs @ weight)
+    ours(), bare()  # warm-up
+    return interleaved(ours, bare, reps, ("helper", "bare"))
+
+
+# ---- (b) a whole step -----------------------------------------------------------------------
+class PlainEmbedding(nn.Embedding):
+    """nn.Embedding with the embedding scale, and the tied LM head."""
+
+    def __init__(self, weight: torch.Tensor, scale: float):
+        super().__init__(*weight.shape, _weight=weight, _freeze=True)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+
+class PlainSampler:
+    """The sampler's single-device arithmetic, written without shards or groups."""
+
+    def distribution(self, x: torch.Tensor) -> Distribution:
+        y = x.sub_(x.amax(dim=-1, keepdim=True))
+        e = y.exp()
+        total = e.sum(dim=-1)
+        dot = torch.matmul(e.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+        return Distribution(shifted=y, exp=e, local_sum=total, total=total, entropy=total.log() - dot / total)
+
+    def argmax(self, d: Distribution) -> torch.Tensor:
+        return d.shifted.argmax(dim=-1)
+
+    def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
+        return _inverse_cdf(d.exp, u * d.total)
+
+
+def plain_model(model: nn.Module) -> nn.Module:
+    """A copy of `model` sharing its weights, with plain torch layers in place of parallel ones."""
+    plain = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+    for module in list(plain.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
+                linear = nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=False, device="meta")
+                linear.weight = child.weight
+                setattr(module, name, linear)
+            elif isinstance(child, VocabParallelEmbedding):
+                setattr(module, name, PlainEmbedding(child.weight, child.scale))
+    return plain
+
+
+@contextlib.contextmanager
+def bare_soft_embedding():
+    """The runner's helper call replaced by the bare product and scale."""
+    helper = model_runner.soft_embedding
+    model_runner.soft_embedding = lambda probs, weight, scale, shard, group: torch.matmul(probs, weight) * scale
+    try:
+        yield
+    finally:
+        model_runner.soft_embedding = helper
+
+
+def step_plans(prompt: int, vocab: int, blocks: tuple[int, ...]) -> tuple[StepPlan, StepPlan, StepPlan]:
+    """(prefill, a canvas's first step, a later step) for one request in slot 0."""
+    g = torch.Generator().manual_seed(0)
+    empty = torch.empty(0, CANVAS, dtype=torch.long)
+
+    def denoise() -> DenoiseParams:
+        one = lambda v, dt=torch.float32: torch.tensor([v], dtype=dt)  # noqa: E731
+        return DenoiseParams(
+            step=one(8, torch.int32), max_steps=one(16, torch.int32), t_min=one(0.4), t_max=one(0.8),
+            entropy_bound=one(0.1), stability=one(1, torch.long), confidence=one(0.005),
+            uniform=torch.rand(1, CANVAS, generator=g), renoise=torch.randint(0, vocab, (1, CANVAS), generator=g),
+        )
+
+    prefill = StepPlan([Row(0, 0, prompt, False, blocks)], torch.randint(0, vocab, (prompt,), generator=g), [], empty, None)
+    decode = [Row(0, prompt, CANVAS, True, blocks)]
+    first = StepPlan(decode, torch.empty(0, dtype=torch.long), [0], torch.randint(0, vocab, (1, CANVAS), generator=g), denoise())
+    later = StepPlan(decode, torch.empty(0, dtype=torch.long), [], empty, denoise())
+    return prefill, first, later
+
+
+def whole_step(spec: TinySpec, prompt: int, reps: int) -> tuple[str, str]:
+    """-> (ours against plain, ours against a second identical runner: the measurement's noise floor)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(make_tiny_model(tmp, spec))
+    cache = CacheConfig(num_slots=1, num_blocks=-(-(prompt + CANVAS) // 16), block_size=16, max_model_len=prompt + CANVAS)
+    ours, twin, plain = (ModelRunner(m, cache, "cpu") for m in (model, model, plain_model(model)))
+    plain.vocab = PlainSampler()
+    prefill, first, later = step_plans(prompt, spec.vocab_size, tuple(range(cache.num_blocks)))
+
+    def run_plain(plan: StepPlan):
+        with bare_soft_embedding():
+            return plain.execute(plan)
+
+    outs = {}
+    for name, run in (("ours", ours.execute), ("twin", twin.execute), ("plain", run_plain)):
+        run(prefill)
+        outs[name] = [run(first).argmax, run(later).argmax]
+    if not all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["plain"])):
+        raise SystemExit("the two sides disagree: the comparison is void")
+    return (
+        interleaved(lambda: ours.execute(later), lambda: run_plain(later), reps),
+        interleaved(lambda: ours.execute(later), lambda: twin.execute(later), reps, ("ours", "ours again")),
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=7, help="repetitions of each side (interleaved)")
+    p.add_argument("--shapes", default="32768x2816,131072x1024,262144x512", help="vocab x hidden for (a); empty: skip (a)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--step-vocab", type=int, default=32768, help="vocabulary of the model of (b)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.reps} interleaved repetitions, medians")
+
+    print(f"(a) soft_embedding at one rank vs bare probs @ W, canvas {CANVAS}, {args.dtype}")
+    for shape in filter(None, args.shapes.split(",")):
+        vocab, hidden = map(int, shape.split("x"))
+        print(f"    vocab {vocab:>6} hidden {hidden:>4}: {helper_vs_matmul(vocab, hidden, args.reps, dtype)}")
+
+    spec = TinySpec(
+        vocab_size=args.step_vocab, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim=64, global_head_dim=128, num_global_kv_heads=1, num_experts=8, top_k_experts=2,
+        moe_intermediate_size=256, sliding_window=128, canvas_length=CANVAS, tokenizer=False,
+    )
+    prompt = 128
+    print(
+        f"(b) one denoising step, parallel layers vs plain torch layers: vocab {spec.vocab_size}, hidden {spec.hidden_size}, "
+        f"{spec.num_layers} layers, {spec.num_experts} experts top-{spec.top_k_experts}, canvas {CANVAS}, {prompt} cached tokens, float32"
+    )
+    against_plain, against_twin = whole_step(spec, prompt, args.reps)
+    print(f"    vs plain layers:         {against_plain}")
+    print(f"    vs itself (noise floor): {against_twin}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Drives an LLMEngine from asyncio: one task steps the engine while requests come and go.
+
+The blocking `engine.step()` runs on a dedicated worker thread, so the event loop keeps answering
+HTTP while the model computes. Every change to the engine's set of requests (add, abort) is applied
+on the event loop between two steps, never while a step runs, so the engine needs no locking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from blockdiff.engine.engine import LLMEngine
+from blockdiff.outputs import RequestOutput
+from blockdiff.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is stopping or has failed; no request can be served."""
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the configured limit allows."""
+
+
+class RequestStream:
+    """The engine requests of one API call. Iterate for (index, RequestOutput) in the order the
+    engine produces them; iteration ends once every request has finished."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]):
+        self._engine = engine
+        self.request_ids = request_ids
+        self._index = {rid: i for i, rid in enumerate(request_ids)}
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._unfinished = set(request_ids)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return self._index[item.request_id], item
+
+    def abort(self) -> None:
+        """Abort whatever has not finished (a no-op once everything has)."""
+        if self._unfinished:
+            self._engine._abort(sorted(self._unfinished))
+            self._unfinished.clear()
+
+
+class AsyncEngine:
+    """Owns `engine` from `start()` on: `stop()` shuts it down.
+
+    on_step(seconds) is called after every engine step; on_finish(output) once per request that
+    finished or was aborted after it was admitted (both on the event loop)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queued_requests: int | None = None,
+        on_step: Callable[[float], None] | None = None,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+    ):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._on_step = on_step or (lambda seconds: None)
+        self._on_finish = on_finish or (lambda output: None)
+        self._streams: dict[str, RequestStream] = {}
+        self._adds: list[tuple[RequestStream, list[tuple[Prompt, SamplingParams]], asyncio.Future]] = []
+        self._aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-engine")
+        self._ids = itertools.count()
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self._stopping = False
+        self._stopped = False
+        self.error: BaseException | None = None
+
+    @property
+    def available(self) -> bool:
+        return self._task is not None and not (self._draining or self._stopping) and self.error is None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name="blockdiff-engine-loop")
+
+    def drain_threadsafe(self, grace: float) -> None:
+        """Stop taking requests; those in flight get `grace` seconds to finish, then they end with
+        EngineUnavailable and are aborted. Callable from a signal handler or another thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drain, grace)
+
+    def _drain(self, grace: float) -> None:
+        if not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().call_later(grace, self._abort_all)
+
+    def _abort_all(self) -> None:
+        gone = EngineUnavailable("the server is shutting down")
+        for rid, stream in list(self._streams.items()):
+            stream._put(gone)
+            self._aborts.append(rid)
+        self._wake.set()
+
+    async def add(self, requests: list[tuple[Prompt, SamplingParams]]) -> RequestStream:
+        """Queue the requests of one API call; -> their stream. Raises ValueError (bad input, nothing
+        is queued then), QueueFull or EngineUnavailable."""
+        if not self.available:
+            raise EngineUnavailable(self._unavailable_reason())
+        if self.max_queued_requests is not None:
+            queued = self.engine.num_waiting + sum(len(r) for _, r, _ in self._adds) + len(requests)
+            if queued > self.max_queued_requests:
+                raise QueueFull(
+                    f"{queued} requests would be waiting, more than --max-queued-requests={self.max_queued_requests}; retry later"
+                )
+        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests])
+        future = asyncio.get_running_loop().create_future()
+        self._adds.append((stream, requests, future))
+        self._wake.set()
+        try:
+            await future
+        except asyncio.CancelledError:
+            # The caller went away; if the requests made it into the engine, take them out again.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                stream.abort()
+            raise
+        return stream
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self._aborts.extend(request_ids)
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """Finish the step in flight, abort every request, and shut the engine down."""
+        if self._stopped:
+            return
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Synchronous part of `stop()`, also safe when the loop never ran."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stopping = True
+        self._apply_aborts()
+        gone = EngineUnavailable("the server is shutting down")
+        for stream, _, future in self._adds:
+            if not future.done():
+                future.set_exception(gone)
+        self._adds.clear()
+        for rid, stream in list(self._streams.items()):
+            self._finish_aborted(rid)
+            stream._put(gone)
+        self._worker.shutdown(wait=True)
+        self.engine.shutdown()
+        log.info("engine shut down")
+
+    # ---- the loop ----------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._apply_aborts()
+                self._apply_adds()
+                if not self.engine.has_unfinished():
+                    await self._wake.wait()
+                    continue
+                outputs = await loop.run_in_executor(self._worker, self.engine.step)
+                self._on_step(self.engine.last_step_time)
+                for out in outputs:
+                    self._deliver(out)
+        except Exception as e:
+            log.exception("engine step failed; no further requests will be served")
+            self.error = e
+            failure = EngineUnavailable(f"the engine failed: {e}")
+            for stream in set(self._streams.values()):
+                stream._put(failure)
+            self._streams.clear()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:  # aborted while this step ran
+            return
+        stream._put(out)
+        if out.finished:
+            del self._streams[out.request_id]
+            self._on_finish(out)
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            if self._streams.pop(rid, None) is not None:
+                self._finish_aborted(rid)
+
+    def _finish_aborted(self, rid: str) -> None:
+        req = self.engine.requests.get(rid)
+        self.engine.abort(rid)
+        self._streams.pop(rid, None)
+        if req is not None:
+            self._on_finish(self.engine.output(req))
+
+    def _apply_adds(self) -> None:
+        adds, self._adds = self._adds, []
+        for stream, requests, future in adds:
+            if future.cancelled():
+                continue
+            if not self.available:
+                future.set_exception(EngineUnavailable(self._unavailable_reason()))
+                continue
+            added = []
+            try:
+                for rid, (prompt, params) in zip(stream.request_ids, requests):
+                    self.engine.add_request(prompt, params, rid)
+                    added.append(rid)
+            except Exception as e:
+                for rid in added:
+                    self.engine.abort(rid)
+                future.set_exception(e)
+                continue
+            for rid in added:
+                self._streams[rid] = stream
+            future.set_result(None)
+
+    def _unavailable_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine failed: {self.error}"
+        if self._draining or self._stopping:
+            return "the server is shutting down"
+        return "the engine is not running"

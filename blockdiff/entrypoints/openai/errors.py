@@ -1,0 +1,101 @@
+"""OpenAI-style errors: every failure leaves the server as {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from blockdiff.engine.async_engine import EngineUnavailable, QueueFull
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+# pydantic names the member of a union in an error's location ("prompt", "list[int]", 0).
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def bad_value(e: ValueError, fields: set[str]) -> APIError:
+    """A ValueError from the engine or SamplingParams -> 400. Their messages start with the name of
+    the offending field, which becomes `param` when it is a request field."""
+    message = str(e)
+    first = message.split(" ", 1)[0].strip(":,")
+    return APIError(400, message, param=first if first in fields else None)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One line per offending field; a field that matched none of a union's forms reports the first."""
+    parts, seen, param = [], set(), None
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            parts.append(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+            continue
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = loc[0] if loc else None
+        if field in seen:
+            continue
+        seen.add(field)
+        param = param or field
+        where = ".".join(x for x in loc if not _UNION_TAG.match(x)) or "request body"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts), param
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(e.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = e.detail if isinstance(e.detail, str) else str(e.detail)
+        if e.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        return error_response(e.status_code, message)
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request: Request, e: QueueFull) -> JSONResponse:
+        return error_response(429, str(e), code="queue_full")
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(request: Request, e: EngineUnavailable) -> JSONResponse:
+        return error_response(503, str(e), code="engine_unavailable")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error: {type(e).__name__}")

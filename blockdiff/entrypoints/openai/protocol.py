@@ -1,0 +1,218 @@
+"""Request and response bodies of the OpenAI-compatible API, with OpenAI's field names.
+
+Requests are validated strictly (no "5" for 5, no true for 1) and unknown fields are rejected, as
+OpenAI does, so a misspelt diffusion parameter is an error instead of silently ignored. The
+diffusion extensions (max_denoising_steps, ..., stream_drafts, return_token_ids) are extra body
+fields; see docs/server.md.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from blockdiff.sampling_params import SamplingParams
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+
+
+# Sampler fields a request may set directly (the diffusion extensions), typed as in SamplingParams.
+SAMPLER_EXTENSIONS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
+                      "confidence_threshold", "ignore_eos", "draft", "stop_token_ids", "stream_drafts")
+_hints = get_type_hints(SamplingParams)
+_SamplerExtensions = create_model(
+    "_SamplerExtensions", __base__=_Request, **{name: (_hints[name] | None, None) for name in SAMPLER_EXTENSIONS}
+)
+
+
+class _GenerationRequest(_SamplerExtensions):
+    """Fields both endpoints accept."""
+
+    model: str | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool | None = None  # extension: token ids in every choice and chunk
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_calls, ...) pass through to the chat template.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+# ---- responses ----------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class DiffusionUsage(BaseModel):
+    canvases: int = 0
+    denoising_steps: int = 0
+    canvas_positions_evaluated: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    diffusion: DiffusionUsage = Field(default_factory=DiffusionUsage)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # None in stream chunks
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class DraftChoice(BaseModel):
+    index: int
+    canvas: int  # 0-based index of the canvas being denoised
+    denoising_steps: int  # steps of this request so far
+    token_ids: list[int]  # the argmax canvas after the latest step
+    text: str | None
+
+
+class DraftEvent(BaseModel):
+    """Extension: `event: draft` in the SSE stream when stream_drafts is true."""
+
+    id: str
+    object: Literal["text_completion.draft", "chat.completion.draft"]
+    created: int
+    model: str
+    choices: list[DraftChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "blockdiff"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,394 @@
+"""The generation endpoints: an API request becomes engine requests, their outputs become OpenAI
+responses or server-sent events (one chunk per committed canvas)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, fields
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from blockdiff.entrypoints.openai import protocol as p
+from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
+from blockdiff.outputs import RequestOutput, TokenLogprob
+from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# temperature 0 asks for greedy decoding; the schedule is scaled by this instead, since the sampler
+# divides by the temperature.
+GREEDY_SCALE = 1e-6
+REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
+    f.name for f in fields(SamplingParams)
+}
+
+
+@dataclass
+class Piece:
+    """What one chunk adds to a choice (or, from a fresh ChoiceState, the whole choice)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    text_offset: int  # characters of the choice's text before `text`
+    finish_reason: str | None
+
+
+class ChoiceState:
+    """What has been sent of one choice. Text that may still change stays back: trailing
+    replacement characters (an incomplete UTF-8 sequence) and, with stop strings, the last
+    len(longest stop) - 1 characters, which a stop string finishing in the next canvas may cut."""
+
+    def __init__(self, stop: list[str] | None):
+        self.holdback = max(map(len, stop)) - 1 if stop else 0
+        self.text_sent = 0
+        self.tokens_sent = 0
+        self.canvases = 0
+
+    def is_draft(self, out: RequestOutput) -> bool:
+        return not out.finished and out.metrics["canvases"] == self.canvases
+
+    def advance(self, out: RequestOutput) -> Piece:
+        self.canvases = out.metrics["canvases"]
+        text = out.text or ""
+        end = len(text)
+        if not out.finished:
+            end -= self.holdback
+            while end > self.text_sent and text[end - 1] == "\ufffd":
+                end -= 1
+        end = max(end, self.text_sent)
+        piece = Piece(
+            text=text[self.text_sent : end],
+            token_ids=out.token_ids[self.tokens_sent :],
+            logprobs=None if out.logprobs is None else out.logprobs[self.tokens_sent :],
+            text_offset=self.text_sent,
+            finish_reason=out.finish_reason if out.finished else None,
+        )
+        self.text_sent, self.tokens_sent = end, len(out.token_ids)
+        return piece
+
+
+def usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> p.Usage:
+    """Each prompt counts once, however many choices it has."""
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    completion = sum(len(o.token_ids) for o in finals.values())
+    diffusion = p.DiffusionUsage(**{k: sum(o.metrics[k] for o in finals.values()) for k in p.DiffusionUsage.model_fields})
+    return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                   diffusion=diffusion)
+
+
+class _Format:
+    """How one endpoint spells its chunks and responses."""
+
+    draft_object: str
+
+    def __init__(self, serving: OpenAIServing, request_id: str, model: str, return_token_ids: bool):
+        self.serving, self.id, self.model, self.created = serving, request_id, model, p.now()
+        self.return_token_ids = return_token_ids
+
+    def _ids(self, piece: Piece) -> list[int] | None:
+        return piece.token_ids if self.return_token_ids else None
+
+    def begin(self, count: int) -> list[BaseModel]:
+        return []
+
+
+class _CompletionFormat(_Format):
+    draft_object = "text_completion.draft"
+
+    def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None):
+        super().__init__(serving, request_id, model, return_token_ids)
+        self.logprobs = logprobs
+
+    def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
+        lp = None
+        if self.logprobs is not None:
+            lp = self.serving.completion_logprobs(piece.logprobs or [], piece.text_offset, self.logprobs > 0)
+        return p.CompletionChoice(index=index, text=piece.text, logprobs=lp, finish_reason=piece.finish_reason,
+                                  token_ids=self._ids(piece))
+
+    def chunk(self, index: int, piece: Piece) -> BaseModel:
+        return p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[self._choice(index, piece)])
+
+    def usage_chunk(self, u: p.Usage) -> BaseModel:
+        return p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u)
+
+    def response(self, pieces: dict[int, Piece], u: p.Usage) -> BaseModel:
+        choices = [self._choice(i, pieces[i]) for i in sorted(pieces)]
+        return p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+
+
+class _ChatFormat(_Format):
+    draft_object = "chat.completion.draft"
+
+    def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool):
+        super().__init__(serving, request_id, model, return_token_ids)
+        self.logprobs = logprobs
+
+    def _logprobs(self, piece: Piece) -> p.ChatLogprobs | None:
+        return self.serving.chat_logprobs(piece.logprobs or []) if self.logprobs else None
+
+    def _chunk(self, choices: list[p.ChatChunkChoice], u: p.Usage | None = None) -> BaseModel:
+        return p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+
+    def begin(self, count: int) -> list[BaseModel]:
+        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=""))]) for i in range(count)]
+
+    def chunk(self, index: int, piece: Piece) -> BaseModel:
+        choice = p.ChatChunkChoice(index=index, delta=p.Delta(content=piece.text), logprobs=self._logprobs(piece),
+                                   finish_reason=piece.finish_reason, token_ids=self._ids(piece))
+        return self._chunk([choice])
+
+    def usage_chunk(self, u: p.Usage) -> BaseModel:
+        return self._chunk([], u)
+
+    def response(self, pieces: dict[int, Piece], u: p.Usage) -> BaseModel:
+        choices = [
+            p.ChatChoice(index=i, message=p.AssistantMessage(content=pieces[i].text), logprobs=self._logprobs(pieces[i]),
+                         finish_reason=pieces[i].finish_reason, token_ids=self._ids(pieces[i]))
+            for i in sorted(pieces)
+        ]
+        return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+
+
+def _sse(model: BaseModel | dict, event: str | None = None) -> str:
+    data = model.model_dump_json() if isinstance(model, BaseModel) else json.dumps(model)
+    return (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that aborts its engine requests however it ends (finished, client gone,
+    cancelled before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], sampling_defaults: dict):
+        self.engine = engine
+        self.llm = engine.engine
+        self.tokenizer = self.llm.tokenizer
+        self.model_names = served_model_names
+        self.defaults = sampling_defaults
+
+    # ---- endpoints --------------------------------------------------------------------------
+    async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
+        model = self.model_name(req.model)
+        n = self._check_common(req)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of not in (None, n):
+            raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
+        prompts = self._completion_prompts(req.prompt)
+        requests = [(ids, self._params(req, len(ids), i, req.max_tokens, req.logprobs)) for ids in prompts for i in range(n)]
+        fmt = _CompletionFormat(self, p.new_id("cmpl"), model, bool(req.return_token_ids), req.logprobs)
+        return await self._respond(req, prompts, requests, fmt, raw)
+
+    async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
+        model = self.model_name(req.model)
+        n = self._check_common(req)
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        prompts = [self._chat_prompt(req.messages)]
+        requests = [(prompts[0], self._params(req, len(prompts[0]), i, max_tokens, logprobs)) for i in range(n)]
+        fmt = _ChatFormat(self, p.new_id("chatcmpl"), model, bool(req.return_token_ids), bool(req.logprobs))
+        return await self._respond(req, prompts, requests, fmt, raw)
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise APIError(404, f"model {requested!r} does not exist; this server serves {self.model_names}",
+                           param="model", code="model_not_found")
+        return requested
+
+    # ---- request -> engine requests -----------------------------------------------------------
+    def _check_common(self, req: p._GenerationRequest) -> int:
+        """Reject what the diffusion sampler cannot honour; -> n."""
+        n = 1 if req.n is None else req.n
+        if n < 1:
+            raise APIError(400, f"n must be >= 1, got {n}", param="n")
+        if req.top_p not in (None, 1, 1.0):
+            raise APIError(400, f"top_p={req.top_p} is not supported: the diffusion sampler draws from the full "
+                                "distribution (top_p must be 1)", param="top_p")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (must be 0)", param=name)
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if req.temperature is not None and not (math.isfinite(req.temperature) and req.temperature >= 0):
+            raise APIError(400, f"temperature must be a finite number >= 0, got {req.temperature}", param="temperature")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
+        if req.stream_drafts and not req.stream:
+            raise APIError(400, "stream_drafts needs stream: true", param="stream_drafts")
+        return n
+
+    def _params(self, req: p._GenerationRequest, prompt_len: int, choice: int, max_tokens: int | None,
+                logprobs: int | None) -> SamplingParams:
+        """Request fields over the server's sampler flags; the engine fills the rest from the
+        checkpoint. An unset max_tokens takes the server default, cut to what fits the context."""
+        values = {k: v for k, v in self.defaults.items() if k != "max_tokens"}
+        values.update({k: getattr(req, k) for k in p.SAMPLER_EXTENSIONS if getattr(req, k) is not None})
+        if max_tokens is None:
+            default = self.defaults.get("max_tokens", self.llm.defaults["max_tokens"])
+            max_tokens = max(1, min(default, self.llm.max_model_len - prompt_len))
+        if req.temperature is not None:
+            # temperature multiplies the denoising temperature schedule (t_min .. t_max).
+            scale = req.temperature or GREEDY_SCALE
+            for name in ("t_min", "t_max"):
+                values[name] = values.get(name, self.llm.defaults[name]) * scale
+        try:
+            return SamplingParams(
+                **values,
+                max_tokens=max_tokens,
+                seed=None if req.seed is None else req.seed + choice,
+                stop=req.stop,
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise bad_value(e, REQUEST_FIELDS) from None
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this checkpoint has no tokenizer: send the prompt as token ids", param="prompt")
+        return self.tokenizer.encode(text)
+
+    def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self._encode(prompt)]
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [self._encode(x) if isinstance(x, str) else list(x) for x in prompt]
+
+    def _chat_prompt(self, messages: list[p.ChatMessage]) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
+        rendered = []
+        for i, m in enumerate(messages):
+            message = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                for part in m.content:
+                    if part.type != "text" or part.text is None:
+                        raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model "
+                                            "reads text", param="messages")
+                message["content"] = "".join(part.text for part in m.content)
+            message.setdefault("content", "")
+            rendered.append(message)
+        try:
+            return self.tokenizer.encode_chat(rendered)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    # ---- engine outputs -> responses ----------------------------------------------------------
+    async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
+        try:
+            stream = await self.engine.add(requests)
+        except ValueError as e:
+            raise bad_value(e, REQUEST_FIELDS) from None
+        states = [ChoiceState(requests[i][1].stop) for i in range(len(requests))]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), stream.abort)
+        finals = await self._collect(stream, raw)
+        if finals is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        pieces = {i: states[i].advance(out) for i, out in finals.items()}
+        body = fmt.response(pieces, usage(prompts, finals))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _events(self, stream: RequestStream, states: list[ChoiceState], prompts, fmt: _Format,
+                      include_usage: bool) -> AsyncIterator[str]:
+        try:
+            for chunk in fmt.begin(len(states)):
+                yield _sse(chunk)
+            finals = {}
+            async for index, out in stream:
+                if states[index].is_draft(out):
+                    yield _sse(self._draft(fmt, index, out), event="draft")
+                    continue
+                yield _sse(fmt.chunk(index, states[index].advance(out)))
+                if out.finished:
+                    finals[index] = out
+            if include_usage:
+                yield _sse(fmt.usage_chunk(usage(prompts, finals)))
+        except EngineUnavailable as e:
+            yield _sse(error_body(503, str(e), code="engine_unavailable"))
+        yield "data: [DONE]\n\n"
+
+    def _draft(self, fmt: _Format, index: int, out: RequestOutput) -> p.DraftEvent:
+        ids = out.draft_token_ids or []
+        choice = p.DraftChoice(index=index, canvas=out.metrics["canvases"], denoising_steps=out.metrics["denoising_steps"],
+                               token_ids=ids, text=None if self.tokenizer is None else self.tokenizer.decode(ids))
+        return p.DraftEvent(id=fmt.id, object=fmt.draft_object, created=fmt.created, model=fmt.model, choices=[choice])
+
+    async def _collect(self, stream: RequestStream, raw: Request) -> dict[int, RequestOutput] | None:
+        """-> the final output of every request, or None if the client disconnected first."""
+
+        async def gather() -> dict[int, RequestOutput]:
+            return {index: out async for index, out in stream if out.finished}
+
+        task = asyncio.ensure_future(gather())
+        gone = asyncio.ensure_future(_disconnected(raw))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return task.result() if task.done() else None
+        finally:
+            task.cancel()
+            gone.cancel()
+            stream.abort()
+
+    # ---- logprobs in OpenAI's two spellings ---------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion_logprobs(self, lps: list[TokenLogprob], offset: int, top: bool) -> p.CompletionLogprobs:
+        tokens = [self.token_text(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return p.CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for lp in lps],
+            top_logprobs=[{self.token_text(t): v for t, v in lp.top.items()} for lp in lps] if top else None,
+            text_offset=offsets,
+        )
+
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> p.ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return p.ChatLogprobs(content=[
+            p.ChatTokenLogprob(**entry(lp.token_id, lp.logprob), top_logprobs=[p.TopLogprob(**entry(t, v)) for t, v in lp.top.items()])
+            for lp in lps
+        ])

@@ -1,0 +1,47 @@
+"""`blockdiff serve [MODEL]`: the OpenAI-compatible HTTP server (see docs/server.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from blockdiff.entrypoints.args import add_engine_args, add_sampling_args, engine_config, parse_size, sampling_overrides
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_engine_args(p, model_positional=True)
+    add_sampling_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients use as `model` (default: MODEL as given, or 'demo'); the first one is reported")
+    p.add_argument("--api-key", default=os.environ.get("BLOCKDIFF_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $BLOCKDIFF_API_KEY)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 429 when more requests than this would wait (default: no limit)")
+    p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
+    p.add_argument("--shutdown-timeout", type=int, default=3,
+                   help="seconds open requests get to finish after SIGTERM before they are aborted")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockdiff.entrypoints.openai.server import ServerConfig, serve
+
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    names = args.served_model_name or [args.model if args.model is not None else "demo"]
+    cfg = ServerConfig(
+        served_model_names=names,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        max_queued_requests=args.max_queued_requests,
+        max_request_bytes=args.max_request_size,
+        shutdown_timeout=args.shutdown_timeout,
+        sampling_defaults=sampling_overrides(args),
+        log_level=args.log_level.lower(),
+    )
+    serve(engine_config(args), cfg)
+    return 0

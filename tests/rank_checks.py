@@ -1,0 +1,65 @@
+"""Functions the tensor-parallel tests run on every rank of a real process group
+(`RankProcesses.run`). They live apart from the test modules so a spawned rank imports only this."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.parallel.ranks import RankContext
+from blockdiff.parallel.vocab import VocabShard
+
+
+def local_columns(shard: VocabShard, full: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary columns (last dim) of a full-vocabulary tensor, padding zero."""
+    return shard.local_rows_of(full.movedim(-1, 0)).movedim(0, -1).contiguous()
+
+
+def vocab_statistics(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, k: int) -> dict:
+    """The sampler's statistics of full-vocabulary `logits` [..., V], computed from this rank's
+    shard of them; on a group of one rank, the single-device computation."""
+    shard = VocabShard.make(ctx.rank, ctx.size, logits.shape[-1])
+    vocab = VocabParallel(shard, ctx.group)
+    ctx.group.counter.reset()
+    d = vocab.distribution(local_columns(shard, logits))
+    top_lp, top_ids = vocab.top_logprobs(d, k)
+    return {
+        "entropy": d.entropy,
+        "argmax": vocab.argmax(d),
+        "sample": vocab.sample(d, u),
+        "top_logprobs": top_lp,
+        "top_ids": top_ids,
+        "local_probs": d.exp / d.total.unsqueeze(-1),  # this rank's P_r, the self-conditioning input
+        "global_ids": shard.global_ids(),
+        "bytes": ctx.group.counter.bytes,
+    }
+
+
+def sharded_soft_embedding(ctx: RankContext, probs, weight, scale, org_vocab, added_vocab, local_probs: bool):
+    """soft_embedding on this rank's rows of `weight`, from full-vocabulary or local probabilities."""
+    shard = VocabShard.make(ctx.rank, ctx.size, org_vocab, added_vocab)
+    p = local_columns(shard, probs) if local_probs else probs
+    return soft_embedding(p, shard.local_rows_of(weight), scale, shard, ctx.group)
+
+
+def fail_on_rank(ctx: RankContext, rank: int) -> int:
+    if ctx.rank == rank:
+        raise ArithmeticError(f"deliberate failure on rank {rank}")
+    ctx.group.all_reduce(torch.zeros(1))
+    return ctx.rank
+
+
+def pid(ctx: RankContext) -> int:
+    return os.getpid()
+
+
+def die_on_rank(ctx: RankContext, rank: int) -> int:
+    """Rank `rank` is killed while the others wait for it in a collective."""
+    if ctx.rank == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    ctx.group.all_reduce(torch.zeros(1))
+    return ctx.rank

@@ -1,0 +1,413 @@
+"""The OpenAI-compatible server, driven over HTTP by the official `openai` client and raw httpx.
+
+One real server (a subprocess) serves the whole module; an offline LLM on the same checkpoint is
+the oracle: a seeded request must come back exactly as LLM.generate returns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+from blockdiff import LLM, SamplingParams
+from blockdiff.engine.kv_cache import cache_bytes_per_block, ring_bytes_per_slot
+from blockdiff.model.loader import load_model
+
+STEPS = 4  # the server's --max-denoising-steps
+MAX_MODEL_LEN = 256
+MAX_NUM_SEQS = 8
+KV_BLOCKS = 24  # of 16 tokens: fewer than 16 concurrent requests need, so some wait for the cache
+KEY = "test-key"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    model = load_model(tiny)
+    ring = min(MAX_MODEL_LEN, model.config.sliding_window - 1)
+    kv_bytes = ring_bytes_per_slot(model, ring) * MAX_NUM_SEQS + cache_bytes_per_block(model, 16) * KV_BLOCKS
+    proc = ServerProcess(
+        tiny, "--served-model-name", MODEL, "--api-key", KEY, "--max-denoising-steps", str(STEPS),
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--kv-cache-memory", str(kv_bytes),
+        "--max-queued-requests", "64", "--max-request-size", "256KiB",
+        log_path=str(tmp_path_factory.mktemp("server") / "server.log"),
+    )
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny):
+    with LLM(tiny) as llm:
+        yield llm
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(max_denoising_steps=STEPS, **kw)
+
+
+def _usage(out) -> dict:
+    """The usage the server must report for one offline RequestOutput."""
+    m = out.metrics
+    return {
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(out.token_ids),
+        "total_tokens": len(out.prompt_token_ids) + len(out.token_ids),
+        "diffusion": {k: m[k] for k in ("canvases", "denoising_steps", "canvas_positions_evaluated")},
+    }
+
+
+def test_health_models_and_metrics(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = httpx.get(server.url + "/v1/models", headers=_auth()).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    m = server.metrics()
+    assert m["blockdiff_kv_cache_blocks"] == KV_BLOCKS
+    for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "step_duration_seconds_count",
+                 "canvases_total", "denoising_steps_total", "prompt_tokens_total", "generation_tokens_total"):
+        assert "blockdiff_" + name in m
+
+
+def test_completion_matches_offline(client, offline):
+    prompt = "The quick brown fox"
+    [want] = offline.generate(prompt, _params(max_tokens=20, seed=11), use_tqdm=False)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, seed=11, extra_body={"return_token_ids": True})
+    [choice] = r.choices
+    assert choice.token_ids == want.token_ids
+    assert choice.text == want.text
+    assert choice.finish_reason == want.finish_reason
+    assert r.usage.model_dump(exclude_none=True) == _usage(want)
+    assert want.metrics["canvases"] >= 2
+
+
+def test_completion_stream_one_chunk_per_canvas(client, offline):
+    prompt = [5, 17, 42, 99, 7]
+    [want] = offline.generate(prompt, _params(max_tokens=28, seed=4, ignore_eos=True), use_tqdm=False)
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=28, seed=4, stream=True, stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    ))
+    content, last = chunks[:-1], chunks[-1]
+    assert len(content) == want.metrics["canvases"] == 4
+    assert "".join(c.choices[0].text for c in content) == want.text
+    assert [t for c in content for t in c.choices[0].token_ids] == want.token_ids
+    assert [c.choices[0].finish_reason for c in content] == [None, None, None, "length"]
+    assert last.choices == [] and last.usage.model_dump(exclude_none=True) == _usage(want)
+
+
+def test_chat_matches_offline(client, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, how are you?"}]
+    [want] = offline.chat(messages, _params(max_tokens=16, seed=8), use_tqdm=False)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, seed=8,
+                                       extra_body={"return_token_ids": True})
+    [choice] = r.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == want.text
+    assert choice.token_ids == want.token_ids
+    assert choice.finish_reason == want.finish_reason
+    assert r.usage.model_dump(exclude_none=True) == _usage(want)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, seed=8, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks[1:] if c.choices]
+    assert len(content) == want.metrics["canvases"]
+    assert "".join(c.choices[0].delta.content for c in content) == want.text
+    assert content[-1].choices[0].finish_reason == want.finish_reason
+    assert chunks[-1].usage.model_dump(exclude_none=True) == _usage(want)
+
+
+def test_stream_holds_back_text_a_stop_string_may_cut(client, offline):
+    """A stop string that starts in one canvas and ends in the next: the first chunk must not have
+    sent its first character already."""
+    base = dict(model=MODEL, prompt="The lazy dog", max_tokens=24, seed=21, stream=True,
+                extra_body={"ignore_eos": True})
+    plain = [c.choices[0].text for c in client.completions.create(**base)]
+    full, boundary = "".join(plain), len(plain[0])
+    stop = next((full[boundary - 1 : boundary - 1 + k] for k in range(2, 6)
+                 if full.find(full[boundary - 1 : boundary - 1 + k]) == boundary - 1), None)
+    assert stop is not None and len(plain) >= 2
+    chunks = [c.choices[0] for c in client.completions.create(**base, stop=[stop])]
+    [want] = offline.generate("The lazy dog", _params(max_tokens=24, seed=21, ignore_eos=True, stop=[stop]),
+                              use_tqdm=False)
+    assert want.text == full[: boundary - 1]
+    assert "".join(c.text for c in chunks) == want.text
+    assert [c.finish_reason for c in chunks] == [None, "stop"]
+
+
+def test_n_and_prompt_lists(client, offline):
+    """Choice i of a prompt is seeded with seed + i; choices are numbered prompt-major."""
+    prompts = ["Hello", "The lazy dog"]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, seed=5, max_tokens=12,
+                                  extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    wants = [offline.generate(p, _params(max_tokens=12, seed=5 + i), use_tqdm=False)[0] for p in prompts for i in range(2)]
+    assert [c.token_ids for c in r.choices] == [w.token_ids for w in wants]
+    assert r.usage.completion_tokens == sum(len(w.token_ids) for w in wants)
+    assert r.usage.prompt_tokens == len(wants[0].prompt_token_ids) + len(wants[2].prompt_token_ids)
+
+
+def test_logprobs(client, offline):
+    [want] = offline.generate("Numbers such as", _params(max_tokens=10, seed=2, logprobs=2), use_tqdm=False)
+    r = client.completions.create(model=MODEL, prompt="Numbers such as", max_tokens=10, seed=2, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == len(want.token_ids)
+    assert all(1 <= len(top) <= 2 and max(top.values()) <= 1e-6 for top in lp.top_logprobs)
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Numbers"}], max_tokens=10,
+                                          seed=2, logprobs=True, top_logprobs=3)
+    [want] = offline.chat([{"role": "user", "content": "Numbers"}], _params(max_tokens=10, seed=2, logprobs=3),
+                          use_tqdm=False)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    for c, w in zip(content, want.logprobs):
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(list(w.top.values()), abs=1e-5)
+        assert bytes(c.bytes).decode() == c.token
+
+
+def test_temperature_scales_the_schedule(client, offline):
+    """temperature multiplies t_min and t_max; 0 is greedy (the schedule scaled by 1e-6)."""
+    d = offline.engine.defaults
+    base = dict(model=MODEL, prompt="Hello", max_tokens=16, seed=3)
+    scaled = client.completions.create(**base, temperature=0.5, extra_body={"return_token_ids": True})
+    explicit = client.completions.create(**base, extra_body={"return_token_ids": True, "t_min": d["t_min"] * 0.5,
+                                                             "t_max": d["t_max"] * 0.5})
+    assert scaled.choices[0].token_ids == explicit.choices[0].token_ids
+    greedy = client.completions.create(**base, temperature=0, extra_body={"return_token_ids": True})
+    [want] = offline.generate("Hello", _params(max_tokens=16, seed=3, t_min=d["t_min"] * 1e-6, t_max=d["t_max"] * 1e-6),
+                              use_tqdm=False)
+    assert greedy.choices[0].token_ids == want.token_ids
+
+
+def _sse_events(response: httpx.Response) -> list[tuple[str | None, str]]:
+    events, event = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            event = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append((event, line[len("data: "):]))
+            event = None
+    return events
+
+
+def test_stream_drafts(server, client, offline):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 20, "seed": 6, "stream": True, "stream_drafts": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=_auth(), timeout=60) as r:
+        assert r.status_code == 200
+        events = _sse_events(r)
+    assert events[-1] == (None, "[DONE]")
+    drafts = [json.loads(d) for e, d in events if e == "draft"]
+    chunks = [json.loads(d) for e, d in events[:-1] if e is None]
+    [want] = offline.generate("Hello", _params(max_tokens=20, seed=6), use_tqdm=False)
+    # Drafts are extra events; the committed text is unchanged.
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+    assert len(chunks) == want.metrics["canvases"]
+    assert drafts and all(d["object"] == "text_completion.draft" for d in drafts)
+    for d in drafts:
+        [choice] = d["choices"]
+        assert len(choice["token_ids"]) == offline.engine.canvas_length
+        assert 0 <= choice["canvas"] < want.metrics["canvases"]
+    # Every denoising step that did not end its canvas produced a draft.
+    assert len(drafts) == want.metrics["denoising_steps"] - want.metrics["canvases"]
+
+    # The openai client passes drafts through as chunks whose `object` names them.
+    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, seed=6, stream=True,
+                                       extra_body={"stream_drafts": True})
+    kinds = [c.object for c in stream]
+    assert kinds.count("text_completion.draft") == len(drafts)
+    assert kinds.count("text_completion") == len(chunks)
+
+
+def _case(i: int) -> dict:
+    """32 different requests: prompt kinds, lengths, stop strings, step counts, chat, streaming."""
+    texts = ["Hello", "The quick brown fox", "Numbers such as 1 2 3", "Block diffusion", "How are you today?"]
+    case = {"seed": 100 + i, "max_tokens": 6 + (7 * i) % 27, "stream": i % 2 == 1, "chat": i % 4 == 3, "extra": {}}
+    if case["chat"]:
+        case["messages"] = [{"role": "user", "content": texts[i % 5]}]
+    else:
+        case["prompt"] = texts[i % 5] if i % 3 else [3 + (i * 13 + k * 7) % 290 for k in range(3 + i % 9)]
+    if i % 5 == 0:
+        case["stop"] = ["e"]
+    if i % 3 == 0:
+        case["extra"]["max_denoising_steps"] = 2
+    return case
+
+
+async def _run_case(client: openai.AsyncOpenAI, case: dict) -> tuple[str, list[int], str]:
+    kw = dict(model=MODEL, max_tokens=case["max_tokens"], seed=case["seed"], stop=case.get("stop"),
+              stream=case["stream"], extra_body={"return_token_ids": True, **case["extra"]})
+    api = client.chat.completions if case["chat"] else client.completions
+    args = {"messages": case["messages"]} if case["chat"] else {"prompt": case["prompt"]}
+    r = await api.create(**args, **kw)
+    chunks = [c async for c in r] if case["stream"] else [r]
+    text, ids, reason = "", [], None
+    for c in chunks:
+        for choice in c.choices:
+            part = choice.delta.content if case["stream"] and case["chat"] else (
+                choice.message.content if case["chat"] else choice.text)
+            text += part or ""
+            ids += choice.token_ids or []
+            reason = choice.finish_reason or reason
+    return text, ids, reason
+
+
+def test_concurrent_requests_equal_requests_alone(server):
+    """32 requests, 16 at a time, with fewer slots (8) and KV blocks than they need at once: all
+    complete, each exactly as when it ran alone."""
+    cases = [_case(i) for i in range(32)]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as client:
+            alone = [await _run_case(client, c) for c in cases]
+            gate = asyncio.Semaphore(16)
+
+            async def limited(c):
+                async with gate:
+                    return await _run_case(client, c)
+
+            together = await asyncio.gather(*(limited(c) for c in cases))
+            return alone, together
+
+    alone, together = asyncio.run(main())
+    assert all(ids for _, ids, _ in alone)
+    assert all(reason in ("stop", "length") for _, _, reason in alone)
+    assert together == alone
+    m = server.wait_idle()
+    assert m["blockdiff_requests_running"] == 0 and m["blockdiff_kv_cache_usage_ratio"] == 0
+
+
+def test_client_hangup_frees_its_request(server):
+    long = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "max_denoising_steps": 16}
+    before = server.wait_idle()
+
+    # Streaming: hang up after the first canvas.
+    with httpx.stream("POST", server.url + "/v1/completions", json={**long, "stream": True}, headers=_auth(),
+                      timeout=60) as r:
+        lines = r.iter_lines()  # kept: closing this iterator would close the connection
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"] is not None
+        busy = server.metrics()
+        assert busy["blockdiff_requests_running"] == 1 and busy["blockdiff_kv_cache_usage_ratio"] > 0, (first, busy)
+    # Non-streaming: the client gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=long, headers=_auth(), timeout=1.0)
+
+    after = server.wait_idle()
+    assert after["blockdiff_requests_running"] == 0 and after["blockdiff_kv_cache_usage_ratio"] == 0
+    aborts = 'blockdiff_requests_total{outcome="abort"}'
+    lengths = 'blockdiff_requests_total{outcome="length"}'
+    assert after[aborts] == before[aborts] + 2
+    assert after[lengths] == before[lengths]
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+_C = "/v1/completions"
+_CHAT = "/v1/chat/completions"
+_OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+_MSG = [{"role": "user", "content": "Hi"}]
+BAD = [
+    # (name, path, body (dict, or bytes sent as-is), headers, status, param)
+    ("malformed json", _C, b'{"prompt": "Hello", ', None, 400, None),
+    ("body is a list", _C, b"[1, 2]", None, 400, None),
+    ("empty body", _C, b"", None, 400, None),
+    ("prompt wrong type", _C, {"prompt": 5}, None, 400, "prompt"),
+    ("prompt mixed list", _C, {"prompt": [1, "a"]}, None, 400, "prompt"),
+    ("max_tokens string", _C, {**_OK, "max_tokens": "10"}, None, 400, "max_tokens"),
+    ("max_tokens bool", _C, {**_OK, "max_tokens": True}, None, 400, "max_tokens"),
+    ("stream string", _C, {**_OK, "stream": "yes"}, None, 400, "stream"),
+    ("seed float", _C, {**_OK, "seed": 1.5}, None, 400, "seed"),
+    ("stop number", _C, {**_OK, "stop": 5}, None, 400, "stop"),
+    ("negative max_tokens", _C, {**_OK, "max_tokens": -1}, None, 400, "max_tokens"),
+    ("zero max_tokens", _C, {**_OK, "max_tokens": 0}, None, 400, "max_tokens"),
+    ("huge max_tokens", _C, {**_OK, "max_tokens": 10**12}, None, 400, "prompt"),
+    ("seed over 64 bits", _C, {**_OK, "seed": 2**70}, None, 400, "seed"),
+    ("unknown model", _C, {**_OK, "model": "gpt-4"}, None, 404, "model"),
+    ("out-of-vocab prompt ids", _C, {**_OK, "prompt": [1, 2, 100000]}, None, 400, "prompt"),
+    ("negative prompt id", _C, {**_OK, "prompt": [1, -3]}, None, 400, "prompt"),
+    ("empty prompt", _C, {**_OK, "prompt": []}, None, 400, "prompt"),
+    ("over-long id prompt", _C, {**_OK, "prompt": [5] * 300}, None, 400, "prompt"),
+    ("over-long text prompt", _C, {**_OK, "prompt": "Hello world " * 200}, None, 400, "prompt"),
+    ("t_max below t_min", _C, {**_OK, "t_min": 0.9, "t_max": 0.1}, None, 400, "t_max"),
+    ("zero entropy_bound", _C, {**_OK, "entropy_bound": 0}, None, 400, "entropy_bound"),
+    ("zero denoising steps", _C, {**_OK, "max_denoising_steps": 0}, None, 400, "max_denoising_steps"),
+    ("negative confidence", _C, {**_OK, "confidence_threshold": -1.0}, None, 400, "confidence_threshold"),
+    ("negative stability", _C, {**_OK, "stability_threshold": -1}, None, 400, "stability_threshold"),
+    ("out-of-vocab draft", _C, {**_OK, "draft": [1, 99999]}, None, 400, "draft"),
+    ("draft wrong type", _C, {**_OK, "draft": ["a"]}, None, 400, "draft"),
+    ("misspelt diffusion field", _C, {**_OK, "max_denosing_steps": 4}, None, 400, "max_denosing_steps"),
+    ("top_p", _C, {**_OK, "top_p": 0.5}, None, 400, "top_p"),
+    ("negative temperature", _C, {**_OK, "temperature": -1.0}, None, 400, "temperature"),
+    ("n zero", _C, {**_OK, "n": 0}, None, 400, "n"),
+    ("too many logprobs", _C, {**_OK, "logprobs": 21}, None, 400, "logprobs"),
+    ("echo", _C, {**_OK, "echo": True}, None, 400, "echo"),
+    ("logit_bias", _C, {**_OK, "logit_bias": {"5": 1.0}}, None, 400, "logit_bias"),
+    ("presence_penalty", _C, {**_OK, "presence_penalty": 1.0}, None, 400, "presence_penalty"),
+    ("drafts without stream", _C, {**_OK, "stream_drafts": True}, None, 400, "stream_drafts"),
+    ("stream_options without stream", _C, {**_OK, "stream_options": {"include_usage": True}}, None, 400, "stream_options"),
+    ("chat messages empty", _CHAT, {"model": MODEL, "messages": []}, None, 400, "messages"),
+    ("chat messages string", _CHAT, {"model": MODEL, "messages": "Hi"}, None, 400, "messages"),
+    ("chat unknown role", _CHAT, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages"),
+    ("chat image part", _CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, None, 400, "messages"),
+    ("chat top_logprobs alone", _CHAT, {"model": MODEL, "messages": _MSG, "top_logprobs": 2}, None, 400, "top_logprobs"),
+    ("chat huge max_completion_tokens", _CHAT, {"model": MODEL, "messages": _MSG, "max_completion_tokens": 10**9},
+     None, 400, "prompt"),
+    ("wrong api key", _C, _OK, {"Authorization": "Bearer nope"}, 401, None),
+    ("missing api key", _C, _OK, {"Authorization": ""}, 401, None),
+    ("body over the size limit", _C, {**_OK, "prompt": "x" * 300_000}, None, 413, None),
+    ("more queued than allowed", _C, {**_OK, "n": 65}, None, 429, None),
+    ("unknown endpoint", "/v1/embeddings", _OK, None, 404, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,headers,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_openai_error(server, name, path, body, headers, status, param):
+    h = {**_auth(), "Content-Type": "application/json", **(headers or {})}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, headers=h, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["param"] == param, error
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_streamed_body_over_the_limit(server):
+    chunks = (b"x" * 65536 for _ in range(5))  # chunked transfer: no Content-Length to check up front
+    r = httpx.post(server.url + _C, content=chunks, headers={**_auth(), "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=10**9)
+    assert "max_model_len" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="Hello", max_tokens=4)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).models.list()
+
+
+def test_serves_after_bad_input(server, client):
+    m = server.wait_idle()
+    assert m["blockdiff_requests_running"] == 0 and m["blockdiff_requests_waiting"] == 0
+    assert m['blockdiff_http_responses_total{status="400"}'] >= sum(1 for b in BAD if b[4] == 400)
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
