@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from blockdiff.config import ModelConfig, parse_dtype
-from blockdiff.engine.cpu_heap import keep_freed_memory
 from blockdiff.engine.kv_cache import BlockAllocator, CacheConfig, cache_bytes_per_block, ring_bytes_per_slot
 from blockdiff.engine.model_runner import StepPlan
 from blockdiff.engine.request import Request, State
@@ -66,8 +65,6 @@ class LLMEngine:
             )
         dtype = parse_dtype(cfg.dtype, self.model_config)
         device = cfg.resolved_device()
-        if device == "cpu":
-            keep_freed_memory()
         # Seeds of requests that bring none: reproducible from the engine seed, in arrival order.
         self._seeds = random.Random(cfg.seed)
 

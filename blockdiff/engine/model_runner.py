@@ -15,6 +15,7 @@ import torch
 from blockdiff.diffusion.sampler import DenoiseParams, denoise_step
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.engine.cpu_heap import keep_freed_memory
 from blockdiff.engine.kv_cache import CacheConfig, allocate, geometry
 from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.diffusion_gemma import DiffusionGemma
@@ -45,6 +46,8 @@ class ModelRunner:
     def __init__(self, model: DiffusionGemma, cache: CacheConfig, device: torch.device | str):
         self.model = model
         self.device = torch.device(device)
+        if self.device.type == "cpu":  # in every process that runs a model, each rank's included
+            keep_freed_memory()
         self.cache_config = cache
         self.kv = allocate(model, cache, self.device)
         self.geometry = geometry(model, cache)
