@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import time
@@ -366,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
         raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the report
     result = asyncio.run(benchmark(args))
     if args.save_result:
         path = result_path(args, result)

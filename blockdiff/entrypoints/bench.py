@@ -1,4 +1,4 @@
-"""`blockdiff bench offline|serve`: the offline and serving benchmarks (see docs/benchmarks.md)."""
+"""`blockdiff bench offline|serve|plot`: the offline and serving benchmarks (see docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from blockdiff.bench import offline, serve
+    from blockdiff.bench import offline, plot, serve
 
     p = sub.add_parser("bench", help="benchmark the engine offline or a running server")
     bench = p.add_subparsers(dest="bench_command", required=True)
@@ -16,3 +16,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     srv = bench.add_parser("serve", help="load an OpenAI-compatible server like `vllm bench serve`")
     serve.add_arguments(srv)
     srv.set_defaults(func=serve.run)
+    plt = bench.add_parser("plot", help="plot latency and throughput against concurrency from bench serve results")
+    plot.add_arguments(plt)
+    plt.set_defaults(func=plot.run)
