@@ -207,6 +207,22 @@ def compute_metrics(outputs: list[RequestOutput], duration: float, percentiles: 
     return result
 
 
+_TOTALS = [
+    ("Benchmark duration (s):", "duration"),
+    ("Total input tokens:", "total_input_tokens"),
+    ("Total generated tokens:", "total_output_tokens"),
+    ("Request throughput (req/s):", "request_throughput"),
+    ("Output token throughput (tok/s):", "output_throughput"),
+    ("Total Token throughput (tok/s):", "total_token_throughput"),
+]
+_DIFFUSION = [
+    ("Committed throughput (tok/s):", "committed_throughput"),
+    ("Denoising steps per canvas:", "denoising_steps_per_canvas"),
+    ("Committed tokens per denoising step:", "committed_tokens_per_denoising_step"),
+    ("Committed tokens:", "committed_tokens"),
+    ("Denoising steps:", "denoising_steps"),
+    ("Canvas positions evaluated:", "canvas_positions_evaluated"),
+]
 _SECTIONS = [
     ("ttft", "TTFT", "Time to First Token"),
     ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
@@ -226,12 +242,8 @@ def print_report(result: dict, args: argparse.Namespace, selected: list[str], pe
         line("Maximum request concurrency:", args.max_concurrency)
     if args.request_rate != float("inf"):
         line("Request rate configured (RPS):", float(args.request_rate))
-    line("Benchmark duration (s):", result["duration"])
-    line("Total input tokens:", result["total_input_tokens"])
-    line("Total generated tokens:", result["total_output_tokens"])
-    line("Request throughput (req/s):", result["request_throughput"])
-    line("Output token throughput (tok/s):", result["output_throughput"])
-    line("Total Token throughput (tok/s):", result["total_token_throughput"])
+    for label, key in _TOTALS:
+        line(label, result[key])
     for key, short, header in _SECTIONS:
         if key not in selected:
             continue
@@ -243,12 +255,8 @@ def print_report(result: dict, args: argparse.Namespace, selected: list[str], pe
     d = result.get("diffusion")
     if d:
         print("{s:{c}^{n}}".format(s="Diffusion Decoding", n=50, c="-"))
-        line("Committed throughput (tok/s):", d["committed_throughput"])
-        line("Denoising steps per canvas:", d["denoising_steps_per_canvas"])
-        line("Committed tokens per denoising step:", d["committed_tokens_per_denoising_step"])
-        line("Committed tokens:", d["committed_tokens"])
-        line("Denoising steps:", d["denoising_steps"])
-        line("Canvas positions evaluated:", d["canvas_positions_evaluated"])
+        for label, key in _DIFFUSION:
+            line(label, d[key])
     print("=" * 50)
 
 
