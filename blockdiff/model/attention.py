@@ -139,16 +139,22 @@ def _rows(t: torch.Tensor, g: AttnGroup) -> torch.Tensor:
     if g.gather is None:
         t = t[g.token_start : g.token_start + g.rows * g.q_len]
     else:
-        t = t[g.gather]
+        t = t.index_select(0, g.gather)
     return t.view(g.rows, g.q_len, *t.shape[1:])
+
+
+def _cached(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] for a [rows, cached] index, as one row gather (index_select copies whole
+    [heads, dim] rows; advanced indexing computes an offset per element, ~5x slower on CPU)."""
+    return cache.index_select(0, index.reshape(-1)).view(*index.shape, *cache.shape[1:])
 
 
 def _attend(q, k, v, g: AttnGroup, k_cache, v_cache) -> torch.Tensor:
     """SDPA over one group; returns [rows, q_len, heads, dim]."""
     qs, ks, vs = _rows(q, g), _rows(k, g), _rows(v, g)
     if g.cache_index is not None:
-        ks = torch.cat((ks, k_cache[g.cache_index]), dim=1)
-        vs = torch.cat((vs, v_cache[g.cache_index]), dim=1)
+        ks = torch.cat((ks, _cached(k_cache, g.cache_index)), dim=1)
+        vs = torch.cat((vs, _cached(v_cache, g.cache_index)), dim=1)
     qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
     extra = {}
     if qs.shape[1] != ks.shape[1]:
