@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockdiff.bench.offline import parse_batch_sizes
-from blockdiff.bench.roofline import _keys_seen, plan_cost
+from blockdiff.bench.roofline import _keys_seen, parameter_count, plan_cost
 from blockdiff.config import ModelConfig
 from blockdiff.diffusion.sampler import DenoiseParams
 from blockdiff.engine.model_runner import StepPlan
@@ -67,6 +67,16 @@ def test_keys_seen_by_hand():
     # causal chunk of 4 after 3 cached: queries see 4, 5, 6, 7 keys; with window 5: 4, 5, 5, 5
     assert _keys_seen(3, 4, decoder=False, window=None) == 22
     assert _keys_seen(3, 4, decoder=False, window=5) == 19
+
+
+def test_parameter_count_matches_the_model(checkpoints, tiny):
+    """The roofline's weight accounting, against the model the loader builds (two layer layouts)."""
+    from blockdiff.model.loader import load_model
+
+    other = checkpoints("bench-dense", vocab_size=263, num_layers=3, num_experts=6, top_k_experts=2, seed=2)
+    for path in (tiny, other):
+        model = load_model(path)
+        assert parameter_count(ModelConfig.from_pretrained(path)) == sum(p.numel() for p in model.parameters())
 
 
 def test_roofline_counts_per_canvas_work_once_per_canvas(tiny):

@@ -14,7 +14,8 @@ import time
 import torch
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
-from blockdiff.bench.roofline import Cost, measure_peak, plan_cost
+from blockdiff.config import parse_dtype
+from blockdiff.bench.roofline import Cost, measure_peak, parameter_count, plan_cost
 from blockdiff.engine.request import State
 from blockdiff.entrypoints.args import add_engine_args, engine_config
 from blockdiff.sampling_params import SamplingParams
@@ -86,12 +87,12 @@ def _step_kind(plan, states_by_slot: dict) -> str:
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
-def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, PhaseTiming]:
+def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], dtype: torch.dtype) -> dict[str, PhaseTiming]:
     """One generation driven step by step through the engine, each step timed and costed by kind:
     "denoise" (only canvases being denoised), "commit" (only finished canvases), "prefill" (only
     prompt tokens), or "mixed"."""
     engine = llm.engine
-    dtype_bytes = torch.tensor([], dtype=engine.executor.runner.model.dtype).element_size()
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     phases: dict[str, PhaseTiming] = {}
     ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
     try:
@@ -125,10 +126,17 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=cfg.max_model_len or args.input_len + args.output_len,
     )
     llm = LLM.from_engine_config(cfg)
+    try:
+        return _benchmark(llm, cfg, args, batch_sizes)
+    finally:
+        llm.shutdown()
+
+
+def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> int:
     engine = llm.engine
     device = cfg.resolved_device()
-    dtype = engine.executor.runner.model.dtype
     config = engine.model_config
+    dtype = parse_dtype(cfg.dtype, config)
     reference = None
     if args.compare == "transformers":
         from blockdiff.bench.reference import TransformersRunner
@@ -139,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     steps = args.denoising_steps
     header = {
         "model": cfg.model,
-        "parameters": sum(p.numel() for p in engine.executor.runner.model.parameters()),
+        "parameters": parameter_count(config),
+        "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": str(dtype).removeprefix("torch."),
         "device": device,
         "threads": torch.get_num_threads(),
@@ -189,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.num_iters):  # alternate, so load on the machine hits both sides alike
             for i, side in enumerate(sides):
                 times[i].append(side())
-        phases = profile_steps(llm, prompts, params)
+        phases = profile_steps(llm, prompts, params, dtype)
         row = {"batch": batch, "blockdiff_s": statistics.median(times[0]), "blockdiff_runs_s": times[0]}
         row["blockdiff_tok_s"] = batch * args.output_len / row["blockdiff_s"]
         if reference:
@@ -205,13 +214,13 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"config": header, "results": rows}, f, indent=2)
-    llm.shutdown()
     return 0
 
 
 def _print_header(h: dict) -> None:
     print("{s:{c}^{n}}".format(s=" Offline Benchmark ", n=78, c="="))
-    print(f"model: {h['model']} ({h['parameters'] / 1e6:.1f}M parameters, {h['dtype']}, {h['device']}, "
+    tp = f", tensor parallel {h['tensor_parallel_size']}" if h["tensor_parallel_size"] > 1 else ""
+    print(f"model: {h['model']} ({h['parameters'] / 1e6:.1f}M parameters, {h['dtype']}, {h['device']}{tp}, "
           f"{h['threads']} threads, torch {h['torch']})")
     print(f"requests: {h['input_len']} prompt tokens, {h['output_len']} new tokens, "
           f"{h['denoising_steps']} denoising steps per canvas, EOS ignored")

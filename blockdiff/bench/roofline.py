@@ -44,6 +44,17 @@ def _token_weights(config: ModelConfig, spec: LayerSpec) -> tuple[int, int]:
     return dense, 3 * h * config.moe_intermediate_size
 
 
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters of the text model (the tied embedding once), from the config alone."""
+    h = config.hidden_size
+    total = config.vocab_size * h + h + h + 3 * h * config.intermediate_size  # embedding, final norm, self-conditioning
+    for spec in config.layers:
+        dense, expert = _token_weights(config, spec)
+        total += dense + config.num_experts * expert  # projections, dense MLP, router, experts
+        total += 2 * spec.head_dim + 7 * h + h + config.num_experts + 2  # q/k norms, block norms, router scales, layer scalars
+    return total
+
+
 def _keys_seen(start: int, length: int, decoder: bool, window: int | None) -> int:
     """Σ over the row's queries of the keys each one attends to."""
     if decoder:  # the cached prefix (the last window - 1 positions on sliding layers) + the canvas
