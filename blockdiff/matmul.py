@@ -22,8 +22,13 @@ _ONEDNN_FP32 = (
 )
 
 
+def onednn_float32(x: torch.Tensor) -> bool:
+    """Whether `linear` runs products of `x` on oneDNN's float32 kernel."""
+    return _ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight [out, in].T; `weight` may be a transposed view."""
-    if _ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
+    if onednn_float32(x) and x.numel():
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
