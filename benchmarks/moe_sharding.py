@@ -2,8 +2,8 @@
 
 For one MoE block at DiffusionGemma-26B-like shapes, this measures on this machine the expert
 compute of one rank under each scheme, with the same kernel for both: `--kernel padded` is
-`model.moe.Experts` (tokens sorted into an [experts, capacity, hidden] batch padded to the busiest
-expert, two bmm's), `--kernel grouped` one unpadded product per expert with tokens (what a grouped
+`model.moe.Experts` (tokens sorted into per-expert groups, each padded to a multiple of 8 rows, one
+product per expert), `--kernel grouped` one unpadded product per expert with tokens (what a grouped
 GEMM does):
 
 - intermediate split (IS): every rank runs all E experts at width I/N on all tokens; the ranks'
@@ -31,6 +31,7 @@ import time
 import torch
 
 from blockdiff.config import ModelConfig
+from blockdiff.matmul import linear
 from blockdiff.model.moe import Experts
 from blockdiff.model.tiny import TinySpec, config_dict
 from blockdiff.parallel.group import TPGroup
@@ -42,8 +43,8 @@ def experts(config: ModelConfig, num_experts: int, width: int, ranks: int) -> Ex
     module = Experts(config, TPGroup(rank=0, size=1), torch.float32)
     module.local = width // ranks  # one rank's share of every expert, as a group of `ranks` builds it
     g = torch.Generator().manual_seed(0)
-    module.gate_up.data = torch.randn(num_experts, config.hidden_size, 2 * module.local, generator=g) * config.hidden_size**-0.5
-    module.down.data = torch.randn(num_experts, module.local, config.hidden_size, generator=g) * module.local**-0.5
+    module.gate_up.data = torch.randn(num_experts, 2 * module.local, config.hidden_size, generator=g) * config.hidden_size**-0.5
+    module.down.data = torch.randn(num_experts, config.hidden_size, module.local, generator=g) * module.local**-0.5
     return module
 
 
@@ -58,8 +59,8 @@ def grouped(module: Experts, x: torch.Tensor, weights: torch.Tensor, index: torc
     for e, n in enumerate(counts):
         if n:
             rows = token[start : start + n]
-            gate, up = (x[rows] @ module.gate_up[e]).split(module.local, dim=-1)
-            out.index_add_(0, rows, (module.act(gate) * up) @ module.down[e] * w[start : start + n])
+            gate, up = linear(x[rows], module.gate_up[e]).split(module.local, dim=-1)
+            out.index_add_(0, rows, linear(module.act(gate) * up, module.down[e]) * w[start : start + n])
         start += n
     return out
 

@@ -5,9 +5,10 @@
     up to 2816 (scaled so that each product fits this machine's memory and time).
 (b) One whole denoising step (decoder forward, sampler, self-conditioning) of a `ModelRunner` on a
     model built from the parallel layers, against the same runner on the same model with every
-    parallel layer swapped for `nn.Linear` / `nn.Embedding` sharing the same weights, and the
-    sampler's and the helper's single-device arithmetic written out without any group logic; and,
-    as the measurement's noise floor, against a second identical runner of our own.
+    parallel layer swapped for a plain linear layer / `nn.Embedding` sharing the same weights and
+    the same matmul kernel (blockdiff/matmul.py), and the sampler's and the helper's single-device
+    arithmetic written out without any group logic; and, as the measurement's noise floor, against
+    a second identical runner of our own.
 
 Repetitions alternate between the two sides; printed are the medians and their ratio (ours / plain;
 1.00 = no cost), and the median of each round's ratio. Both sides must also produce the same
@@ -27,7 +28,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import blockdiff.engine.model_runner as model_runner
@@ -36,6 +36,7 @@ from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.diffusion.vocab_parallel import Distribution, _inverse_cdf
 from blockdiff.engine.kv_cache import CacheConfig
 from blockdiff.engine.model_runner import ModelRunner, StepPlan
+from blockdiff.matmul import linear
 from blockdiff.model.attention import Row
 from blockdiff.model.loader import load_model
 from blockdiff.model.tiny import TinySpec, make_tiny_model
@@ -67,7 +68,7 @@ def helper_vs_matmul(vocab: int, hidden: int, reps: int, dtype: torch.dtype) -> 
     probs = torch.softmax(torch.randn(CANVAS, vocab, generator=g), dim=-1).to(dtype)
     weight = torch.randn(vocab, hidden, generator=g).to(dtype)
     scale = float(torch.tensor(hidden**0.5).to(dtype))
-    ours, bare = (lambda: soft_embedding(probs, weight, scale)), (lambda: probs @ weight)
+    ours, bare = (lambda: soft_embedding(probs, weight, scale)), (lambda: linear(probs, weight.t()))
     ours(), bare()  # warm-up
     return interleaved(ours, bare, reps, ("helper", "bare"))
 
@@ -84,7 +85,19 @@ class PlainEmbedding(nn.Embedding):
         return super().forward(ids) * self.scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)
+
+
+class PlainLinear(nn.Module):
+    """A bias-free linear layer on the engine's matmul kernel (blockdiff/matmul.py), so both sides
+    differ only in the parallel layers' own logic."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class PlainSampler:
@@ -110,9 +123,7 @@ def plain_model(model: nn.Module) -> nn.Module:
     for module in list(plain.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
-                linear = nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=False, device="meta")
-                linear.weight = child.weight
-                setattr(module, name, linear)
+                setattr(module, name, PlainLinear(child.weight))
             elif isinstance(child, VocabParallelEmbedding):
                 setattr(module, name, PlainEmbedding(child.weight, child.scale))
     return plain
@@ -122,7 +133,7 @@ def plain_model(model: nn.Module) -> nn.Module:
 def bare_soft_embedding():
     """The runner's helper call replaced by the bare product and scale."""
     helper = model_runner.soft_embedding
-    model_runner.soft_embedding = lambda probs, weight, scale, shard, group: torch.matmul(probs, weight) * scale
+    model_runner.soft_embedding = lambda probs, weight, scale, shard, group: linear(probs, weight.t()) * scale
     try:
         yield
     finally:

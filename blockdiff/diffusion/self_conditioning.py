@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from blockdiff.matmul import linear
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
@@ -34,18 +35,18 @@ def soft_embedding(
                 f"probabilities cover a vocabulary of {probs.shape[-1]} tokens but the embedding has "
                 f"{weight.shape[0]} rows; pass the VocabShard of a sharded embedding"
             )
-        return torch.matmul(probs, weight) * scale
+        return linear(probs, weight.t()) * scale
 
     if weight.shape[0] != shard.local_rows:
         raise ValueError(f"embedding shard has {weight.shape[0]} rows, the VocabShard says {shard.local_rows}")
     vocab = probs.shape[-1]
     if vocab == shard.local_rows and vocab != shard.vocab_size:
-        out = torch.matmul(probs, weight)
+        out = linear(probs, weight.t())
     elif vocab == shard.vocab_size:
-        out = torch.matmul(probs[..., shard.org_start : shard.org_end], weight[: shard.num_org])
+        out = linear(probs[..., shard.org_start : shard.org_end], weight[: shard.num_org].t())
         if shard.num_added:
             added_rows = weight[shard.org_rows : shard.org_rows + shard.num_added]
-            out += torch.matmul(probs[..., shard.added_start : shard.added_end], added_rows)
+            out += linear(probs[..., shard.added_start : shard.added_end], added_rows.t())
     else:
         raise ValueError(
             f"probabilities cover {vocab} tokens, which is neither the full vocabulary "

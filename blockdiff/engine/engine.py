@@ -13,6 +13,7 @@ import torch
 
 from blockdiff.config import ModelConfig, parse_dtype
 from blockdiff.engine.kv_cache import BlockAllocator, CacheConfig, cache_bytes_per_block, ring_bytes_per_slot
+from blockdiff.engine.model_runner import StepPlan
 from blockdiff.engine.request import Request, State
 from blockdiff.engine.scheduler import Scheduler
 from blockdiff.outputs import RequestOutput, TokenLogprob
@@ -78,6 +79,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_time = 0.0
+        self.last_plan: StepPlan | None = None  # what the last step ran (benchmarks count its work)
 
     def _cache_config(self, model) -> CacheConfig:
         """Sized on a built (rank's) model, so per-rank head counts are right."""
@@ -164,6 +166,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.executor.execute(plan)
         self.last_step_time = time.perf_counter() - t0
+        self.last_plan = plan
         self.scheduler.advance_encoder(enc, plan)
         outputs = []
         if not dec:

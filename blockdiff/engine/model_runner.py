@@ -15,6 +15,7 @@ import torch
 from blockdiff.diffusion.sampler import DenoiseParams, denoise_step
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.engine.cpu_heap import keep_freed_memory
 from blockdiff.engine.kv_cache import CacheConfig, allocate, geometry
 from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.diffusion_gemma import DiffusionGemma
@@ -45,6 +46,8 @@ class ModelRunner:
     def __init__(self, model: DiffusionGemma, cache: CacheConfig, device: torch.device | str):
         self.model = model
         self.device = torch.device(device)
+        if self.device.type == "cpu":  # in every process that runs a model, each rank's included
+            keep_freed_memory()
         self.cache_config = cache
         self.kv = allocate(model, cache, self.device)
         self.geometry = geometry(model, cache)
@@ -88,10 +91,16 @@ class ModelRunner:
         self.canvas[slots] = res.canvas
         self.last_argmax[slots] = res.argmax
         self.run[slots] = res.run
-        weights = res.dist.exp.to(self.model.dtype)
-        soft_next = soft_embedding(weights, self.model.embed.weight, self.model.embed_scale, self._shard, self.model.group)
-        self.soft[slots] = (soft_next / res.dist.total.unsqueeze(-1)).to(self.model.dtype)
-        self.has_soft[slots] = True
+        # A finished canvas is committed and the next one starts without self-conditioning, so only
+        # the canvases that go on need their soft embeddings (the product is as big as the LM head).
+        going = ~res.finished
+        if bool(going.any()):
+            probs, total, keep = res.dist.exp, res.dist.total, slots
+            if not bool(going.all()):
+                probs, total, keep = probs[going], total[going], slots[going]
+            soft_next = soft_embedding(probs.to(self.model.dtype), self.model.embed.weight, self.model.embed_scale, self._shard, self.model.group)
+            self.soft[keep] = (soft_next / total.unsqueeze(-1)).to(self.model.dtype)
+            self.has_soft[keep] = True
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:

@@ -8,6 +8,7 @@ import logging
 import sys
 
 COMMAND_MODULES = [
+    "blockdiff.entrypoints.bench",
     "blockdiff.entrypoints.generate",
     "blockdiff.entrypoints.make_tiny_model",
     "blockdiff.entrypoints.serve",

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdiff.config import LayerSpec, ModelConfig
+from blockdiff.matmul import linear, onednn_float32
 from blockdiff.model.layers import RMSNorm, apply_rotary
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -139,16 +140,31 @@ def _rows(t: torch.Tensor, g: AttnGroup) -> torch.Tensor:
     if g.gather is None:
         t = t[g.token_start : g.token_start + g.rows * g.q_len]
     else:
-        t = t[g.gather]
+        t = t.index_select(0, g.gather)
     return t.view(g.rows, g.q_len, *t.shape[1:])
 
 
+def _cached(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] for a [rows, cached] index, as one row gather (index_select copies whole
+    [heads, dim] rows; advanced indexing computes an offset per element, ~5x slower on CPU)."""
+    return cache.index_select(0, index.reshape(-1)).view(*index.shape, *cache.shape[1:])
+
+
+# On oneDNN's float32 path attention runs as two products per (row, KV head), 1.3-1.9x faster than
+# PyTorch's CPU flash-attention kernel (whose tiles go through MKL's sgemm) at canvas shapes
+# (docs/benchmarks.md). Its [queries, keys] score block is materialised, so past this many
+# elements the tiled SDPA kernel runs instead. The choice depends on the row's own shape only.
+_MAX_SCORES = 1 << 22
+
+
 def _attend(q, k, v, g: AttnGroup, k_cache, v_cache) -> torch.Tensor:
-    """SDPA over one group; returns [rows, q_len, heads, dim]."""
+    """Attention over one group; returns [rows, q_len, heads, dim]."""
     qs, ks, vs = _rows(q, g), _rows(k, g), _rows(v, g)
     if g.cache_index is not None:
-        ks = torch.cat((ks, k_cache[g.cache_index]), dim=1)
-        vs = torch.cat((vs, v_cache[g.cache_index]), dim=1)
+        ks = torch.cat((ks, _cached(k_cache, g.cache_index)), dim=1)
+        vs = torch.cat((vs, _cached(v_cache, g.cache_index)), dim=1)
+    if onednn_float32(qs) and qs.shape[2] // ks.shape[2] * g.q_len * ks.shape[1] <= _MAX_SCORES:
+        return _attend_products(qs, ks, vs, g.mask)
     qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
     extra = {}
     if qs.shape[1] != ks.shape[1]:
@@ -159,6 +175,27 @@ def _attend(q, k, v, g: AttnGroup, k_cache, v_cache) -> torch.Tensor:
             ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
     out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=1.0, **extra)
     return out.transpose(1, 2)
+
+
+def _attend_products(qs, ks, vs, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(Q K^T) V (scale 1) with the query heads of each KV head stacked into one product:
+    qs [rows, q_len, heads, dim], ks/vs [rows, keys, kv heads, dim] -> [rows, q_len, heads, dim]."""
+    rows, q_len, heads, dim = qs.shape
+    kv = ks.shape[2]
+    group = heads // kv
+    stacked = qs.view(rows, q_len, kv, group, dim).permute(0, 2, 3, 1, 4).reshape(rows, kv, group * q_len, dim)
+    # Dense [keys, dim] blocks per (row, KV head): oneDNN falls back to a slow reference kernel
+    # on operands with gaps between rows.
+    ks, vs = ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous()
+    blocked = None if mask is None else ~mask[0, 0].repeat(group, 1)
+    out = torch.empty_like(stacked)
+    for r in range(rows):
+        for h in range(kv):
+            scores = linear(stacked[r, h], ks[r, h])
+            if blocked is not None:
+                scores.masked_fill_(blocked, float("-inf"))
+            out[r, h] = linear(scores.softmax(-1), vs[r, h].t())
+    return out.view(rows, kv, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(rows, q_len, heads, dim)
 
 
 @dataclass

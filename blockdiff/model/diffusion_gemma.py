@@ -151,5 +151,11 @@ class DiffusionGemma(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.embed.logits(hidden).float()
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            # softcap·tanh(x/softcap) = softcap - 2·softcap / (exp(2x/softcap) + 1), in place: the
+            # same function (to 6e-6 absolute at softcap 30) at a third of the cost of PyTorch's CPU
+            # tanh. Only exp and exactly rounded arithmetic: a logit comes out the same wherever it
+            # sits in the tensor, which batch invariance needs (sigmoid's vector and scalar-tail
+            # kernels round differently).
+            c = self.softcap
+            logits = logits.div_(c / 2).exp_().add_(1).reciprocal_().mul_(-2 * c).add_(c)
         return logits

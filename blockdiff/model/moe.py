@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdiff.config import ModelConfig
-from blockdiff.model.attention import align
+from blockdiff.matmul import linear
+from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_shape, copy_into, replicated_loader
@@ -72,39 +73,48 @@ class Experts(nn.Module):
         self.group = group
         self.reduce = group.size > 1
         self.act = activation(config.hidden_activation)
-        # Stored transposed ([E, in, out]) so both products are plain batched matmuls.
-        self.gate_up = nn.Parameter(torch.empty(e, h, 2 * self.local, dtype=dtype), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(e, self.local, h, dtype=dtype), requires_grad=False)
+        # [E, out, in] like the checkpoint: each expert's slice is a plain linear weight.
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * self.local, h, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(e, h, self.local, dtype=dtype), requires_grad=False)
         self.gate_up.weight_loader = self.load_gate_up
         self.down.weight_loader = self.load_down
 
     def load_gate_up(self, param: torch.Tensor, source, name: str) -> None:
         check_shape(name, source, (self.num_experts, 2 * self.inter, self.hidden))
         lo = self.rank * self.local
-        copy_into(param.data[:, :, : self.local], source[:, lo : lo + self.local].transpose(1, 2))
-        copy_into(param.data[:, :, self.local :], source[:, self.inter + lo : self.inter + lo + self.local].transpose(1, 2))
+        copy_into(param.data[:, : self.local], source[:, lo : lo + self.local])
+        copy_into(param.data[:, self.local :], source[:, self.inter + lo : self.inter + lo + self.local])
 
     def load_down(self, param: torch.Tensor, source, name: str) -> None:
         check_shape(name, source, (self.num_experts, self.hidden, self.inter))
         lo = self.rank * self.local
-        copy_into(param.data, source[:, :, lo : lo + self.local].transpose(1, 2))
+        copy_into(param.data, source[:, :, lo : lo + self.local])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Tokens are sorted by expert into a padded [E, capacity, H] batch: two bmm's do all experts."""
+        """Tokens are sorted by expert into one buffer where each expert's rows start on a multiple
+        of ROW_ALIGN; each expert is then two plain matmuls over its own rows, with no padding to
+        the busiest expert's load."""
         n, k = index.shape
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
-        expert = flat[order]
         counts = torch.bincount(flat, minlength=self.num_experts)
-        capacity = align(int(counts.max()))
-        slot = torch.arange(n * k, device=x.device) - (counts.cumsum(0) - counts).repeat_interleave(counts, output_size=n * k)
-        batch = x.new_zeros(self.num_experts, capacity, self.hidden)
-        batch[expert, slot] = x[token]
-        gate, up = torch.bmm(batch, self.gate_up).split(self.local, dim=-1)
-        y = torch.bmm(self.act(gate) * up, self.down)[expert, slot]
-        y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
-        out = x.new_zeros(n, self.hidden).index_add_(0, token, y)
+        rows = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+        first = rows.cumsum(0) - rows
+        skip = (first - (counts.cumsum(0) - counts)).repeat_interleave(counts, output_size=n * k)
+        dest = torch.arange(n * k, device=x.device) + skip
+        sizes = rows.tolist()
+        # Row gathers through index_select (a copy per row) rather than advanced indexing (index
+        # arithmetic per element, ~5x slower on CPU); padding rows repeat token 0 and are dropped.
+        source = torch.zeros(sum(sizes), dtype=torch.long, device=x.device)
+        source[dest] = token
+        parts = x.index_select(0, source).split(sizes)
+        hidden = torch.cat([linear(p, w) for p, w in zip(parts, self.gate_up) if p.shape[0]])
+        gate, up = hidden.split(self.local, dim=-1)
+        act = (self.act(gate) * up).split([s for s in sizes if s])
+        y = torch.cat([linear(a, w) for a, w in zip(act, (w for w, s in zip(self.down, sizes) if s))])
+        y = y.index_select(0, dest) * weights.reshape(-1)[order, None]
+        out = x.new_zeros(n, self.hidden).index_add_(0, token, y.to(x.dtype))
         if self.reduce:
             self.group.all_reduce(out)
         return out

@@ -1,6 +1,6 @@
 """Linear and embedding layers split over the tensor-parallel group.
 
-At group size 1 each layer is exactly its plain counterpart: one `F.linear` or `F.embedding`,
+At group size 1 each layer is exactly its plain counterpart: one `linear` (blockdiff/matmul.py) or `F.embedding`,
 no slicing, no collective. Each parameter carries a `weight_loader(param, source, name, *part)` that
 takes this rank's slice out of a checkpoint tensor (a safetensors slice or a tensor), after checking
 the full tensor's shape.
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockdiff.matmul import linear
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
@@ -72,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data[off : off + local], source[start : start + local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -96,7 +97,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, source[:, start : start + self.local_in])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.reduce:
             self.group.all_reduce(y)
         return y
@@ -138,4 +139,4 @@ class VocabParallelEmbedding(nn.Module):
         return out * self.scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)

@@ -1,0 +1,263 @@
+"""`blockdiff bench offline`: latency and throughput of `LLM.generate` with a fixed number of
+denoising steps per canvas, optionally side by side with transformers' generate on the same
+checkpoint and settings, and a roofline of the denoising steps and commits."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from blockdiff.bench.datasets import random_token_prompts, special_token_ids
+from blockdiff.config import parse_dtype
+from blockdiff.bench.roofline import Cost, measure_peak, parameter_count, plan_cost
+from blockdiff.engine.request import State
+from blockdiff.entrypoints.args import add_engine_args, engine_config
+from blockdiff.sampling_params import SamplingParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes; the first row is the latency row")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=256, help="new tokens per request")
+    p.add_argument("--denoising-steps", type=int, default=8, help="denoising steps every canvas takes")
+    p.add_argument("--num-iters", type=int, default=3, help="timed runs per batch size and engine (the median is shown)")
+    p.add_argument("--num-warmup", type=int, default=1, help="untimed runs per batch size and engine")
+    p.add_argument("--compare", choices=["transformers"], default=None,
+                   help="also run transformers' generate, alternating with blockdiff, and show the speedup")
+    p.add_argument("--output-json", default=None, help="write every figure to this JSON file")
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"--batch-sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+@dataclasses.dataclass
+class PhaseTiming:
+    """Measured engine steps of one kind (denoise / commit / prefill) and the work they did."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    cost: Cost = dataclasses.field(default_factory=Cost)
+
+    def add(self, seconds: float, cost: Cost) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.cost = self.cost + cost
+
+    def as_dict(self, peak_gflops: float) -> dict:
+        per_step = self.seconds / max(1, self.steps)
+        gflops = self.cost.flops / self.seconds / 1e9 if self.seconds else 0.0
+        return {
+            "steps": self.steps,
+            "ms_per_step": per_step * 1e3,
+            "gflop_per_step": self.cost.flops / max(1, self.steps) / 1e9,
+            "mb_per_step": self.cost.bytes / max(1, self.steps) / 1e6,
+            "flop_per_byte": self.cost.intensity,
+            "gflops": gflops,
+            "fraction_of_peak": gflops / peak_gflops if peak_gflops else 0.0,
+        }
+
+
+def _step_kind(plan, states_by_slot: dict) -> str:
+    kinds = set()
+    for r in plan.rows:
+        if r.decoder:
+            kinds.add("denoise")
+        else:
+            kinds.add("commit" if states_by_slot.get(r.slot) == State.COMMIT else "prefill")
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], dtype: torch.dtype) -> dict[str, PhaseTiming]:
+    """One generation driven step by step through the engine (as LLM.generate drives it), each step
+    timed and costed by kind: "denoise" (only canvases being denoised), "commit" (only finished
+    canvases), "prefill" (only prompt tokens), or "mixed"."""
+    engine = llm.engine
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    phases: dict[str, PhaseTiming] = {}
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    try:
+        while engine.has_unfinished():
+            states = {r.slot: r.state for r in engine.scheduler.running}
+            previous = engine.last_plan
+            engine.step()
+            plan = engine.last_plan
+            if plan is previous:  # nothing ran
+                continue
+            kind = _step_kind(plan, states)
+            phases.setdefault(kind, PhaseTiming()).add(engine.last_step_time, plan_cost(engine.model_config, plan, dtype_bytes))
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+    return phases
+
+
+def median_phases(runs: list[dict[str, PhaseTiming]]) -> dict[str, PhaseTiming]:
+    """Per phase, the profiled run of median speed (FLOPs per second)."""
+    out = {}
+    for kind in {k for r in runs for k in r}:
+        timings = sorted((r[kind] for r in runs if kind in r), key=lambda p: p.cost.flops / max(p.seconds, 1e-12))
+        out[kind] = timings[len(timings) // 2]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockdiff.llm import LLM
+
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    for name in ("input_len", "output_len", "denoising_steps", "num_iters"):
+        _positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    if args.num_warmup < 0:
+        raise ValueError(f"--num-warmup must be >= 0, got {args.num_warmup}")
+    cfg = engine_config(args)
+    cfg = dataclasses.replace(
+        cfg,
+        max_num_seqs=max(cfg.max_num_seqs, max(batch_sizes)),
+        max_model_len=cfg.max_model_len or args.input_len + args.output_len,
+    )
+    llm = LLM.from_engine_config(cfg)
+    try:
+        return _benchmark(llm, cfg, args, batch_sizes)
+    finally:
+        llm.shutdown()
+
+
+def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> int:
+    engine = llm.engine
+    device = cfg.resolved_device()
+    config = engine.model_config
+    dtype = parse_dtype(cfg.dtype, config)
+    reference = None
+    if args.compare == "transformers":
+        from blockdiff.bench.reference import TransformersRunner
+
+        reference = TransformersRunner(cfg.model, dtype, device, args.output_len, args.denoising_steps)
+
+    peak = measure_peak(device, dtype)
+    steps = args.denoising_steps
+    header = {
+        "model": cfg.model,
+        "parameters": parameter_count(config),
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "denoising_steps": steps,
+        "num_iters": args.num_iters,
+        "num_warmup": args.num_warmup,
+        "peak_gflops": peak.gflops,
+        "peak_kernel": peak.kernel,
+        "bandwidth_gbs": peak.bandwidth_gbs,
+        "compare": args.compare,
+        "transformers": reference.version if reference else None,
+    }
+    _print_header(header)
+
+    rows = []
+    specials = special_token_ids(config)
+    for batch in batch_sizes:
+        prompts = random_token_prompts(batch, args.input_len, config.vocab_size, specials, seed=args.seed + batch)
+        # stability_threshold = steps: a canvas never counts as stable, so each takes every step.
+        params = [
+            SamplingParams(max_tokens=args.output_len, max_denoising_steps=steps, stability_threshold=steps,
+                           ignore_eos=True, seed=args.seed + i)
+            for i in range(batch)
+        ]
+
+        def ours() -> float:
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t
+            done = [len(o.token_ids) for o in outs]
+            if done != [args.output_len] * batch:
+                raise RuntimeError(f"blockdiff generated {done} tokens, {args.output_len} each were asked")
+            return seconds
+
+        def theirs() -> float:
+            return reference.generate(prompts, seed=args.seed)
+
+        sides = [ours] + ([theirs] if reference else [])
+        for _ in range(args.num_warmup):
+            for side in sides:
+                side()
+        times: list[list[float]] = [[] for _ in sides]
+        for _ in range(args.num_iters):  # alternate, so load on the machine hits both sides alike
+            for i, side in enumerate(sides):
+                times[i].append(side())
+        phases = median_phases([profile_steps(llm, prompts, params, dtype) for _ in range(args.num_iters)])
+        row = {"batch": batch, "blockdiff_s": statistics.median(times[0]), "blockdiff_runs_s": times[0]}
+        row["blockdiff_tok_s"] = batch * args.output_len / row["blockdiff_s"]
+        if reference:
+            row["transformers_s"] = statistics.median(times[1])
+            row["transformers_runs_s"] = times[1]
+            row["transformers_tok_s"] = batch * args.output_len / row["transformers_s"]
+            row["speedup"] = row["transformers_s"] / row["blockdiff_s"]
+        row["phases"] = {k: v.as_dict(peak.gflops) for k, v in sorted(phases.items())}
+        rows.append(row)
+        _print_row(row, reference is not None, first=batch == batch_sizes[0])
+
+    _print_roofline(rows)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"config": header, "results": rows}, f, indent=2)
+    return 0
+
+
+def _print_header(h: dict) -> None:
+    print("{s:{c}^{n}}".format(s=" Offline Benchmark ", n=78, c="="))
+    tp = f", tensor parallel {h['tensor_parallel_size']}" if h["tensor_parallel_size"] > 1 else ""
+    print(f"model: {h['model']} ({h['parameters'] / 1e6:.1f}M parameters, {h['dtype']}, {h['device']}{tp}, "
+          f"{h['threads']} threads, torch {h['torch']})")
+    print(f"requests: {h['input_len']} prompt tokens, {h['output_len']} new tokens, "
+          f"{h['denoising_steps']} denoising steps per canvas, EOS ignored")
+    print(f"timing: median of {h['num_iters']} runs after {h['num_warmup']} warmup"
+          + (f", alternating with transformers {h['transformers']}" if h["compare"] else ""))
+    print(f"measured peak: {h['peak_gflops']:.1f} GFLOP/s matmul ({h['peak_kernel']}), "
+          f"{h['bandwidth_gbs']:.1f} GB/s copy")
+    print("-" * 78)
+
+
+def _print_row(row: dict, compare: bool, first: bool) -> None:
+    if first:
+        cols = f"{'batch':>5} {'blockdiff s':>12} {'tok/s':>9}"
+        if compare:
+            cols += f" {'transformers s':>15} {'tok/s':>9} {'speedup':>8}"
+        print(cols)
+    line = f"{row['batch']:>5} {row['blockdiff_s']:>12.3f} {row['blockdiff_tok_s']:>9.1f}"
+    if compare:
+        line += f" {row['transformers_s']:>15.3f} {row['transformers_tok_s']:>9.1f} {row['speedup']:>7.2f}x"
+    print(line, flush=True)
+
+
+def _print_roofline(rows: list[dict]) -> None:
+    print("{s:{c}^{n}}".format(s=" Roofline (median of the profiled runs) ", n=78, c="-"))
+    print(f"{'batch':>5} {'phase':>8} {'steps':>6} {'ms/step':>9} {'GFLOP/step':>11} {'MB/step':>9} "
+          f"{'FLOP/B':>7} {'GFLOP/s':>8} {'of peak':>8}")
+    for row in rows:
+        for phase, p in row["phases"].items():
+            print(f"{row['batch']:>5} {phase:>8} {p['steps']:>6} {p['ms_per_step']:>9.2f} {p['gflop_per_step']:>11.3f} "
+                  f"{p['mb_per_step']:>9.1f} {p['flop_per_byte']:>7.1f} {p['gflops']:>8.1f} {p['fraction_of_peak']:>7.1%}")
+    print("=" * 78)

@@ -1,0 +1,150 @@
+"""Roofline: the arithmetic and memory traffic of a forward, from the config, against measured peaks.
+
+`plan_cost` counts what one engine step must do for the rows it runs (a denoising step, a commit, a
+prompt chunk): FLOPs of every matmul and of attention over the keys each query may see (masked-out
+keys are not counted), and the bytes that must cross the memory bus at least once — the weights
+the step touches, the KV cache it reads and writes, and the float32 logits written by the LM head
+and read back by the sampler and the self-conditioning product. Elementwise work (norms, softmax,
+rotary) is left out: it is small in FLOPs, and its traffic depends on how well a kernel keeps
+activations in cache. `measure_matmul_peak` times the matmul kernels the engine uses on a large
+square product; achieved GFLOP/s divided by it is the fraction of peak.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from blockdiff.config import LayerSpec, ModelConfig
+from blockdiff.engine.model_runner import StepPlan
+from blockdiff.matmul import linear
+
+
+@dataclass
+class Cost:
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+def _token_weights(config: ModelConfig, spec: LayerSpec) -> tuple[int, int]:
+    """(dense weight elements every token multiplies, expert weight elements of one expert)."""
+    h, heads, hd, kv = config.hidden_size, config.num_heads, spec.head_dim, spec.num_kv_heads
+    attention = h * (heads * hd + kv * hd * (2 if spec.has_v_proj else 1)) + heads * hd * h
+    dense = attention + 3 * h * config.intermediate_size + h * config.num_experts
+    return dense, 3 * h * config.moe_intermediate_size
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters of the text model (the tied embedding once), from the config alone."""
+    h = config.hidden_size
+    total = config.vocab_size * h + h + h + 3 * h * config.intermediate_size  # embedding, final norm, self-conditioning
+    for spec in config.layers:
+        dense, expert = _token_weights(config, spec)
+        total += dense + config.num_experts * expert  # projections, dense MLP, router, experts
+        total += 2 * spec.head_dim + 7 * h + h + config.num_experts + 2  # q/k norms, block norms, router scales, layer scalars
+    return total
+
+
+def _keys_seen(start: int, length: int, decoder: bool, window: int | None) -> int:
+    """Σ over the row's queries of the keys each one attends to."""
+    if decoder:  # the cached prefix (the last window - 1 positions on sliding layers) + the canvas
+        cached = start if window is None else min(start, window - 1)
+        return length * (cached + length)
+    # causal: query i sees positions <= start + i, the last `window` of them on sliding layers
+    total = 0
+    for i in range(length):
+        seen = start + i + 1
+        total += seen if window is None else min(seen, window)
+    return total
+
+
+def _expected_experts(tokens: int, config: ModelConfig) -> float:
+    """Experts a batch of `tokens` touches on average under uniform routing."""
+    e, k = config.num_experts, config.top_k_experts
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int) -> Cost:
+    """FLOPs and compulsory bytes of one engine step."""
+    h, v, b = config.hidden_size, config.vocab_size, dtype_bytes
+    tokens = sum(r.length for r in plan.rows)
+    dec_rows = [r for r in plan.rows if r.decoder]
+    dec_tokens = sum(r.length for r in dec_rows)
+    cost = Cost()
+    for spec in config.layers:
+        dense, expert = _token_weights(config, spec)
+        kv_width = spec.num_kv_heads * spec.head_dim
+        cost.flops += 2 * tokens * (dense + config.top_k_experts * expert)
+        cost.bytes += b * (dense + _expected_experts(tokens, config) * expert)
+        window = spec.window if spec.sliding else None
+        for r in plan.rows:
+            cost.flops += 4 * config.num_heads * spec.head_dim * _keys_seen(r.start, r.length, r.decoder, window)
+            cached = r.start if window is None else min(r.start, window - 1)
+            cost.bytes += 2 * b * kv_width * cached
+            if not r.decoder:
+                cost.bytes += 2 * b * kv_width * (r.length if window is None else min(r.length, window - 1))
+    if dec_rows:
+        # LM head, then the sampler reads the float32 logits once.
+        cost.flops += 2 * dec_tokens * h * v
+        cost.bytes += b * v * h + 2 * 4 * dec_tokens * v
+        new = set(plan.new_canvas_rows)
+        conditioned = sum(r.length for i, r in enumerate(dec_rows) if i not in new)
+        if conditioned:  # the self-conditioning MLP of canvases past their first step
+            cost.flops += 2 * conditioned * 3 * h * config.intermediate_size
+            cost.bytes += b * 3 * h * config.intermediate_size
+        continuing = sum(r.length for r, n in zip(dec_rows, plan.denoise.step.tolist()) if n > 1)
+        if continuing:  # soft embeddings for the next step: probabilities @ embedding
+            cost.flops += 2 * continuing * v * h
+            cost.bytes += b * v * h + 4 * continuing * v
+    return cost
+
+
+@dataclass
+class Peak:
+    gflops: float
+    kernel: str
+    bandwidth_gbs: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(fn, device: torch.device, min_time: float) -> float:
+    fn()
+    _sync(device)
+    best, spent = float("inf"), 0.0
+    while spent < min_time:
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+    return best
+
+
+def measure_peak(device: torch.device | str, dtype: torch.dtype, min_time: float = 0.3) -> Peak:
+    """Best matmul GFLOP/s over the kernels the engine may use, on a square product big enough to
+    be compute-bound, and the copy bandwidth of a tensor far larger than the caches."""
+    device = torch.device(device)
+    n = 1024 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device).to(dtype)
+    w = torch.randn(n, n, device=device).to(dtype)
+    kernels = {"blockdiff linear": lambda: linear(a, w), "torch.mm": lambda: torch.mm(a, w)}
+    rates = {name: 2 * n**3 / _best_seconds(fn, device, min_time) / 1e9 for name, fn in kernels.items()}
+    kernel = max(rates, key=rates.get)
+    big = torch.empty(64 * 2**20 // 4 * (4 if device.type == "cuda" else 1), device=device)
+    out = torch.empty_like(big)
+    seconds = _best_seconds(lambda: out.copy_(big), device, min_time)
+    return Peak(rates[kernel], kernel, 2 * big.numel() * big.element_size() / seconds / 1e9)
