@@ -3,9 +3,15 @@ through transformers' generate and under tensor parallelism."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
+import httpx
 import pytest
 import torch
 from helpers import load_hf
+from server_process import ServerProcess
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.demo import demo_checkpoint
@@ -70,6 +76,28 @@ def test_default_model_is_the_demo(capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == "1 2 3"
     with LLM() as llm:
         assert llm.engine.cfg.model == demo_checkpoint()
+
+
+def test_readme_first_command_answers_a_task(tmp_path):
+    """The README's first command serves the demo with no model given, and its curl example gets
+    the task's answer back."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    first = next(line.strip() for line in readme.splitlines() if line.startswith("    bash scripts/setup.sh"))
+    assert first.endswith("blockdiff serve")
+    curl = next(line.strip() for line in readme.splitlines() if line.startswith("    curl "))
+    route = re.search(r"http://127\.0\.0\.1:8000(/\S+)", curl).group(1)
+    body = json.loads(re.search(r"-d '(.*)'$", curl).group(1))
+    question = body["messages"][-1]["content"]
+    assert question.startswith("sort: ")
+    expected = " ".join(sorted(question.removeprefix("sort: ").split()))
+    server = ServerProcess(None, log_path=str(tmp_path / "server.log"))
+    try:
+        r = httpx.post(server.url + route, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected
+        assert f"`{expected}`" in readme  # the README says what comes back
+    finally:
+        server.close()
 
 
 def test_eval_command(capsys):

@@ -18,7 +18,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, nu
 
 @pytest.fixture(scope="module")
 def trained():
-    cfg = TrainConfig(steps=16, batch_size=8, lr=3e-3, warmup=2, seed=3, spec=demo_spec(**SMALL))
+    cfg = TrainConfig(steps=48, batch_size=8, lr=3e-3, warmup=2, seed=3, spec=demo_spec(**SMALL))
     model, history = train(cfg)
     return cfg, model, history
 
@@ -30,8 +30,8 @@ def test_training_is_seeded_and_the_loss_falls(trained):
     _, other = train(TrainConfig(**{**cfg.__dict__, "seed": 4}))
     assert other != history
     first = sum(h["loss"] for h in history[:4]) / 4
-    last = sum(h["loss"] for h in history[-4:]) / 4
-    assert last < 0.8 * first, (first, last)
+    last = sum(h["loss"] for h in history[-8:]) / 8
+    assert last < 0.75 * first, (first, last)  # measured 0.65-0.68 over seeds 3-5
 
 
 def test_saved_checkpoint_loads_back_identically(trained, tmp_path):

@@ -113,12 +113,11 @@ def build_model(spec: TinySpec, seed: int) -> DiffusionGemma:
     model = DiffusionGemma(ModelConfig.from_dict(config_dict(spec)), dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
-                fan_in = p.shape[1] if name.endswith(("experts.gate_up", "experts.down")) else p.shape[-1]
-                p.normal_(0.0, fan_in**-0.5, generator=g)
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)  # every matrix is [..., out, in]
             p.requires_grad_(True)
     return model
 

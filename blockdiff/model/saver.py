@@ -1,7 +1,7 @@
 """Save a `DiffusionGemma` as a Hugging Face checkpoint: the inverse of the loader.
 
 Our fused parameters are split back into the checkpoint's tensors (qkv_proj -> q/k/v, gate_up_proj
--> gate/up) and the experts transposed back to [E, 2I, H] / [E, H, I]. Shared layer weights are
+-> gate/up) and the experts renamed (both store them [E, out, in]). Shared layer weights are
 written once, under the decoder spelling (transformers ties the encoder's to them); the layer
 scalars under both. Every name written is checked against the loader's own mapping, so saving and
 loading cannot drift apart.
@@ -64,7 +64,7 @@ def _export(model: DiffusionGemma, name: str, param: torch.Tensor):
     if rest in _FUSED:
         return _split(model, name, param, [prefix + n for n in _FUSED[rest]])
     if rest in _RENAMED:
-        return [(prefix + _RENAMED[rest], None, param.transpose(1, 2))]  # stored [E, in, out]
+        return [(prefix + _RENAMED[rest], None, param)]
     return [(prefix + rest.replace("attn.", "self_attn.", 1), None, param)]
 
 
