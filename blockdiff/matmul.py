@@ -5,7 +5,7 @@ processors; oneDNN's float32 kernel uses AVX-512 where the CPU has it and runs t
 about twice as fast (docs/benchmarks.md). It is full float32 arithmetic, like sgemm. Like sgemm it
 computes a row the same way wherever it sits in a product whose row count is a multiple of 8, which
 keeps requests batch-invariant (see ROW_ALIGN in model/attention.py).
-Everything else (GPUs, reduced precision, where oneDNN is missing) stays on `F.linear`.
+Everything else (GPUs, reduced precision, where oneDNN is missing, training) stays on `F.linear`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ _ONEDNN_FP32 = (
 
 
 def onednn_float32(x: torch.Tensor) -> bool:
-    """Whether `linear` runs products of `x` on oneDNN's float32 kernel."""
-    return _ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu"
+    """Whether `linear` runs products of `x` on oneDNN's float32 kernel. Not when `x` needs a
+    gradient (the demo trainer): the oneDNN op has no autograd formula."""
+    return _ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight [out, in].T; `weight` may be a transposed view."""
-    if onednn_float32(x) and x.numel():
+    if onednn_float32(x) and not weight.requires_grad and x.numel():
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)

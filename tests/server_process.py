@@ -35,10 +35,10 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class ServerProcess:
-    """`python -m blockdiff serve MODEL ARGS...` in its own session (so every process it starts can be
+    """`python -m blockdiff serve [MODEL] ARGS...` (no MODEL: the bundled demo) in its own session (so every process it starts can be
     found by its process group), ready once /health answers 200."""
 
-    def __init__(self, model: str, *args: str, log_path: str, ready_timeout: float = 180.0):
+    def __init__(self, model: str | None, *args: str, log_path: str, ready_timeout: float = 180.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -46,7 +46,7 @@ class ServerProcess:
         # Tiny models gain nothing from a second thread, and on a shared 2-core machine two OpenMP
         # threads stall each other whenever the test process or anything else takes a core.
         env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, "-m", "blockdiff", "serve", model, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "blockdiff", "serve", *([model] if model else []), "--port", str(self.port), *args]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:

@@ -78,54 +78,53 @@ def test_encoder_spelling_and_sharded_checkpoint_load_the_same(tiny, tmp_path):
     assert torch.equal(hf.model.decoder.layers[0].self_attn.q_proj.weight, load_hf(tiny).model.decoder.layers[0].self_attn.q_proj.weight)
 
 
-def test_missing_tensor_is_named(tiny, tmp_path):
-    path = _copy(tiny, tmp_path / "m")
+def _edited(src: str, dst, edit) -> str:
+    """A copy of checkpoint `src` whose tensors dict went through `edit`; -> its path."""
+    path = _copy(src, dst)
     tensors = load_file(os.path.join(path, "model.safetensors"))
-    del tensors["model.decoder.layers.1.mlp.up_proj.weight"]
+    edit(tensors)
     save_file(tensors, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def test_missing_tensor_is_named(tiny, tmp_path):
+    path = _edited(tiny, tmp_path / "m", lambda t: t.pop("model.decoder.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing.*layers\.1\.mlp\.gate_up_proj\.weight\[part 1\]"):
         load_model(path)
 
 
 def test_unexpected_tensor_is_named(tiny, tmp_path):
-    path = _copy(tiny, tmp_path / "u")
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    tensors["model.decoder.layers.0.mystery.weight"] = torch.zeros(3)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    path = _edited(tiny, tmp_path / "u", lambda t: t.update({"model.decoder.layers.0.mystery.weight": torch.zeros(3)}))
     with pytest.raises(CheckpointError, match=r"unexpected.*model\.decoder\.layers\.0\.mystery\.weight"):
         load_model(path)
 
 
 def test_wrong_shape_names_tensor_and_both_shapes(tiny, tmp_path):
-    path = _copy(tiny, tmp_path / "s")
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    tensors["model.decoder.layers.2.self_attn.o_proj.weight"] = torch.zeros(64, 63)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    path = _edited(tiny, tmp_path / "s", lambda t: t.update({"model.decoder.layers.2.self_attn.o_proj.weight": torch.zeros(64, 63)}))
     with pytest.raises(ShapeMismatch, match=r"'model\.decoder\.layers\.2\.self_attn\.o_proj\.weight' has shape \[64, 63\], expected \[64, 64\]"):
         load_model(path)
 
 
-def test_unsupported_architecture(tiny, tmp_path):
-    path = _copy(tiny, tmp_path / "a")
+def _edited_config(src: str, dst, edit) -> str:
+    """A copy of checkpoint `src` whose config.json dict went through `edit`; -> its path."""
+    path = _copy(src, dst)
     cfg_file = os.path.join(path, "config.json")
     with open(cfg_file) as f:
         cfg = json.load(f)
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg["model_type"] = "llama"
+    edit(cfg)
     with open(cfg_file, "w") as f:
         json.dump(cfg, f)
+    return path
+
+
+def test_unsupported_architecture(tiny, tmp_path):
+    path = _edited_config(tiny, tmp_path / "a", lambda c: c.update(architectures=["LlamaForCausalLM"], model_type="llama"))
     with pytest.raises(ConfigError, match="unsupported architecture.*LlamaForCausalLM"):
         load_model(path)
 
 
 def test_missing_required_config_field(tiny, tmp_path):
-    path = _copy(tiny, tmp_path / "c")
-    cfg_file = os.path.join(path, "config.json")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
-    del cfg["text_config"]["num_experts"]
-    with open(cfg_file, "w") as f:
-        json.dump(cfg, f)
+    path = _edited_config(tiny, tmp_path / "c", lambda c: c["text_config"].pop("num_experts"))
     with pytest.raises(ConfigError, match="missing required fields: num_experts"):
         ModelConfig.from_pretrained(path)
 

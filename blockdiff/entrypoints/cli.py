@@ -12,6 +12,8 @@ COMMAND_MODULES = [
     "blockdiff.entrypoints.generate",
     "blockdiff.entrypoints.make_tiny_model",
     "blockdiff.entrypoints.serve",
+    "blockdiff.entrypoints.train_demo",
+    "blockdiff.entrypoints.eval",
 ]
 
 

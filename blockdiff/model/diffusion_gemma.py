@@ -157,5 +157,7 @@ class DiffusionGemma(nn.Module):
             # sits in the tensor, which batch invariance needs (sigmoid's vector and scalar-tail
             # kernels round differently).
             c = self.softcap
+            if logits.requires_grad:  # training (the demo trainer): autograd cannot go through in-place ops
+                return c * torch.tanh(logits / c)
             logits = logits.div_(c / 2).exp_().add_(1).reciprocal_().mul_(-2 * c).add_(c)
         return logits

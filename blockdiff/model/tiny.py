@@ -27,6 +27,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": "<bos>",
+    "eos_token": "<eos>",
+    "pad_token": "<pad>",
+    "unk_token": "<unk>",
+    "add_bos_token": True,
+    "chat_template": CHAT_TEMPLATE,
+    "model_max_length": 131072,
+}
+
 _CORPUS = """
 Block diffusion language models write text one canvas at a time. Each canvas starts as random
 tokens and is denoised over a few steps; the tokens the model is sure of are kept, the others are
@@ -139,15 +150,7 @@ def generation_config_dict(spec: TinySpec) -> dict:
 
 
 def random_tensors(spec: TinySpec) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(spec.seed)
-
-    def normal(*shape, std=None):
-        std = std if std is not None else shape[-1] ** -0.5
-        return torch.randn(*shape, generator=g) * std
-
-    def around_one(*shape, spread=0.25):
-        return 1.0 + spread * (2 * torch.rand(*shape, generator=g) - 1)
-
+    normal, around_one = _random_fns(torch.Generator().manual_seed(spec.seed))
     h, i, e, mi = spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.moe_intermediate_size
     text_prefix = "model.decoder." if spec.spelling == "decoder" else "model.encoder.language_model."
     t: dict[str, torch.Tensor] = {text_prefix + "embed_tokens.weight": normal(spec.vocab_size, h), text_prefix + "norm.weight": around_one(h)}
@@ -187,6 +190,23 @@ def random_tensors(spec: TinySpec) -> dict[str, torch.Tensor]:
     t.update(_vision_tensors(h, normal, around_one))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
     return {k: v.to(dtype).contiguous() for k, v in t.items()}
+
+
+def _random_fns(g: torch.Generator):
+    def normal(*shape, std=None):
+        std = std if std is not None else shape[-1] ** -0.5
+        return torch.randn(*shape, generator=g) * std
+
+    def around_one(*shape, spread=0.25):
+        return 1.0 + spread * (2 * torch.rand(*shape, generator=g) - 1)
+
+    return normal, around_one
+
+
+def vision_tensors(text_hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors of the small vision tower that `config_dict` declares. blockdiff ignores them;
+    they let transformers load a text-only checkpoint with no missing keys."""
+    return _vision_tensors(text_hidden, *_random_fns(torch.Generator().manual_seed(seed)))
 
 
 def _vision_tensors(text_hidden: int, normal, around_one) -> dict[str, torch.Tensor]:
@@ -235,20 +255,14 @@ def build_tokenizer(vocab_size: int, corpus: str = _CORPUS):
 
 
 def write_tokenizer(out_dir: str, vocab_size: int, corpus: str = _CORPUS) -> None:
-    tok = build_tokenizer(vocab_size, corpus)
+    save_tokenizer(out_dir, build_tokenizer(vocab_size, corpus))
+
+
+def save_tokenizer(out_dir: str, tok) -> None:
+    """tokenizer.json, and tokenizer_config.json with the special tokens and the chat template."""
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<bos>",
-        "eos_token": "<eos>",
-        "pad_token": "<pad>",
-        "unk_token": "<unk>",
-        "add_bos_token": True,
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 131072,
-    }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config, f, indent=2)
+        json.dump(TOKENIZER_CONFIG, f, indent=2)
 
 
 def make_tiny_model(out_dir: str, spec: TinySpec | None = None, **overrides) -> str:

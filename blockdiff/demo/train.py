@@ -1,0 +1,258 @@
+"""Train the demo model with the DiffusionGemma objective, through blockdiff's own model code.
+
+One training step on a batch of (prompt, answer) pairs:
+  1. the encoder runs over each clean sequence (prompt + answer + EOS), writing K/V into fresh cache
+     tensors; its last hidden states give the autoregressive loss (next-token cross-entropy);
+  2. each canvas of each answer (canvas k starts CL*k tokens into the answer; the positions after
+     EOS hold <pad>) is corrupted: a level t ~ U(eps, 1) per canvas, and each position replaced by
+     a uniformly random token with probability t (no mask token);
+  3. a first decoder pass over the corrupted canvases, without gradients, reading the cache;
+     softmax of its logits -> soft embeddings, kept for a canvas with probability 0.5 (zeros
+     otherwise) as the self-conditioning input of
+  4. the second decoder pass, whose cross-entropy against the clean canvas is the diffusion loss.
+Decoder rows read only cache positions before their canvas, which the encoder wrote in step 1 (the
+sliding window is larger than any training sequence, so the ring never wraps). The loss is the
+diffusion loss plus `ar_weight` (1 by default) times the autoregressive loss. Every draw comes from
+generators seeded by `TrainConfig.seed`: the same seed gives the same model on the same machine
+and thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from blockdiff.config import ModelConfig
+from blockdiff.demo.tasks import Problem, training_problems
+from blockdiff.demo.tokenizer import VOCAB, build_char_tokenizer
+from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.engine.kv_cache import CacheConfig, allocate, geometry
+from blockdiff.model.attention import Row, build_metadata
+from blockdiff.model.diffusion_gemma import DiffusionGemma
+from blockdiff.model.saver import save_weights
+from blockdiff.model.tiny import (
+    CHAT_TEMPLATE, EOS, PAD, TOKENIZER_CONFIG, TinySpec, config_dict, generation_config_dict, save_tokenizer,
+    vision_tensors,
+)
+from blockdiff.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+IGNORE = -100
+BLOCK_SIZE = 16
+
+# Sampler defaults written to the checkpoint's generation_config.json.
+GENERATION_DEFAULTS = {
+    "max_new_tokens": 32,
+    "max_denoising_steps": 16,
+    "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
+    "t_min": 0.4,
+    "t_max": 0.8,
+    "stability_threshold": 1,
+    "confidence_threshold": 0.005,
+}
+
+
+def demo_spec(**overrides) -> TinySpec:
+    """The demo model's shape: ~1.5M parameters, canvases of 8 tokens."""
+    spec = dict(
+        vocab_size=len(VOCAB), hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=32, global_head_dim=64, num_global_kv_heads=1, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=128, sliding_window=64, canvas_length=8,
+        max_position_embeddings=1024, generation=dict(GENERATION_DEFAULTS), tokenizer=False,
+    )
+    spec.update(overrides)
+    return TinySpec(**spec)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 64
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    ar_weight: float = 1.0  # weight of the encoder's autoregressive loss
+    t_eps: float = 1e-3
+    self_conditioning_prob: float = 0.5
+    seed: int = 0
+    log_every: int = 50
+    spec: TinySpec = field(default_factory=demo_spec)
+
+
+@dataclass
+class Example:
+    prompt: list[int]  # the chat template around the question, ending with "<start_of_turn>model\n"
+    answer: list[int]  # the answer's characters and EOS
+
+
+def demo_tokenizer() -> Tokenizer:
+    return Tokenizer(build_char_tokenizer(), TOKENIZER_CONFIG, CHAT_TEMPLATE)
+
+
+def chat_prompt(tokenizer: Tokenizer, question: str) -> list[int]:
+    """The token ids `LLM.chat` sends for a one-message conversation."""
+    return tokenizer.encode_chat([{"role": "user", "content": question}])
+
+
+def encode(tokenizer: Tokenizer, problem: Problem) -> Example:
+    return Example(chat_prompt(tokenizer, problem.question), tokenizer.encode(problem.answer, add_special_tokens=False) + [EOS])
+
+
+def build_model(spec: TinySpec, seed: int) -> DiffusionGemma:
+    """A float32 model of `spec` with fresh trainable weights: matrices N(0, 1/fan_in), the embedding
+    N(0, 1/hidden) (it is scaled by sqrt(hidden) on input and is the LM head), every scale 1."""
+    model = DiffusionGemma(ModelConfig.from_dict(config_dict(spec)), dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)  # every matrix is [..., out, in]
+            p.requires_grad_(True)
+    return model
+
+
+def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """The objective of the module docstring on one batch; -> (loss, its parts as floats)."""
+    config = model.config
+    cl, vocab = config.canvas_length, config.vocab_size
+    length = max(len(e.prompt) + len(e.answer) for e in examples)
+    window = config.sliding_window
+    if window is not None and length > window - 1:
+        raise ValueError(f"training sequences of {length} tokens need a sliding window above {length}, got {window}")
+    blocks = -(-length // BLOCK_SIZE)
+    n = len(examples)
+    cache_cfg = CacheConfig(num_slots=n, num_blocks=n * blocks, block_size=BLOCK_SIZE, max_model_len=length)
+    geo = geometry(model, cache_cfg)
+    kv = allocate(model, cache_cfg, "cpu")
+
+    # 1. encoder over the clean sequences
+    enc_rows, enc_ids, ar_targets = [], [], []
+    dec_rows, canvas_targets = [], []
+    for i, e in enumerate(examples):
+        seq = e.prompt + e.answer
+        own = tuple(range(i * blocks, (i + 1) * blocks))
+        enc_rows.append(Row(i, 0, len(seq), False, own))
+        enc_ids += seq
+        ar_targets += seq[1:] + [IGNORE]
+        for k in range(0, len(e.answer), cl):
+            dec_rows.append(Row(i, len(e.prompt) + k, cl, True, own))
+            chunk = e.answer[k : k + cl]
+            canvas_targets += chunk + [PAD] * (cl - len(chunk))
+    enc_meta = build_metadata(enc_rows, geo, model.kinds, "cpu")
+    hidden = model.backbone(_padded(enc_ids, enc_meta.num_tokens), enc_meta, kv)
+    ar_logits = model.logits(model.norm(hidden[: len(ar_targets)]))
+    ar_loss = F.cross_entropy(ar_logits, torch.tensor(ar_targets), ignore_index=IGNORE)
+
+    # 2. corruption
+    target = torch.tensor(canvas_targets).view(-1, cl)
+    rows = target.shape[0]
+    t = cfg.t_eps + (1 - cfg.t_eps) * torch.rand(rows, 1, generator=gen)
+    noise = torch.randint(0, vocab, target.shape, generator=gen)
+    noisy = torch.where(torch.rand(target.shape, generator=gen) < t, noise, target).view(-1)
+    dec_meta = build_metadata(dec_rows, geo, model.kinds, "cpu")
+    dec_ids = _padded(noisy.tolist(), dec_meta.num_tokens)
+
+    # 3. self-conditioning input from a first pass without gradients
+    with torch.no_grad():
+        first = model(dec_ids, dec_meta, kv)
+        soft = soft_embedding(first.softmax(-1).to(model.dtype), model.embed.weight, model.embed_scale)
+        keep = torch.rand(rows, generator=gen) < cfg.self_conditioning_prob
+        soft = soft * keep.repeat_interleave(cl).to(soft.dtype)[:, None]
+
+    # 4. the second pass, with gradients
+    logits = model(dec_ids, dec_meta, kv, soft)
+    canvas_loss = F.cross_entropy(logits, target.view(-1))
+    loss = canvas_loss + cfg.ar_weight * ar_loss
+    return loss, {"loss": loss.item(), "canvas": canvas_loss.item(), "ar": ar_loss.item()}
+
+
+def _padded(ids: list[int], num_tokens: int) -> torch.Tensor:
+    return torch.tensor(ids + [PAD] * (num_tokens - len(ids)))
+
+
+def _lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up (at most a tenth of the run), then cosine decay to a tenth."""
+    warmup = min(cfg.warmup, cfg.steps // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train(cfg: TrainConfig, progress=None) -> tuple[DiffusionGemma, list[dict]]:
+    """-> (trained model, per-step loss parts). `progress(step, parts)` is called every log_every steps."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.spec, cfg.seed)
+    tokenizer = demo_tokenizer()
+    problems = training_problems(random.Random(cfg.seed))
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    vectors = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.98),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
+    history = []
+    model.train()
+    for step in range(cfg.steps):
+        examples = [encode(tokenizer, next(problems)) for _ in range(cfg.batch_size)]
+        loss, parts = training_loss(model, examples, cfg, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        history.append(parts)
+        if progress is not None and (step + 1) % cfg.log_every == 0:
+            progress(step + 1, parts)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, history
+
+
+def save_checkpoint(model: DiffusionGemma, cfg: TrainConfig, out_dir: str, report: dict | None = None) -> str:
+    """The trained model in Hugging Face layout, with the tokenizer and the training record."""
+    spec = cfg.spec
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config_dict(spec), f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(generation_config_dict(spec), f, indent=2)
+    save_weights(model, out_dir, vision_tensors(spec.hidden_size, seed=cfg.seed))
+    save_tokenizer(out_dir, build_char_tokenizer())
+    with open(os.path.join(out_dir, "blockdiff_demo.json"), "w") as f:
+        json.dump({"train_config": asdict(cfg), **(report or {})}, f, indent=2)
+    return out_dir
+
+
+def train_and_save(cfg: TrainConfig, out_dir: str) -> dict:
+    """Train, save, and return the record written beside the checkpoint."""
+    start = time.perf_counter()
+
+    def progress(step: int, parts: dict) -> None:
+        log.info("step %d/%d  loss %.4f  (canvas %.4f, ar %.4f)  %.0f s", step, cfg.steps, parts["loss"],
+                 parts["canvas"], parts["ar"], time.perf_counter() - start)
+
+    model, history = train(cfg, progress)
+    tail = history[-min(50, len(history)) :]
+    report = {
+        "wall_time_s": round(time.perf_counter() - start, 1),
+        "torch_threads": torch.get_num_threads(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": {k: round(sum(h[k] for h in tail) / len(tail), 4) for k in ("loss", "canvas", "ar")},
+    }
+    save_checkpoint(model, cfg, out_dir, report)
+    return report
