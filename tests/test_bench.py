@@ -144,7 +144,6 @@ def test_bench_serve(serve_run):
 
 
 def test_bench_plot(serve_run, tmp_path):
-    pytest.importorskip("matplotlib")
     png = tmp_path / "latency.png"
     assert main(["bench", "plot", str(serve_run[1]), "--output", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
