@@ -3,17 +3,13 @@ process group (server and any tensor-parallel workers) within seconds."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import httpx
 import pytest
 from server_process import ServerProcess
 
-HAS_TP = importlib.util.find_spec("blockdiff.parallel.worker") is not None
-
-
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.skipif(not HAS_TP, reason="needs tensor parallelism"))])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_sigterm_stops_the_server(tiny, tmp_path, tp):
     server = ServerProcess(tiny, "--tensor-parallel-size", str(tp), "--max-model-len", "2048",
                            log_path=str(tmp_path / "server.log"))
