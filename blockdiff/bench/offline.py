@@ -92,14 +92,13 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], d
     try:
         while engine.has_unfinished():
             states = {r.slot: r.state for r in engine.scheduler.running}
-            previous = engine.last_plan
             engine.step()
             plan = engine.last_plan
-            if plan is previous:  # nothing ran
+            if plan is None:
                 continue
             kind = _step_kind(plan, states)
             phases.setdefault(kind, PhaseTiming()).add(engine.last_step_time, plan_cost(engine.model_config, plan, dtype_bytes))
-    finally:
+    finally:  # finished requests are gone already; this drops any left by an error
         for rid in ids:
             engine.abort(rid)
     return phases
