@@ -56,3 +56,26 @@ def test_failed_step_ends_running_and_arriving_requests(engine, monkeypatch):
         assert not engine.requests and engine.num_waiting == engine.num_running == 0
 
     asyncio.run(main())
+
+
+def test_abort_frees_running_and_waiting_requests(engine):
+    """An API call's abort releases its admitted requests (slot, cache) and its waiting ones."""
+
+    async def main():
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        long = SamplingParams(max_tokens=48, max_denoising_steps=64, seed=0)
+        stream = await async_engine.add([([5, 6, 7 + i], long) for i in range(6)])
+        while engine.num_running < 2:
+            await asyncio.sleep(0.01)
+        assert engine.num_waiting == 4 and engine.kv_cache_usage > 0
+        stream.abort()
+        for _ in range(500):  # the loop applies the aborts between two steps
+            if not engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
+        assert engine.allocator.used == 0 and sorted(engine.scheduler.free_slots) == [0, 1]
+        await async_engine.stop()
+
+    asyncio.run(main())

@@ -61,7 +61,7 @@ class RequestStream:
     def abort(self) -> None:
         """Abort whatever has not finished (a no-op once everything has)."""
         if self._unfinished:
-            self._engine._abort(sorted(self._unfinished))
+            self._engine._abort([rid for rid in self.request_ids if rid in self._unfinished])
             self._unfinished.clear()
 
 

@@ -22,6 +22,9 @@ from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 # temperature 0 asks for greedy decoding; the schedule is scaled by this instead, since the sampler
 # divides by the temperature.
 GREEDY_SCALE = 1e-6
+# Choices per prompt (OpenAI's limit), and engine requests (prompts x n) one API call may start.
+MAX_N = 128
+MAX_CHOICES = 2048
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
     f.name for f in fields(SamplingParams)
 }
@@ -180,6 +183,17 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _prompt_count(prompt: str | list) -> int:
+    """Prompts in a completion request's `prompt`, counted before any is tokenized."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+
+
+def _check_choices(prompts: int, n: int) -> None:
+    if prompts * n > MAX_CHOICES:
+        raise APIError(400, f"{prompts} prompts x n={n} = {prompts * n} choices, more than the {MAX_CHOICES} one "
+                            "request may ask for", param="prompt" if n == 1 else "n")
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], sampling_defaults: dict):
         self.engine = engine
@@ -198,6 +212,7 @@ class OpenAIServing:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of not in (None, n):
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
+        _check_choices(_prompt_count(req.prompt), n)
         prompts = self._completion_prompts(req.prompt)
         requests = [(ids, self._params(req, len(ids), i, req.max_tokens, req.logprobs)) for ids in prompts for i in range(n)]
         fmt = _CompletionFormat(self, p.new_id("cmpl"), model, bool(req.return_token_ids), req.logprobs)
@@ -230,8 +245,8 @@ class OpenAIServing:
     def _check_common(self, req: p._GenerationRequest) -> int:
         """Reject what the diffusion sampler cannot honour; -> n."""
         n = 1 if req.n is None else req.n
-        if n < 1:
-            raise APIError(400, f"n must be >= 1, got {n}", param="n")
+        if not 1 <= n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
         if req.top_p not in (None, 1, 1.0):
             raise APIError(400, f"top_p={req.top_p} is not supported: the diffusion sampler draws from the full "
                                 "distribution (top_p must be 1)", param="top_p")
