@@ -394,6 +394,21 @@ def test_bad_input_gets_an_openai_error(server, name, path, body, headers, statu
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def test_text_too_long_to_fit_is_refused_before_tokenizing(server, offline):
+    """Text longer than max_model_len x the longest token's characters cannot fit; the server says
+    so from its length (tokenizing megabytes would hold the GIL and stall every other request)."""
+    limit = MAX_MODEL_LEN * offline.engine.tokenizer.max_token_chars
+    for path, body in [(_C, {**_OK, "prompt": "x" * (limit + 1)}),
+                       (_C, {**_OK, "prompt": ["Hello", "y" * (limit + 1)]}),
+                       (_CHAT, {"model": MODEL, "messages": [{"role": "system", "content": "z" * (limit // 2)},
+                                                   {"role": "user", "content": "z" * (limit - limit // 2 + 1)}]})]:
+        r = httpx.post(server.url + path, json=body, headers=_auth(), timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == ("messages" if path == _CHAT else "prompt")
+        assert f"{limit + 1} characters cannot fit in max_model_len={MAX_MODEL_LEN}" in error["message"], error
+
+
 def test_streamed_body_over_the_limit(server):
     chunks = (b"x" * 65536 for _ in range(5))  # chunked transfer: no Content-Length to check up front
     r = httpx.post(server.url + _C, content=chunks, headers={**_auth(), "Content-Type": "application/json"}, timeout=30)

@@ -201,6 +201,9 @@ class OpenAIServing:
         self.tokenizer = self.llm.tokenizer
         self.model_names = served_model_names
         self.defaults = sampling_defaults
+        # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
+        # tokenizer (which holds the GIL, stalling every other request) sees it.
+        self.max_prompt_chars = None if self.tokenizer is None else self.llm.max_model_len * self.tokenizer.max_token_chars
 
     # ---- endpoints --------------------------------------------------------------------------
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
@@ -291,7 +294,14 @@ class OpenAIServing:
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer: send the prompt as token ids", param="prompt")
+        self._check_chars(len(text), "prompt")
         return self.tokenizer.encode(text)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"{param} of {chars} characters cannot fit in max_model_len={self.llm.max_model_len} "
+                                f"tokens (no token covers more than {self.tokenizer.max_token_chars} characters)",
+                           param=param)
 
     def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -316,6 +326,7 @@ class OpenAIServing:
                 message["content"] = "".join(part.text for part in m.content)
             message.setdefault("content", "")
             rendered.append(message)
+        self._check_chars(sum(len(m["content"]) for m in rendered if isinstance(m["content"], str)), "messages")
         try:
             return self.tokenizer.encode_chat(rendered)
         except ValueError as e:
