@@ -4,10 +4,13 @@ process group (server and any tensor-parallel workers) within seconds."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, free_port
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_sigterm_stops_the_server(tiny, tmp_path, tp):
@@ -31,3 +34,12 @@ def test_sigterm_stops_the_server(tiny, tmp_path, tp):
         assert "Traceback" not in log, log
     finally:
         server.close()
+
+
+def test_invalid_sampler_flags_fail_startup(tiny):
+    """--t-min above the checkpoint's t_max would make every request a 400: the server refuses to start."""
+    cmd = [sys.executable, "-m", "blockdiff", "serve", tiny, "--port", str(free_port()), "--t-min", "0.95"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr
+    assert "error: invalid sampler flags" in r.stderr and "t_min=0.95" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -17,6 +17,7 @@ from blockdiff.entrypoints.openai import errors
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
 from blockdiff.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 from blockdiff.entrypoints.openai.serving import OpenAIServing
+from blockdiff.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,13 @@ class RequireAPIKey(_Middleware):
 
 
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
-    """The app owns `engine` from here on: it is shut down when the app's lifespan ends."""
+    """The app owns `engine` from here on: it is shut down when the app's lifespan ends. Raises
+    ValueError for sampler flags that are invalid over the checkpoint's defaults (every request
+    would fail on them)."""
+    try:
+        SamplingParams(**cfg.sampling_defaults).with_defaults(engine.defaults)
+    except ValueError as e:
+        raise ValueError(f"invalid sampler flags (with the checkpoint's generation defaults): {e}") from None
     metrics = ServingMetrics(engine)
     async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
     serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.sampling_defaults)
@@ -179,7 +186,11 @@ class _Server(uvicorn.Server):
 def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then stop the engine (and its workers)."""
     engine = LLMEngine(engine_cfg)
-    app = build_app(engine, cfg)
+    try:
+        app = build_app(engine, cfg)
+    except BaseException:
+        engine.shutdown()  # stops tensor-parallel workers too
+        raise
     # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                             timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=5)
