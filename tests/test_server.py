@@ -376,7 +376,7 @@ BAD = [
     ("wrong api key", _C, _OK, {"Authorization": "Bearer nope"}, 401, None),
     ("missing api key", _C, _OK, {"Authorization": ""}, 401, None),
     ("body over the size limit", _C, {**_OK, "prompt": "x" * 300_000}, None, 413, None),
-    ("more queued than allowed", _C, {**_OK, "n": 65}, None, 429, None),
+    ("more queued than allowed", _C, {**_OK, "n": MAX_NUM_SEQS + 65}, None, 429, None),  # 8 start, 65 > 64 wait
     ("unknown endpoint", "/v1/embeddings", _OK, None, 404, None),
 ]
 
@@ -407,6 +407,24 @@ def test_text_too_long_to_fit_is_refused_before_tokenizing(server, offline):
         error = r.json()["error"]
         assert error["param"] == ("messages" if path == _CHAT else "prompt")
         assert f"{limit + 1} characters cannot fit in max_model_len={MAX_MODEL_LEN}" in error["message"], error
+
+
+def test_queue_limit_counts_only_requests_that_would_wait(tiny, tmp_path):
+    """--max-queued-requests 0: what a free slot takes right away is served; what would wait is a 429."""
+    server = ServerProcess(tiny, "--served-model-name", MODEL, "--max-num-seqs", "1", "--max-queued-requests", "0", "--max-model-len", str(MAX_MODEL_LEN),
+                           log_path=str(tmp_path / "server.log"))
+    try:
+        r = httpx.post(server.url + _C, json=_OK, timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.post(server.url + _C, json={**_OK, "n": 2}, timeout=60).status_code == 429  # one of two would wait
+        long = {**_OK, "max_tokens": 240, "ignore_eos": True, "max_denoising_steps": 16, "stream": True}
+        with httpx.stream("POST", server.url + _C, json=long, timeout=60) as busy:
+            lines = busy.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it holds the only slot
+            r = httpx.post(server.url + _C, json=_OK, timeout=60)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+    finally:
+        server.close()
 
 
 def test_streamed_body_over_the_limit(server):

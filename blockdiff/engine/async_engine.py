@@ -136,7 +136,9 @@ class AsyncEngine:
         if not self.available:
             raise EngineUnavailable(self.unavailable_reason())
         if self.max_queued_requests is not None:
-            queued = self.engine.num_waiting + sum(len(r) for _, r, _ in self._adds) + len(requests)
+            # Those that a free slot takes at the next step do not wait.
+            queued = (self.engine.num_waiting + sum(len(r) for _, r, _ in self._adds) + len(requests)
+                      - self.engine.num_free_slots)
             if queued > self.max_queued_requests:
                 raise QueueFull(
                     f"{queued} requests would be waiting, more than --max-queued-requests={self.max_queued_requests}; retry later"

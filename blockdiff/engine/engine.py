@@ -267,6 +267,10 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     @property
+    def num_free_slots(self) -> int:
+        return len(self.scheduler.free_slots)
+
+    @property
     def kv_cache_usage(self) -> float:
         return self.allocator.used / max(1, self.allocator.num_blocks)
 
