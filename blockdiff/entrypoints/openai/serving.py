@@ -188,6 +188,16 @@ def _prompt_count(prompt: str | list) -> int:
     return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
 
 
+def _request_names(req: p._GenerationRequest) -> dict[str, str]:
+    """The request fields that engine errors about `prompt` and `max_tokens` are about."""
+    if not isinstance(req, p.ChatCompletionRequest):
+        return {}
+    names = {"prompt": "messages"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
+
+
 def _check_choices(prompts: int, n: int) -> None:
     if prompts * n > MAX_CHOICES:
         raise APIError(400, f"{prompts} prompts x n={n} = {prompts * n} choices, more than the {MAX_CHOICES} one "
@@ -289,7 +299,7 @@ class OpenAIServing:
                 logprobs=logprobs,
             )
         except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS) from None
+            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -337,7 +347,7 @@ class OpenAIServing:
         try:
             stream = await self.engine.add(requests)
         except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS) from None
+            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
         states = [ChoiceState(requests[i][1].stop) for i in range(len(requests))]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
