@@ -149,6 +149,13 @@ def test_stream_holds_back_text_a_stop_string_may_cut(client, offline):
     assert "".join(c.text for c in chunks) == want.text
     assert [c.finish_reason for c in chunks] == [None, "stop"]
 
+    # Logprob offsets run over the token strings, whatever text is held back.
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**base, stop=[stop], logprobs=0)]
+    whole = client.completions.create(**{**base, "stream": False}, stop=[stop], logprobs=0).choices[0].logprobs
+    assert [t for lp in streamed for t in lp.tokens] == whole.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == whole.text_offset
+    assert whole.text_offset == [sum(map(len, whole.tokens[:i])) for i in range(len(whole.tokens))]
+
 
 def test_n_and_prompt_lists(client, offline):
     """Choice i of a prompt is seeded with seed + i; choices are numbered prompt-major."""

@@ -37,7 +37,6 @@ class Piece:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    text_offset: int  # characters of the choice's text before `text`
     finish_reason: str | None
 
 
@@ -68,7 +67,6 @@ class ChoiceState:
             text=text[self.text_sent : end],
             token_ids=out.token_ids[self.tokens_sent :],
             logprobs=None if out.logprobs is None else out.logprobs[self.tokens_sent :],
-            text_offset=self.text_sent,
             finish_reason=out.finish_reason if out.finished else None,
         )
         self.text_sent, self.tokens_sent = end, len(out.token_ids)
@@ -106,11 +104,16 @@ class _CompletionFormat(_Format):
     def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None):
         super().__init__(serving, request_id, model, return_token_ids)
         self.logprobs = logprobs
+        # text_offset runs over the token strings sent so far, per choice; it is not the text sent,
+        # which lags behind the tokens while a stop string may still cut it.
+        self._offsets: dict[int, int] = {}
 
     def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
         lp = None
         if self.logprobs is not None:
-            lp = self.serving.completion_logprobs(piece.logprobs or [], piece.text_offset, self.logprobs > 0)
+            start = self._offsets.get(index, 0)
+            lp = self.serving.completion_logprobs(piece.logprobs or [], start, self.logprobs > 0)
+            self._offsets[index] = start + sum(map(len, lp.tokens))
         return p.CompletionChoice(index=index, text=piece.text, logprobs=lp, finish_reason=piece.finish_reason,
                                   token_ids=self._ids(piece))
 
