@@ -140,7 +140,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.available:
-            return errors.error_response(503, "the engine is not available", code="engine_unavailable")
+            return errors.error_response(503, async_engine.unavailable_reason(), code="engine_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
