@@ -68,20 +68,21 @@ class RequestStream:
 class AsyncEngine:
     """Owns `engine` from `start()` on: `stop()` shuts it down.
 
-    on_step(seconds) is called after every engine step; on_finish(output) once per request that
-    finished or was aborted after it was admitted (both on the event loop)."""
+    on_step(seconds) is called after every engine step; on_finish(finish_reason, prompt_tokens,
+    generated_tokens, metrics) once per request that finished or was aborted after it was added
+    (both on the event loop; finish_reason is "abort" for the latter)."""
 
     def __init__(
         self,
         engine: LLMEngine,
         max_queued_requests: int | None = None,
         on_step: Callable[[float], None] | None = None,
-        on_finish: Callable[[RequestOutput], None] | None = None,
+        on_finish: Callable[[str, int, int, dict], None] | None = None,
     ):
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self._on_step = on_step or (lambda seconds: None)
-        self._on_finish = on_finish or (lambda output: None)
+        self._on_finish = on_finish or (lambda finish_reason, prompt_tokens, generated_tokens, metrics: None)
         self._streams: dict[str, RequestStream] = {}
         self._adds: list[tuple[RequestStream, list[tuple[Prompt, SamplingParams]], asyncio.Future]] = []
         self._aborts: list[str] = []
@@ -209,7 +210,7 @@ class AsyncEngine:
         stream._put(out)
         if out.finished:
             del self._streams[out.request_id]
-            self._on_finish(out)
+            self._on_finish(out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), out.metrics)
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []
@@ -221,8 +222,8 @@ class AsyncEngine:
         self._streams.pop(rid, None)
         req = self.engine.requests.get(rid)
         self.engine.abort(rid)
-        if req is not None:
-            self._on_finish(self.engine.output(req))
+        if req is not None:  # counted without decoding its text, which nobody reads
+            self._on_finish("abort", len(req.prompt_token_ids), len(req.output_token_ids), req.metrics.as_dict())
 
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []

@@ -44,12 +44,9 @@ class _Middleware:
 
     @staticmethod
     async def reject(send, status: int, message: str, code: str | None = None) -> None:
-        await send_response(send, errors.error_response(status, message, code=code))
-
-
-async def send_response(send, response: Response) -> None:
-    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
-    await send({"type": "http.response.body", "body": response.body})
+        response = errors.error_response(status, message, code=code)
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
 
 
 class CountResponses(_Middleware):
@@ -105,8 +102,8 @@ class RequireAPIKey(_Middleware):
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.key}".encode()):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.key.encode()):
                 return await self.reject(send, 401, "missing or wrong API key (send Authorization: Bearer <key>)",
                                          code="invalid_api_key")
         await self.app(scope, receive, send)

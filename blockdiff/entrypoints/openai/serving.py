@@ -263,7 +263,7 @@ class OpenAIServing:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
-        if req.top_p not in (None, 1, 1.0):
+        if req.top_p not in (None, 1):
             raise APIError(400, f"top_p={req.top_p} is not supported: the diffusion sampler draws from the full "
                                 "distribution (top_p must be 1)", param="top_p")
         for name in ("frequency_penalty", "presence_penalty"):
