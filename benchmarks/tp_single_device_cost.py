@@ -33,7 +33,7 @@ from torch import nn
 import blockdiff.engine.model_runner as model_runner
 from blockdiff.diffusion.sampler import DenoiseParams
 from blockdiff.diffusion.self_conditioning import soft_embedding
-from blockdiff.diffusion.vocab_parallel import Distribution, _inverse_cdf
+from blockdiff.diffusion.vocab_parallel import Distribution, _chunk_cumsum, _inverse_cdf
 from blockdiff.engine.kv_cache import CacheConfig
 from blockdiff.engine.model_runner import ModelRunner, StepPlan
 from blockdiff.matmul import linear
@@ -114,7 +114,8 @@ class PlainSampler:
         return d.shifted.argmax(dim=-1)
 
     def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
-        return _inverse_cdf(d.exp, u * d.total)
+        cum = _chunk_cumsum(d.exp)
+        return _inverse_cdf(d.exp, cum, u * cum[..., -1])
 
 
 def plain_model(model: nn.Module) -> nn.Module:

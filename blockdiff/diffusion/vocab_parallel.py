@@ -40,7 +40,6 @@ class VocabParallel:
         self.sharded = group.size > 1
         self.valid = shard.valid_rows(device)
         self.padding = None if bool(self.valid.all()) else ~self.valid
-        self.last_valid = int(self.valid.nonzero().max()) if bool(self.valid.any()) else 0
         self.global_ids = shard.global_ids(device)
 
     def distribution(self, x: torch.Tensor) -> Distribution:
@@ -72,11 +71,15 @@ class VocabParallel:
 
     def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
         """One token per position from the distribution by inverse CDF, u ~ U[0, 1) [...]."""
+        cum = _chunk_cumsum(d.exp)
+        # The target is cut from the total of the very sums the search runs over: any other sum of
+        # the same weights can round above them and send the search past the last token with mass.
+        mass = cum[..., -1]
         if not self.sharded:
-            return _inverse_cdf(d.exp, u.to(d.total.dtype) * d.total)
+            return _inverse_cdf(d.exp, cum, u.to(mass.dtype) * mass)
         # Every rank cuts [0, total) the same way from the same gathered sums, so exactly one rank
         # owns each target: ranks in order, each over its own mass.
-        sums = self.group.all_gather(d.local_sum)  # [ranks, ...]
+        sums = self.group.all_gather(mass)  # [ranks, ...]
         bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
         target = u.to(sums.dtype) * bounds[-1]
         r = self.group.rank
@@ -84,9 +87,7 @@ class VocabParallel:
         # A u just below 1 can round the target onto the total: the last rank with mass takes it.
         ranks = torch.arange(self.group.size, device=sums.device).view(-1, *([1] * target.dim()))
         mine |= (target >= bounds[-1]) & (torch.where(sums > 0, ranks, -1).amax(0) == r)
-        local = _inverse_cdf(d.exp, target - bounds[r])
-        # ...and then this rank's own search can run past its mass onto a padding row.
-        local = torch.where(self.valid[local], local, self.last_valid)
+        local = _inverse_cdf(d.exp, cum, target - bounds[r])
         ids = torch.where(mine, self.global_ids[local], -1)
         return self.group.all_reduce(ids, op="max")
 
@@ -126,24 +127,33 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     return (chunk * _CHUNK).squeeze(-1) + values.argmax(dim=-1)
 
 
-def _inverse_cdf(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """First index i with cumsum(weights)[i] > target, per row of [..., V] weights.
-
-    Sums over chunks of the vocabulary locate the chunk, then one chunk is scanned, so the cost is
-    one read of the weights instead of a full cumulative sum.
-    """
+def _chunk_cumsum(weights: torch.Tensor) -> torch.Tensor:
+    """[..., chunks] cumulative sums of the weights [..., V] over chunks of the vocabulary."""
     v = weights.shape[-1]
     full = v // _CHUNK
     chunk_sums = weights[..., : full * _CHUNK].unflatten(-1, (full, _CHUNK)).sum(-1)
     if v % _CHUNK:
         chunk_sums = torch.cat((chunk_sums, weights[..., full * _CHUNK :].sum(-1, keepdim=True)), dim=-1)
-    cum = chunk_sums.cumsum(-1)
-    n_chunks = cum.shape[-1]
-    chunk = torch.searchsorted(cum, target.unsqueeze(-1), right=True).clamp(max=n_chunks - 1)
-    before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target.unsqueeze(-1)))
-    offsets = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)
-    inside = offsets < v
-    values = weights.gather(-1, offsets.clamp(max=v - 1)) * inside
-    pos = torch.searchsorted(values.cumsum(-1), (target.unsqueeze(-1) - before), right=True)
-    last = inside.sum(-1, keepdim=True) - 1
+    return chunk_sums.cumsum(-1)
+
+
+def _inverse_cdf(weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The first index i with cumsum(weights)[i] > target, per row of [..., V] weights with
+    `cum` = _chunk_cumsum(weights), never one of weight 0 (a target at or past the total takes the
+    last index with weight).
+
+    The chunk sums locate the chunk, then one chunk is scanned, so the cost is one read of the
+    weights instead of a full cumulative sum.
+    """
+    v = weights.shape[-1]
+    mass = cum[..., -1:]
+    # Strictly below the total, the chunk found holds mass...
+    target = torch.minimum(target.unsqueeze(-1), mass.nextafter(torch.zeros_like(mass)))
+    chunk = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[-1] - 1)
+    before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
+    inside = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)
+    values = weights.gather(-1, inside.clamp(max=v - 1)) * (inside < v)
+    pos = torch.searchsorted(values.cumsum(-1), target - before, right=True)
+    # ...but the scan sums it in another order, which can run past its last index with weight.
+    last = torch.where(values > 0, torch.arange(_CHUNK, device=weights.device), 0).amax(-1, keepdim=True)
     return (chunk * _CHUNK + torch.minimum(pos, last)).squeeze(-1)
