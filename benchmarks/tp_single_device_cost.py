@@ -33,7 +33,7 @@ from torch import nn
 import blockdiff.engine.model_runner as model_runner
 from blockdiff.diffusion.sampler import DenoiseParams
 from blockdiff.diffusion.self_conditioning import soft_embedding
-from blockdiff.diffusion.vocab_parallel import Distribution, _chunk_cumsum, _inverse_cdf
+from blockdiff.diffusion.vocab_parallel import Distribution, first_argmax, inverse_cdf, per_chunk
 from blockdiff.engine.kv_cache import CacheConfig
 from blockdiff.engine.model_runner import ModelRunner, StepPlan
 from blockdiff.matmul import linear
@@ -101,21 +101,23 @@ class PlainLinear(nn.Module):
 
 
 class PlainSampler:
-    """The sampler's single-device arithmetic, written without shards or groups."""
+    """The sampler's single-device arithmetic from the same functions, without shards or groups."""
 
     def distribution(self, x: torch.Tensor) -> Distribution:
-        y = x.sub_(x.amax(dim=-1, keepdim=True))
+        chunk_max = per_chunk(x, torch.amax)
+        m = chunk_max.amax(dim=-1, keepdim=True)
+        y = x.sub_(m)
         e = y.exp()
-        total = e.sum(dim=-1)
-        dot = torch.matmul(e.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
-        return Distribution(shifted=y, exp=e, local_sum=total, total=total, entropy=total.log() - dot / total)
+        cum = per_chunk(e, torch.sum).cumsum(-1)
+        total = cum[..., -1]
+        dot = (e * y).sum(dim=-1)
+        return Distribution(y, e, chunk_max.sub_(m), cum, total, total.log() - dot / total)
 
     def argmax(self, d: Distribution) -> torch.Tensor:
-        return d.shifted.argmax(dim=-1)
+        return first_argmax(d.shifted, d.chunk_max)
 
     def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
-        cum = _chunk_cumsum(d.exp)
-        return _inverse_cdf(d.exp, cum, u * cum[..., -1])
+        return inverse_cdf(d.exp, d.chunk_cumsum, u * d.total)
 
 
 def plain_model(model: nn.Module) -> nn.Module:

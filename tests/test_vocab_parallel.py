@@ -80,3 +80,14 @@ def test_ranks_never_sample_a_zero_probability_token(tp_ranks):
     logits = _random_logits_with_dead_tail(256, vocab, tail)
     for got in tp_ranks.run(vocab_statistics, logits, torch.full((256,), U_MAX), 1, gather=True):
         assert (got["sample"] < vocab - tail).all()
+
+
+@pytest.mark.parametrize("vocab", [5, *VOCABS])
+def test_argmax_is_torch_argmax_with_ties_to_the_lowest_id(vocab):
+    """From the per-chunk maxima: ties inside a chunk, across chunks, and in the short last chunk."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-3, 3, (64, vocab), generator=g).float()  # many ties
+    logits[0, -1] = 10.0  # the maximum alone in the short last chunk
+    logits[1, [vocab // 2, vocab - 1]] = 10.0
+    got = vocab_statistics(SINGLE, logits, torch.zeros(64), 1)["argmax"]
+    assert torch.equal(got, logits.argmax(dim=-1))
