@@ -111,13 +111,10 @@ class PlainSampler:
         cum = per_chunk(e, torch.sum).cumsum(-1)
         total = cum[..., -1]
         dot = (e * y).sum(dim=-1)
-        return Distribution(y, e, chunk_max.sub_(m), cum, total, total.log() - dot / total)
+        return Distribution(y, e, chunk_max.sub_(m), cum, None, total, total.log() - dot / total)
 
-    def argmax(self, d: Distribution) -> torch.Tensor:
-        return first_argmax(d.shifted, d.chunk_max)
-
-    def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
-        return inverse_cdf(d.exp, d.chunk_cumsum, u * d.total)
+    def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return first_argmax(d.shifted, d.chunk_max), inverse_cdf(d.exp, d.chunk_cumsum, u * d.total)
 
 
 def plain_model(model: nn.Module) -> nn.Module:

@@ -26,15 +26,19 @@ def vocab_statistics(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, k:
     vocab = VocabParallel(shard, ctx.group)
     ctx.group.counter.reset()
     d = vocab.distribution(local_columns(shard, logits))
+    argmax, sample = vocab.argmax_and_sample(d, u)
+    step = (ctx.group.counter.calls, ctx.group.counter.bytes)  # what the sampler's step moves
     top_lp, top_ids = vocab.top_logprobs(d, k)
     return {
         "entropy": d.entropy,
-        "argmax": vocab.argmax(d),
-        "sample": vocab.sample(d, u),
+        "argmax": argmax,
+        "sample": sample,
         "top_logprobs": top_lp,
         "top_ids": top_ids,
         "local_probs": d.exp / d.total.unsqueeze(-1),  # this rank's P_r, the self-conditioning input
         "global_ids": shard.global_ids(),
+        "step_collectives": step[0],
+        "step_bytes": step[1],
         "bytes": ctx.group.counter.bytes,
     }
 

@@ -24,6 +24,7 @@ class Distribution:
     exp: torch.Tensor  # [..., local_rows] exp(shifted): unnormalised local probabilities
     chunk_max: torch.Tensor  # [..., chunks] maxima of `shifted` per chunk: 0 where the max is
     chunk_cumsum: torch.Tensor  # [..., chunks] cumulative sums of `exp` per chunk
+    rank_bounds: torch.Tensor | None  # [ranks + 1, ...] Σ exp over the ranks before each (sharded)
     total: torch.Tensor  # [...] Σ exp over the whole vocabulary
     entropy: torch.Tensor  # [...]
 
@@ -64,40 +65,39 @@ class VocabParallel:
         local_sum = cum[..., -1]
         # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
         dot = (e * y).sum(dim=-1)
-        total = local_sum
+        bounds = None
         if self.sharded:
-            both = torch.stack((local_sum, dot))
-            self.group.all_reduce(both)
-            total, dot = both[0], both[1]
+            # Gathered rather than all-reduced: every rank adds the same rows in the same order, so
+            # all hold the same total, and sampling cuts it at the same rank bounds.
+            sums, dots = self.group.all_gather(torch.stack((local_sum, dot))).unbind(1)
+            bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
+            dot = dots.sum(0)
+        total = local_sum if bounds is None else bounds[-1]
         entropy = total.log() - dot / total
-        return Distribution(shifted=y, exp=e, chunk_max=chunk_max.sub_(m), chunk_cumsum=cum, total=total, entropy=entropy)
+        return Distribution(y, e, chunk_max.sub_(m), cum, bounds, total, entropy)
 
-    def argmax(self, d: Distribution) -> torch.Tensor:
-        """Global token ids of the maxima, ties to the lowest id like torch.argmax."""
-        local = first_argmax(d.shifted, d.chunk_max)
-        if not self.sharded:
-            return local
-        return self._pick(d.chunk_max.amax(dim=-1), self.global_ids[local])
-
-    def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
-        """One token per position from the distribution by inverse CDF, u ~ U[0, 1) [...]."""
+    def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global token ids of the maxima (ties to the lowest id, like torch.argmax) and one token
+        per position drawn by inverse CDF for u ~ U[0, 1) [...]; sharded, in one collective."""
+        argmax = first_argmax(d.shifted, d.chunk_max)
         # The target is cut from the total of the very sums the search runs over: any other sum of
         # the same weights can round above them and send the search past the last token with mass.
         if not self.sharded:
-            return inverse_cdf(d.exp, d.chunk_cumsum, u.to(d.total.dtype) * d.total)
-        # Every rank cuts [0, total) the same way from the same gathered sums, so exactly one rank
-        # owns each target: ranks in order, each over its own mass.
-        sums = self.group.all_gather(d.local_sum)  # [ranks, ...]
-        bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
-        target = u.to(sums.dtype) * bounds[-1]
-        r = self.group.rank
+            return argmax, inverse_cdf(d.exp, d.chunk_cumsum, u.to(d.total.dtype) * d.total)
+        # Shifted by the global max, the maximum is exactly 0 where it is: a rank's candidate is its
+        # first such token, and the lowest candidate id wins.
+        candidate = torch.where(d.chunk_max.amax(dim=-1) == 0, self.global_ids[argmax], torch.iinfo(torch.long).max)
+        # Every rank cuts [0, total) at the same rank bounds, so exactly one rank owns each target.
+        bounds, r = d.rank_bounds, self.group.rank
+        target = u.to(bounds.dtype) * bounds[-1]
         mine = (target >= bounds[r]) & (target < bounds[r + 1])
         # A u just below 1 can round the target onto the total: the last rank with mass takes it.
-        ranks = torch.arange(self.group.size, device=sums.device).view(-1, *([1] * target.dim()))
-        mine |= (target >= bounds[-1]) & (torch.where(sums > 0, ranks, -1).amax(0) == r)
+        ranks = torch.arange(self.group.size, device=bounds.device).view(-1, *([1] * target.dim()))
+        mine |= (target >= bounds[-1]) & (torch.where(bounds[1:] > bounds[:-1], ranks, -1).amax(0) == r)
         local = inverse_cdf(d.exp, d.chunk_cumsum, target - bounds[r])
-        ids = torch.where(mine, self.global_ids[local], -1)
-        return self.group.all_reduce(ids, op="max")
+        sample = torch.where(mine, self.global_ids[local], -1)
+        both = self.group.all_reduce(torch.stack((-candidate, sample)), op="max")
+        return -both[0], both[1]
 
     def top_logprobs(self, d: Distribution, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely tokens per position: (logprobs [..., k], ids [..., k])."""
@@ -109,13 +109,6 @@ class VocabParallel:
             value, pick = value.topk(k, dim=-1)
             ids = ids.gather(-1, pick)
         return value - d.log_total.unsqueeze(-1), ids
-
-    def _pick(self, value: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        values = self.group.all_gather(value)
-        all_ids = self.group.all_gather(ids)
-        best = values.amax(dim=0)
-        candidates = torch.where(values == best, all_ids, torch.iinfo(all_ids.dtype).max)
-        return candidates.amin(dim=0)
 
 
 def per_chunk(x: torch.Tensor, reduce) -> torch.Tensor:
