@@ -57,6 +57,9 @@ def test_one_rank_is_one_matmul_and_the_scale():
     with OpRecorder() as batched:
         soft_embedding(probs, weight, SCALE, group=group)
     assert [op for op in batched.ops if op not in views] == matmul + ["mul"]
+    with OpRecorder() as one_shard:  # what the engine passes on one rank
+        soft_embedding(probs, weight, SCALE, VocabShard.make(0, 1, ORG, ADDED), group)
+    assert [op for op in one_shard.ops if op not in views] == matmul + ["mul"]
     assert group.counter.calls == 0
 
 

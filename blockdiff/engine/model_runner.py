@@ -98,8 +98,10 @@ class ModelRunner:
             probs, total, keep = res.dist.exp, res.dist.total, slots
             if not bool(going.all()):
                 probs, total, keep = probs[going], total[going], slots[going]
-            soft_next = soft_embedding(probs.to(self.model.dtype), self.model.embed.weight, self.model.embed_scale, self._shard, self.model.group)
-            self.soft[keep] = (soft_next / total.unsqueeze(-1)).to(self.model.dtype)
+            # exp / Σexp are the probabilities: the normalisation rides on the scale, one multiply
+            scale = (self.model.embed_scale / total).unsqueeze(-1)
+            soft_next = soft_embedding(probs.to(self.model.dtype), self.model.embed.weight, scale, self.model.shard, self.model.group)
+            self.soft[keep] = soft_next.to(self.model.dtype)
             self.has_soft[keep] = True
 
         logprob = top_lp = top_ids = None
@@ -116,7 +118,3 @@ class ModelRunner:
             top_logprobs=None if top_lp is None else top_lp.cpu(),
             top_ids=None if top_ids is None else top_ids.cpu(),
         )
-
-    @property
-    def _shard(self):
-        return self.model.shard if self.model.group.size > 1 else None
