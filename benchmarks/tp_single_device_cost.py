@@ -33,7 +33,7 @@ from torch import nn
 import blockdiff.engine.model_runner as model_runner
 from blockdiff.diffusion.sampler import DenoiseParams
 from blockdiff.diffusion.self_conditioning import soft_embedding
-from blockdiff.diffusion.vocab_parallel import Distribution, first_argmax, inverse_cdf, per_chunk
+from blockdiff.diffusion.vocab_parallel import Distribution, exp_statistics, first_argmax, inverse_cdf, per_chunk
 from blockdiff.engine.kv_cache import CacheConfig
 from blockdiff.engine.model_runner import ModelRunner, StepPlan
 from blockdiff.matmul import linear
@@ -101,16 +101,15 @@ class PlainLinear(nn.Module):
 
 
 class PlainSampler:
-    """The sampler's single-device arithmetic from the same functions, without shards or groups."""
+    """The sampler's single-device arithmetic from the same functions (blockdiff/diffusion/
+    vocab_parallel.py), without the padding mask, the shard or group logic: only the TP machinery
+    differs between the two sides."""
 
     def distribution(self, x: torch.Tensor) -> Distribution:
         chunk_max = per_chunk(x, torch.amax)
         m = chunk_max.amax(dim=-1, keepdim=True)
-        y = x.sub_(m)
-        e = y.exp()
-        cum = per_chunk(e, torch.sum).cumsum(-1)
+        y, e, cum, dot = exp_statistics(x, m)
         total = cum[..., -1]
-        dot = (e * y).sum(dim=-1)
         return Distribution(y, e, chunk_max.sub_(m), cum, None, total, total.log() - dot / total)
 
     def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

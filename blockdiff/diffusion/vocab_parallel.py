@@ -59,12 +59,8 @@ class VocabParallel:
         m = chunk_max.amax(dim=-1, keepdim=True)
         if self.sharded:
             self.group.all_reduce(m, op="max")
-        y = x.sub_(m)
-        e = y.exp()
-        cum = per_chunk(e, torch.sum).cumsum(-1)
+        y, e, cum, dot = exp_statistics(x, m)
         local_sum = cum[..., -1]
-        # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
-        dot = (e * y).sum(dim=-1)
         bounds = None
         if self.sharded:
             # Gathered rather than all-reduced: every rank adds the same rows in the same order, so
@@ -120,6 +116,14 @@ def per_chunk(x: torch.Tensor, reduce) -> torch.Tensor:
     if full < v:
         out = torch.cat((out, reduce(x[..., full:], -1, keepdim=True)), dim=-1)
     return out
+
+
+def exp_statistics(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x shifted by the max m in place (y), e = exp(y), e's cumulative sums per chunk, and Σ e·y."""
+    y = x.sub_(m)
+    e = y.exp()
+    # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
+    return y, e, per_chunk(e, torch.sum).cumsum(-1), (e * y).sum(dim=-1)
 
 
 def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
