@@ -99,6 +99,19 @@ def test_unexpected_tensor_is_named(tiny, tmp_path):
         load_model(path)
 
 
+def test_extra_part_of_a_fused_weight_is_unexpected(tiny, tmp_path):
+    """A v_proj on a layer whose keys are its values has no place in the fused qkv weight."""
+
+    def add_v(tensors):
+        layer = next(i for i in range(99) if f"model.decoder.layers.{i}.self_attn.q_proj.weight" in tensors
+                     and f"model.decoder.layers.{i}.self_attn.v_proj.weight" not in tensors)
+        tensors[f"model.decoder.layers.{layer}.self_attn.v_proj.weight"] = tensors[f"model.decoder.layers.{layer}.self_attn.k_proj.weight"].clone()
+
+    path = _edited(tiny, tmp_path / "v", add_v)
+    with pytest.raises(CheckpointError, match=r"unexpected.*self_attn\.v_proj\.weight"):
+        load_model(path)
+
+
 def test_wrong_shape_names_tensor_and_both_shapes(tiny, tmp_path):
     path = _edited(tiny, tmp_path / "s", lambda t: t.update({"model.decoder.layers.2.self_attn.o_proj.weight": torch.zeros(64, 63)}))
     with pytest.raises(ShapeMismatch, match=r"'model\.decoder\.layers\.2\.self_attn\.o_proj\.weight' has shape \[64, 63\], expected \[64, 64\]"):

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _blockdiff(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "blockdiff", *args], capture_output=True, text=True, timeout=timeout)
@@ -37,3 +39,23 @@ def test_generate_rejects_bad_flags_with_a_clear_error(tmp_path):
     assert bad.returncode == 2 and "entropy_bound" in bad.stderr
     missing = _blockdiff("generate", "--model", str(tmp_path / "nope"), "hi")
     assert missing.returncode == 2 and "not a checkpoint directory" in missing.stderr
+
+
+def test_count_flags_below_their_minimum_are_refused_by_name(capsys):
+    from blockdiff.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    for argv, flag, minimum in [
+        (["bench", "offline", "--num-iters", "0"], "--num-iters", 1),
+        (["bench", "offline", "--num-warmup", "-1"], "--num-warmup", 0),
+        (["bench", "serve", "--num-prompts", "0"], "--num-prompts", 1),
+        (["bench", "serve", "--max-concurrency", "-3"], "--max-concurrency", 1),
+        (["train-demo", "--steps", "0"], "--steps", 1),
+        (["serve", "--max-queued-requests", "-1"], "--max-queued-requests", 0),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(argv)
+        assert exit_info.value.code == 2
+        assert f"argument {flag}: must be >= {minimum}" in capsys.readouterr().err
+    done = _blockdiff("bench", "offline", "--num-iters", "0", timeout=60)
+    assert done.returncode == 2 and "argument --num-iters: must be >= 1, got 0" in done.stderr, done.stderr

@@ -4,6 +4,7 @@ through transformers' generate and under tensor parallelism."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -110,14 +111,26 @@ def test_eval_command(capsys):
     assert "must be >= 1" in capsys.readouterr().err
 
 
-def test_held_out_problems_are_fixed_and_never_trained_on():
+def test_the_held_out_split_is_a_tenth_and_the_same_in_every_process():
+    """Training and evaluation run in different processes: the split must not depend on anything
+    per-process (such as Python's salted str hash), and must hold back about a tenth."""
     import random
+    import subprocess
+    import sys
 
-    from blockdiff.demo.tasks import held_out, training_problems
+    from blockdiff.demo.tasks import TASKS, held_out, make_problem
 
-    first, again = heldout_problems(30), heldout_problems(30)
-    assert first == again and len({p.question for p in first}) == 30
-    assert all(held_out(p) for p in first)
-    stream = training_problems(random.Random(0))
-    assert not any(held_out(next(stream)) for _ in range(3000))
+    rng = random.Random(5)
+    drawn = [make_problem(TASKS[i % len(TASKS)], rng) for i in range(3000)]
+    flags = [held_out(p) for p in drawn]
+    assert 0.07 < sum(flags) / len(flags) < 0.13
+    code = ("import sys; from blockdiff.demo.tasks import Problem, held_out; "
+            "print(''.join('1' if held_out(Problem('', q, '')) else '0' for q in sys.stdin.read().splitlines()))")
+    other = subprocess.run([sys.executable, "-c", code], input="\n".join(p.question for p in drawn), text=True,
+                           capture_output=True, env={**os.environ, "PYTHONHASHSEED": "123"}, check=True)
+    assert other.stdout.strip() == "".join("1" if f else "0" for f in flags)
+
+    first = heldout_problems(30)
+    assert [p.task for p in first[:3]] == list(TASKS) and len({p.question for p in first}) == 30
+    assert {p.question for p in heldout_problems(30, seed=1)} != {p.question for p in first}
     assert is_correct(first[0], f" {first[0].answer}\n") and not is_correct(first[0], first[0].answer + "0")

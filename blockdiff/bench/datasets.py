@@ -7,7 +7,8 @@ import torch
 
 def random_token_prompts(num: int, length: int, vocab_size: int, special_ids: set[int], seed: int) -> list[list[int]]:
     """`num` prompts of exactly `length` token ids drawn uniformly from the vocabulary, special
-    tokens (padding, BOS, EOS) left out so no prompt ends early or carries stray markers."""
+    tokens (padding, BOS, EOS) left out so no prompt ends early; other special tokens (turn markers)
+    may appear, as in vLLM's random dataset."""
     allowed = torch.tensor([t for t in range(vocab_size) if t not in special_ids])
     if len(allowed) == 0:
         raise ValueError(f"a vocabulary of {vocab_size} tokens has no non-special token to draw prompts from")

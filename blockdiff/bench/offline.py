@@ -17,27 +17,21 @@ from blockdiff.bench.datasets import random_token_prompts, special_token_ids
 from blockdiff.config import parse_dtype
 from blockdiff.bench.roofline import Cost, measure_peak, parameter_count, plan_cost
 from blockdiff.engine.request import State
-from blockdiff.entrypoints.args import add_engine_args, engine_config
+from blockdiff.entrypoints.args import add_engine_args, at_least, engine_config
 from blockdiff.sampling_params import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes; the first row is the latency row")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=256, help="new tokens per request")
-    p.add_argument("--denoising-steps", type=int, default=8, help="denoising steps every canvas takes")
-    p.add_argument("--num-iters", type=int, default=3, help="timed runs per batch size and engine (the median is shown)")
-    p.add_argument("--num-warmup", type=int, default=1, help="untimed runs per batch size and engine")
+    p.add_argument("--input-len", type=at_least(1), default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=at_least(1), default=256, help="new tokens per request")
+    p.add_argument("--denoising-steps", type=at_least(1), default=8, help="denoising steps every canvas takes")
+    p.add_argument("--num-iters", type=at_least(1), default=3, help="timed runs per batch size and engine (the median is shown)")
+    p.add_argument("--num-warmup", type=at_least(0), default=1, help="untimed runs per batch size and engine")
     p.add_argument("--compare", choices=["transformers"], default=None,
                    help="also run transformers' generate, alternating with blockdiff, and show the speedup")
     p.add_argument("--output-json", default=None, help="write every figure to this JSON file")
-
-
-def _positive(name: str, value: int) -> int:
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -98,14 +92,13 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], d
     try:
         while engine.has_unfinished():
             states = {r.slot: r.state for r in engine.scheduler.running}
-            previous = engine.last_plan
             engine.step()
             plan = engine.last_plan
-            if plan is previous:  # nothing ran
+            if plan is None:
                 continue
             kind = _step_kind(plan, states)
             phases.setdefault(kind, PhaseTiming()).add(engine.last_step_time, plan_cost(engine.model_config, plan, dtype_bytes))
-    finally:
+    finally:  # finished requests are gone already; this drops any left by an error
         for rid in ids:
             engine.abort(rid)
     return phases
@@ -124,10 +117,6 @@ def run(args: argparse.Namespace) -> int:
     from blockdiff.llm import LLM
 
     batch_sizes = parse_batch_sizes(args.batch_sizes)
-    for name in ("input_len", "output_len", "denoising_steps", "num_iters"):
-        _positive(f"--{name.replace('_', '-')}", getattr(args, name))
-    if args.num_warmup < 0:
-        raise ValueError(f"--num-warmup must be >= 0, got {args.num_warmup}")
     cfg = engine_config(args)
     cfg = dataclasses.replace(
         cfg,

@@ -6,7 +6,7 @@ keys are not counted), and the bytes that must cross the memory bus at least onc
 the step touches, the KV cache it reads and writes, and the float32 logits written by the LM head
 and read back by the sampler and the self-conditioning product. Elementwise work (norms, softmax,
 rotary) is left out: it is small in FLOPs, and its traffic depends on how well a kernel keeps
-activations in cache. `measure_matmul_peak` times the matmul kernels the engine uses on a large
+activations in cache. `measure_peak` times the matmul kernels the engine uses on a large
 square product; achieved GFLOP/s divided by it is the fraction of peak.
 """
 
@@ -97,13 +97,15 @@ def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int) -> Cost:
         # LM head, then the sampler reads the float32 logits once.
         cost.flops += 2 * dec_tokens * h * v
         cost.bytes += b * v * h + 2 * 4 * dec_tokens * v
-        new = set(plan.new_canvas_rows)
-        conditioned = sum(r.length for i, r in enumerate(dec_rows) if i not in new)
-        if conditioned:  # the self-conditioning MLP of canvases past their first step
-            cost.flops += 2 * conditioned * 3 * h * config.intermediate_size
+        if len(plan.new_canvas_rows) < len(dec_rows):
+            # The self-conditioning MLP runs over every canvas of the step once any has a previous
+            # step (a new canvas feeds zeros, whose MLP output is zero).
+            cost.flops += 2 * dec_tokens * 3 * h * config.intermediate_size
             cost.bytes += b * 3 * h * config.intermediate_size
+        # Canvases with steps left compute soft embeddings for the next one. Exact when no canvas
+        # ends early, as in `bench offline` (its stability threshold is never reached).
         continuing = sum(r.length for r, n in zip(dec_rows, plan.denoise.step.tolist()) if n > 1)
-        if continuing:  # soft embeddings for the next step: probabilities @ embedding
+        if continuing:  # probabilities @ embedding
             cost.flops += 2 * continuing * v * h
             cost.bytes += b * v * h + 4 * continuing * v
     return cost

@@ -24,6 +24,7 @@ import httpx
 import numpy as np
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
+from blockdiff.entrypoints.args import at_least
 
 # Words for text prompts when no local checkpoint tells the vocabulary (any OpenAI server).
 _WORDS = (
@@ -43,10 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint directory whose vocabulary random prompts are drawn from (default: --model "
                         "if it is a directory; otherwise prompts are random words)")
     p.add_argument("--dataset-name", default="random", choices=["random"])
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--random-input-len", type=at_least(1), default=1024)
+    p.add_argument("--random-output-len", type=at_least(1), default=128)
+    p.add_argument("--num-prompts", type=at_least(1), default=1000)
+    p.add_argument("--max-concurrency", type=at_least(1), default=None, help="requests in flight at most")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (inf: all at once)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request makes all its tokens")
@@ -366,11 +367,6 @@ def result_path(args: argparse.Namespace, result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("num_prompts", "random_input_len", "random_output_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     if args.extra_body is not None and not isinstance(args.extra_body, dict):

@@ -192,7 +192,6 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
 
 def train(cfg: TrainConfig, progress=None) -> tuple[DiffusionGemma, list[dict]]:
     """-> (trained model, per-step loss parts). `progress(step, parts)` is called every log_every steps."""
-    torch.manual_seed(cfg.seed)
     model = build_model(cfg.spec, cfg.seed)
     tokenizer = demo_tokenizer()
     problems = training_problems(random.Random(cfg.seed))
@@ -247,7 +246,7 @@ def train_and_save(cfg: TrainConfig, out_dir: str) -> dict:
                  parts["canvas"], parts["ar"], time.perf_counter() - start)
 
     model, history = train(cfg, progress)
-    tail = history[-min(50, len(history)) :]
+    tail = history[-50:]
     report = {
         "wall_time_s": round(time.perf_counter() - start, 1),
         "torch_threads": torch.get_num_threads(),

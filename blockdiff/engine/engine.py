@@ -79,7 +79,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_time = 0.0
-        self.last_plan: StepPlan | None = None  # what the last step ran (benchmarks count its work)
+        self.last_plan: StepPlan | None = None  # what the last step ran, None if nothing (benchmarks count its work)
 
     def _cache_config(self, model) -> CacheConfig:
         """Sized on a built (rank's) model, so per-rank head counts are right."""
@@ -157,6 +157,7 @@ class LLMEngine:
         canvas, finished, or (with stream_drafts) have a new draft."""
         scheduled = self.scheduler.schedule()
         if scheduled is None:
+            self.last_plan = None
             return []
         plan, enc, dec = scheduled
         now = time.monotonic()

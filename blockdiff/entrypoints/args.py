@@ -21,6 +21,19 @@ def parse_size(text: str) -> int:
     return int(float(number) * _SIZE_UNITS[unit])
 
 
+def at_least(minimum: int):
+    """argparse type: an integer >= `minimum` (argparse's error then names the flag)."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # argparse reports a ValueError as "invalid int value"
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
         p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled demo model)")

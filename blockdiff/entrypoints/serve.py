@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from blockdiff.entrypoints.args import add_engine_args, add_sampling_args, engine_config, parse_size, sampling_overrides
+from blockdiff.entrypoints.args import add_engine_args, add_sampling_args, at_least, engine_config, parse_size, sampling_overrides
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="names clients use as `model` (default: MODEL as given, or 'demo'); the first one is reported")
     p.add_argument("--api-key", default=os.environ.get("BLOCKDIFF_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $BLOCKDIFF_API_KEY)")
-    p.add_argument("--max-queued-requests", type=int, default=None,
+    p.add_argument("--max-queued-requests", type=at_least(0), default=None,
                    help="answer 429 when more requests than this would wait (default: no limit)")
     p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
     p.add_argument("--shutdown-timeout", type=int, default=3,
@@ -29,8 +29,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from blockdiff.entrypoints.openai.server import ServerConfig, serve
 
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     names = args.served_model_name or [args.model if args.model is not None else "demo"]
     cfg = ServerConfig(
         served_model_names=names,

@@ -7,6 +7,7 @@ import json
 import os
 
 from blockdiff.demo import CHECKPOINT_DIR
+from blockdiff.entrypoints.args import at_least
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,8 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = TrainConfig()
     p = sub.add_parser("train-demo", help="train the bundled demo model (CPU, seeded) on sorting, reversal and upper-casing")
     p.add_argument("--out", default=CHECKPOINT_DIR, help="checkpoint directory (default: the bundled demo checkpoint)")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--steps", type=at_least(1), default=d.steps)
+    p.add_argument("--batch-size", type=at_least(1), default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run)
@@ -25,9 +26,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from blockdiff.demo.train import TrainConfig, train_and_save
 
-    for name in ("steps", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
     if not args.lr > 0:
         raise ValueError(f"lr must be > 0, got {args.lr}")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)

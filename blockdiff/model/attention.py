@@ -225,10 +225,6 @@ class CacheGeometry:
     def ring_index(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
         return slot * self.ring + positions % self.ring
 
-    def cached_positions(self, row: Row, sliding: bool) -> torch.Tensor:
-        first = max(0, row.start - self.ring) if sliding else 0
-        return torch.arange(first, row.start)
-
     def index(self, row: Row, positions: torch.Tensor, sliding: bool) -> torch.Tensor:
         return self.ring_index(row.slot, positions) if sliding else self.full_index(row.blocks, positions)
 

@@ -16,7 +16,7 @@ from blockdiff.model.attention import Attention, AttentionMetadata
 from blockdiff.model.layers import RMSNorm, Rotary
 from blockdiff.model.moe import Experts, GatedMLP, Router
 from blockdiff.parallel.group import TPGroup
-from blockdiff.parallel.layers import VocabParallelEmbedding, replicated_loader
+from blockdiff.parallel.layers import VocabParallelEmbedding
 from blockdiff.parallel.vocab import VocabShard
 
 NORMS = (
@@ -43,9 +43,6 @@ class Block(nn.Module):
         # The one weight the modes do not share (a buffer in the reference, stored per mode).
         self.encoder_scalar = nn.Parameter(torch.ones(1, dtype=dtype), requires_grad=False)
         self.decoder_scalar = nn.Parameter(torch.ones(1, dtype=dtype), requires_grad=False)
-        for p in self.parameters():
-            if not hasattr(p, "weight_loader"):
-                p.weight_loader = replicated_loader
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         residual = x
@@ -75,7 +72,6 @@ class SelfConditioning(nn.Module):
         self.pre_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
         self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation, group, dtype)
         self.post_norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
-        self.pre_norm.weight.weight_loader = replicated_loader
 
     def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
         # Without a previous step the reference feeds zeros, whose MLP output is exactly zero.
@@ -98,7 +94,6 @@ class DiffusionGemma(nn.Module):
         self.embed = VocabParallelEmbedding(self.shard, config.hidden_size, group, self.embed_scale, dtype=dtype)
         self.layers = nn.ModuleList(Block(config, spec, group, dtype) for spec in config.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.norm.weight.weight_loader = replicated_loader
         self.self_conditioning = SelfConditioning(config, group, dtype)
         self.rotary = nn.ModuleDict()
         for spec in config.layers:

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from blockdiff.config import ModelConfig
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.parallel.group import TPGroup
+from blockdiff.parallel.layers import replicated_loader
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ def load_weights(model: DiffusionGemma, path: str) -> None:
                     unexpected.append(name)
                     continue
                 target, part = mapped
+                if part is not None and part >= getattr(params[target], "num_parts", 1):
+                    unexpected.append(name)  # e.g. v_proj on a layer whose keys are its values
+                    continue
                 key = (target, part)
                 # Shared weights may be spelled under the decoder or the encoder; the decoder's win,
                 # as in the reference's tying.
@@ -141,10 +145,12 @@ def load_weights(model: DiffusionGemma, path: str) -> None:
 
 
 def _load_one(param: torch.Tensor, source, name: str, part: int | None) -> None:
+    # Parameters whose layer does not shard them (norms, scalars, the router) are copied whole.
+    load = getattr(param, "weight_loader", replicated_loader)
     if part is None:
-        param.weight_loader(param, source, name)
+        load(param, source, name)
     else:
-        param.weight_loader(param, source, name, part)
+        load(param, source, name, part)
 
 
 def _expected_keys(model: DiffusionGemma) -> set[tuple[str, int | None]]:

@@ -17,7 +17,7 @@ from blockdiff.matmul import linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.parallel.group import TPGroup
-from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_shape, copy_into, replicated_loader
+from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_shape, copy_into
 
 
 class GatedMLP(nn.Module):
@@ -43,16 +43,13 @@ class Router(nn.Module):
         self.top_k = config.top_k_experts
         self.norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
         self.root = h**-0.5
-        self.proj = nn.Linear(h, e, bias=False, dtype=dtype)
+        self.proj = nn.Linear(h, e, bias=False, dtype=dtype).requires_grad_(False)
         self.scale = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.per_expert_scale = nn.Parameter(torch.ones(e, dtype=dtype), requires_grad=False)
-        for p in (self.proj.weight, self.scale, self.per_expert_scale):
-            p.requires_grad_(False)
-            p.weight_loader = replicated_loader
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [tokens, k] float32, expert index [tokens, k])."""
-        scores = self.proj(self.norm(x) * self.scale * self.root)
+        scores = linear(self.norm(x) * self.scale * self.root, self.proj.weight)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -108,11 +105,12 @@ class Experts(nn.Module):
         # arithmetic per element, ~5x slower on CPU); padding rows repeat token 0 and are dropped.
         source = torch.zeros(sum(sizes), dtype=torch.long, device=x.device)
         source[dest] = token
+        busy = [e for e, s in enumerate(sizes) if s]
         parts = x.index_select(0, source).split(sizes)
-        hidden = torch.cat([linear(p, w) for p, w in zip(parts, self.gate_up) if p.shape[0]])
+        hidden = torch.cat([linear(parts[e], self.gate_up[e]) for e in busy])
         gate, up = hidden.split(self.local, dim=-1)
-        act = (self.act(gate) * up).split([s for s in sizes if s])
-        y = torch.cat([linear(a, w) for a, w in zip(act, (w for w, s in zip(self.down, sizes) if s))])
+        act = (self.act(gate) * up).split([sizes[e] for e in busy])
+        y = torch.cat([linear(a, self.down[e]) for a, e in zip(act, busy)])
         y = y.index_select(0, dest) * weights.reshape(-1)[order, None]
         out = x.new_zeros(n, self.hidden).index_add_(0, token, y.to(x.dtype))
         if self.reduce:
