@@ -33,7 +33,7 @@ from torch import nn
 import blockdiff.engine.model_runner as model_runner
 from blockdiff.diffusion.sampler import DenoiseParams
 from blockdiff.diffusion.self_conditioning import soft_embedding
-from blockdiff.diffusion.vocab_parallel import Distribution, _inverse_cdf
+from blockdiff.diffusion.vocab_parallel import Distribution, exp_statistics, first_argmax, inverse_cdf, per_chunk
 from blockdiff.engine.kv_cache import CacheConfig
 from blockdiff.engine.model_runner import ModelRunner, StepPlan
 from blockdiff.matmul import linear
@@ -101,20 +101,19 @@ class PlainLinear(nn.Module):
 
 
 class PlainSampler:
-    """The sampler's single-device arithmetic, written without shards or groups."""
+    """The sampler's single-device arithmetic from the same functions (blockdiff/diffusion/
+    vocab_parallel.py), without the padding mask, the shard or group logic: only the TP machinery
+    differs between the two sides."""
 
     def distribution(self, x: torch.Tensor) -> Distribution:
-        y = x.sub_(x.amax(dim=-1, keepdim=True))
-        e = y.exp()
-        total = e.sum(dim=-1)
-        dot = torch.matmul(e.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
-        return Distribution(shifted=y, exp=e, local_sum=total, total=total, entropy=total.log() - dot / total)
+        chunk_max = per_chunk(x, torch.amax)
+        m = chunk_max.amax(dim=-1, keepdim=True)
+        y, e, cum, dot = exp_statistics(x, m)
+        total = cum[..., -1]
+        return Distribution(y, e, chunk_max.sub_(m), cum, None, total, total.log() - dot / total)
 
-    def argmax(self, d: Distribution) -> torch.Tensor:
-        return d.shifted.argmax(dim=-1)
-
-    def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
-        return _inverse_cdf(d.exp, u * d.total)
+    def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return first_argmax(d.shifted, d.chunk_max), inverse_cdf(d.exp, d.chunk_cumsum, u * d.total)
 
 
 def plain_model(model: nn.Module) -> nn.Module:

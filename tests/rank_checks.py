@@ -14,9 +14,17 @@ from blockdiff.parallel.ranks import RankContext
 from blockdiff.parallel.vocab import VocabShard
 
 
+def local_rows(shard: VocabShard, full: torch.Tensor) -> torch.Tensor:
+    """This rank's rows (dim 0) of a full-vocabulary tensor, padding rows zero."""
+    out = full.new_zeros((shard.local_rows, *full.shape[1:]))
+    out[: shard.num_org] = full[shard.org_start : shard.org_end]
+    out[shard.org_rows : shard.org_rows + shard.num_added] = full[shard.added_start : shard.added_end]
+    return out
+
+
 def local_columns(shard: VocabShard, full: torch.Tensor) -> torch.Tensor:
     """This rank's vocabulary columns (last dim) of a full-vocabulary tensor, padding zero."""
-    return shard.local_rows_of(full.movedim(-1, 0)).movedim(0, -1).contiguous()
+    return local_rows(shard, full.movedim(-1, 0)).movedim(0, -1).contiguous()
 
 
 def vocab_statistics(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, k: int) -> dict:
@@ -26,15 +34,19 @@ def vocab_statistics(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, k:
     vocab = VocabParallel(shard, ctx.group)
     ctx.group.counter.reset()
     d = vocab.distribution(local_columns(shard, logits))
+    argmax, sample = vocab.argmax_and_sample(d, u)
+    step = (ctx.group.counter.calls, ctx.group.counter.bytes)  # what the sampler's step moves
     top_lp, top_ids = vocab.top_logprobs(d, k)
     return {
         "entropy": d.entropy,
-        "argmax": vocab.argmax(d),
-        "sample": vocab.sample(d, u),
+        "argmax": argmax,
+        "sample": sample,
         "top_logprobs": top_lp,
         "top_ids": top_ids,
         "local_probs": d.exp / d.total.unsqueeze(-1),  # this rank's P_r, the self-conditioning input
         "global_ids": shard.global_ids(),
+        "step_collectives": step[0],
+        "step_bytes": step[1],
         "bytes": ctx.group.counter.bytes,
     }
 
@@ -43,7 +55,7 @@ def sharded_soft_embedding(ctx: RankContext, probs, weight, scale, org_vocab, ad
     """soft_embedding on this rank's rows of `weight`, from full-vocabulary or local probabilities."""
     shard = VocabShard.make(ctx.rank, ctx.size, org_vocab, added_vocab)
     p = local_columns(shard, probs) if local_probs else probs
-    return soft_embedding(p, shard.local_rows_of(weight), scale, shard, ctx.group)
+    return soft_embedding(p, local_rows(shard, weight), scale, shard, ctx.group)
 
 
 def fail_on_rank(ctx: RankContext, rank: int) -> int:

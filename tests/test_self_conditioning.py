@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rank_checks import local_columns, sharded_soft_embedding
+from rank_checks import local_columns, local_rows, sharded_soft_embedding
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from blockdiff.diffusion.self_conditioning import soft_embedding
@@ -57,6 +57,9 @@ def test_one_rank_is_one_matmul_and_the_scale():
     with OpRecorder() as batched:
         soft_embedding(probs, weight, SCALE, group=group)
     assert [op for op in batched.ops if op not in views] == matmul + ["mul"]
+    with OpRecorder() as one_shard:  # what the engine passes on one rank
+        soft_embedding(probs, weight, SCALE, VocabShard.make(0, 1, ORG, ADDED), group)
+    assert [op for op in one_shard.ops if op not in views] == matmul + ["mul"]
     assert group.counter.calls == 0
 
 
@@ -71,7 +74,7 @@ def test_simulated_shards_sum_to_the_full_result(size, local_probs):
     owned = []
     for rank in range(size):
         shard = VocabShard.make(rank, size, ORG, ADDED)
-        w = shard.local_rows_of(weight)
+        w = local_rows(shard, weight)
         w[~shard.valid_rows()] = 1e3
         p = local_columns(shard, probs) if local_probs else probs
         total += soft_embedding(p, w, SCALE, shard)
@@ -98,4 +101,4 @@ def test_vocabulary_mismatch_names_both_sizes():
         soft_embedding(probs, weight[:ORG], SCALE)
     shard = VocabShard.make(0, 2, ORG, ADDED)
     with pytest.raises(ValueError, match=rf"cover 300 tokens.*\({ORG + ADDED}\).*{shard.local_rows} rows"):
-        soft_embedding(probs[..., :300], shard.local_rows_of(weight), SCALE, shard)
+        soft_embedding(probs[..., :300], local_rows(shard, weight), SCALE, shard)

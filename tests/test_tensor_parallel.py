@@ -134,6 +134,10 @@ def test_vocab_parallel_bytes_do_not_grow_with_the_vocabulary(tp_ranks):
     large = tp_ranks.run(vocab_statistics, _logits(16 * VOCAB + 1), u, 5, gather=True)
     assert [r["bytes"] for r in small] == [r["bytes"] for r in large]
     assert 0 < small[0]["bytes"] < 2 * 16 * VOCAB * 4  # less than gathering the smaller logits
+    # The sampler's step: the max (fp32), (Σexp, Σexp·y) gathered from each rank (2 fp32), and one
+    # all-reduce of (argmax candidate, sampled id) (2 int64) per position.
+    n = tp_ranks.size
+    assert all(r["step_collectives"] == 3 and r["step_bytes"] == 2 * 16 * (4 + 8 * n + 16) for r in small + large)
 
 
 def test_bytes_per_denoising_step_do_not_grow_with_the_vocabulary(tp_ckpt, checkpoints):
@@ -154,8 +158,13 @@ def test_bytes_per_denoising_step_do_not_grow_with_the_vocabulary(tp_ckpt, check
             executor.execute = recording
             llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, max_denoising_steps=3, seed=0, ignore_eos=True))
         per_step[path] = set(seen)
-    # two kinds of step: a canvas's first (no self-conditioning input yet) and the others
-    assert per_step[tp_ckpt] == per_step[large] and len(per_step[large]) == 2
+    assert per_step[tp_ckpt] == per_step[large]
+    # docs/tp.md: T · (H·e·(3L + 3 - k) + 20 + 8N), where a canvas's first step has no
+    # self-conditioning input (no self-conditioning MLP) and its last computes no soft embedding
+    # for a next step: k = 0 in the middle, 1 on the first or the last step, 2 on a step that is both.
+    t, h, n = TP_SPEC["canvas_length"], TP_SPEC["hidden_size"], 2
+    formula = {t * (h * 4 * (3 * TP_SPEC["num_layers"] + 3 - k) + 20 + 8 * n) for k in (0, 1, 2)}
+    assert per_step[large] and per_step[large] <= formula
     assert 0 < max(per_step[large]) < TP_SPEC["canvas_length"] * (16 * VOCAB + 1) * 4  # less than gathering the logits
 
 

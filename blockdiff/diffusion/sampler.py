@@ -70,8 +70,7 @@ def denoise_step(
     """logits [canvases, CL, local vocab] float32 (overwritten)."""
     t = temperature(params.step, params.max_steps, params.t_min, params.t_max)
     dist = vocab.distribution(logits.div_(t[:, None, None]))
-    argmax = vocab.argmax(dist)
-    candidates = vocab.sample(dist, params.uniform)
+    argmax, candidates = vocab.argmax_and_sample(dist, params.uniform)
     accepted = entropy_bound_accept(dist.entropy, params.entropy_bound)
     canvas = torch.where(accepted, candidates, params.renoise)
     same = (argmax == last_argmax).all(dim=-1)

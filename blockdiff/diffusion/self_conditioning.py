@@ -18,39 +18,37 @@ from blockdiff.parallel.vocab import VocabShard
 def soft_embedding(
     probs: torch.Tensor,
     weight: torch.Tensor,
-    scale: float,
+    scale: float | torch.Tensor,
     shard: VocabShard | None = None,
     group: TPGroup | None = None,
 ) -> torch.Tensor:
-    """Soft embeddings [..., hidden] of probabilities [..., vocab] (in `weight`'s dtype).
+    """Soft embeddings [..., hidden] of probabilities [..., vocab], times `scale` (a number, or a
+    tensor broadcasting against the result, e.g. embed_scale / Σexp per canvas for unnormalised
+    probabilities).
 
-    - `shard` None: `weight` holds the whole vocabulary.
-    - `shard` given: `weight` holds this rank's `shard.local_rows`; `probs` is either over the full
-      vocabulary (this rank's original and added ranges are taken from it) or already this rank's
-      local rows (padding entries must be zero). The partial sums are all-reduced over `group`.
+    - `probs` over exactly `weight`'s rows (the whole vocabulary on one rank, or this rank's local
+      rows with zero padding entries): one matmul.
+    - `shard` given and `probs` over the full vocabulary while `weight` holds this rank's
+      `shard.local_rows`: this rank's original and added ranges are taken from `probs`.
+    Partial sums are all-reduced over `group` when it has more than one rank.
     """
-    if shard is None:
-        if probs.shape[-1] != weight.shape[0]:
-            raise ValueError(
-                f"probabilities cover a vocabulary of {probs.shape[-1]} tokens but the embedding has "
-                f"{weight.shape[0]} rows; pass the VocabShard of a sharded embedding"
-            )
-        return linear(probs, weight.t()) * scale
-
-    if weight.shape[0] != shard.local_rows:
-        raise ValueError(f"embedding shard has {weight.shape[0]} rows, the VocabShard says {shard.local_rows}")
     vocab = probs.shape[-1]
-    if vocab == shard.local_rows and vocab != shard.vocab_size:
+    if vocab == weight.shape[0]:
         out = linear(probs, weight.t())
-    elif vocab == shard.vocab_size:
+    elif shard is not None and vocab == shard.vocab_size and weight.shape[0] == shard.local_rows:
         out = linear(probs[..., shard.org_start : shard.org_end], weight[: shard.num_org].t())
         if shard.num_added:
             added_rows = weight[shard.org_rows : shard.org_rows + shard.num_added]
             out += linear(probs[..., shard.added_start : shard.added_end], added_rows.t())
+    elif shard is None:
+        raise ValueError(
+            f"probabilities cover {vocab} tokens but the embedding has {weight.shape[0]} rows; "
+            "pass the VocabShard of a sharded embedding"
+        )
     else:
         raise ValueError(
             f"probabilities cover {vocab} tokens, which is neither the full vocabulary "
-            f"({shard.vocab_size}) nor this rank's {shard.local_rows} rows"
+            f"({shard.vocab_size}) nor this rank's {weight.shape[0]} rows"
         )
     if group is not None and group.size > 1:
         group.all_reduce(out)

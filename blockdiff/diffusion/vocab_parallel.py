@@ -15,16 +15,23 @@ import torch
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
-_CHUNK = 128  # inverse-CDF sampling searches chunk sums first, then one chunk
+_CHUNK = 128  # argmax and inverse-CDF sampling search per-chunk statistics first, then one chunk
 
 
 @dataclass
 class Distribution:
     shifted: torch.Tensor  # [..., local_rows] x - max: log-probabilities up to log_z below
     exp: torch.Tensor  # [..., local_rows] exp(shifted): unnormalised local probabilities
-    local_sum: torch.Tensor  # [...] Σ exp over this rank's rows
+    chunk_max: torch.Tensor  # [..., chunks] maxima of `shifted` per chunk: 0 where the max is
+    chunk_cumsum: torch.Tensor  # [..., chunks] cumulative sums of `exp` per chunk
+    rank_bounds: torch.Tensor | None  # [ranks + 1, ...] Σ exp over the ranks before each (sharded)
     total: torch.Tensor  # [...] Σ exp over the whole vocabulary
     entropy: torch.Tensor  # [...]
+
+    @property
+    def local_sum(self) -> torch.Tensor:
+        """[...] Σ exp over this rank's rows: the total the inverse-CDF search runs over."""
+        return self.chunk_cumsum[..., -1]
 
     @property
     def log_total(self) -> torch.Tensor:
@@ -38,57 +45,55 @@ class VocabParallel:
         self.shard = shard
         self.group = group
         self.sharded = group.size > 1
-        self.valid = shard.valid_rows(device)
-        self.padding = None if bool(self.valid.all()) else ~self.valid
-        self.last_valid = int(self.valid.nonzero().max()) if bool(self.valid.any()) else 0
+        valid = shard.valid_rows(device)
+        self.padding = None if bool(valid.all()) else ~valid
         self.global_ids = shard.global_ids(device)
 
     def distribution(self, x: torch.Tensor) -> Distribution:
         """softmax statistics of logits x (float32, modified in place into x - max)."""
         if self.padding is not None:
             x.masked_fill_(self.padding, -1e30)  # finite: exp gives 0 and 0 * x stays 0
-        m = x.amax(dim=-1, keepdim=True)
+        # The vocabulary is reduced per chunk, once for the maxima and once for the sums, which
+        # argmax and sampling reuse to scan a single chunk each.
+        chunk_max = per_chunk(x, torch.amax)
+        m = chunk_max.amax(dim=-1, keepdim=True)
         if self.sharded:
             self.group.all_reduce(m, op="max")
-        y = x.sub_(m)
-        e = y.exp()
-        local_sum = e.sum(dim=-1)
-        # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
-        dot = (e * y).sum(dim=-1)
-        total = local_sum
+        y, e, cum, dot = exp_statistics(x, m)
+        local_sum = cum[..., -1]
+        bounds = None
         if self.sharded:
-            both = torch.stack((local_sum, dot))
-            self.group.all_reduce(both)
-            total, dot = both[0], both[1]
+            # Gathered rather than all-reduced: every rank adds the same rows in the same order, so
+            # all hold the same total, and sampling cuts it at the same rank bounds.
+            sums, dots = self.group.all_gather(torch.stack((local_sum, dot))).unbind(1)
+            bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
+            dot = dots.sum(0)
+        total = local_sum if bounds is None else bounds[-1]
         entropy = total.log() - dot / total
-        return Distribution(shifted=y, exp=e, local_sum=local_sum, total=total, entropy=entropy)
+        return Distribution(y, e, chunk_max.sub_(m), cum, bounds, total, entropy)
 
-    def argmax(self, d: Distribution) -> torch.Tensor:
-        """Global token ids of the maxima, ties to the lowest id like torch.argmax."""
+    def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global token ids of the maxima (ties to the lowest id, like torch.argmax) and one token
+        per position drawn by inverse CDF for u ~ U[0, 1) [...]; sharded, in one collective."""
+        argmax = first_argmax(d.shifted, d.chunk_max)
+        # The target is cut from the total of the very sums the search runs over: any other sum of
+        # the same weights can round above them and send the search past the last token with mass.
         if not self.sharded:
-            return first_argmax(d.shifted)
-        value, index = d.shifted.max(dim=-1)
-        return self._pick(value, self.global_ids[index])
-
-    def sample(self, d: Distribution, u: torch.Tensor) -> torch.Tensor:
-        """One token per position from the distribution by inverse CDF, u ~ U[0, 1) [...]."""
-        if not self.sharded:
-            return _inverse_cdf(d.exp, u.to(d.total.dtype) * d.total)
-        # Every rank cuts [0, total) the same way from the same gathered sums, so exactly one rank
-        # owns each target: ranks in order, each over its own mass.
-        sums = self.group.all_gather(d.local_sum)  # [ranks, ...]
-        bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
-        target = u.to(sums.dtype) * bounds[-1]
-        r = self.group.rank
+            return argmax, inverse_cdf(d.exp, d.chunk_cumsum, u.to(d.total.dtype) * d.total)
+        # Shifted by the global max, the maximum is exactly 0 where it is: a rank's candidate is its
+        # first such token, and the lowest candidate id wins.
+        candidate = torch.where(d.chunk_max.amax(dim=-1) == 0, self.global_ids[argmax], torch.iinfo(torch.long).max)
+        # Every rank cuts [0, total) at the same rank bounds, so exactly one rank owns each target.
+        bounds, r = d.rank_bounds, self.group.rank
+        target = u.to(bounds.dtype) * bounds[-1]
         mine = (target >= bounds[r]) & (target < bounds[r + 1])
         # A u just below 1 can round the target onto the total: the last rank with mass takes it.
-        ranks = torch.arange(self.group.size, device=sums.device).view(-1, *([1] * target.dim()))
-        mine |= (target >= bounds[-1]) & (torch.where(sums > 0, ranks, -1).amax(0) == r)
-        local = _inverse_cdf(d.exp, target - bounds[r])
-        # ...and then this rank's own search can run past its mass onto a padding row.
-        local = torch.where(self.valid[local], local, self.last_valid)
-        ids = torch.where(mine, self.global_ids[local], -1)
-        return self.group.all_reduce(ids, op="max")
+        ranks = torch.arange(self.group.size, device=bounds.device).view(-1, *([1] * target.dim()))
+        mine |= (target >= bounds[-1]) & (torch.where(bounds[1:] > bounds[:-1], ranks, -1).amax(0) == r)
+        local = inverse_cdf(d.exp, d.chunk_cumsum, target - bounds[r])
+        sample = torch.where(mine, self.global_ids[local], -1)
+        both = self.group.all_reduce(torch.stack((-candidate, sample)), op="max")
+        return -both[0], both[1]
 
     def top_logprobs(self, d: Distribution, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely tokens per position: (logprobs [..., k], ids [..., k])."""
@@ -101,49 +106,54 @@ class VocabParallel:
             ids = ids.gather(-1, pick)
         return value - d.log_total.unsqueeze(-1), ids
 
-    def _pick(self, value: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        values = self.group.all_gather(value)
-        all_ids = self.group.all_gather(ids)
-        best = values.amax(dim=0)
-        candidates = torch.where(values == best, all_ids, torch.iinfo(all_ids.dtype).max)
-        return candidates.amin(dim=0)
 
-
-def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, -1) (ties to the lowest index), from per-chunk maxima: a max-reduction over
-    the vocabulary and one chunk scanned for the index, ~4x faster than argmax's indexed reduction
-    on CPU."""
+def per_chunk(x: torch.Tensor, reduce) -> torch.Tensor:
+    """[..., chunks] `reduce` (torch.amax, torch.sum) of [..., V] over chunks of the vocabulary;
+    the last chunk may be short."""
     v = x.shape[-1]
-    if v < 2 * _CHUNK:
-        return x.argmax(dim=-1)
     full = v // _CHUNK * _CHUNK
-    chunk_max = x[..., :full].unflatten(-1, (full // _CHUNK, _CHUNK)).amax(-1)
+    out = reduce(x[..., :full].unflatten(-1, (full // _CHUNK, _CHUNK)), -1)
     if full < v:
-        chunk_max = torch.cat((chunk_max, x[..., full:].amax(-1, keepdim=True)), dim=-1)
-    chunk = chunk_max.argmax(dim=-1, keepdim=True)  # the first chunk that holds the maximum
+        out = torch.cat((out, reduce(x[..., full:], -1, keepdim=True)), dim=-1)
+    return out
+
+
+def exp_statistics(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x shifted by the max m in place (y), e = exp(y), e's cumulative sums per chunk, and Σ e·y."""
+    y = x.sub_(m)
+    e = y.exp()
+    # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
+    return y, e, per_chunk(e, torch.sum).cumsum(-1), (e * y).sum(dim=-1)
+
+
+def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) (ties to the lowest index) given x's per-chunk maxima: only the first
+    chunk that holds the maximum is scanned for the index, ~4x faster than argmax's indexed
+    reduction over the whole vocabulary on CPU."""
+    v = x.shape[-1]
+    chunk = chunk_max.argmax(dim=-1, keepdim=True)
     offsets = chunk * _CHUNK + torch.arange(_CHUNK, device=x.device)
     values = x.gather(-1, offsets.clamp(max=v - 1)).masked_fill(offsets >= v, float("-inf"))
     return (chunk * _CHUNK).squeeze(-1) + values.argmax(dim=-1)
 
 
-def _inverse_cdf(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """First index i with cumsum(weights)[i] > target, per row of [..., V] weights.
+def inverse_cdf(weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The first index i with cumsum(weights)[i] > target, per row of [..., V] weights with
+    `cum` their cumulative sums per chunk, never one of weight 0 (a target at or past the total takes the
+    last index with weight).
 
-    Sums over chunks of the vocabulary locate the chunk, then one chunk is scanned, so the cost is
-    one read of the weights instead of a full cumulative sum.
+    The chunk sums locate the chunk, then one chunk is scanned, so the cost is one read of the
+    weights instead of a full cumulative sum.
     """
     v = weights.shape[-1]
-    full = v // _CHUNK
-    chunk_sums = weights[..., : full * _CHUNK].unflatten(-1, (full, _CHUNK)).sum(-1)
-    if v % _CHUNK:
-        chunk_sums = torch.cat((chunk_sums, weights[..., full * _CHUNK :].sum(-1, keepdim=True)), dim=-1)
-    cum = chunk_sums.cumsum(-1)
-    n_chunks = cum.shape[-1]
-    chunk = torch.searchsorted(cum, target.unsqueeze(-1), right=True).clamp(max=n_chunks - 1)
-    before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target.unsqueeze(-1)))
-    offsets = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)
-    inside = offsets < v
-    values = weights.gather(-1, offsets.clamp(max=v - 1)) * inside
-    pos = torch.searchsorted(values.cumsum(-1), (target.unsqueeze(-1) - before), right=True)
-    last = inside.sum(-1, keepdim=True) - 1
+    mass = cum[..., -1:]
+    # Strictly below the total, the chunk found holds mass...
+    target = torch.minimum(target.unsqueeze(-1), mass.nextafter(torch.zeros_like(mass)))
+    chunk = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[-1] - 1)
+    before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
+    inside = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)
+    values = weights.gather(-1, inside.clamp(max=v - 1)) * (inside < v)
+    pos = torch.searchsorted(values.cumsum(-1), target - before, right=True)
+    # ...but the scan sums it in another order, which can run past its last index with weight.
+    last = torch.where(values > 0, torch.arange(_CHUNK, device=weights.device), 0).amax(-1, keepdim=True)
     return (chunk * _CHUNK + torch.minimum(pos, last)).squeeze(-1)

@@ -59,7 +59,6 @@ class ModelRunner:
             self.last_argmax = torch.full((s, cl), -1, dtype=torch.long)
             self.run = torch.zeros(s, dtype=torch.long)
             self.soft = torch.zeros(s, cl, h, dtype=model.dtype)
-            self.has_soft = torch.zeros(s, dtype=torch.bool)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
@@ -71,13 +70,14 @@ class ModelRunner:
             self.last_argmax[starting] = -1
             self.run[starting] = 0
             self.soft[starting] = 0
-            self.has_soft[starting] = False
 
         ids = plan.encoder_ids.to(self.device)
         soft = None
         if dec_rows:
             ids = torch.cat((ids, self.canvas[slots].reshape(-1)))
-            if bool(self.has_soft[slots].any()):
+            # Every canvas that is not starting went on from the previous step, which computed its
+            # soft embeddings (a finished one starts a new canvas next: the scheduler's steps_left).
+            if len(plan.new_canvas_rows) < len(dec_rows):
                 soft = self.soft[slots].reshape(-1, self.soft.shape[-1])
         meta = build_metadata(plan.rows, self.geometry, self.model.kinds, self.device)
         if meta.num_tokens > ids.shape[0]:
@@ -93,14 +93,17 @@ class ModelRunner:
         self.run[slots] = res.run
         # A finished canvas is committed and the next one starts without self-conditioning, so only
         # the canvases that go on need their soft embeddings (the product is as big as the LM head).
-        going = ~res.finished
+        finished = res.finished.cpu()  # the only host sync the control flow below needs
+        going = ~finished
         if bool(going.any()):
             probs, total, keep = res.dist.exp, res.dist.total, slots
             if not bool(going.all()):
-                probs, total, keep = probs[going], total[going], slots[going]
-            soft_next = soft_embedding(probs.to(self.model.dtype), self.model.embed.weight, self.model.embed_scale, self._shard, self.model.group)
-            self.soft[keep] = (soft_next / total.unsqueeze(-1)).to(self.model.dtype)
-            self.has_soft[keep] = True
+                rows = going.nonzero().squeeze(1).to(self.device)
+                probs, total, keep = probs[rows], total[rows], slots[rows]
+            # exp / Σexp are the probabilities: the normalisation rides on the scale, one multiply
+            scale = (self.model.embed_scale / total).unsqueeze(-1)
+            soft_next = soft_embedding(probs.to(self.model.dtype), self.model.embed.weight, scale, self.model.shard, self.model.group)
+            self.soft[keep] = soft_next.to(self.model.dtype)
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:
@@ -108,7 +111,7 @@ class ModelRunner:
             if plan.top_logprobs > 0:
                 top_lp, top_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs)
         return StepOutput(
-            finished=res.finished.cpu(),
+            finished=finished,
             argmax=res.argmax.cpu(),
             mean_entropy=res.entropy.mean(-1).cpu(),
             accepted=res.accepted.sum(-1).cpu(),
@@ -116,7 +119,3 @@ class ModelRunner:
             top_logprobs=None if top_lp is None else top_lp.cpu(),
             top_ids=None if top_ids is None else top_ids.cpu(),
         )
-
-    @property
-    def _shard(self):
-        return self.model.shard if self.model.group.size > 1 else None

@@ -21,8 +21,6 @@ def _ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class VocabShard:
-    rank: int
-    size: int
     org_vocab: int
     added_vocab: int
     org_start: int
@@ -41,8 +39,6 @@ class VocabShard:
         org_start = min(rank * org_rows, org_vocab)
         added_off = min(rank * added_rows, added_vocab)
         return cls(
-            rank=rank,
-            size=size,
             org_vocab=org_vocab,
             added_vocab=added_vocab,
             org_start=org_start,
@@ -87,10 +83,3 @@ class VocabShard:
         local = torch.where(in_org, ids - self.org_start, ids - self.added_start + self.org_rows)
         owned = in_org | in_added
         return torch.where(owned, local, 0), owned
-
-    def local_rows_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows (dim 0) of a full-vocabulary tensor, padding rows zero."""
-        out = full.new_zeros((self.local_rows, *full.shape[1:]))
-        out[: self.num_org] = full[self.org_start : self.org_end]
-        out[self.org_rows : self.org_rows + self.num_added] = full[self.added_start : self.added_end]
-        return out
