@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -47,6 +48,13 @@ class Tokenizer:
             with open(jinja_file) as f:
                 template = f.read()
         return cls(_Tokenizer.from_file(file), config, template)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: an upper bound on the text one token covers
+        (entries spell a byte, a character or a space marker per character, or are byte-fallback
+        `<0xNN>`), so text longer than N times this cannot encode to N tokens or fewer."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -149,6 +149,13 @@ def test_stream_holds_back_text_a_stop_string_may_cut(client, offline):
     assert "".join(c.text for c in chunks) == want.text
     assert [c.finish_reason for c in chunks] == [None, "stop"]
 
+    # Logprob offsets run over the token strings, whatever text is held back.
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**base, stop=[stop], logprobs=0)]
+    whole = client.completions.create(**{**base, "stream": False}, stop=[stop], logprobs=0).choices[0].logprobs
+    assert [t for lp in streamed for t in lp.tokens] == whole.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == whole.text_offset
+    assert whole.text_offset == [sum(map(len, whole.tokens[:i])) for i in range(len(whole.tokens))]
+
 
 def test_n_and_prompt_lists(client, offline):
     """Choice i of a prompt is seeded with seed + i; choices are numbered prompt-major."""
@@ -354,6 +361,11 @@ BAD = [
     ("top_p", _C, {**_OK, "top_p": 0.5}, None, 400, "top_p"),
     ("negative temperature", _C, {**_OK, "temperature": -1.0}, None, 400, "temperature"),
     ("n zero", _C, {**_OK, "n": 0}, None, 400, "n"),
+    ("n over 128", _C, {**_OK, "n": 129}, None, 400, "n"),
+    ("n huge", _C, {"prompt": [5, 6, 7], "n": 200_000, "max_tokens": 1}, None, 400, "n"),
+    ("prompts x n over 2048", _C, {**_OK, "prompt": [[5, 6]] * 17, "n": 128}, None, 400, "n"),
+    ("over 2048 prompts", _C, {**_OK, "prompt": ["a"] * 2049}, None, 400, "prompt"),
+    ("chat n over 128", _CHAT, {"model": MODEL, "messages": _MSG, "n": 1000}, None, 400, "n"),
     ("too many logprobs", _C, {**_OK, "logprobs": 21}, None, 400, "logprobs"),
     ("echo", _C, {**_OK, "echo": True}, None, 400, "echo"),
     ("logit_bias", _C, {**_OK, "logit_bias": {"5": 1.0}}, None, 400, "logit_bias"),
@@ -367,11 +379,15 @@ BAD = [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, None, 400, "messages"),
     ("chat top_logprobs alone", _CHAT, {"model": MODEL, "messages": _MSG, "top_logprobs": 2}, None, 400, "top_logprobs"),
     ("chat huge max_completion_tokens", _CHAT, {"model": MODEL, "messages": _MSG, "max_completion_tokens": 10**9},
-     None, 400, "prompt"),
+     None, 400, "messages"),
+    ("chat zero max_completion_tokens", _CHAT, {"model": MODEL, "messages": _MSG, "max_completion_tokens": 0},
+     None, 400, "max_completion_tokens"),
+    ("chat zero max_tokens", _CHAT, {"model": MODEL, "messages": _MSG, "max_tokens": 0}, None, 400, "max_tokens"),
+    ("chat t_max below t_min", _CHAT, {"model": MODEL, "messages": _MSG, "t_min": 0.9, "t_max": 0.1}, None, 400, "t_max"),
     ("wrong api key", _C, _OK, {"Authorization": "Bearer nope"}, 401, None),
     ("missing api key", _C, _OK, {"Authorization": ""}, 401, None),
     ("body over the size limit", _C, {**_OK, "prompt": "x" * 300_000}, None, 413, None),
-    ("more queued than allowed", _C, {**_OK, "n": 65}, None, 429, None),
+    ("more queued than allowed", _C, {**_OK, "n": MAX_NUM_SEQS + 65}, None, 429, None),  # 8 start, 65 > 64 wait
     ("unknown endpoint", "/v1/embeddings", _OK, None, 404, None),
 ]
 
@@ -387,6 +403,39 @@ def test_bad_input_gets_an_openai_error(server, name, path, body, headers, statu
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param, error
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_text_too_long_to_fit_is_refused_before_tokenizing(server, offline):
+    """Text longer than max_model_len x the longest token's characters cannot fit; the server says
+    so from its length (tokenizing megabytes would hold the GIL and stall every other request)."""
+    limit = MAX_MODEL_LEN * offline.engine.tokenizer.max_token_chars
+    for path, body in [(_C, {**_OK, "prompt": "x" * (limit + 1)}),
+                       (_C, {**_OK, "prompt": ["Hello", "y" * (limit + 1)]}),
+                       (_CHAT, {"model": MODEL, "messages": [{"role": "system", "content": "z" * (limit // 2)},
+                                                   {"role": "user", "content": "z" * (limit - limit // 2 + 1)}]})]:
+        r = httpx.post(server.url + path, json=body, headers=_auth(), timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == ("messages" if path == _CHAT else "prompt")
+        assert f"{limit + 1} characters cannot fit in max_model_len={MAX_MODEL_LEN}" in error["message"], error
+
+
+def test_queue_limit_counts_only_requests_that_would_wait(tiny, tmp_path):
+    """--max-queued-requests 0: what a free slot takes right away is served; what would wait is a 429."""
+    server = ServerProcess(tiny, "--served-model-name", MODEL, "--max-num-seqs", "1", "--max-queued-requests", "0", "--max-model-len", str(MAX_MODEL_LEN),
+                           log_path=str(tmp_path / "server.log"))
+    try:
+        r = httpx.post(server.url + _C, json=_OK, timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.post(server.url + _C, json={**_OK, "n": 2}, timeout=60).status_code == 429  # one of two would wait
+        long = {**_OK, "max_tokens": 240, "ignore_eos": True, "max_denoising_steps": 16, "stream": True}
+        with httpx.stream("POST", server.url + _C, json=long, timeout=60) as busy:
+            lines = busy.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it holds the only slot
+            r = httpx.post(server.url + _C, json=_OK, timeout=60)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+    finally:
+        server.close()
 
 
 def test_streamed_body_over_the_limit(server):

@@ -3,11 +3,19 @@ process group (server and any tensor-parallel workers) within seconds."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
+import sys
+import threading
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, free_port
+
+from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.entrypoints.openai.server import ServerConfig, build_app
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_sigterm_stops_the_server(tiny, tmp_path, tp):
@@ -31,3 +39,43 @@ def test_sigterm_stops_the_server(tiny, tmp_path, tp):
         assert "Traceback" not in log, log
     finally:
         server.close()
+
+
+def test_invalid_sampler_flags_fail_startup(tiny):
+    """--t-min above the checkpoint's t_max would make every request a 400: the server refuses to start."""
+    cmd = [sys.executable, "-m", "blockdiff", "serve", tiny, "--port", str(free_port()), "--t-min", "0.95"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr
+    assert "error: invalid sampler flags" in r.stderr and "t_min=0.95" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_engine_failure_ends_requests_and_health_says_why(tiny, monkeypatch):
+    """In-process (no subprocess can make a real step fail): a step that raises ends the open request
+    and every later one with 503 engine_unavailable, and /health reports the failure."""
+    engine = LLMEngine(EngineConfig(tiny, max_model_len=64))
+    stepping = threading.Event()
+
+    def execute(plan):
+        stepping.set()
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.executor, "execute", execute)
+    app = build_app(engine, ServerConfig(["tiny"]))
+    body = {"prompt": [5, 6, 7], "max_tokens": 8}
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://server", timeout=30) as client:
+                assert (await client.get("/health")).status_code == 200
+                for _ in range(2):  # the request in the failing step, then one after it
+                    r = await client.post("/v1/completions", json=body)
+                    assert r.status_code == 503, r.text
+                    assert r.json()["error"] == {"message": "the engine failed: boom", "type": "service_unavailable_error",
+                                                 "param": None, "code": "engine_unavailable"}
+                health = await client.get("/health")
+                assert health.status_code == 503 and health.json()["error"]["message"] == "the engine failed: boom"
+        assert stepping.is_set()
+
+    asyncio.run(main())

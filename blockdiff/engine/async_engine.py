@@ -61,27 +61,28 @@ class RequestStream:
     def abort(self) -> None:
         """Abort whatever has not finished (a no-op once everything has)."""
         if self._unfinished:
-            self._engine._abort(sorted(self._unfinished))
+            self._engine._abort([rid for rid in self.request_ids if rid in self._unfinished])
             self._unfinished.clear()
 
 
 class AsyncEngine:
     """Owns `engine` from `start()` on: `stop()` shuts it down.
 
-    on_step(seconds) is called after every engine step; on_finish(output) once per request that
-    finished or was aborted after it was admitted (both on the event loop)."""
+    on_step(seconds) is called after every engine step; on_finish(finish_reason, prompt_tokens,
+    generated_tokens, metrics) once per request that finished or was aborted after it was added
+    (both on the event loop; finish_reason is "abort" for the latter)."""
 
     def __init__(
         self,
         engine: LLMEngine,
         max_queued_requests: int | None = None,
         on_step: Callable[[float], None] | None = None,
-        on_finish: Callable[[RequestOutput], None] | None = None,
+        on_finish: Callable[[str, int, int, dict], None] | None = None,
     ):
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self._on_step = on_step or (lambda seconds: None)
-        self._on_finish = on_finish or (lambda output: None)
+        self._on_finish = on_finish or (lambda finish_reason, prompt_tokens, generated_tokens, metrics: None)
         self._streams: dict[str, RequestStream] = {}
         self._adds: list[tuple[RequestStream, list[tuple[Prompt, SamplingParams]], asyncio.Future]] = []
         self._aborts: list[str] = []
@@ -90,14 +91,14 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
-        self._stopping = False
+        self._closed = False  # no new requests (draining or stopping); the loop still steps
+        self._stopping = False  # the loop exits before its next step
         self._stopped = False
         self.error: BaseException | None = None
 
     @property
     def available(self) -> bool:
-        return self._task is not None and not (self._draining or self._stopping) and self.error is None
+        return self._task is not None and not self._closed and self.error is None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -110,24 +111,35 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._drain, grace)
 
     def _drain(self, grace: float) -> None:
-        if not self._draining:
-            self._draining = True
+        if not self._closed:
+            self._closed = True
             asyncio.get_running_loop().call_later(grace, self._abort_all)
 
     def _abort_all(self) -> None:
-        gone = EngineUnavailable("the server is shutting down")
-        for rid, stream in list(self._streams.items()):
-            stream._put(gone)
-            self._aborts.append(rid)
+        self._fail_all(EngineUnavailable(self.unavailable_reason()))
         self._wake.set()
+
+    def _fail_all(self, exc: EngineUnavailable) -> None:
+        """End every API call with `exc`: those still waiting to be added and those in the engine,
+        whose requests are queued for abort."""
+        for _, _, future in self._adds:
+            if not future.done():
+                future.set_exception(exc)
+        self._adds.clear()
+        for stream in set(self._streams.values()):
+            stream._put(exc)
+        self._aborts.extend(self._streams)
+        self._streams.clear()
 
     async def add(self, requests: list[tuple[Prompt, SamplingParams]]) -> RequestStream:
         """Queue the requests of one API call; -> their stream. Raises ValueError (bad input, nothing
         is queued then), QueueFull or EngineUnavailable."""
         if not self.available:
-            raise EngineUnavailable(self._unavailable_reason())
+            raise EngineUnavailable(self.unavailable_reason())
         if self.max_queued_requests is not None:
-            queued = self.engine.num_waiting + sum(len(r) for _, r, _ in self._adds) + len(requests)
+            # Those that a free slot takes at the next step do not wait.
+            queued = (self.engine.num_waiting + sum(len(r) for _, r, _ in self._adds) + len(requests)
+                      - self.engine.num_free_slots)
             if queued > self.max_queued_requests:
                 raise QueueFull(
                     f"{queued} requests would be waiting, more than --max-queued-requests={self.max_queued_requests}; retry later"
@@ -153,7 +165,7 @@ class AsyncEngine:
         """Finish the step in flight, abort every request, and shut the engine down."""
         if self._stopped:
             return
-        self._stopping = True
+        self._closed = self._stopping = True
         self._wake.set()
         if self._task is not None:
             await self._task
@@ -164,16 +176,9 @@ class AsyncEngine:
         if self._stopped:
             return
         self._stopped = True
-        self._stopping = True
+        self._closed = self._stopping = True
+        self._fail_all(EngineUnavailable(self.unavailable_reason()))
         self._apply_aborts()
-        gone = EngineUnavailable("the server is shutting down")
-        for stream, _, future in self._adds:
-            if not future.done():
-                future.set_exception(gone)
-        self._adds.clear()
-        for rid, stream in list(self._streams.items()):
-            self._finish_aborted(rid)
-            stream._put(gone)
         self._worker.shutdown(wait=True)
         self.engine.shutdown()
         log.info("engine shut down")
@@ -196,10 +201,7 @@ class AsyncEngine:
         except Exception as e:
             log.exception("engine step failed; no further requests will be served")
             self.error = e
-            failure = EngineUnavailable(f"the engine failed: {e}")
-            for stream in set(self._streams.values()):
-                stream._put(failure)
-            self._streams.clear()
+            self._fail_all(EngineUnavailable(self.unavailable_reason()))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -208,20 +210,20 @@ class AsyncEngine:
         stream._put(out)
         if out.finished:
             del self._streams[out.request_id]
-            self._on_finish(out)
+            self._on_finish(out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), out.metrics)
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []
         for rid in aborts:
-            if self._streams.pop(rid, None) is not None:
-                self._finish_aborted(rid)
+            self._finish_aborted(rid)
 
     def _finish_aborted(self, rid: str) -> None:
+        """Abort `rid` if the engine still has it (a finished request is no longer there)."""
+        self._streams.pop(rid, None)
         req = self.engine.requests.get(rid)
         self.engine.abort(rid)
-        self._streams.pop(rid, None)
-        if req is not None:
-            self._on_finish(self.engine.output(req))
+        if req is not None:  # counted without decoding its text, which nobody reads
+            self._on_finish("abort", len(req.prompt_token_ids), len(req.output_token_ids), req.metrics.as_dict())
 
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []
@@ -229,7 +231,7 @@ class AsyncEngine:
             if future.cancelled():
                 continue
             if not self.available:
-                future.set_exception(EngineUnavailable(self._unavailable_reason()))
+                future.set_exception(EngineUnavailable(self.unavailable_reason()))
                 continue
             added = []
             try:
@@ -245,9 +247,10 @@ class AsyncEngine:
                 self._streams[rid] = stream
             future.set_result(None)
 
-    def _unavailable_reason(self) -> str:
+    def unavailable_reason(self) -> str:
+        """Why no request can be served now (for errors and /health)."""
         if self.error is not None:
             return f"the engine failed: {self.error}"
-        if self._draining or self._stopping:
+        if self._closed:
             return "the server is shutting down"
         return "the engine is not running"

@@ -111,17 +111,17 @@ class LLMEngine:
             text, ids = None, list(prompt)
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        self._check_tokens("prompt", ids)
         if not ids:
             raise ValueError("prompt is empty")
-        for name in ("draft", "stop_token_ids"):
-            self._check_tokens(name, getattr(params, name) or [])
         need = len(ids) + params.max_tokens
-        if need > self.max_model_len:
+        if need > self.max_model_len:  # before the per-token checks, which a huge list would make slow
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
                 f"max_model_len={self.max_model_len}"
             )
+        self._check_tokens("prompt", ids)
+        for name in ("draft", "stop_token_ids"):
+            self._check_tokens(name, getattr(params, name) or [])
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -265,6 +265,10 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.scheduler.free_slots)
 
     @property
     def kv_cache_usage(self) -> float:

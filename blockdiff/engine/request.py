@@ -51,7 +51,7 @@ class RequestMetrics:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's queues look requests up, and no two are the same request
 class Request:
     request_id: str
     prompt: str | None

@@ -36,12 +36,12 @@ class Scheduler:
 
     def release(self, request: Request) -> None:
         """Give back the slot and cache blocks of a request that finished or was aborted."""
-        if request in self.running:
+        if request.slot is not None:  # admitted: it holds a slot until now
             self.running.remove(request)
             self.free_slots.append(request.slot)
             self.allocator.release(request.blocks)
             request.slot, request.blocks = None, ()
-        elif request in self.waiting:
+        else:
             self.waiting.remove(request)
 
     def _admit(self) -> None:

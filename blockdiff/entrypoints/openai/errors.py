@@ -44,12 +44,13 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-def bad_value(e: ValueError, fields: set[str]) -> APIError:
+def bad_value(e: ValueError, fields: set[str], renames: dict[str, str]) -> APIError:
     """A ValueError from the engine or SamplingParams -> 400. Their messages start with the name of
-    the offending field, which becomes `param` when it is a request field."""
+    the offending field, which becomes `param` when it is a request field, under the name this
+    request sent it as (`renames`: engine name -> request field)."""
     message = str(e)
     first = message.split(" ", 1)[0].strip(":,")
-    return APIError(400, message, param=first if first in fields else None)
+    return APIError(400, message, param=renames.get(first, first) if first in fields else None)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-from blockdiff.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OUTCOMES = ("stop", "length", "abort")
@@ -106,11 +105,11 @@ class ServingMetrics:
     def step(self, seconds: float) -> None:
         self.step_time.observe(seconds)
 
-    def finished(self, out: RequestOutput) -> None:
-        m = out.metrics
-        self.requests.inc(label=out.finish_reason or "abort")
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
+    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, m: dict) -> None:
+        """A request ended: finish_reason is stop, length or abort; m its RequestOutput.metrics."""
+        self.requests.inc(label=finish_reason)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated_tokens)
         self.denoising_steps.inc(m["denoising_steps"])
         self.canvases.inc(m["canvases"])
         self.positions.inc(m["canvas_positions_evaluated"])

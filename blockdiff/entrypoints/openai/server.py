@@ -17,6 +17,7 @@ from blockdiff.entrypoints.openai import errors
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
 from blockdiff.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 from blockdiff.entrypoints.openai.serving import OpenAIServing
+from blockdiff.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,9 @@ class _Middleware:
 
     @staticmethod
     async def reject(send, status: int, message: str, code: str | None = None) -> None:
-        await send_response(send, errors.error_response(status, message, code=code))
-
-
-async def send_response(send, response: Response) -> None:
-    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
-    await send({"type": "http.response.body", "body": response.body})
+        response = errors.error_response(status, message, code=code)
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
 
 
 class CountResponses(_Middleware):
@@ -104,15 +102,21 @@ class RequireAPIKey(_Middleware):
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.key}".encode()):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.key.encode()):
                 return await self.reject(send, 401, "missing or wrong API key (send Authorization: Bearer <key>)",
                                          code="invalid_api_key")
         await self.app(scope, receive, send)
 
 
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
-    """The app owns `engine` from here on: it is shut down when the app's lifespan ends."""
+    """The app owns `engine` from here on: it is shut down when the app's lifespan ends. Raises
+    ValueError for sampler flags that are invalid over the checkpoint's defaults (every request
+    would fail on them)."""
+    try:
+        SamplingParams(**cfg.sampling_defaults).with_defaults(engine.defaults)
+    except ValueError as e:
+        raise ValueError(f"invalid sampler flags (with the checkpoint's generation defaults): {e}") from None
     metrics = ServingMetrics(engine)
     async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
     serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.sampling_defaults)
@@ -133,7 +137,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.available:
-            return errors.error_response(503, "the engine is not available", code="engine_unavailable")
+            return errors.error_response(503, async_engine.unavailable_reason(), code="engine_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -179,7 +183,11 @@ class _Server(uvicorn.Server):
 def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then stop the engine (and its workers)."""
     engine = LLMEngine(engine_cfg)
-    app = build_app(engine, cfg)
+    try:
+        app = build_app(engine, cfg)
+    except BaseException:
+        engine.shutdown()  # stops tensor-parallel workers too
+        raise
     # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                             timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=5)

@@ -22,6 +22,9 @@ from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 # temperature 0 asks for greedy decoding; the schedule is scaled by this instead, since the sampler
 # divides by the temperature.
 GREEDY_SCALE = 1e-6
+# Choices per prompt (OpenAI's limit), and engine requests (prompts x n) one API call may start.
+MAX_N = 128
+MAX_CHOICES = 2048
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
     f.name for f in fields(SamplingParams)
 }
@@ -34,7 +37,6 @@ class Piece:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    text_offset: int  # characters of the choice's text before `text`
     finish_reason: str | None
 
 
@@ -65,7 +67,6 @@ class ChoiceState:
             text=text[self.text_sent : end],
             token_ids=out.token_ids[self.tokens_sent :],
             logprobs=None if out.logprobs is None else out.logprobs[self.tokens_sent :],
-            text_offset=self.text_sent,
             finish_reason=out.finish_reason if out.finished else None,
         )
         self.text_sent, self.tokens_sent = end, len(out.token_ids)
@@ -103,11 +104,16 @@ class _CompletionFormat(_Format):
     def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None):
         super().__init__(serving, request_id, model, return_token_ids)
         self.logprobs = logprobs
+        # text_offset runs over the token strings sent so far, per choice; it is not the text sent,
+        # which lags behind the tokens while a stop string may still cut it.
+        self._offsets: dict[int, int] = {}
 
     def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
         lp = None
         if self.logprobs is not None:
-            lp = self.serving.completion_logprobs(piece.logprobs or [], piece.text_offset, self.logprobs > 0)
+            start = self._offsets.get(index, 0)
+            lp = self.serving.completion_logprobs(piece.logprobs or [], start, self.logprobs > 0)
+            self._offsets[index] = start + sum(map(len, lp.tokens))
         return p.CompletionChoice(index=index, text=piece.text, logprobs=lp, finish_reason=piece.finish_reason,
                                   token_ids=self._ids(piece))
 
@@ -180,6 +186,27 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _prompt_count(prompt: str | list) -> int:
+    """Prompts in a completion request's `prompt`, counted before any is tokenized."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+
+
+def _request_names(req: p._GenerationRequest) -> dict[str, str]:
+    """The request fields that engine errors about `prompt` and `max_tokens` are about."""
+    if not isinstance(req, p.ChatCompletionRequest):
+        return {}
+    names = {"prompt": "messages"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
+
+
+def _check_choices(prompts: int, n: int) -> None:
+    if prompts * n > MAX_CHOICES:
+        raise APIError(400, f"{prompts} prompts x n={n} = {prompts * n} choices, more than the {MAX_CHOICES} one "
+                            "request may ask for", param="prompt" if n == 1 else "n")
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], sampling_defaults: dict):
         self.engine = engine
@@ -187,6 +214,9 @@ class OpenAIServing:
         self.tokenizer = self.llm.tokenizer
         self.model_names = served_model_names
         self.defaults = sampling_defaults
+        # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
+        # tokenizer (which holds the GIL, stalling every other request) sees it.
+        self.max_prompt_chars = None if self.tokenizer is None else self.llm.max_model_len * self.tokenizer.max_token_chars
 
     # ---- endpoints --------------------------------------------------------------------------
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
@@ -198,6 +228,7 @@ class OpenAIServing:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of not in (None, n):
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
+        _check_choices(_prompt_count(req.prompt), n)
         prompts = self._completion_prompts(req.prompt)
         requests = [(ids, self._params(req, len(ids), i, req.max_tokens, req.logprobs)) for ids in prompts for i in range(n)]
         fmt = _CompletionFormat(self, p.new_id("cmpl"), model, bool(req.return_token_ids), req.logprobs)
@@ -230,9 +261,9 @@ class OpenAIServing:
     def _check_common(self, req: p._GenerationRequest) -> int:
         """Reject what the diffusion sampler cannot honour; -> n."""
         n = 1 if req.n is None else req.n
-        if n < 1:
-            raise APIError(400, f"n must be >= 1, got {n}", param="n")
-        if req.top_p not in (None, 1, 1.0):
+        if not 1 <= n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
+        if req.top_p not in (None, 1):
             raise APIError(400, f"top_p={req.top_p} is not supported: the diffusion sampler draws from the full "
                                 "distribution (top_p must be 1)", param="top_p")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -271,12 +302,19 @@ class OpenAIServing:
                 logprobs=logprobs,
             )
         except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS) from None
+            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer: send the prompt as token ids", param="prompt")
+        self._check_chars(len(text), "prompt")
         return self.tokenizer.encode(text)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"{param} of {chars} characters cannot fit in max_model_len={self.llm.max_model_len} "
+                                f"tokens (no token covers more than {self.tokenizer.max_token_chars} characters)",
+                           param=param)
 
     def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -301,6 +339,7 @@ class OpenAIServing:
                 message["content"] = "".join(part.text for part in m.content)
             message.setdefault("content", "")
             rendered.append(message)
+        self._check_chars(sum(len(m["content"]) for m in rendered if isinstance(m["content"], str)), "messages")
         try:
             return self.tokenizer.encode_chat(rendered)
         except ValueError as e:
@@ -311,7 +350,7 @@ class OpenAIServing:
         try:
             stream = await self.engine.add(requests)
         except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS) from None
+            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
         states = [ChoiceState(requests[i][1].stop) for i in range(len(requests))]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
