@@ -56,10 +56,11 @@ def _hf_run(hf, prompt, draft, max_tokens, steps, **extra):
     return tokens, passes[0]
 
 
-@pytest.mark.parametrize("which", ["tiny", "long"])
-def test_greedy_parity_with_transformers_batched(which, tiny, long_ckpt):
+@pytest.mark.parametrize("which,engine", [("tiny", {}), ("long", {}), ("long", {"max_prefill_tokens": 5, "max_num_seqs": 2})])
+def test_greedy_parity_with_transformers_batched(which, engine, tiny, long_ckpt):
     """A batch of prompts of different lengths (one longer than the sliding window), >= 3 canvases
-    each, against transformers run on each prompt alone: same tokens and same number of steps."""
+    each, against transformers run on each prompt alone: same tokens and same number of steps. Also
+    with prompts prefilled 5 tokens a step across requests and a third request waiting for a slot."""
     path = tiny if which == "tiny" else long_ckpt
     vocab = 301 if which == "tiny" else 263
     hf = load_hf(path)
@@ -67,7 +68,7 @@ def test_greedy_parity_with_transformers_batched(which, tiny, long_ckpt):
     prompts = [_tokens(n, vocab, 100 + n) for n in lengths]
     drafts = [_tokens(32, vocab, 200 + n) for n in lengths]
     steps, max_tokens = 6, 29  # four canvases of 8, the last one cut
-    with LLM(path) as llm:
+    with LLM(path, **engine) as llm:
         params = [SamplingParams(max_tokens=max_tokens, max_denoising_steps=steps, draft=d, **GREEDY) for d in drafts]
         outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, draft, out in zip(prompts, drafts, outs):
@@ -124,6 +125,10 @@ def test_stop_token_ids_and_ignore_eos(llm):
     params = SamplingParams(max_tokens=24, max_denoising_steps=4, draft=_tokens(24, 301, 9), stop_token_ids=[free[stop_at]], **GREEDY)
     out = llm.generate(prompt, params)[0]
     assert out.token_ids == free[: stop_at + 1] and out.finish_reason == "stop"
+    # as in vLLM, the stop token is in token_ids but its text is not in the text
+    tokenizer = llm.engine.tokenizer
+    assert tokenizer.decode(free[stop_at : stop_at + 1]), "the stop token must have text for this check"
+    assert out.text == tokenizer.decode(free[:stop_at])
 
 
 def test_eos_from_generation_config(tiny, tmp_path):
@@ -199,8 +204,14 @@ def test_invalid_values_against_the_model(llm):
         llm.generate([[1, 2]], SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate([[]])
-    # a failed batch leaves nothing behind
-    assert not llm.engine.has_unfinished()
+    # a batch whose second prompt fails leaves nothing behind of its first
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[1, 2], [1, 2, 5000]])
+    assert not llm.engine.has_unfinished() and llm.engine.allocator.used == 0 and not llm.engine.requests
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(llm.engine.cfg.model, max_model_len=0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(llm.engine.cfg.model, max_model_len=-5)
 
 
 def test_unseeded_requests_follow_the_engine_seed(tiny):
@@ -210,3 +221,16 @@ def test_unseeded_requests_follow_the_engine_seed(tiny):
         with LLM(tiny, seed=seed) as llm:
             runs.append([o.token_ids for o in llm.generate([[2, 5, 9], [2, 7]], params, use_tqdm=False)])
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_without_a_tokenizer_token_ids_work_and_text_features_are_refused(tiny, tmp_path):
+    path = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny, path)
+    os.remove(path / "tokenizer.json")
+    with LLM(str(path)) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, max_denoising_steps=2, seed=0))[0]
+        assert len(out.token_ids) >= 1 and out.text is None
+        with pytest.raises(ValueError, match="stop strings"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, stop=["x"]))
+        with pytest.raises(ValueError, match="no tokenizer"):
+            llm.generate("hello")

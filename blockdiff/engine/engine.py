@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdiff.config import ModelConfig, parse_dtype
-from blockdiff.engine.kv_cache import BlockAllocator, CacheConfig, cache_bytes_per_block, ring_bytes_per_slot
+from blockdiff.engine.kv_cache import BlockAllocator, CacheConfig, cache_bytes_per_block, ring_bytes_per_slot, ring_size
 from blockdiff.engine.model_runner import StepPlan
 from blockdiff.engine.request import Request, State
 from blockdiff.engine.scheduler import Scheduler
@@ -46,9 +46,11 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         if not os.path.isdir(cfg.model):
             raise ValueError(f"model {cfg.model!r} is not a checkpoint directory")
-        for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len"):
             value = getattr(cfg, name)
-            if not isinstance(value, int) or value < 1:
+            if name == "max_model_len" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.cfg = cfg
         self.model_config = ModelConfig.from_pretrained(cfg.model)
@@ -57,7 +59,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids))
         self.canvas_length = self.model_config.canvas_length
         self.vocab_size = self.model_config.vocab_size
-        self.max_model_len = cfg.max_model_len or min(self.model_config.max_position_embeddings, 8192)
+        self.max_model_len = cfg.max_model_len if cfg.max_model_len is not None else min(self.model_config.max_position_embeddings, 8192)
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
@@ -84,7 +86,7 @@ class LLMEngine:
     def _cache_config(self, model) -> CacheConfig:
         """Sized on a built (rank's) model, so per-rank head counts are right."""
         per_block = cache_bytes_per_block(model, self.cfg.block_size)
-        rings = ring_bytes_per_slot(model, min(self.max_model_len, (model.config.sliding_window or 2) - 1))
+        rings = ring_bytes_per_slot(model, ring_size(model, self.max_model_len))
         if self.cfg.kv_cache_memory is None:
             num_blocks = self.cfg.max_num_seqs * -(-self.max_model_len // self.cfg.block_size)
         else:
@@ -122,6 +124,8 @@ class LLMEngine:
         self._check_tokens("prompt", ids)
         for name in ("draft", "stop_token_ids"):
             self._check_tokens(name, getattr(params, name) or [])
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this checkpoint has none: use stop_token_ids")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -160,10 +164,6 @@ class LLMEngine:
             self.last_plan = None
             return []
         plan, enc, dec = scheduled
-        now = time.monotonic()
-        for req in enc + dec:
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
         t0 = time.perf_counter()
         out = self.executor.execute(plan)
         self.last_step_time = time.perf_counter() - t0
@@ -188,14 +188,14 @@ class LLMEngine:
         if m.first_canvas_time is None:
             m.first_canvas_time = time.monotonic()
         if req.logprobs is not None:
-            for j, tok in enumerate(canvas):
-                top = {}
-                if out.top_ids is not None and req.params.logprobs:
-                    k = req.params.logprobs
-                    top = dict(zip(out.top_ids[row, j, :k].tolist(), out.top_logprobs[row, j, :k].tolist()))
-                req.logprobs.append(TokenLogprob(tok, float(out.logprob[row, j]), top))
+            k = req.params.logprobs
+            tops = [{} for _ in canvas]
+            if out.top_ids is not None and k:
+                tops = [dict(zip(i, lp)) for i, lp in zip(out.top_ids[row, :, :k].tolist(), out.top_logprobs[row, :, :k].tolist())]
+            req.logprobs.extend(TokenLogprob(t, lp, top) for t, lp, top in zip(canvas, out.logprob[row].tolist(), tops))
+        committed = len(req.output_token_ids)
         req.output_token_ids.extend(canvas)
-        reason = self._stop_reason(req)
+        reason = self._stop_reason(req, committed)
         m.committed_tokens = len(req.output_token_ids)
         if reason is not None:
             req.finish_reason = reason
@@ -207,8 +207,9 @@ class LLMEngine:
             req.pending_commit = canvas
             req.state = State.COMMIT
 
-    def _stop_reason(self, req: Request) -> str | None:
-        """Trim the output at the first stop condition; -> "stop", "length" or None (go on)."""
+    def _stop_reason(self, req: Request, committed: int) -> str | None:
+        """Trim the output at the first stop condition; -> "stop", "length" or None (go on).
+        The first `committed` tokens passed this check at earlier canvases."""
         p = req.params
         ids = req.output_token_ids
         reason = None
@@ -222,15 +223,19 @@ class LLMEngine:
         if cut is not None:
             del ids[cut + 1 :]
             reason = "stop"
-        if p.stop and self.tokenizer is not None:
+        # As in vLLM, a stop token stays in token_ids but its text is left out of the output text.
+        req.ends_with_stop_token = cut is not None
+        if p.stop:
             text = self.tokenizer.decode(ids)
             ends = [text.find(s) + len(s) for s in p.stop if s in text]
             if ends:
-                # Keep the fewest tokens whose text reaches the end of the first stop string.
+                # Keep the fewest tokens whose text reaches the end of the first stop string; it ends
+                # in this canvas, since the tokens before it held none.
                 end = min(ends)
-                n = next(n for n in range(1, len(ids) + 1) if len(self.tokenizer.decode(ids[:n])) >= end)
+                n = next(n for n in range(committed + 1, len(ids) + 1) if len(self.tokenizer.decode(ids[:n])) >= end)
                 del ids[n:]
                 reason = "stop"
+                req.ends_with_stop_token = False
         if req.logprobs is not None:
             del req.logprobs[len(ids) :]
         return reason
@@ -239,7 +244,7 @@ class LLMEngine:
         ids = list(req.output_token_ids)
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(ids)
+            text = self.tokenizer.decode(ids[:-1] if req.ends_with_stop_token else ids)
             if req.finish_reason == "stop" and req.params.stop:
                 hits = [text.find(s) for s in req.params.stop if s in text]
                 if hits:

@@ -41,11 +41,16 @@ def ring_bytes_per_slot(model: DiffusionGemma, ring: int) -> int:
     )
 
 
-def geometry(model: DiffusionGemma, cfg: CacheConfig) -> CacheGeometry:
+def ring_size(model: DiffusionGemma, max_model_len: int) -> int:
+    """Positions a sliding layer keeps per slot: the window's past, or the whole sequence if shorter."""
     window = model.config.sliding_window
-    ring = max(1, min(window - 1, cfg.max_model_len)) if window else 1
+    return max(1, min(window - 1, max_model_len)) if window else 1
+
+
+def geometry(model: DiffusionGemma, cfg: CacheConfig) -> CacheGeometry:
     return CacheGeometry(
-        block_size=cfg.block_size, ring=ring, window=window, encoder_causal=model.config.encoder_causal
+        block_size=cfg.block_size, ring=ring_size(model, cfg.max_model_len), window=model.config.sliding_window,
+        encoder_causal=model.config.encoder_causal,
     )
 
 

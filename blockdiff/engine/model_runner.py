@@ -35,8 +35,6 @@ class StepPlan:
 class StepOutput:
     finished: torch.Tensor  # [decoder rows] bool
     argmax: torch.Tensor  # [decoder rows, CL]
-    mean_entropy: torch.Tensor  # [decoder rows]
-    accepted: torch.Tensor  # [decoder rows] accepted positions
     logprob: torch.Tensor | None  # [decoder rows, CL] logprob of each argmax token
     top_logprobs: torch.Tensor | None  # [decoder rows, CL, k]
     top_ids: torch.Tensor | None
@@ -113,8 +111,6 @@ class ModelRunner:
         return StepOutput(
             finished=finished,
             argmax=res.argmax.cpu(),
-            mean_entropy=res.entropy.mean(-1).cpu(),
-            accepted=res.accepted.sum(-1).cpu(),
             logprob=None if logprob is None else logprob.cpu(),
             top_logprobs=None if top_lp is None else top_lp.cpu(),
             top_ids=None if top_ids is None else top_ids.cpu(),

@@ -31,7 +31,6 @@ class State(enum.Enum):
 @dataclass
 class RequestMetrics:
     arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
     first_canvas_time: float | None = None
     finished_time: float | None = None
     canvases: int = 0
@@ -65,8 +64,8 @@ class Request:
     blocks: tuple[int, ...] = ()
     num_cached: int = 0  # tokens whose K/V are in the cache
     steps_left: int = 0  # n of the canvas being denoised
-    canvas_started: bool = False  # the current canvas has had its first step
     pending_commit: list[int] | None = None
+    ends_with_stop_token: bool = False  # finished on a stop or EOS token (its text is not output)
     output_token_ids: list[int] = field(default_factory=list)  # committed canvases, trimmed at the end
     logprobs: list[dict] | None = None
     draft_token_ids: list[int] | None = None
