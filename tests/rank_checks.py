@@ -36,7 +36,7 @@ def vocab_statistics(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, k:
     d = vocab.distribution(local_columns(shard, logits))
     argmax, sample = vocab.argmax_and_sample(d, u)
     step = (ctx.group.counter.calls, ctx.group.counter.bytes)  # what the sampler's step moves
-    top_lp, top_ids = vocab.top_logprobs(d, k)
+    top_lp, top_ids = vocab.top_logprobs(d, k, torch.arange(logits.shape[0]))
     return {
         "entropy": d.entropy,
         "argmax": argmax,

@@ -95,16 +95,16 @@ class VocabParallel:
         both = self.group.all_reduce(torch.stack((-candidate, sample)), op="max")
         return -both[0], both[1]
 
-    def top_logprobs(self, d: Distribution, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k most likely tokens per position: (logprobs [..., k], ids [..., k])."""
-        value, ids = d.shifted.topk(k, dim=-1)
+    def top_logprobs(self, d: Distribution, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely tokens per position of canvases `rows`: (logprobs [rows, CL, k], ids)."""
+        value, ids = d.shifted[rows].topk(k, dim=-1)
         if self.sharded:
             ids = self.global_ids[ids]
             value = self.group.all_gather(value).movedim(0, -2).flatten(-2)
             ids = self.group.all_gather(ids).movedim(0, -2).flatten(-2)
             value, pick = value.topk(k, dim=-1)
             ids = ids.gather(-1, pick)
-        return value - d.log_total.unsqueeze(-1), ids
+        return value - d.log_total[rows].unsqueeze(-1), ids
 
 
 def per_chunk(x: torch.Tensor, reduce) -> torch.Tensor:
