@@ -35,7 +35,7 @@ def test_training_is_seeded_and_the_loss_falls(trained):
     assert other != first
     first = sum(h["loss"] for h in history[:4]) / 4
     last = sum(h["loss"] for h in history[-8:]) / 8
-    assert last < 0.75 * first, (first, last)  # measured 0.65-0.68 over seeds 3-5
+    assert last < 0.75 * first, (first, last)  # measured 0.62-0.68 over seeds 3-5
 
 
 def test_saved_checkpoint_loads_back_identically(trained, tmp_path):

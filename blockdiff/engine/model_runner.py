@@ -109,9 +109,9 @@ class ModelRunner:
             if plan.top_logprobs > 0 and bool(finished.any()):
                 # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
                 done = finished.nonzero().squeeze(1).to(self.device)
-                lp, ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
-                top_lp = lp.new_zeros(*res.argmax.shape, plan.top_logprobs).index_copy_(0, done, lp)
-                top_ids = ids.new_zeros(*res.argmax.shape, plan.top_logprobs).index_copy_(0, done, ids)
+                done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
+                top_lp = done_lp.new_zeros(*res.argmax.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
+                top_ids = done_ids.new_zeros(*res.argmax.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
         return StepOutput(
             finished=finished,
             argmax=res.argmax.cpu(),
