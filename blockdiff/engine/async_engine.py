@@ -3,6 +3,11 @@
 The blocking `engine.step()` runs on a dedicated worker thread, so the event loop keeps answering
 HTTP while the model computes. Every change to the engine's set of requests (add, abort) is applied
 on the event loop between two steps, never while a step runs, so the engine needs no locking.
+
+Losing a tensor-parallel worker (`WorkerLost`: dead, or silent past the worker timeout, noticed by
+a step or, while idle, by a heartbeat) is not the end: the requests that had started end with
+EngineUnavailable, the executor starts new workers (at most RESTART_TRIES times in a row), and the
+requests still waiting run on them. Only if every try fails does the engine stop for good (`dead`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.outputs import RequestOutput
+from blockdiff.parallel.ranks import WorkerLost
 from blockdiff.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+RESTART_TRIES = 3
+# After SIGTERM's grace, how long stop() waits for the step in flight before it stops the workers
+# under it (a hung worker would hold that step for the whole worker timeout).
+STOP_WAIT_S = 2.0
+WORKER_LOST = "a tensor-parallel worker was lost"
 
 Prompt = str | list[int]
 
@@ -48,7 +60,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
-        if not self._unfinished:
+        if not self._unfinished and self._queue.empty():  # an error put before abort() is still read
             raise StopAsyncIteration
         item = await self._queue.get()
         if isinstance(item, BaseException):
@@ -94,11 +106,13 @@ class AsyncEngine:
         self._closed = False  # no new requests (draining or stopping); the loop still steps
         self._stopping = False  # the loop exits before its next step
         self._stopped = False
+        self._restarting = False
         self.error: BaseException | None = None
+        self.dead = False  # the workers could not be restarted: the process should exit non-zero
 
     @property
     def available(self) -> bool:
-        return self._task is not None and not self._closed and self.error is None
+        return self._task is not None and not self._closed and self.error is None and not self._restarting
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -168,7 +182,12 @@ class AsyncEngine:
         self._closed = self._stopping = True
         self._wake.set()
         if self._task is not None:
-            await self._task
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), STOP_WAIT_S)
+            except asyncio.TimeoutError:
+                log.warning("the engine step did not end within %g s; stopping the workers under it", STOP_WAIT_S)
+                self.engine.shutdown()  # a step blocked on a worker fails once the workers are gone
+                await self._task
         self.shutdown()
 
     def shutdown(self) -> None:
@@ -191,17 +210,61 @@ class AsyncEngine:
                 self._wake.clear()
                 self._apply_aborts()
                 self._apply_adds()
-                if not self.engine.has_unfinished():
-                    await self._wake.wait()
+                try:
+                    if not self.engine.has_unfinished():
+                        await self._idle()
+                        continue
+                    outputs = await loop.run_in_executor(self._worker, self.engine.step)
+                except WorkerLost as e:
+                    if self._stopping:
+                        break
+                    await self._recover(e)
                     continue
-                outputs = await loop.run_in_executor(self._worker, self.engine.step)
                 self._on_step(self.engine.last_step_time)
                 for out in outputs:
                     self._deliver(out)
         except Exception as e:
+            if self._stopping:  # stop() took the workers away under a step
+                return
             log.exception("engine step failed; no further requests will be served")
             self.error = e
             self._fail_all(EngineUnavailable(self.unavailable_reason()))
+
+    async def _idle(self) -> None:
+        """Wait for work; every half worker timeout without any, check that the workers still answer."""
+        interval = self.engine.cfg.worker_timeout / 2
+        try:
+            await asyncio.wait_for(self._wake.wait(), interval)
+        except asyncio.TimeoutError:
+            await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.executor.heartbeat)
+
+    async def _recover(self, lost: WorkerLost) -> None:
+        """End the requests that had started, restart the workers, go on with the waiting ones."""
+        log.error("%s: %s; restarting the workers", WORKER_LOST, lost)
+        self._restarting = True
+        error = EngineUnavailable(f"{WORKER_LOST} while this request ran; the workers are restarting: retry")
+        for req in self.engine.reset_after_worker_loss():
+            self._on_finish("abort", len(req.prompt_token_ids), len(req.output_token_ids), req.metrics.as_dict())
+            stream = self._streams.pop(req.request_id, None)
+            if stream is not None:
+                stream._put(error)
+                stream.abort()  # its other requests, if any, are still waiting: they go too
+        loop = asyncio.get_running_loop()
+        for attempt in range(1, RESTART_TRIES + 1):
+            if self._stopping:
+                return
+            try:
+                await loop.run_in_executor(self._worker, self.engine.executor.restart)
+            except Exception as e:
+                log.error("restart %d of %d failed: %s", attempt, RESTART_TRIES, e)
+                continue
+            log.info("workers restarted (try %d); serving again", attempt)
+            self._restarting = False
+            return
+        self.error = lost
+        self.dead = True
+        self._restarting = False
+        self._fail_all(EngineUnavailable(self.unavailable_reason()))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -250,7 +313,11 @@ class AsyncEngine:
     def unavailable_reason(self) -> str:
         """Why no request can be served now (for errors and /health)."""
         if self.error is not None:
+            if isinstance(self.error, WorkerLost):  # its message names PIDs, for the log only
+                return f"{WORKER_LOST} and could not be restarted; the server is exiting"
             return f"the engine failed: {self.error}"
         if self._closed:
             return "the server is shutting down"
+        if self._restarting:
+            return f"{WORKER_LOST}; the workers are restarting: retry shortly"
         return "the engine is not running"

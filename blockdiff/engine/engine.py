@@ -35,6 +35,7 @@ class EngineConfig:
     block_size: int = 16
     max_prefill_tokens: int = 2048
     seed: int = 0
+    worker_timeout: float = 60.0  # seconds a tensor-parallel worker may stay silent before it counts as lost
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -151,6 +152,14 @@ class LLMEngine:
             req.state = State.ABORTED
             req.finish_reason = "abort"
             self.scheduler.release(req)
+
+    def reset_after_worker_loss(self) -> list[Request]:
+        """The executor lost its workers and started new ones with an empty cache: every request that
+        had started lost its state. Abort those (-> them); waiting ones keep their place in the queue."""
+        lost = [req for req in self.requests.values() if req.slot is not None]
+        for req in lost:
+            self.abort(req.request_id)
+        return lost
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

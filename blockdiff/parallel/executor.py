@@ -22,6 +22,9 @@ class LocalExecutor:
     def execute(self, plan: StepPlan) -> StepOutput | None:
         return self.runner.execute(plan)
 
+    def heartbeat(self) -> None:
+        """One process: nothing can be lost without the engine noticing."""
+
     def shutdown(self) -> None:
         pass
 

@@ -19,8 +19,12 @@ Nothing is left running and nobody waits forever:
 - workers exit when rank 0's process dies: end of file on the socket, a thread that polls the
   parent's pid (for a worker blocked in a collective), and PR_SET_PDEATHSIG where the parent
   started them from its main thread (the signal follows the starting thread, not the process).
+- a worker that is alive but stuck (SIGSTOP, a hang) fails rank 0's collective after
+  `step_timeout`, and a gathered reply after `run(..., timeout=)`; `ping()` checks an idle group.
+  After any failure the group is closed for good: a caller that wants to go on starts a new one.
 - `close()`, garbage collection of the `RankProcesses` and interpreter exit stop the workers:
-  a stop message, then SIGTERM, then SIGKILL.
+  a stop message, then SIGTERM (with SIGCONT, so a stopped worker acts on it), then SIGKILL;
+  after a failure, without waiting for the stop message to be read.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ _FAILURE_WAIT_S = 5.0  # after a failed collective, how long to wait for the wor
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died or failed; the message names its rank."""
+
+
+class WorkerLost(WorkerError):
+    """The tensor-parallel group failed and is closed; a new one must be started to go on."""
 
 
 @dataclass
@@ -135,9 +143,11 @@ class _Worker:
 
 
 class RankProcesses:
-    def __init__(self, size: int, device: torch.device | str, timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
-        """Start ranks 1..size-1 and join the group as rank 0. `timeout` bounds a collective (and
-        the group's start-up) waiting for a rank that is alive but stuck; dead ranks are noticed at once."""
+    def __init__(self, size: int, device: torch.device | str, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                 step_timeout: datetime.timedelta | None = None):
+        """Start ranks 1..size-1 and join the group as rank 0. `timeout` bounds the group's start-up
+        and, unless `step_timeout` is given, rank 0's collectives waiting for a rank that is alive but
+        stuck; dead ranks are noticed at once."""
         if size < 2:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, got {size}")
         devices = [rank_device(device, r, size) for r in range(size)]
@@ -166,19 +176,27 @@ class RankProcesses:
             raise
         self._store = store  # NCCL may still read it when it builds communicators
         self._group_box.append(group)
+        if step_timeout is not None:
+            group.backend._set_default_timeout(step_timeout)
         self.context = RankContext(0, size, devices[0], group)
         if devices[0].type == "cuda":
             sentinels = [w.sentinel for w in self._workers]
             threading.Thread(target=_abort_on_death, args=(weakref.ref(self), sentinels), daemon=True).start()
 
     @property
+    def closed(self) -> bool:
+        """Whether the group was closed (by close(), or for good after a failure)."""
+        return self._closed
+
+    @property
     def pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""
         return [w.pid for w in self._workers]
 
-    def run(self, fn: Callable, *args, gather: bool = False):
-        """fn(context, *args) on every rank; -> rank 0's result, or every rank's with `gather`.
-        `fn` must be importable by name from a module (the workers do not run `__main__`)."""
+    def run(self, fn: Callable, *args, gather: bool = False, timeout: float | None = None):
+        """fn(context, *args) on every rank; -> rank 0's result, or every rank's with `gather`, each
+        awaited for at most `timeout` seconds. `fn` must be importable by name from a module (the
+        workers do not run `__main__`)."""
         if getattr(fn, "__module__", None) == "__main__":
             raise ValueError(f"{fn.__qualname__} is defined in __main__, which the workers do not run: move it to a module")
         if self._closed:
@@ -196,7 +214,8 @@ class RankProcesses:
                 raise WorkerError(self._aborted_by)
             if not gather:
                 return mine
-            return [mine] + [self._reply(rank) for rank in range(1, self.size)]
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return [mine] + [self._reply(rank, deadline) for rank in range(1, self.size)]
         except WorkerError as e:
             self._fail(e)
             raise
@@ -207,6 +226,11 @@ class RankProcesses:
             if failure is not None:
                 raise failure from e
             raise
+
+    def ping(self, timeout: float) -> None:
+        """Raise WorkerError unless every worker answers within `timeout` seconds (for an idle group:
+        a stopped worker blocks no collective then, so only a message round trip shows it)."""
+        self.run(_alive, gather=True, timeout=timeout)
 
     def close(self, abort: bool = False) -> None:
         """Stop every worker (idempotent). `abort`: after a failure, when the group may be mid-collective."""
@@ -221,9 +245,11 @@ class RankProcesses:
         self.close()
 
     # ---- failures -----------------------------------------------------------------------------
-    def _reply(self, rank: int):
+    def _reply(self, rank: int, deadline: float | None = None):
         w = self._workers[rank - 1]
-        mpc.wait([w.conn, w.sentinel])
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not mpc.wait([w.conn, w.sentinel], timeout=wait):
+            raise WorkerError(f"tensor-parallel rank {rank} did not answer in time (hung or stopped)")
         message = self._receive(rank)
         if message is None or message[0] == "error":
             raise self._failures(wait=True) or WorkerError(w.death())
@@ -328,20 +354,35 @@ def _stop(workers: list[_Worker], group_box: list, abort: list) -> None:
             pass
     for group in group_box:
         group.shutdown(abort=abort[0])
-    deadline = time.monotonic() + _JOIN_S
-    for w in workers:
-        w.join(max(0.0, deadline - time.monotonic()))
+    if not abort[0]:  # after a failure a worker may be stuck in a collective: it never reads the message
+        deadline = time.monotonic() + _JOIN_S
+        for w in workers:
+            w.join(max(0.0, deadline - time.monotonic()))
     for escalate in ("terminate", "kill"):
         alive = [w for w in workers if w.proc.poll() is None]
         if not alive:
             break
         for w in alive:
             getattr(w.proc, escalate)()
+            if escalate == "terminate":
+                _continue(w.proc)
         for w in alive:
             w.join(_JOIN_S)
     for w in workers:
         w.close()
     workers.clear()
+
+
+def _continue(proc: subprocess.Popen) -> None:
+    """SIGCONT: a stopped process keeps a SIGTERM pending until it runs again."""
+    try:
+        os.kill(proc.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(ctx: RankContext) -> None:
+    """ping()'s message: answering it is the proof of life."""
 
 
 # ---- the wire ------------------------------------------------------------------------------------

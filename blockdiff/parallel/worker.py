@@ -3,11 +3,17 @@
 Every rank loads only its slices of the checkpoint and builds a `ModelRunner` on its own device.
 Each step, rank 0 sends the `StepPlan` to the workers and runs it itself; the collectives inside
 the model and the sampler keep the ranks in step, and rank 0's `StepOutput` is the result.
+
+When the group fails (a worker died, hung past `worker_timeout`, or raised), every call raises
+`WorkerLost` until `restart()` has started new workers with freshly loaded weights and an empty
+cache; what the old group held is gone, and the engine must forget the requests that had started.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 
@@ -17,31 +23,69 @@ from blockdiff.engine.model_runner import ModelRunner, StepOutput, StepPlan
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.loader import load_model
 from blockdiff.parallel.group import CommCounter, TPGroup
-from blockdiff.parallel.ranks import RankContext, RankProcesses
+from blockdiff.parallel.ranks import RankContext, RankProcesses, WorkerError, WorkerLost
 
 
 class TPExecutor:
     def __init__(self, cfg, config: ModelConfig, dtype: torch.dtype, device: str, cache_config: Callable):
         check_splittable(config, cfg.tensor_parallel_size)
-        self.ranks = RankProcesses(cfg.tensor_parallel_size, device)
-        try:
-            self.ranks.run(_load, cfg.model, config, dtype, gather=True)
-            # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
-            self.cache_config: CacheConfig = cache_config(self.ranks.context.state["model"])
-            self.ranks.run(_start_runner, self.cache_config, gather=True)
-        except BaseException:
-            self.ranks.close(abort=True)
-            raise
+        self._size, self._device, self._model, self._config, self._dtype = cfg.tensor_parallel_size, device, cfg.model, config, dtype
+        self.worker_timeout: float = cfg.worker_timeout
+        self.cache_config: CacheConfig | None = None
+        self._shut = False
+        self.ranks = self._start(cache_config)
         self.last_step_comm = CommCounter()
+
+    def _start(self, cache_config: Callable | None = None) -> RankProcesses:
+        ranks = RankProcesses(self._size, self._device, step_timeout=datetime.timedelta(seconds=self.worker_timeout))
+        try:
+            ranks.run(_load, self._model, self._config, self._dtype, gather=True)
+            if self.cache_config is None:
+                # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
+                self.cache_config = cache_config(ranks.context.state["model"])
+            ranks.run(_start_runner, self.cache_config, gather=True)
+        except BaseException:
+            ranks.close(abort=True)
+            raise
+        return ranks
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
         counter = self.ranks.context.group.counter
         counter.reset()
-        out = self.ranks.run(_execute, plan)
+        with self._lost_on_failure():
+            out = self.ranks.run(_execute, plan)
         self.last_step_comm = CommCounter(counter.bytes, counter.calls)
         return out
 
+    def heartbeat(self) -> None:
+        """Raise WorkerLost unless every worker is alive and answers within the worker timeout."""
+        with self._lost_on_failure():
+            self.ranks.ping(self.worker_timeout)
+
+    @contextmanager
+    def _lost_on_failure(self):
+        """An error that closed the group becomes WorkerLost (with the cause's message, for the log)."""
+        try:
+            yield
+        except Exception as e:
+            if not self.ranks.closed:
+                raise
+            raise WorkerLost(str(e) if isinstance(e, WorkerError) else f"{type(e).__name__}: {e}") from e
+
+    def restart(self) -> None:
+        """Replace the group with new workers that load the weights again (the cache starts empty).
+        Raises what starting them raised; then the old group stays closed and restart() may be retried."""
+        if self._shut:
+            raise WorkerLost("the executor is shut down")
+        self.ranks.close(abort=True)
+        ranks = self._start()
+        if self._shut:  # shutdown() ran while the new workers started
+            ranks.close()
+            raise WorkerLost("the executor is shut down")
+        self.ranks = ranks
+
     def shutdown(self) -> None:
+        self._shut = True
         self.ranks.close()
 
 
