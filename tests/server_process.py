@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -34,21 +35,31 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def _limit_files(n: int) -> None:
+    """In the child before exec: `ulimit -n n`."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
 class ServerProcess:
     """`python -m blockdiff serve [MODEL] ARGS...` (no MODEL: the bundled demo) in its own session (so every process it starts can be
     found by its process group), ready once /health answers 200."""
 
-    def __init__(self, model: str | None, *args: str, log_path: str, ready_timeout: float = 180.0):
+    def __init__(self, model: str | None, *args: str, log_path: str, ready_timeout: float = 180.0,
+                 max_open_files: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        # With --api-key, everything but /health needs it, /metrics included.
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         env = {k: v for k, v in os.environ.items() if k != "BLOCKDIFF_API_KEY"}
         # Tiny models gain nothing from a second thread, and on a shared 2-core machine two OpenMP
         # threads stall each other whenever the test process or anything else takes a core.
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "blockdiff", "serve", *([model] if model else []), "--port", str(self.port), *args]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                     preexec_fn=None if max_open_files is None else lambda: _limit_files(max_open_files))
         try:
             self._wait_ready(ready_timeout)
         except BaseException:
@@ -74,7 +85,7 @@ class ServerProcess:
             return f.read()
 
     def metrics(self) -> dict[str, float]:
-        r = httpx.get(self.url + "/metrics", timeout=10)
+        r = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10)
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/plain")
         return parse_metrics(r.text)

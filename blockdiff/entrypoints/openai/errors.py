@@ -56,7 +56,8 @@ def bad_value(e: ValueError, fields: set[str], renames: dict[str, str]) -> APIEr
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """One line per offending field; a field that matched none of a union's forms reports the first."""
     parts, seen, param = [], set(), None
-    for err in errors:
+    # A list over its bound matched the union's list form: that is the error to report.
+    for err in sorted(errors, key=lambda err: err.get("type") != "too_long"):
         if err.get("type") == "json_invalid":
             parts.append(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
             continue

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, get_type_hints
+from typing import Annotated, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from blockdiff.sampling_params import SamplingParams
+
+
+# Bounds on the lists a request may hold, so validation time and memory stay bounded (see body.py
+# for the bound on JSON objects).
+MAX_CHOICES = 2048  # engine requests (prompts x n) one API call may start, so also its prompts
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024
+MAX_STOP = 16
 
 
 class _Request(BaseModel):
@@ -40,7 +48,7 @@ class _GenerationRequest(_SamplerExtensions):
     model: str | None = None
     n: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -53,7 +61,7 @@ class _GenerationRequest(_SamplerExtensions):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | Annotated[list[str], Field(max_length=MAX_CHOICES)] | list[int] | Annotated[list[list[int]], Field(max_length=MAX_CHOICES)]
     max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool | None = None
@@ -71,11 +79,11 @@ class ChatMessage(BaseModel):
     # Extra keys (name, tool_calls, ...) pass through to the chat template.
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -9,11 +10,14 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic.json_schema import models_json_schema
 
 from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.engine.engine import EngineConfig, LLMEngine
-from blockdiff.entrypoints.openai import errors
+from blockdiff.entrypoints.openai import body, errors
+from blockdiff.entrypoints.openai.connections import AcceptErrorLog, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
 from blockdiff.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 from blockdiff.entrypoints.openai.serving import OpenAIServing
@@ -31,6 +35,10 @@ class ServerConfig:
     max_queued_requests: int | None = None
     max_request_bytes: int = 16 * 2**20
     shutdown_timeout: int = 3  # seconds open requests get after SIGTERM before they are aborted
+    max_connections: int = 1024  # open connections; fewer if the descriptor limit leaves less room
+    header_timeout: float = 10.0  # seconds a connection may stay open without starting a request
+    body_timeout: float = 60.0  # seconds a request may take to send its body
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     sampling_defaults: dict = field(default_factory=dict)  # the server's sampler flags, as SamplingParams fields
     log_level: str = "info"
 
@@ -50,18 +58,32 @@ class _Middleware:
 
 
 class CountResponses(_Middleware):
-    """Counts responses by status code for /metrics."""
+    """The outermost layer: counts every response by status code for /metrics, 500s included.
+    Starlette's error layer re-raises an exception after it has sent the 500 (for servers to log
+    it; our handler already did), and uvicorn then drops the connection: a complete response ends
+    the exception here, so a keep-alive connection survives a 500."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        state = {"started": False, "complete": False}
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 self.metrics.response(message["status"])
+                state["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["complete"] = True
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not state["complete"]:
+                if state["started"]:
+                    raise  # half a response: only closing the connection ends it
+                log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+                await self.reject(counting_send, 500, "internal server error")
 
 
 class LimitBody(_Middleware):
@@ -75,8 +97,13 @@ class LimitBody(_Middleware):
             return await self.reject(send, 413, f"request body of {int(declared)} bytes is over the {self.limit}-byte limit",
                                      code="request_too_large")
         chunks, size, more = [], 0, True
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return await self.reject(send, 408, f"the request body did not arrive within {self.timeout:g} s",
+                                         code="request_timeout")
             if message["type"] != "http.request":  # disconnected while sending the body
                 return
             chunks.append(message.get("body", b""))
@@ -98,12 +125,16 @@ class LimitBody(_Middleware):
 
 
 class RequireAPIKey(_Middleware):
-    """Bearer-token check on /v1/*; /health and /metrics stay open for probes and scrapers."""
+    """Bearer-token check on every path but /health (which probes call without credentials):
+    /metrics, /docs and /openapi.json describe the server and need the key too. Two Authorization
+    headers are a 400, not "the last one wins"."""
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.key.encode()):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = [value for name, value in scope["headers"] if name == b"authorization"]
+            if len(given) > 1:
+                return await self.reject(send, 400, "more than one Authorization header", code="invalid_api_key")
+            if not hmac.compare_digest(given[0] if given else b"", b"Bearer " + self.key.encode()):
                 return await self.reject(send, 401, "missing or wrong API key (send Authorization: Bearer <key>)",
                                          code="invalid_api_key")
         await self.app(scope, receive, send)
@@ -123,6 +154,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
         async_engine.start()
         log.info("serving %s as %s on http://%s:%d", engine.cfg.model, cfg.served_model_names, cfg.host, cfg.port)
         try:
@@ -130,9 +162,10 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         finally:
             await async_engine.stop()
 
-    app = FastAPI(title="blockdiff", lifespan=lifespan)
+    app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics))
     app.state.async_engine = async_engine
     errors.install(app)
+    parse = body.BodyParser()
 
     @app.get("/health")
     async def health() -> Response:
@@ -150,20 +183,50 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, created=created, root=engine.cfg.model, max_model_len=engine.max_model_len)
                                for name in cfg.served_model_names])
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.completions(body, request)
+    # Bodies are parsed by `body.parse` (bounded, off the loop when large), not by FastAPI; the
+    # schema still documents them.
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await serving.completions(await parse(await request.body(), CompletionRequest), request)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.chat(body, request)
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat(request: Request) -> Response:
+        return await serving.chat(await parse(await request.body(), ChatCompletionRequest), request)
 
-    # The last added runs first: count every response, check the key before reading any body.
-    app.add_middleware(LimitBody, limit=cfg.max_request_bytes)
+    # The last added runs first: check the key before reading any body. CountResponses wraps them all.
+    app.add_middleware(LimitBody, limit=cfg.max_request_bytes, timeout=cfg.body_timeout)
     if cfg.api_key:
         app.add_middleware(RequireAPIKey, key=cfg.api_key)
-    app.add_middleware(CountResponses, metrics=metrics)
     return app
+
+
+_BODIES = (CompletionRequest, ChatCompletionRequest)
+
+
+def _body_schema(model) -> dict:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+class _App(FastAPI):
+    """FastAPI with `count` (a CountResponses) around its whole middleware stack, Starlette's error
+    layer included, and the request bodies' schemas in /openapi.json."""
+
+    def __init__(self, count: CountResponses, **kwargs):
+        super().__init__(**kwargs)
+        self._count = count
+
+    def build_middleware_stack(self):
+        self._count.app = super().build_middleware_stack()
+        return self._count
+
+    def openapi(self) -> dict:
+        if self.openapi_schema is None:
+            schema = get_openapi(title=self.title, version=self.version, routes=self.routes)
+            _, defs = models_json_schema([(m, "validation") for m in _BODIES], ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            self.openapi_schema = schema
+        return self.openapi_schema
 
 
 class _Server(uvicorn.Server):
@@ -179,6 +242,17 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         self._engine.drain_threadsafe(self._grace)
 
+    async def on_tick(self, counter: int) -> bool:
+        if self._engine.dead and not self.should_exit:
+            log.error("the tensor-parallel workers could not be restarted: exiting so that a supervisor restarts the server")
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    def run(self, *args, **kwargs) -> None:
+        super().run(*args, **kwargs)
+        if self._engine.dead:
+            raise SystemExit(1)
+
 
 def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then stop the engine (and its workers)."""
@@ -189,8 +263,11 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
         engine.shutdown()  # stops tensor-parallel workers too
         raise
     # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
+    max_connections = connection_limit(cfg.max_connections)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=cfg.keep_alive_timeout,
+                            http=guarded_protocol(cfg.header_timeout, max_connections),
+                            limit_concurrency=max_connections + 1)
     try:
         _Server(config, app.state.async_engine, cfg.shutdown_timeout).run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran

@@ -22,9 +22,7 @@ from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 # temperature 0 asks for greedy decoding; the schedule is scaled by this instead, since the sampler
 # divides by the temperature.
 GREEDY_SCALE = 1e-6
-# Choices per prompt (OpenAI's limit), and engine requests (prompts x n) one API call may start.
-MAX_N = 128
-MAX_CHOICES = 2048
+MAX_N = 128  # choices per prompt (OpenAI's limit)
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
     f.name for f in fields(SamplingParams)
 }
@@ -202,8 +200,8 @@ def _request_names(req: p._GenerationRequest) -> dict[str, str]:
 
 
 def _check_choices(prompts: int, n: int) -> None:
-    if prompts * n > MAX_CHOICES:
-        raise APIError(400, f"{prompts} prompts x n={n} = {prompts * n} choices, more than the {MAX_CHOICES} one "
+    if prompts * n > p.MAX_CHOICES:
+        raise APIError(400, f"{prompts} prompts x n={n} = {prompts * n} choices, more than the {p.MAX_CHOICES} one "
                             "request may ask for", param="prompt" if n == 1 else "n")
 
 
