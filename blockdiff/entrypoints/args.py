@@ -34,6 +34,17 @@ def at_least(minimum: int):
     return parse
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+positive_seconds.__name__ = "seconds"
+
+
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
         p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled demo model)")
@@ -49,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prompt tokens prefilled per step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker-timeout", type=positive_seconds, default=EngineConfig.worker_timeout,
+                   help="seconds a tensor-parallel worker may not answer before it counts as lost and the workers "
+                        "restart (default %(default)s)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -68,6 +82,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         max_prefill_tokens=args.max_prefill_tokens,
         seed=args.seed,
+        worker_timeout=args.worker_timeout,
     )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from blockdiff.entrypoints.args import add_engine_args, add_sampling_args, at_least, engine_config, parse_size, sampling_overrides
+from blockdiff.entrypoints.args import (add_engine_args, add_sampling_args, at_least, engine_config, parse_size,
+                                        positive_seconds, sampling_overrides)
+from blockdiff.entrypoints.openai.config import ServerConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,17 +19,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients use as `model` (default: MODEL as given, or 'demo'); the first one is reported")
     p.add_argument("--api-key", default=os.environ.get("BLOCKDIFF_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $BLOCKDIFF_API_KEY)")
+                   help="require `Authorization: Bearer KEY` everywhere but /health (default: $BLOCKDIFF_API_KEY)")
     p.add_argument("--max-queued-requests", type=at_least(0), default=None,
                    help="answer 429 when more requests than this would wait (default: no limit)")
     p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
     p.add_argument("--shutdown-timeout", type=int, default=3,
                    help="seconds open requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--max-connections", type=at_least(1), default=ServerConfig.max_connections,
+                   help="open connections at most; past it the longest-idle one is closed, or requests get 503 "
+                        "(default %(default)s, less if `ulimit -n` leaves less room)")
+    p.add_argument("--header-timeout", type=positive_seconds, default=ServerConfig.header_timeout,
+                   help="seconds a connection may stay open without sending a request (default %(default)s)")
+    p.add_argument("--body-timeout", type=positive_seconds, default=ServerConfig.body_timeout,
+                   help="seconds a request may take to send its body (default %(default)s)")
+    p.add_argument("--keep-alive-timeout", type=positive_seconds, default=ServerConfig.keep_alive_timeout,
+                   help="seconds an idle keep-alive connection stays open (default %(default)s)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockdiff.entrypoints.openai.server import ServerConfig, serve
+    from blockdiff.entrypoints.openai.server import serve
 
     names = args.served_model_name or [args.model if args.model is not None else "demo"]
     cfg = ServerConfig(
@@ -38,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_size,
         shutdown_timeout=args.shutdown_timeout,
+        max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
         sampling_defaults=sampling_overrides(args),
         log_level=args.log_level.lower(),
     )

@@ -352,12 +352,27 @@ def _stop(workers: list[_Worker], group_box: list, abort: list) -> None:
             w.conn.send_bytes(_STOP)
         except OSError:
             pass
-    for group in group_box:
-        group.shutdown(abort=abort[0])
-    if not abort[0]:  # after a failure a worker may be stuck in a collective: it never reads the message
+    if abort[0]:
+        # After a failure a worker may be stuck in a collective and never read the message; and
+        # aborting gloo's group waits for a collective that rank 0's step thread may still be in,
+        # which ends once the workers are gone.
+        _end(workers)
+        for group in group_box:
+            group.shutdown(abort=True)
+    else:
+        for group in group_box:
+            group.shutdown()
         deadline = time.monotonic() + _JOIN_S
         for w in workers:
             w.join(max(0.0, deadline - time.monotonic()))
+        _end(workers)
+    for w in workers:
+        w.close()
+    workers.clear()
+
+
+def _end(workers: list[_Worker]) -> None:
+    """SIGTERM the workers still running, then SIGKILL those that outlive it."""
     for escalate in ("terminate", "kill"):
         alive = [w for w in workers if w.proc.poll() is None]
         if not alive:
@@ -368,9 +383,6 @@ def _stop(workers: list[_Worker], group_box: list, abort: list) -> None:
                 _continue(w.proc)
         for w in alive:
             w.join(_JOIN_S)
-    for w in workers:
-        w.close()
-    workers.clear()
 
 
 def _continue(proc: subprocess.Popen) -> None:

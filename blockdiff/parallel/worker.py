@@ -33,6 +33,7 @@ class TPExecutor:
         self.worker_timeout: float = cfg.worker_timeout
         self.cache_config: CacheConfig | None = None
         self._shut = False
+        self._stepping = False  # shutdown() may come from another thread while a step waits on a worker
         self.ranks = self._start(cache_config)
         self.last_step_comm = CommCounter()
 
@@ -52,8 +53,12 @@ class TPExecutor:
     def execute(self, plan: StepPlan) -> StepOutput | None:
         counter = self.ranks.context.group.counter
         counter.reset()
-        with self._lost_on_failure():
-            out = self.ranks.run(_execute, plan)
+        self._stepping = True
+        try:
+            with self._lost_on_failure():
+                out = self.ranks.run(_execute, plan)
+        finally:
+            self._stepping = False
         self.last_step_comm = CommCounter(counter.bytes, counter.calls)
         return out
 
@@ -86,7 +91,8 @@ class TPExecutor:
 
     def shutdown(self) -> None:
         self._shut = True
-        self.ranks.close()
+        # A polite shutdown of the group would wait for the collective in flight, which may never end.
+        self.ranks.close(abort=self._stepping)
 
 
 def check_splittable(config: ModelConfig, size: int) -> None:

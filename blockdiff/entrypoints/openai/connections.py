@@ -8,7 +8,10 @@ included, gets a connection. `guarded_protocol` adds:
 - room for new connections: past `max_connections`, the connection idle for longest (no request
   in progress: silent, between requests, or still sending headers) is closed to make room. If
   every connection is busy, uvicorn's `limit_concurrency` answers the new one's request with 503.
-`AcceptErrorLog` keeps a loop that runs out of descriptors anyway from writing a traceback per try.
+A burst can still run out of descriptors: asyncio accepts up to `backlog` connections in one go
+before any of them can make room (a small backlog avoids that, but makes connecting clients wait
+for SYN retries: 2,000 connections took 60 s instead of 10 at a backlog of 32). asyncio then
+pauses accepting for a second, and `AcceptErrorLog` keeps it from logging a traceback each time.
 """
 
 from __future__ import annotations

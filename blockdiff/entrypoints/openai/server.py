@@ -6,7 +6,6 @@ import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -17,6 +16,7 @@ from pydantic.json_schema import models_json_schema
 from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.engine.engine import EngineConfig, LLMEngine
 from blockdiff.entrypoints.openai import body, errors
+from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
 from blockdiff.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
@@ -24,23 +24,6 @@ from blockdiff.entrypoints.openai.serving import OpenAIServing
 from blockdiff.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ServerConfig:
-    served_model_names: list[str]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_queued_requests: int | None = None
-    max_request_bytes: int = 16 * 2**20
-    shutdown_timeout: int = 3  # seconds open requests get after SIGTERM before they are aborted
-    max_connections: int = 1024  # open connections; fewer if the descriptor limit leaves less room
-    header_timeout: float = 10.0  # seconds a connection may stay open without starting a request
-    body_timeout: float = 60.0  # seconds a request may take to send its body
-    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
-    sampling_defaults: dict = field(default_factory=dict)  # the server's sampler flags, as SamplingParams fields
-    log_level: str = "info"
 
 
 class _Middleware:

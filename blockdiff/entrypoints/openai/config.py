@@ -1,0 +1,23 @@
+"""The server's settings, apart from the server (the command line reads their defaults without
+importing FastAPI and uvicorn)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    max_request_bytes: int = 16 * 2**20
+    shutdown_timeout: int = 3  # seconds open requests get after SIGTERM before they are aborted
+    max_connections: int = 1024  # open connections; fewer if the descriptor limit leaves less room
+    header_timeout: float = 10.0  # seconds a connection may stay open without starting a request
+    body_timeout: float = 60.0  # seconds a request may take to send its body
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    sampling_defaults: dict = field(default_factory=dict)  # the server's sampler flags, as SamplingParams fields
+    log_level: str = "info"
