@@ -13,6 +13,11 @@ from blockdiff.parallel.ranks import RankProcesses
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true",
+                     help="the long forms of the soak and fault tests (schemathesis with 200 examples per operation)")
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """make(name, **spec) -> path of a tiny checkpoint, built once per session and name."""
