@@ -231,12 +231,13 @@ class AsyncEngine:
             self._fail_all(EngineUnavailable(self.unavailable_reason()))
 
     async def _idle(self) -> None:
-        """Wait for work; every half worker timeout without any, check that the workers still answer."""
-        interval = self.engine.cfg.worker_timeout / 2
+        """Wait for work. Every half worker timeout without any, the workers must answer within the
+        other half: an idle engine notices a lost worker within the worker timeout."""
+        half = self.engine.cfg.worker_timeout / 2
         try:
-            await asyncio.wait_for(self._wake.wait(), interval)
+            await asyncio.wait_for(self._wake.wait(), half)
         except asyncio.TimeoutError:
-            await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.executor.heartbeat)
+            await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.executor.heartbeat, half)
 
     async def _recover(self, lost: WorkerLost) -> None:
         """End the requests that had started, restart the workers, go on with the waiting ones."""

@@ -22,7 +22,7 @@ class LocalExecutor:
     def execute(self, plan: StepPlan) -> StepOutput | None:
         return self.runner.execute(plan)
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, timeout: float) -> None:
         """One process: nothing can be lost without the engine noticing."""
 
     def shutdown(self) -> None:

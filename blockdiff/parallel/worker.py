@@ -62,10 +62,10 @@ class TPExecutor:
         self.last_step_comm = CommCounter(counter.bytes, counter.calls)
         return out
 
-    def heartbeat(self) -> None:
-        """Raise WorkerLost unless every worker is alive and answers within the worker timeout."""
+    def heartbeat(self, timeout: float) -> None:
+        """Raise WorkerLost unless every worker is alive and answers within `timeout` seconds."""
         with self._lost_on_failure():
-            self.ranks.ping(self.worker_timeout)
+            self.ranks.ping(timeout)
 
     @contextmanager
     def _lost_on_failure(self):

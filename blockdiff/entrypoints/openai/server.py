@@ -49,12 +49,11 @@ class CountResponses(_Middleware):
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        state = {"started": False, "complete": False}
+        state = {"complete": False}
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 self.metrics.response(message["status"])
-                state["started"] = True
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["complete"] = True
             await send(message)
@@ -63,10 +62,7 @@ class CountResponses(_Middleware):
             await self.app(scope, receive, counting_send)
         except Exception:
             if not state["complete"]:
-                if state["started"]:
-                    raise  # half a response: only closing the connection ends it
-                log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-                await self.reject(counting_send, 500, "internal server error")
+                raise  # half a response: only closing the connection ends it
 
 
 class LimitBody(_Middleware):
