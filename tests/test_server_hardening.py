@@ -202,3 +202,29 @@ def test_a_500_is_counted_and_the_app_survives(tiny, monkeypatch):
         assert 'blockdiff_http_responses_total{status="500"} 1' in metrics, metrics
 
     asyncio.run(main())
+
+
+# ---- item 4 (optional): per-client concurrency --------------------------------------------------------
+def test_a_client_over_its_concurrency_limit_gets_429(tiny, tmp_path):
+    server = ServerProcess(tiny, "--max-model-len", "2048", "--max-client-concurrency", "1",
+                           log_path=str(tmp_path / "server.log"))
+    long = {"prompt": "sort: 3 2 1", "max_tokens": 1500, "ignore_eos": True, "max_denoising_steps": 16, "stream": True}
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60) as first:
+            lines = first.iter_lines()  # kept: a collected iterator would close the stream
+            next(line for line in lines if line.startswith("data: "))  # it is running
+            r = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4}, timeout=30)
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "too_many_requests"
+            # Another client (another API key) is not held back.
+            other = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4},
+                               headers={"Authorization": "Bearer other"}, timeout=60)
+            assert other.status_code == 200, other.text
+        # The first client's request ended (it hung up): its next one is served.
+        deadline = time.monotonic() + 30
+        while (r := httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4},
+                               timeout=60)).status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+    finally:
+        server.close()

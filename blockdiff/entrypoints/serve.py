@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="require `Authorization: Bearer KEY` everywhere but /health (default: $BLOCKDIFF_API_KEY)")
     p.add_argument("--max-queued-requests", type=at_least(0), default=None,
                    help="answer 429 when more requests than this would wait (default: no limit)")
+    p.add_argument("--max-client-concurrency", type=at_least(1), default=None,
+                   help="answer 429 to a client (its API key, else its host) with this many requests in progress "
+                        "(default: no limit)")
     p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
     p.add_argument("--shutdown-timeout", type=int, default=3,
                    help="seconds open requests get to finish after SIGTERM before they are aborted")
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key or None,
         max_queued_requests=args.max_queued_requests,
+        max_client_concurrency=args.max_client_concurrency,
         max_request_bytes=args.max_request_size,
         shutdown_timeout=args.shutdown_timeout,
         max_connections=args.max_connections,

@@ -103,6 +103,31 @@ class LimitBody(_Middleware):
         await self.app(scope, replay, send)
 
 
+class LimitClients(_Middleware):
+    """429 for a client's generation request while it already has `limit` in progress. A client is
+    its bearer token if it sends one (one API key shared by many hosts is one client), else its host."""
+
+    def __init__(self, app, limit: int):
+        super().__init__(app, limit=limit)
+        self.running: dict[bytes, int] = {}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        auth = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        client = auth or (scope.get("client") or ("",))[0].encode()
+        if self.running.get(client, 0) >= self.limit:
+            return await self.reject(send, 429, f"this client already has {self.limit} requests in progress "
+                                                "(--max-client-concurrency); retry when one ends", code="too_many_requests")
+        self.running[client] = self.running.get(client, 0) + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.running[client] -= 1
+            if not self.running[client]:
+                del self.running[client]
+
+
 class RequireAPIKey(_Middleware):
     """Bearer-token check on every path but /health (which probes call without credentials):
     /metrics, /docs and /openapi.json describe the server and need the key too. Two Authorization
@@ -174,6 +199,8 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
 
     # The last added runs first: check the key before reading any body. CountResponses wraps them all.
     app.add_middleware(LimitBody, limit=cfg.max_request_bytes, timeout=cfg.body_timeout)
+    if cfg.max_client_concurrency is not None:
+        app.add_middleware(LimitClients, limit=cfg.max_client_concurrency)
     if cfg.api_key:
         app.add_middleware(RequireAPIKey, key=cfg.api_key)
     return app
