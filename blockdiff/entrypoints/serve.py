@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued-requests", type=at_least(0), default=None,
                    help="answer 429 when more requests than this would wait (default: no limit)")
     p.add_argument("--max-client-concurrency", type=at_least(1), default=None,
-                   help="answer 429 to a client (its API key, else its host) with this many requests in progress "
+                   help="answer 429 to a client host with this many generation requests in progress "
                         "(default: no limit)")
     p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
     p.add_argument("--shutdown-timeout", type=int, default=3,

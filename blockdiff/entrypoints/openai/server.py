@@ -105,17 +105,17 @@ class LimitBody(_Middleware):
 
 class LimitClients(_Middleware):
     """429 for a client's generation request while it already has `limit` in progress. A client is
-    its bearer token if it sends one (one API key shared by many hosts is one client), else its host."""
+    its host: a bearer token would not do, since without --api-key any token is accepted, and with
+    it every client sends the same one."""
 
     def __init__(self, app, limit: int):
         super().__init__(app, limit=limit)
-        self.running: dict[bytes, int] = {}
+        self.running: dict[str, int] = {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        auth = next((value for name, value in scope["headers"] if name == b"authorization"), None)
-        client = auth or (scope.get("client") or ("",))[0].encode()
+        client = (scope.get("client") or ("",))[0]
         if self.running.get(client, 0) >= self.limit:
             return await self.reject(send, 429, f"this client already has {self.limit} requests in progress "
                                                 "(--max-client-concurrency); retry when one ends", code="too_many_requests")
@@ -187,7 +187,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, created=created, root=engine.cfg.model, max_model_len=engine.max_model_len)
                                for name in cfg.served_model_names])
 
-    # Bodies are parsed by `body.parse` (bounded, off the loop when large), not by FastAPI; the
+    # Bodies are parsed by `body.BodyParser` (bounded, off the loop when large), not by FastAPI; the
     # schema still documents them.
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
