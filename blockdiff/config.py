@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from blockdiff.quantization import Fp8Config, parse_quantization
+
 SUPPORTED_ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion",)
 
 _DTYPES = {
@@ -84,6 +86,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
+    quantization: Fp8Config | None = None  # FP8 weights (quantization_config), None: plain weights
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -174,6 +177,7 @@ class ModelConfig:
             bos_token_id=text.get("bos_token_id", 2),
             eos_token_ids=eos_ids,
             dtype=_DTYPES[dtype_name],
+            quantization=parse_quantization(raw.get("quantization_config")),
             raw=raw,
         )
 

@@ -11,6 +11,7 @@ COMMAND_MODULES = [
     "blockdiff.entrypoints.bench",
     "blockdiff.entrypoints.generate",
     "blockdiff.entrypoints.make_tiny_model",
+    "blockdiff.entrypoints.quantize",
     "blockdiff.entrypoints.serve",
     "blockdiff.entrypoints.train_demo",
     "blockdiff.entrypoints.eval",

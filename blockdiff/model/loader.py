@@ -50,12 +50,36 @@ _SC_RULES = [
 ]
 
 
+# FP8 companions of a weight "X.weight" (compressed-tensors): "X.weight_scale", "X.input_scale".
+_FP8_SUFFIXES = ("weight_scale", "input_scale")
+# compressed-tensors checkpoints store expert e as Linears; our gate_up part 2e+i holds its gate (i=0)
+# or up (i=1), down part e its down.
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
 class CheckpointError(ValueError):
     pass
 
 
 def map_name(name: str) -> tuple[str, int | None] | None:
     """Checkpoint tensor name -> (parameter name, part), or None when it is not a text weight we know."""
+    for suffix in _FP8_SUFFIXES:
+        if name.endswith("." + suffix):
+            mapped = map_name(name[: -len(suffix)] + "weight")
+            if mapped is None:
+                return None
+            target, part = mapped
+            if target.endswith(".weight"):  # "qkv_proj.weight" -> "qkv_proj.weight_scale"
+                return target[: -len("weight")] + suffix, part
+            # the experts' 3-D weights: "experts.down" -> "experts.down_scale" / "experts.down_input_scale"
+            return f"{target}_{'scale' if suffix == 'weight_scale' else suffix}", part
+    m = _PER_EXPERT.fullmatch(name)
+    if m:
+        fused = map_name(f"{m.group(1)}.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}")
+        if fused is None:
+            return None
+        e = int(m.group(2))
+        return fused[0], {"gate_proj": 2 * e, "up_proj": 2 * e + 1, "down_proj": e}[m.group(3)]
     if name.startswith(DECODER + "self_conditioning."):
         rest = name[len(DECODER + "self_conditioning.") :]
         return _apply(_SC_RULES, rest, "")
