@@ -42,7 +42,8 @@ def _weight_args(path: str) -> QuantizationArgs:
 def load_fp8_oracle(path: str):
     hf = load_hf(path, experts_implementation="eager")
     tensors, args = _tensors(path), _weight_args(path)
-    dense = lambda name: dequantize(tensors[name + ".weight"], tensors[name + ".weight_scale"], args=args, dtype=torch.float32)
+    # In float32, as transformers decompresses the dense Linears (a bfloat16 product would round).
+    dense = lambda name: dequantize(tensors[name + ".weight"], tensors[name + ".weight_scale"].float(), args=args, dtype=torch.float32)
     decoder = hf.model.decoder
     encoder = hf.model.encoder.language_model
     for i, layer in enumerate(decoder.layers):

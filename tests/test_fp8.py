@@ -49,3 +49,74 @@ def test_parity_with_transformers_compressed_tensors(fp8, src):
     print(f"ours vs oracle {err:.2e}; oracle vs float32 model {fp8_err:.2e}")
     assert err <= FP8_TOL
     assert fp8_err > 10 * FP8_TOL  # the tolerance is far below what FP8 itself changes
+
+
+def _published_layout(src: str, dst: str) -> str:
+    """The published FP8 layout written with compressed-tensors' own quantizer, not ours: per-expert
+    Linears, bfloat16 per-tensor scales (the "tensor" strategy) from compressed-tensors' qparams."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
+
+    def q(name, w):
+        scale, zero = calculate_qparams(w.min().reshape(1), w.max().reshape(1), args)
+        scale = scale.to(torch.bfloat16).float()
+        return {name + ".weight": quantize(w, scale, zero, args, dtype=torch.float8_e4m3fn), name + ".weight_scale": scale.to(torch.bfloat16)}
+
+    shutil.copytree(src, dst)
+    out = {}
+    for k, v in load_file(os.path.join(src, "model.safetensors")).items():
+        base, _, kind = k.rpartition(".")
+        if k.startswith("model.decoder.layers.") and kind in ("gate_up_proj", "down_proj"):
+            for e, w in enumerate(v):
+                parts = zip(("gate_proj", "up_proj"), w.chunk(2)) if kind == "gate_up_proj" else [("down_proj", w)]
+                for proj, half in parts:
+                    out.update(q(f"{base}.{e}.{proj}", half))
+        elif k.startswith("model.decoder.layers.") and "_proj.weight" in k and ".router." not in k:
+            out.update(q(k.removesuffix(".weight"), v))
+        else:
+            out[k] = v
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
+            }
+        },
+        "ignore": ["lm_head", "re:.*embed.*", "re:.*router.*", "re:.*vision.*", "re:.*self_conditioning.*"],
+    }
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def test_published_layout_written_by_compressed_tensors_matches(src, tmp_path):
+    path = _published_layout(src, str(tmp_path / "published"))
+    model = load_model(path)
+    assert model.layers[0].experts.gate_up.dtype == torch.float8_e4m3fn
+    assert model.self_conditioning.mlp.gate_up_proj.weight.dtype == torch.float32  # ignored: stays unquantized
+    prompt, canvas = _tokens(13, VOCAB, 2), _tokens(8, VOCAB, 3)
+    ours = _logits(Harness(model), prompt, canvas)
+    ref = _logits(Oracle(load_fp8_oracle(path)), prompt, canvas)
+    assert rel_err(ours, ref) <= FP8_TOL
+
+
+def test_fp8_weights_stay_fp8_and_take_half_the_bytes(src, fp8):
+    def weight_bytes(model):
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    q, full = load_model(fp8, dtype=torch.bfloat16), load_model(src, dtype=torch.bfloat16)
+    experts = q.layers[0].experts
+    assert experts.gate_up.dtype == experts.down.dtype == torch.float8_e4m3fn
+    assert q.layers[0].attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    # The tiny model's embedding (tied, kept in bfloat16) is a large share of it, hence not 0.5.
+    assert weight_bytes(q) < 0.75 * weight_bytes(full)
