@@ -50,18 +50,29 @@ def token_scales(x: torch.Tensor) -> torch.Tensor:
     return _nonzero(x.abs().amax(dim=-1, keepdim=True) / FP8_MAX)
 
 
+def sharded_token_scales(x: torch.Tensor, group) -> torch.Tensor:
+    """Per-token scales of rows split over the ranks of `group` by columns: the max over ranks,
+    so that every rank rounds its slice exactly as one device rounds the whole row."""
+    scales = token_scales(x)
+    group.all_reduce(scales, "max")
+    return scales
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
     activations: str | None,
     input_scale: torch.Tensor | None = None,
+    x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., in] @ (weight [out, in] FP8 * scale [out, 1]).T, activations per the scheme."""
+    """x [..., in] @ (weight [out, in] FP8 * scale [out, 1]).T, activations per the scheme.
+    `x_scales`: dynamic per-token scales computed by the caller (over the whole row when x is one
+    rank's slice of it)."""
     if x.is_cuda and activations is not None and _scaled_mm_fits(x, weight):
-        return _scaled_mm(x, weight, scale, activations, input_scale)
+        return _scaled_mm(x, weight, scale, activations, input_scale, x_scales)
     if activations == "dynamic":
-        x = fake_quantize(x, token_scales(x))
+        x = fake_quantize(x, token_scales(x) if x_scales is None else x_scales)
     elif activations == "static":
         x = fake_quantize(x, input_scale)
     return linear(x, weight.to(x.dtype) * scale.to(x.dtype))
@@ -78,10 +89,10 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and out % 16 == 0 and inner % 16 == 0 and _fp8_capable(x.device.index or 0)
 
 
-def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, activations: str, input_scale) -> torch.Tensor:
+def _scaled_mm(x, weight, scale, activations: str, input_scale, x_scales) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if activations == "dynamic":
-        x_scale = token_scales(rows.float())
+        x_scale = token_scales(rows.float()) if x_scales is None else x_scales.float().reshape(-1, 1)
     else:
         x_scale = input_scale.float().reshape(1, 1).expand(rows.shape[0], 1).contiguous()
     xq = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)

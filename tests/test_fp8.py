@@ -120,3 +120,78 @@ def test_fp8_weights_stay_fp8_and_take_half_the_bytes(src, fp8):
     assert q.layers[0].attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     # The tiny model's embedding (tied, kept in bfloat16) is a large share of it, hence not 0.5.
     assert weight_bytes(q) < 0.75 * weight_bytes(full)
+
+
+def _with_config(src: str, dst, edit) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    edit(config["quantization_config"])
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(dst)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda q: q.update(quant_method="awq"), "unsupported quantization method 'awq'"),
+        (lambda q: q.update(format="pack-quantized"), "unsupported compressed-tensors format 'pack-quantized'"),
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4), "unsupported weight scheme 'int' 4-bit"),
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group"), "unsupported FP8 weight strategy 'group'"),
+        (lambda q: q["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"), "unsupported input activation strategy 'tensor'"),
+        (lambda q: q.update(ignore=["lm_head", "re:.*embed.*", "re:.*self_conditioning.*"]), "quantizes the router"),
+    ],
+)
+def test_bad_quantization_config_is_named(fp8, tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        load_model(_with_config(fp8, tmp_path / "bad", edit))
+
+
+def _with_tensors(src: str, dst, edit) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+    return str(dst)
+
+
+SCALE = "model.decoder.layers.1.self_attn.q_proj.weight_scale"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop(SCALE), r"missing from checkpoint .*layers\.1\.attn\.qkv_proj\.weight_scale\[part 0\]"),
+        (lambda t: t.update({SCALE: t[SCALE][:-1]}), rf"'{SCALE}' has shape"),
+        (lambda t: t.update({SCALE[: -len("_scale")]: t[SCALE[: -len("_scale")]].float()}), r"q_proj.weight' is F32, but"),
+        (lambda t: t.pop("model.decoder.layers.0.experts.2.down_proj.weight_scale"), r"experts\.down_scale\[part 2\]"),
+    ],
+)
+def test_bad_fp8_tensors_are_named(fp8, tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        load_model(_with_tensors(fp8, tmp_path / "bad", edit))
+
+
+@pytest.mark.usefixtures("single_threaded_workers")
+def test_greedy_generation_equals_oracle_and_tp2(checkpoints, tmp_path):
+    from helpers import hf_generate_with_draft
+    from test_tensor_parallel import DRAFTS, GREEDY, PROMPTS, TP_SPEC, _greedy
+
+    from blockdiff import LLM
+
+    path = str(tmp_path / "fp8_tp")
+    assert cli(["quantize", "--fp8-dynamic", checkpoints("tp", **TP_SPEC), path]) == 0
+    params = [_greedy(d) for d in DRAFTS]
+    with LLM(path) as llm:
+        one = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(path, tensor_parallel_size=2) as llm:
+        two = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert one == two
+    hf = load_fp8_oracle(path)
+    eos = set(hf.generation_config.eos_token_id)
+    for prompt, draft, ours in zip(PROMPTS, DRAFTS, one):
+        theirs = hf_generate_with_draft(hf, prompt, draft, max_new_tokens=22, max_denoising_steps=4, **GREEDY)
+        cut = next((i + 1 for i, t in enumerate(theirs) if t in eos), 22)
+        assert ours == theirs[:cut]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdiff.config import ModelConfig
-from blockdiff.fp8 import FP8, fp8_linear
+from blockdiff.fp8 import FP8, fp8_linear, sharded_token_scales
 from blockdiff.matmul import linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
@@ -202,7 +202,9 @@ class Fp8Experts(Experts):
         return fp8_linear(x, self.gate_up[e], self.gate_up_scale[e], self.activations, self.gate_up_input_scale)
 
     def down_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return fp8_linear(x, self.down[e], self.down_scale[e], self.activations, self.down_input_scale)
+        # Under TP each rank holds a slice of the expert's width: one small max-reduce per busy expert.
+        scales = sharded_token_scales(x, self.group) if self.reduce and self.activations == "dynamic" else None
+        return fp8_linear(x, self.down[e], self.down_scale[e], self.activations, self.down_input_scale, scales)
 
 
 def make_experts(config: ModelConfig, group: TPGroup, dtype: torch.dtype, prefix: str) -> Experts:

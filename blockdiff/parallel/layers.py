@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdiff.fp8 import FP8, fp8_linear
+from blockdiff.fp8 import FP8, fp8_linear, sharded_token_scales
 from blockdiff.matmul import linear
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
@@ -186,7 +186,8 @@ class Fp8RowParallelLinear(RowParallelLinear):
         load_scale(param.data, source, name, param.shape[0], 0, param.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8_linear(x, self.weight, self.weight_scale, self.activations, self.input_scale)
+        scales = sharded_token_scales(x, self.group) if self.reduce and self.activations == "dynamic" else None
+        y = fp8_linear(x, self.weight, self.weight_scale, self.activations, self.input_scale, scales)
         if self.reduce:
             self.group.all_reduce(y)
         return y
