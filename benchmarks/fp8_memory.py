@@ -10,7 +10,7 @@ bfloat16 (`load_model(path, dtype=torch.bfloat16)`): once from the source, once 
     (/work/shared/DESIGN.md §9: hidden 2816, 16 heads, 8 sliding / 2 full KV heads, head dims
     256 / 512, dense MLP 2112, 128 experts top-8 of width 704, vocabulary 262,144, canvas 256),
     bfloat16 on disk, written one layer per file so that only one layer's random tensors exist at a
-    time (all at once would take ~14 GB here); ~4.7 GB on disk in bfloat16, ~3.1 GB in FP8.
+    time (all at once would take ~14 GB here); ~4.5 GiB on disk in bfloat16, ~3.0 GiB in FP8.
 
 Printed per model: the storage bytes of every parameter and buffer by part (embedding = the tied LM
 head, experts, the rest of the layers, everything else) for both loads and their ratio; the growth
