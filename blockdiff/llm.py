@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.config import EngineConfig
+from blockdiff.engine.engine import LLMEngine
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import SamplingParams
 
@@ -21,6 +23,8 @@ class LLM:
         seed: int = 0,
         **engine_options,
     ):
+        """engine_options: the other EngineConfig fields (max_num_seqs, max_model_len, ...,
+        tune_cpu_heap=True to keep freed memory in the heap, see blockdiff/worker/cpu_heap.py)."""
         if model is None:
             from blockdiff.demo import demo_checkpoint
 
@@ -29,13 +33,6 @@ class LLM:
             EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, device=device, seed=seed, **engine_options)
         )
         self.tokenizer = self.engine.tokenizer
-
-    @classmethod
-    def from_engine_config(cls, cfg: EngineConfig) -> "LLM":
-        llm = cls.__new__(cls)
-        llm.engine = LLMEngine(cfg)
-        llm.tokenizer = llm.engine.tokenizer
-        return llm
 
     def generate(
         self,
@@ -53,7 +50,8 @@ class LLM:
         requests = []
         try:
             for prompt, p in zip(prompts, params):
-                requests.append(self.engine.add_request(prompt, p))
+                # Only the final outputs are read: the engine builds nothing before them.
+                requests.append(self.engine.add_request(prompt, replace(p or SamplingParams(), output_kind="final_only")))
         except Exception:
             for req in requests:
                 self.engine.abort(req.request_id)
@@ -85,6 +83,8 @@ class LLM:
             while len(results) < len(wanted):
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
+                        if out.error is not None:
+                            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

@@ -89,16 +89,19 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], d
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     phases: dict[str, PhaseTiming] = {}
     ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    states: dict = {}
+
+    def record(plan, seconds: float) -> None:
+        kind = _step_kind(plan, states)
+        phases.setdefault(kind, PhaseTiming()).add(seconds, plan_cost(engine.model_config, plan, dtype_bytes))
+
+    engine.on_step = record
     try:
         while engine.has_unfinished():
             states = {r.slot: r.state for r in engine.scheduler.running}
             engine.step()
-            plan = engine.last_plan
-            if plan is None:
-                continue
-            kind = _step_kind(plan, states)
-            phases.setdefault(kind, PhaseTiming()).add(engine.last_step_time, plan_cost(engine.model_config, plan, dtype_bytes))
     finally:  # finished requests are gone already; this drops any left by an error
+        engine.on_step = None
         for rid in ids:
             engine.abort(rid)
     return phases
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=max(cfg.max_num_seqs, max(batch_sizes)),
         max_model_len=cfg.max_model_len or args.input_len + args.output_len,
     )
-    llm = LLM.from_engine_config(cfg)
+    llm = LLM(**dataclasses.asdict(cfg))
     try:
         return _benchmark(llm, cfg, args, batch_sizes)
     finally:

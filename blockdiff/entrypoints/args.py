@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from blockdiff.engine.engine import EngineConfig
-from blockdiff.sampling_params import SamplingParams
+from blockdiff.config import EngineConfig
+from blockdiff.sampling_params import SAMPLER_FIELDS, SamplingParams
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
                "g": 2**30, "gb": 2**30, "gib": 2**30}
@@ -49,6 +49,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prompt tokens prefilled per step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-denoising-steps-limit", type=at_least(1), default=None,
+                   help="largest max_denoising_steps (and stability_threshold) a request may ask for "
+                        "(default: 4 x the canvas length)")
+    p.add_argument("--preempt-after-canvases", type=at_least(1), default=4,
+                   help="a running request that has committed this many canvases gives its slot to a waiting "
+                        "request at its next canvas boundary, and is recomputed later")
+    p.add_argument("--no-preemption", dest="preempt_after_canvases", action="store_const", const=None,
+                   help="never preempt: requests wait first-come first-served")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -68,34 +76,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         max_prefill_tokens=args.max_prefill_tokens,
         seed=args.seed,
+        max_denoising_steps_limit=args.max_denoising_steps_limit,
+        preempt_after_canvases=args.preempt_after_canvases,
+        tune_cpu_heap=True,  # a process that only runs blockdiff: its heap is ours to tune
     )
 
 
-_SAMPLER_FLAGS = [
-    ("--max-tokens", int, "tokens to generate at most"),
-    ("--max-denoising-steps", int, "denoising steps per canvas at most"),
-    ("--entropy-bound", float, "accept tokens while Σentropy - max entropy stays below this"),
-    ("--t-min", float, "temperature at the last denoising step"),
-    ("--t-max", float, "temperature at the first denoising step"),
-    ("--stability-threshold", int, "previous argmax canvases that must match to stop early"),
-    ("--confidence-threshold", float, "mean entropy under which a stable canvas stops"),
-]
-
-
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """Sampler defaults; unset ones come from the checkpoint's generation_config.json."""
-    for flag, kind, text in _SAMPLER_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help=text)
+    """Sampler defaults, one flag per field of the sampler-field table; unset ones come from the
+    checkpoint's generation_config.json."""
+    for f in SAMPLER_FIELDS:
+        p.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None,
+                       help=f"{f.help} (default: generation_config.json, else {f.default})")
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
     """The sampler flags the user set, as SamplingParams fields."""
-    out = {}
-    for flag, _, _ in _SAMPLER_FLAGS:
-        name = flag[2:].replace("-", "_")
-        if getattr(args, name) is not None:
-            out[name] = getattr(args, name)
-    return out
+    return {f.name: getattr(args, f.name) for f in SAMPLER_FIELDS if getattr(args, f.name) is not None}
 
 
 def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:

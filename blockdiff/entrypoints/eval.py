@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from blockdiff.entrypoints.args import add_engine_args, add_sampling_args, engine_config, sampling_params
 
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     problems = heldout_problems(args.num, EVAL_SEED if args.problem_seed is None else args.problem_seed)
     params = sampling_params(args)
-    llm = LLM.from_engine_config(engine_config(args))
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
     try:
         result = evaluate(llm, problems, params, seed=args.seed)
     finally:

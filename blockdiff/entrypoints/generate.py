@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from blockdiff.entrypoints.args import add_engine_args, add_sampling_args, engine_config, sampling_params
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     draft = [int(t) for t in args.draft.split(",")] if args.draft else None
     params = sampling_params(args, seed=args.seed_per_request, draft=draft, ignore_eos=args.ignore_eos)
-    llm = LLM.from_engine_config(engine_config(args))
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
     try:
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from blockdiff.entrypoints.args import add_engine_args, add_sampling_args, at_least, engine_config, parse_size, sampling_overrides
@@ -21,6 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued-requests", type=at_least(0), default=None,
                    help="answer 429 when more requests than this would wait (default: no limit)")
     p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
+    p.add_argument("--max-request-cost", type=at_least(1), default=None,
+                   help="most canvas positions one API request may ask the decoder for: choices x canvases x "
+                        "max_denoising_steps x canvas length (default: max-num-seqs requests of max-model-len tokens "
+                        "at the default steps)")
     p.add_argument("--shutdown-timeout", type=int, default=3,
                    help="seconds open requests get to finish after SIGTERM before they are aborted")
     p.set_defaults(func=run)
@@ -38,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_size,
         shutdown_timeout=args.shutdown_timeout,
-        sampling_defaults=sampling_overrides(args),
+        max_request_cost=args.max_request_cost,
         log_level=args.log_level.lower(),
     )
-    serve(engine_config(args), cfg)
+    serve(dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args)), cfg)
     return 0

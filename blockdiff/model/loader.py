@@ -18,6 +18,7 @@ from safetensors import safe_open
 from blockdiff.config import ModelConfig
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.parallel.group import TPGroup
+from blockdiff.model.registry import load_config, model_class
 from blockdiff.parallel.layers import replicated_loader
 
 log = logging.getLogger(__name__)
@@ -168,8 +169,9 @@ def load_model(
     group: TPGroup | None = None,
     config: ModelConfig | None = None,
 ) -> DiffusionGemma:
-    config = config or ModelConfig.from_pretrained(path)
+    config = config or load_config(path)
+    cls = model_class(config)
     with torch.device(device):
-        model = DiffusionGemma(config, group=group, dtype=dtype)
+        model = cls(config, group=group, dtype=dtype)
     load_weights(model, path)
     return model.eval()

@@ -5,19 +5,19 @@ from __future__ import annotations
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from blockdiff.engine.async_engine import AsyncEngine
-from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.config import EngineConfig
+from blockdiff.engine.engine import LLMEngine
 from blockdiff.entrypoints.openai import errors
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
 from blockdiff.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 from blockdiff.entrypoints.openai.serving import OpenAIServing
-from blockdiff.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class ServerConfig:
     max_queued_requests: int | None = None
     max_request_bytes: int = 16 * 2**20
     shutdown_timeout: int = 3  # seconds open requests get after SIGTERM before they are aborted
-    sampling_defaults: dict = field(default_factory=dict)  # the server's sampler flags, as SamplingParams fields
+    max_request_cost: int | None = None  # None: max_num_seqs requests of max_model_len tokens at the default steps
     log_level: str = "info"
 
 
@@ -110,16 +110,10 @@ class RequireAPIKey(_Middleware):
 
 
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
-    """The app owns `engine` from here on: it is shut down when the app's lifespan ends. Raises
-    ValueError for sampler flags that are invalid over the checkpoint's defaults (every request
-    would fail on them)."""
-    try:
-        SamplingParams(**cfg.sampling_defaults).with_defaults(engine.defaults)
-    except ValueError as e:
-        raise ValueError(f"invalid sampler flags (with the checkpoint's generation defaults): {e}") from None
+    """The app owns `engine` from here on: it is shut down when the app's lifespan ends."""
     metrics = ServingMetrics(engine)
     async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
-    serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.sampling_defaults)
+    serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
