@@ -99,8 +99,7 @@ class ModelConfig:
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise ConfigError(f"no config.json in {path!r}")
-        with open(config_path) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_json(config_path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -176,6 +175,18 @@ class ModelConfig:
             dtype=_DTYPES[dtype_name],
             raw=raw,
         )
+
+
+def read_json(path: str) -> dict:
+    """A checkpoint's JSON file; a ConfigError names the file and where it is broken."""
+    with open(path) as f:
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
 def parse_dtype(name: str | torch.dtype, config: ModelConfig) -> torch.dtype:

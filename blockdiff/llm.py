@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.engine.engine import EngineConfig
+from blockdiff.hub import resolve_model
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import SamplingParams
+from blockdiff.startup import start_engine
 
 Prompt = str | list[int]
 
@@ -19,21 +21,20 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         seed: int = 0,
+        download_dir: str | None = None,
         **engine_options,
     ):
-        if model is None:
-            from blockdiff.demo import demo_checkpoint
-
-            model = demo_checkpoint()
-        self.engine = LLMEngine(
-            EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, device=device, seed=seed, **engine_options)
-        )
+        """`model`: a checkpoint directory, a Hugging Face id in the local cache (`download_dir`,
+        else HF_HUB_CACHE / HF_HOME), or None for the bundled demo checkpoint."""
+        cfg = EngineConfig(model=resolve_model(model, download_dir), tensor_parallel_size=tensor_parallel_size,
+                           dtype=dtype, device=device, seed=seed, **engine_options)
+        self.engine = start_engine(cfg)
         self.tokenizer = self.engine.tokenizer
 
     @classmethod
     def from_engine_config(cls, cfg: EngineConfig) -> "LLM":
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(cfg)
+        llm.engine = start_engine(cfg)
         llm.tokenizer = llm.engine.tokenizer
         return llm
 

@@ -11,6 +11,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Tokenizer
 
+from blockdiff.config import read_json
+
 
 def _token_text(value) -> str | None:
     if isinstance(value, dict):  # AddedToken serialisation
@@ -30,24 +32,28 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_pretrained(cls, path: str) -> "Tokenizer | None":
-        """None when the checkpoint has no tokenizer.json (token-id prompts still work)."""
+    def from_pretrained(cls, path: str, chat_template: str | None = None) -> "Tokenizer | None":
+        """None when the checkpoint has no tokenizer.json (token-id prompts still work).
+        `chat_template` replaces the checkpoint's."""
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             return None
         config = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_file):
-            with open(config_file) as f:
-                config = json.load(f)
-        template = config.get("chat_template")
+            config = read_json(config_file)
+        template = chat_template or config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         jinja_file = os.path.join(path, "chat_template.jinja")
         if template is None and os.path.isfile(jinja_file):
             with open(jinja_file) as f:
                 template = f.read()
-        return cls(_Tokenizer.from_file(file), config, template)
+        try:
+            tok = _Tokenizer.from_file(file)
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise ValueError(f"{file} cannot be loaded: {e}") from None
+        return cls(tok, config, template)
 
     @functools.cached_property
     def max_token_chars(self) -> int:

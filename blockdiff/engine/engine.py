@@ -35,6 +35,8 @@ class EngineConfig:
     block_size: int = 16
     max_prefill_tokens: int = 2048
     seed: int = 0
+    tokenizer: str | None = None  # tokenizer directory; None: the model's
+    chat_template: str | None = None  # overrides the tokenizer's
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -54,7 +56,7 @@ class LLMEngine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.cfg = cfg
         self.model_config = ModelConfig.from_pretrained(cfg.model)
-        self.tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
         self.defaults = generation_defaults(cfg.model)
         self.eos_token_ids = tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids))
         self.canvas_length = self.model_config.canvas_length
