@@ -55,6 +55,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 requests.append(self.engine.add_request(prompt, p))
+                if isinstance(prompt, str):
+                    self.tokenizer.warn_unknown(f"request {requests[-1].request_id}", prompt, requests[-1].prompt_token_ids)
         except Exception:
             for req in requests:
                 self.engine.abort(req.request_id)
@@ -72,6 +74,9 @@ class LLM:
             raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.encode_chat(c) for c in conversations]
+        for i, (conversation, ids) in enumerate(zip(conversations, prompts)):
+            contents = "".join(m["content"] for m in conversation if isinstance(m.get("content"), str))
+            self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
@@ -110,9 +115,15 @@ class LLM:
 
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)):
+        out = [prompts]
+    elif isinstance(prompts, (list, tuple)):
         if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
             return [list(prompts)]
-        return [list(p) if isinstance(p, tuple) else p for p in prompts]
-    raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; got {type(prompts).__name__}")
+        out = [list(p) if isinstance(p, tuple) else p for p in prompts]
+    else:
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; got {type(prompts).__name__}")
+    # "" as [] (which the engine refuses): the BOS token alone is no prompt.
+    empty = [i for i, p in enumerate(out) if p == ""]
+    if empty:
+        raise ValueError(f"prompt is empty (prompt {empty[0]})")
+    return out

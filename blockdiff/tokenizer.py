@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 
 import jinja2
@@ -12,6 +13,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Tokenizer
 
 from blockdiff.config import read_json
+
+log = logging.getLogger(__name__)
 
 
 def _token_text(value) -> str | None:
@@ -27,6 +30,8 @@ class Tokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", True)) and self.bos_token is not None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.unk_token = _token_text(config.get("unk_token"))
+        self.unk_token_id = self._tok.token_to_id(self.unk_token) if self.unk_token else None
         self.chat_template = chat_template
         self._template = None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -67,6 +72,23 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def unknown_text(self, text: str, ids: list[int]) -> str:
+        """The characters of `text` that its encoding `ids` holds only as the unknown token ("" when
+        none: always so with byte fallback). Encodes again only when `ids` has an unknown token."""
+        if self.unk_token_id is None or self.unk_token_id not in ids:
+            return ""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        pieces = (text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == self.unk_token_id)
+        return "".join(p for p in pieces if p != self.unk_token)  # a literal "<unk>" was meant
+
+    def warn_unknown(self, where: str, text: str, ids: list[int]) -> None:
+        """Log a warning, naming `where` (a request), when characters of `text` were lost."""
+        lost = self.unknown_text(text, ids)
+        if lost:
+            shown = lost if len(lost) <= 40 else lost[:40] + "..."
+            log.warning("%s: the tokenizer has no token for %d character(s) %r; they were encoded as %s",
+                        where, len(lost), shown, self.unk_token)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -13,8 +13,8 @@ import os
 import re
 
 import torch
-from tqdm import tqdm
 from safetensors import safe_open
+from tqdm import tqdm
 
 from blockdiff.config import ModelConfig
 from blockdiff.model.diffusion_gemma import DiffusionGemma
