@@ -51,17 +51,18 @@ def start_engine(cfg: EngineConfig) -> LLMEngine:
         raise ValueError(f"model {cfg.model!r} is not a checkpoint directory")
     threads = configure_threads(cfg, ModelConfig.from_pretrained(cfg.model))
     engine = LLMEngine(cfg)
-    log.info("%s", summary(engine, threads))
+    for line in summary(engine, threads):
+        log.info("%s", line)
     return engine
 
 
-def summary(engine: LLMEngine, threads: str) -> str:
+def summary(engine: LLMEngine, threads: str) -> list[str]:
+    """The startup summary, one log line each."""
     cfg, cache = engine.cfg, engine.cache
     dtype = str(parse_dtype(cfg.dtype, engine.model_config)).removeprefix("torch.")
-    return "\n".join([
-        f"model: {cfg.model}",
-        f"  dtype {dtype}, device {cfg.resolved_device()}, tensor parallel size {cfg.tensor_parallel_size}",
-        f"  threads: {threads}",
-        f"  max_model_len {engine.max_model_len}, max_num_seqs {cache.num_slots}, "
+    return [
+        f"model {cfg.model}: {dtype} on {cfg.resolved_device()}, tensor parallel size {cfg.tensor_parallel_size}",
+        f"threads: {threads}",
+        f"max_model_len {engine.max_model_len}, max_num_seqs {cache.num_slots}, "
         f"KV cache {cache.num_blocks} blocks x {cache.block_size} = {cache.num_blocks * cache.block_size} tokens",
-    ])
+    ]
