@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
-from blockdiff.entrypoints.args import at_least
+from blockdiff.entrypoints.args import at_least, port
 
 # Words for text prompts when no local checkpoint tells the vocabulary (any OpenAI server).
 _WORDS = (
@@ -37,7 +37,7 @@ _WORDS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first model)")
     p.add_argument("--tokenizer", default=None,
