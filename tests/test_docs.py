@@ -37,8 +37,8 @@ SHELL, PYTHON = "shell", "python"
 DOC_PORTS = ("8000", "8123")
 SETUP = "bash scripts/setup.sh && "
 _MARKER = re.compile(r"^<!-- doc-test: (skip|text|background|expect)\b:?\s*(.*?)\s*-->$")
-# A doc's tests take long when they run a benchmark or a training.
-SLOW_DOCS = {"benchmarks.md", "demo.md", "tp.md"}
+# Documents whose blocks run a benchmark or an evaluation (a minute or more).
+SLOW_DOCS = {"README.md", "demo.md", "quickstart.md"}
 
 
 @dataclasses.dataclass
