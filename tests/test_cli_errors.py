@@ -78,6 +78,7 @@ def test_cli_error_is_one_line_with_the_right_exit_code(argv, code, expected, br
         done = _run(*[a.format(**values) for a in argv])
     assert done.returncode == code, done.stderr
     _check_one_line_error(done.stderr, expected.format(**values))
+    assert "serving " not in done.stderr  # never announced before the port is held
 
 
 def test_debug_log_level_shows_the_traceback():

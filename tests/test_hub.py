@@ -55,6 +55,13 @@ def test_serve_by_hub_id_from_the_cache(hf_cache, tmp_path, monkeypatch):
         assert [m.id for m in client.models.list().data] == [REPO]
         r = client.completions.create(model=REPO, prompt="Hello", max_tokens=8, seed=0)
         assert r.usage.completion_tokens > 0 and r.choices[0].finish_reason in ("stop", "length")
-        assert f"serving {os.path.join(hf_cache, 'models--tiny-org--tiny-diffusiongemma', 'snapshots', COMMIT)}" in server.log()
+        snapshot = os.path.join(hf_cache, "models--tiny-org--tiny-diffusiongemma", "snapshots", COMMIT)
+        log = server.log()
+        assert f"serving {snapshot} as ['{REPO}'] on {server.url}" in log
+        # The startup summary, before it: model, dtype, device, TP, threads and why, the limits.
+        summary = log[:log.index("serving ")]
+        for expected in [f"model {snapshot}: float32 on cpu, tensor parallel size 1", "threads: 1 (OMP_NUM_THREADS=1)",
+                         "max_model_len ", "max_num_seqs 16, KV cache ", " tokens"]:
+            assert expected in summary, expected
     finally:
         server.close()

@@ -27,8 +27,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
-                and "default" not in text):
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not unset and "default" not in text:
             text += " (default: %(default)s)"
         return text
 
