@@ -28,7 +28,8 @@ def check_device(device: str) -> None:
         raise ValueError(f"device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
         build = "has no CUDA support" if torch.version.cuda is None else "finds no GPU"
-        raise ValueError(f"device {device!r} is not available: this torch {torch.__version__} {build}; use --device cpu")
+        raise ValueError(f"device {device!r} is not available: this torch {torch.__version__} {build}; "
+                         "use the cpu device (--device cpu)")
 
 
 def configure_threads(cfg: EngineConfig, model_config: ModelConfig) -> str:

@@ -66,7 +66,7 @@ CASES = [
     ("port-taken", ["serve", "--port", "{taken_port}"], 1, "cannot listen on 127.0.0.1:{taken_port}: Address already in use"),
 ]
 if not torch.cuda.is_available():
-    CASES.append(("device-cuda-on-cpu-build", ["generate", "--device", "cuda", "hi"], 2, "use --device cpu"))
+    CASES.append(("device-cuda-on-cpu-build", ["generate", "--device", "cuda", "hi"], 2, "use the cpu device (--device cpu)"))
 
 
 @pytest.mark.parametrize("argv, code, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -104,3 +104,13 @@ def test_ctrl_c_during_generate_is_one_line():
     rest = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130
     _check_one_line_error(seen + rest, "error: interrupted")
+
+
+def test_python_api_refuses_the_same_devices_with_value_error():
+    from blockdiff import LLM
+
+    with pytest.raises(ValueError, match="device 'tpu' is not supported: use auto, cpu, cuda or cuda:N"):
+        LLM(device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"use the cpu device \(--device cpu\)"):
+            LLM(device="cuda")
