@@ -218,5 +218,4 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; stop what uses it or pick another --port") from None
-    sock.set_inheritable(True)
     return sock
