@@ -18,6 +18,8 @@ log = logging.getLogger("blockdiff")
 # for all threads to be scheduled, and on a busy machine that took the demo model from 0.2 s to
 # 0.65 s per request (docs/quickstart.md, "Threads").
 _SINGLE_THREAD_HIDDEN_SIZE = 512
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()  # before anything here changes it
+_chosen: int | None = None  # the count the last start_engine set (another one was the user's)
 
 
 def check_device(device: str) -> None:
@@ -32,17 +34,16 @@ def check_device(device: str) -> None:
                          "use the cpu device (--device cpu)")
 
 
-def configure_threads(cfg: EngineConfig, model_config: ModelConfig) -> str:
-    """Set torch's intra-op threads for this process; -> the count and why, for the summary.
-    OMP_NUM_THREADS, when set, always wins (tensor-parallel workers inherit it too)."""
+def choose_threads(cfg: EngineConfig, model_config: ModelConfig) -> tuple[int, str]:
+    """-> torch's intra-op thread count for the engine's processes, and why (for the summary).
+    OMP_NUM_THREADS, when set, always wins."""
     if os.environ.get("OMP_NUM_THREADS"):
-        return f"{torch.get_num_threads()} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})"
+        return torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    if torch.get_num_threads() not in (_TORCH_DEFAULT_THREADS, _chosen):
+        return torch.get_num_threads(), "set by torch.set_num_threads before"
     if cfg.resolved_device() == "cpu" and model_config.hidden_size < _SINGLE_THREAD_HIDDEN_SIZE:
-        torch.set_num_threads(1)
-        os.environ["OMP_NUM_THREADS"] = "1"  # for tensor-parallel workers started after this
-        return (f"1 (hidden size {model_config.hidden_size} is too small to split ops over threads; "
-                "set OMP_NUM_THREADS to choose)")
-    return f"{torch.get_num_threads()} (torch's default, one per core; set OMP_NUM_THREADS to choose)"
+        return 1, f"hidden size {model_config.hidden_size} is too small to split ops over threads; set OMP_NUM_THREADS to choose"
+    return _TORCH_DEFAULT_THREADS, "torch's default, one per core; set OMP_NUM_THREADS to choose"
 
 
 def start_engine(cfg: EngineConfig) -> LLMEngine:
@@ -50,9 +51,20 @@ def start_engine(cfg: EngineConfig) -> LLMEngine:
     check_device(cfg.device)
     if not os.path.isdir(cfg.model):
         raise ValueError(f"model {cfg.model!r} is not a checkpoint directory")
-    threads = configure_threads(cfg, ModelConfig.from_pretrained(cfg.model))
-    engine = LLMEngine(cfg)
-    for line in summary(engine, threads):
+    global _chosen
+    threads, why = choose_threads(cfg, ModelConfig.from_pretrained(cfg.model))
+    torch.set_num_threads(threads)
+    _chosen = threads
+    # Tensor-parallel workers, started while the engine is built, read the count from their
+    # environment; it is set for that time only, so a later engine in this process chooses afresh.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        engine = LLMEngine(cfg)
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+    for line in summary(engine, f"{threads} ({why})"):
         log.info("%s", line)
     return engine
 
