@@ -84,6 +84,7 @@ def test_vllm_spellings_and_help_with_defaults(capsys):
     args = parser.parse_args(["serve", "--model", "m", "--max-num-batched-tokens", "64", "--log-level", "DEBUG"])
     assert (args.model, args.model_tag, args.max_prefill_tokens, args.log_level) == ("m", None, 64, "debug")
     assert parser.parse_args(["--log-level", "warning", "serve"]).log_level == "warning"  # the global one is kept
+    assert parser.parse_args(["serve", "--uvicorn-log-level", "WARNING"]).uvicorn_log_level == "warning"
     assert os.path.abspath(parser.parse_args(["train-demo"]).out) != CHECKPOINT_DIR  # an experiment never replaces it
 
 
