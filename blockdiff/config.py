@@ -169,11 +169,19 @@ def read_config_json(path: str) -> dict:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ConfigError(f"no config.json in {path!r}")
-    with open(config_path) as f:
+    return read_json(config_path)
+
+
+def read_json(path: str) -> dict:
+    """A checkpoint's JSON file; a ConfigError names the file and where it is broken."""
+    with open(path) as f:
         try:
-            return json.load(f)
+            value = json.load(f)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{config_path} is not valid JSON: {e}") from None
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
 def parse_dtype(name: str | torch.dtype, config: ModelConfig) -> torch.dtype:
@@ -263,6 +271,8 @@ class EngineConfig:
     block_size: int = 16
     max_prefill_tokens: int = 2048
     seed: int = 0
+    tokenizer: str | None = None  # tokenizer directory; None: the model's
+    chat_template: str | None = None  # overrides the tokenizer's
     max_denoising_steps_limit: int | None = None  # None: 4 x the canvas length (at least the checkpoint's default)
     # A running request that has committed this many canvases since it was admitted gives its slot
     # to a waiting request at its next canvas boundary (and is recomputed later); None: never.

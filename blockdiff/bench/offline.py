@@ -12,6 +12,7 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
 from blockdiff.config import parse_dtype
@@ -192,14 +193,22 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
             return reference.generate(prompts, seed=args.seed)
 
         sides = [ours] + ([theirs] if reference else [])
-        for _ in range(args.num_warmup):
-            for side in sides:
-                side()
-        times: list[list[float]] = [[] for _ in sides]
-        for _ in range(args.num_iters):  # alternate, so load on the machine hits both sides alike
-            for i, side in enumerate(sides):
-                times[i].append(side())
-        phases = median_phases([profile_steps(llm, prompts, params, dtype) for _ in range(args.num_iters)])
+        runs = (args.num_warmup + args.num_iters) * len(sides) + args.num_iters
+        with tqdm(total=runs, desc=f"batch {batch}", unit="run", leave=False) as bar:
+            for _ in range(args.num_warmup):
+                for side in sides:
+                    side()
+                    bar.update()
+            times: list[list[float]] = [[] for _ in sides]
+            for _ in range(args.num_iters):  # alternate, so load on the machine hits both sides alike
+                for i, side in enumerate(sides):
+                    times[i].append(side())
+                    bar.update()
+            profiles = []
+            for _ in range(args.num_iters):
+                profiles.append(profile_steps(llm, prompts, params, dtype))
+                bar.update()
+        phases = median_phases(profiles)
         row = {"batch": batch, "blockdiff_s": statistics.median(times[0]), "blockdiff_runs_s": times[0]}
         row["blockdiff_tok_s"] = batch * args.output_len / row["blockdiff_s"]
         if reference:

@@ -20,7 +20,6 @@ and thread count.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import random
@@ -46,7 +45,6 @@ from blockdiff.model.tiny import (
 )
 from blockdiff.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
 
 IGNORE = -100
 BLOCK_SIZE = 16
@@ -241,13 +239,16 @@ def save_checkpoint(model: DiffusionGemma, cfg: TrainConfig, out_dir: str, repor
 
 def train_and_save(cfg: TrainConfig, out_dir: str) -> dict:
     """Train, save, and return the record written beside the checkpoint."""
+    from tqdm import tqdm
+
     start = time.perf_counter()
+    with tqdm(total=cfg.steps, desc="Training", unit="step") as bar:
 
-    def progress(step: int, parts: dict) -> None:
-        log.info("step %d/%d  loss %.4f  (canvas %.4f, ar %.4f)  %.0f s", step, cfg.steps, parts["loss"],
-                 parts["canvas"], parts["ar"], time.perf_counter() - start)
+        def progress(step: int, parts: dict) -> None:
+            bar.update(step - bar.n)
+            bar.set_postfix(loss=f"{parts['loss']:.4f}", canvas=f"{parts['canvas']:.4f}", ar=f"{parts['ar']:.4f}")
 
-    model, history = train(cfg, progress)
+        model, history = train(cfg, progress)
     tail = history[-50:]
     report = {
         "wall_time_s": round(time.perf_counter() - start, 1),

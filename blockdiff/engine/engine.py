@@ -39,7 +39,7 @@ class LLMEngine:
             raise ValueError(f"model {cfg.model!r} is not a checkpoint directory")
         self.cfg = cfg
         self.model_config = load_config(cfg.model)
-        self.tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
         self.defaults = generation_defaults(cfg.model)
         self.canvas_length = self.model_config.canvas_length
         self.vocab_size = self.model_config.vocab_size

@@ -46,8 +46,8 @@ class InputProcessor:
         need = len(ids) + params.max_tokens
         if need > self.max_model_len:  # before the per-token checks, which a huge list would make slow
             raise ValueError(
-                f"max_tokens ({params.max_tokens}) + the prompt ({len(ids)} tokens) = {need} exceeds "
-                f"max_model_len={self.max_model_len}"
+                f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) = {need} exceeds "
+                f"max_model_len={self.max_model_len}: ask for at most {self.max_model_len - len(ids)}"
             )
         self._check_tokens("prompt", ids)
         for name in ("draft", "stop_token_ids"):

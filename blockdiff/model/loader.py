@@ -14,6 +14,7 @@ import re
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from blockdiff.config import ModelConfig
 from blockdiff.model.diffusion_gemma import DiffusionGemma
@@ -106,7 +107,8 @@ def checkpoint_files(path: str) -> list[str]:
 def load_weights(model: DiffusionGemma, path: str) -> None:
     params = dict(model.named_parameters())
     seen_encoder, seen, unexpected, skipped = {}, set(), [], 0
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    for file in tqdm(files, desc="Loading checkpoint shards", unit="shard", disable=len(files) < 2):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name.startswith(SKIPPED):

@@ -50,6 +50,8 @@ def bad_value(e: ValueError, fields: set[str], renames: dict[str, str]) -> APIEr
     request sent it as (`renames`: engine name -> request field)."""
     message = str(e)
     first = message.split(" ", 1)[0].strip(":,")
+    if first in renames:  # the message speaks of the field as this request sent it
+        message = renames[first] + message[len(first):]
     return APIError(400, message, param=renames.get(first, first) if first in fields else None)
 
 

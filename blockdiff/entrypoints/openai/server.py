@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import socket
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -18,6 +19,7 @@ from blockdiff.entrypoints.openai import errors
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
 from blockdiff.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 from blockdiff.entrypoints.openai.serving import OpenAIServing
+from blockdiff.startup import start_engine
 
 log = logging.getLogger(__name__)
 
@@ -175,21 +177,39 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
-    """Load the model, serve until SIGTERM/SIGINT, then stop the engine (and its workers)."""
-    engine = LLMEngine(engine_cfg)
+    """Bind the port, load the model, serve until SIGTERM/SIGINT, then stop the engine (and its
+    workers). The port is bound first so that a taken one fails at once, before minutes of loading,
+    and the `serving ... on http://...` line names the port really bound (--port 0: a free one)."""
+    sock = _bind(cfg.host, cfg.port)
     try:
-        app = build_app(engine, cfg)
-    except BaseException:
-        engine.shutdown()  # stops tensor-parallel workers too
-        raise
-    # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=5)
-    try:
-        _Server(config, app.state.async_engine, cfg.shutdown_timeout).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
-        pass
+        cfg = replace(cfg, port=sock.getsockname()[1])
+        engine = start_engine(engine_cfg)
+        try:
+            app = build_app(engine, cfg)
+        except BaseException:
+            engine.shutdown()  # stops tensor-parallel workers too
+            raise
+        # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
+        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=5)
+        try:
+            _Server(config, app.state.async_engine, cfg.shutdown_timeout).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
+            pass
+        finally:
+            # Normally the lifespan already stopped the engine; this covers a server that never started.
+            app.state.async_engine.shutdown()
     finally:
-        # Normally the lifespan already stopped the engine; this covers a server that never started
-        # (e.g. the port is taken).
-        app.state.async_engine.shutdown()
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart while old connections linger
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; stop what uses it or pick another --port") from None
+    return sock

@@ -212,9 +212,10 @@ class OpenAIServing:
         if req.best_of not in (None, n):
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
         _check_choices(_prompt_count(req.prompt), n)
-        prompts = self._completion_prompts(req.prompt)
+        request_id = p.new_id("cmpl")
+        prompts = self._completion_prompts(req.prompt, request_id)
         requests = [(ids, self._params(req, i, req.max_tokens, req.logprobs)) for ids in prompts for i in range(n)]
-        fmt = _CompletionFormat(self, p.new_id("cmpl"), model, bool(req.return_token_ids), req.logprobs)
+        fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs)
         return await self._respond(req, prompts, requests, fmt, raw)
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
@@ -227,9 +228,10 @@ class OpenAIServing:
                 raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        prompts = [self._chat_prompt(req.messages)]
+        request_id = p.new_id("chatcmpl")
+        prompts = [self._chat_prompt(req.messages, request_id)]
         requests = [(prompts[0], self._params(req, i, max_tokens, logprobs)) for i in range(n)]
-        fmt = _ChatFormat(self, p.new_id("chatcmpl"), model, bool(req.return_token_ids), bool(req.logprobs))
+        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs))
         return await self._respond(req, prompts, requests, fmt, raw)
 
     def model_name(self, requested: str | None) -> str:
@@ -286,11 +288,15 @@ class OpenAIServing:
                                 f"{self.max_request_cost} per request: lower n, max_tokens or max_denoising_steps",
                            param="max_tokens", code="request_too_costly")
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, request_id: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer: send the prompt as token ids", param="prompt")
+        if not text:  # as an empty list of ids: the BOS token alone is no prompt
+            raise APIError(400, "prompt is empty", param="prompt")
         self._check_chars(len(text), "prompt")
-        return self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text)
+        self.tokenizer.warn_unknown(f"request {request_id}", text, ids)
+        return ids
 
     def _check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
@@ -298,16 +304,16 @@ class OpenAIServing:
                                 f"tokens (no token covers more than {self.tokenizer.max_token_chars} characters)",
                            param=param)
 
-    def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+    def _completion_prompts(self, prompt: str | list, request_id: str) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self._encode(prompt)]
+            return [self._encode(prompt, request_id)]
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
-        return [self._encode(x) if isinstance(x, str) else list(x) for x in prompt]
+        return [self._encode(x, request_id) if isinstance(x, str) else list(x) for x in prompt]
 
-    def _chat_prompt(self, messages: list[p.ChatMessage]) -> list[int]:
+    def _chat_prompt(self, messages: list[p.ChatMessage], request_id: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = []
@@ -323,9 +329,12 @@ class OpenAIServing:
             rendered.append(message)
         self._check_chars(sum(len(m["content"]) for m in rendered if isinstance(m["content"], str)), "messages")
         try:
-            return self.tokenizer.encode_chat(rendered)
+            ids = self.tokenizer.encode_chat(rendered)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
+        contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
+        self.tokenizer.warn_unknown(f"request {request_id}", contents, ids)
+        return ids
 
     # ---- engine outputs -> responses ----------------------------------------------------------
     async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
