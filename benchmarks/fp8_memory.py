@@ -43,7 +43,9 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import save_file
 
-from blockdiff.engine.kv_cache import CacheConfig, allocate, geometry
+from blockdiff.model.interface import layer_kinds
+from blockdiff.step import CacheConfig
+from blockdiff.worker.kv_cache import allocate, geometry
 from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.loader import load_model
@@ -159,9 +161,9 @@ def canvas_forward(model: DiffusionGemma, layers_only: bool = False, seed: int =
         return out
 
     with torch.no_grad():
-        meta = build_metadata([Row(0, 0, PROMPT, False, blocks)], geo, model.kinds, "cpu")
+        meta = build_metadata([Row(0, 0, PROMPT, False, blocks)], geo, layer_kinds(model), "cpu")
         model(ids(meta, PROMPT), meta, kv)
-    meta = build_metadata([Row(0, PROMPT, canvas, True, blocks)], geo, model.kinds, "cpu")
+    meta = build_metadata([Row(0, PROMPT, canvas, True, blocks)], geo, layer_kinds(model), "cpu")
     canvas_ids = ids(meta, canvas)
 
     @torch.no_grad()

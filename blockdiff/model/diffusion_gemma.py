@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from blockdiff.config import LayerSpec, ModelConfig
+from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.model.attention import Attention, AttentionMetadata
+from blockdiff.model.interface import LayerCacheSpec
 from blockdiff.model.layers import RMSNorm, Rotary
 from blockdiff.model.moe import GatedMLP, Router, make_experts
 from blockdiff.parallel.group import TPGroup
@@ -113,10 +115,17 @@ class DiffusionGemma(nn.Module):
                 self.rotary[key] = Rotary(spec)
         self.softcap = config.final_logit_softcapping
 
-    @property
-    def kinds(self) -> set[bool]:
-        """Layer kinds present (True: sliding)."""
-        return {spec.sliding for spec in self.config.layers}
+    # ---- the engine's interface (blockdiff.model.interface.BlockDiffusionModel) ------------------
+    def kv_cache_spec(self) -> list[LayerCacheSpec]:
+        return [LayerCacheSpec(spec.sliding, layer.attn.local_kv_heads, layer.attn.head_dim)
+                for layer, spec in zip(self.layers, self.config.layers)]
+
+    def soft_embed(self, probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """Self-conditioning input from this rank's unnormalised probabilities [rows, CL, local
+        vocab] and their full-vocabulary sums [rows, CL]: one matmul per rank, one all-reduce."""
+        # exp / Σexp are the probabilities: the normalisation rides on the scale, one multiply
+        scale = (self.embed_scale / total).unsqueeze(-1)
+        return soft_embedding(probs.to(self.dtype), self.embed.weight, scale, self.shard, self.group).to(self.dtype)
 
     def forward(
         self,

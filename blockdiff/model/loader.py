@@ -14,10 +14,12 @@ import re
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from blockdiff.config import ModelConfig
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.parallel.group import TPGroup
+from blockdiff.model.registry import load_config, model_class
 from blockdiff.parallel.layers import replicated_loader
 
 log = logging.getLogger(__name__)
@@ -129,7 +131,8 @@ def checkpoint_files(path: str) -> list[str]:
 def load_weights(model: DiffusionGemma, path: str) -> None:
     params = dict(model.named_parameters())
     seen_encoder, seen, unexpected, skipped = {}, set(), [], 0
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    for file in tqdm(files, desc="Loading checkpoint shards", unit="shard", disable=len(files) < 2):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name.startswith(SKIPPED):
@@ -192,8 +195,9 @@ def load_model(
     group: TPGroup | None = None,
     config: ModelConfig | None = None,
 ) -> DiffusionGemma:
-    config = config or ModelConfig.from_pretrained(path)
+    config = config or load_config(path)
+    cls = model_class(config)
     with torch.device(device):
-        model = DiffusionGemma(config, group=group, dtype=dtype)
+        model = cls(config, group=group, dtype=dtype)
     load_weights(model, path)
     return model.eval()

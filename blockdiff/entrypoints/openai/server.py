@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import hmac
 import logging
+import socket
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from blockdiff.engine.async_engine import AsyncEngine
-from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.config import EngineConfig
+from blockdiff.engine.engine import LLMEngine
 from blockdiff.entrypoints.openai import errors
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
 from blockdiff.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 from blockdiff.entrypoints.openai.serving import OpenAIServing
-from blockdiff.sampling_params import SamplingParams
+from blockdiff.startup import start_engine
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ class ServerConfig:
     max_queued_requests: int | None = None
     max_request_bytes: int = 16 * 2**20
     shutdown_timeout: int = 3  # seconds open requests get after SIGTERM before they are aborted
-    sampling_defaults: dict = field(default_factory=dict)  # the server's sampler flags, as SamplingParams fields
+    max_request_cost: int | None = None  # None: max_num_seqs requests of max_model_len tokens at the default steps
     log_level: str = "info"
 
 
@@ -110,16 +112,10 @@ class RequireAPIKey(_Middleware):
 
 
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
-    """The app owns `engine` from here on: it is shut down when the app's lifespan ends. Raises
-    ValueError for sampler flags that are invalid over the checkpoint's defaults (every request
-    would fail on them)."""
-    try:
-        SamplingParams(**cfg.sampling_defaults).with_defaults(engine.defaults)
-    except ValueError as e:
-        raise ValueError(f"invalid sampler flags (with the checkpoint's generation defaults): {e}") from None
+    """The app owns `engine` from here on: it is shut down when the app's lifespan ends."""
     metrics = ServingMetrics(engine)
     async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
-    serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.sampling_defaults)
+    serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -181,21 +177,39 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
-    """Load the model, serve until SIGTERM/SIGINT, then stop the engine (and its workers)."""
-    engine = LLMEngine(engine_cfg)
+    """Bind the port, load the model, serve until SIGTERM/SIGINT, then stop the engine (and its
+    workers). The port is bound first so that a taken one fails at once, before minutes of loading,
+    and the `serving ... on http://...` line names the port really bound (--port 0: a free one)."""
+    sock = _bind(cfg.host, cfg.port)
     try:
-        app = build_app(engine, cfg)
-    except BaseException:
-        engine.shutdown()  # stops tensor-parallel workers too
-        raise
-    # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=5)
-    try:
-        _Server(config, app.state.async_engine, cfg.shutdown_timeout).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
-        pass
+        cfg = replace(cfg, port=sock.getsockname()[1])
+        engine = start_engine(engine_cfg)
+        try:
+            app = build_app(engine, cfg)
+        except BaseException:
+            engine.shutdown()  # stops tensor-parallel workers too
+            raise
+        # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
+        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=5)
+        try:
+            _Server(config, app.state.async_engine, cfg.shutdown_timeout).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
+            pass
+        finally:
+            # Normally the lifespan already stopped the engine; this covers a server that never started.
+            app.state.async_engine.shutdown()
     finally:
-        # Normally the lifespan already stopped the engine; this covers a server that never started
-        # (e.g. the port is taken).
-        app.state.async_engine.shutdown()
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart while old connections linger
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; stop what uses it or pick another --port") from None
+    return sock

@@ -7,39 +7,33 @@ the model and the sampler keep the ranks in step, and rank 0's `StepOutput` is t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from blockdiff.config import ModelConfig
-from blockdiff.engine.kv_cache import CacheConfig
-from blockdiff.engine.model_runner import ModelRunner, StepOutput, StepPlan
-from blockdiff.model.diffusion_gemma import DiffusionGemma
+from blockdiff.config import EngineConfig, ModelConfig
 from blockdiff.model.loader import load_model
-from blockdiff.parallel.group import CommCounter, TPGroup
+from blockdiff.model.registry import model_class
+from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.ranks import RankContext, RankProcesses
+from blockdiff.step import CacheConfig, StepOutput, StepPlan
+from blockdiff.worker.kv_cache import size_cache
+from blockdiff.worker.model_runner import ModelRunner
 
 
 class TPExecutor:
-    def __init__(self, cfg, config: ModelConfig, dtype: torch.dtype, device: str, cache_config: Callable):
+    def __init__(self, cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int):
         check_splittable(config, cfg.tensor_parallel_size)
         self.ranks = RankProcesses(cfg.tensor_parallel_size, device)
         try:
             self.ranks.run(_load, cfg.model, config, dtype, gather=True)
             # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
-            self.cache_config: CacheConfig = cache_config(self.ranks.context.state["model"])
-            self.ranks.run(_start_runner, self.cache_config, gather=True)
+            self.cache_config: CacheConfig = size_cache(self.ranks.context.state["model"], cfg, max_model_len)
+            self.ranks.run(_start_runner, self.cache_config, cfg.tune_cpu_heap, gather=True)
         except BaseException:
             self.ranks.close(abort=True)
             raise
-        self.last_step_comm = CommCounter()
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
-        counter = self.ranks.context.group.counter
-        counter.reset()
-        out = self.ranks.run(_execute, plan)
-        self.last_step_comm = CommCounter(counter.bytes, counter.calls)
-        return out
+        return self.ranks.run(_execute, plan)
 
     def shutdown(self) -> None:
         self.ranks.close()
@@ -50,7 +44,7 @@ def check_splittable(config: ModelConfig, size: int) -> None:
     rank 0's model is built on the meta device, which runs every layer's own split rules."""
     try:
         with torch.device("meta"):
-            DiffusionGemma(config, group=TPGroup(rank=0, size=size), dtype=torch.float32)
+            model_class(config)(config, group=TPGroup(rank=0, size=size), dtype=torch.float32)
     except ValueError as e:
         raise ValueError(f"tensor_parallel_size={size}: {e}") from e
 
@@ -59,8 +53,8 @@ def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype) 
     ctx.state["model"] = load_model(path, dtype=dtype, device=ctx.device, group=ctx.group, config=config)
 
 
-def _start_runner(ctx: RankContext, cache: CacheConfig) -> None:
-    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device)
+def _start_runner(ctx: RankContext, cache: CacheConfig, tune_cpu_heap: bool) -> None:
+    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, tune_cpu_heap)
 
 
 def _execute(ctx: RankContext, plan: StepPlan) -> StepOutput | None:
