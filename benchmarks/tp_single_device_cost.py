@@ -30,12 +30,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-import blockdiff.engine.model_runner as model_runner
-from blockdiff.diffusion.sampler import DenoiseParams
+import blockdiff.model.diffusion_gemma as diffusion_gemma
+from blockdiff.diffusion.sampler import DenoiseParams, denoise_params
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.diffusion.vocab_parallel import Distribution, exp_statistics, first_argmax, inverse_cdf, per_chunk
-from blockdiff.engine.kv_cache import CacheConfig
-from blockdiff.engine.model_runner import ModelRunner, StepPlan
+from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
+from blockdiff.step import CacheConfig, StepPlan
+from blockdiff.worker.model_runner import ModelRunner
 from blockdiff.matmul import linear
 from blockdiff.model.attention import Row
 from blockdiff.model.loader import load_model
@@ -130,13 +131,13 @@ def plain_model(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def bare_soft_embedding():
-    """The runner's helper call replaced by the bare product and scale."""
-    helper = model_runner.soft_embedding
-    model_runner.soft_embedding = lambda probs, weight, scale, shard, group: linear(probs, weight.t()) * scale
+    """The model's helper call replaced by the bare product and scale."""
+    helper = diffusion_gemma.soft_embedding
+    diffusion_gemma.soft_embedding = lambda probs, weight, scale, shard, group: linear(probs, weight.t()) * scale
     try:
         yield
     finally:
-        model_runner.soft_embedding = helper
+        diffusion_gemma.soft_embedding = helper
 
 
 def step_plans(prompt: int, vocab: int, blocks: tuple[int, ...]) -> tuple[StepPlan, StepPlan, StepPlan]:
@@ -145,12 +146,9 @@ def step_plans(prompt: int, vocab: int, blocks: tuple[int, ...]) -> tuple[StepPl
     empty = torch.empty(0, CANVAS, dtype=torch.long)
 
     def denoise() -> DenoiseParams:
-        one = lambda v, dt=torch.float32: torch.tensor([v], dtype=dt)  # noqa: E731
-        return DenoiseParams(
-            step=one(8, torch.int32), max_steps=one(16, torch.int32), t_min=one(0.4), t_max=one(0.8),
-            entropy_bound=one(0.1), stability=one(1, torch.long), confidence=one(0.005),
-            uniform=torch.rand(1, CANVAS, generator=g), renoise=torch.randint(0, vocab, (1, CANVAS), generator=g),
-        )
+        params = SamplingParams(max_denoising_steps=16).with_defaults(REFERENCE_DEFAULTS)
+        return denoise_params([8], [params], torch.rand(1, CANVAS, generator=g),
+                              torch.randint(0, vocab, (1, CANVAS), generator=g))
 
     prefill = StepPlan([Row(0, 0, prompt, False, blocks)], torch.randint(0, vocab, (prompt,), generator=g), [], empty, None)
     decode = [Row(0, prompt, CANVAS, True, blocks)]

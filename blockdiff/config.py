@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion",)
+from blockdiff.quantization import Fp8Config, parse_quantization
 
 _DTYPES = {
     "float32": torch.float32,
@@ -84,6 +84,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
+    quantization: Fp8Config | None = None  # FP8 weights (quantization_config), None: plain weights
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -96,21 +97,10 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ConfigError(f"no config.json in {path!r}")
-        with open(config_path) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_config_json(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        architectures = raw.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-            if raw.get("model_type") != "diffusion_gemma":
-                raise ConfigError(
-                    f"unsupported architecture {architectures or raw.get('model_type')!r}: "
-                    f"blockdiff runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-                )
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise ConfigError("config.json has no text_config")
@@ -174,8 +164,28 @@ class ModelConfig:
             bos_token_id=text.get("bos_token_id", 2),
             eos_token_ids=eos_ids,
             dtype=_DTYPES[dtype_name],
+            quantization=parse_quantization(raw.get("quantization_config")),
             raw=raw,
         )
+
+
+def read_config_json(path: str) -> dict:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"no config.json in {path!r}")
+    return read_json(config_path)
+
+
+def read_json(path: str) -> dict:
+    """A checkpoint's JSON file; a ConfigError names the file and where it is broken."""
+    with open(path) as f:
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
 def parse_dtype(name: str | torch.dtype, config: ModelConfig) -> torch.dtype:
@@ -248,3 +258,45 @@ def _layer_spec(idx: int, kind: str, head_dim: int, kv_heads: int, rope: dict, w
         rope_factor=factor,
         window=window if sliding else None,
     )
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a model: read once at the edge (CLI, `LLM(...)`) and passed down. Each
+    engine default is written here and nowhere else."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 16
+    max_model_len: int | None = None  # None: min(8192, the model's max_position_embeddings)
+    kv_cache_memory: int | None = None  # bytes for full-attention blocks; None: enough for max_num_seqs at max_model_len
+    block_size: int = 16
+    max_prefill_tokens: int = 2048
+    seed: int = 0
+    tokenizer: str | None = None  # tokenizer directory; None: the model's
+    chat_template: str | None = None  # overrides the tokenizer's
+    max_denoising_steps_limit: int | None = None  # None: 4 x the canvas length (at least the checkpoint's default)
+    # A running request that has committed this many canvases since it was admitted gives its slot
+    # to a waiting request at its next canvas boundary (and is recomputed later); None: never.
+    preempt_after_canvases: int | None = 4
+    tune_cpu_heap: bool = False  # see worker/cpu_heap.py: a process-wide glibc setting
+    worker_timeout: float = 60.0  # seconds a tensor-parallel worker may stay silent before it counts as lost
+    # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
+    # as SamplingParams fields.
+    sampling_defaults: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
+                     "max_denoising_steps_limit", "preempt_after_canvases"):
+            value = getattr(self, name)
+            if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.config import EngineConfig
+from blockdiff.hub import resolve_model
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import SamplingParams
+from blockdiff.startup import start_engine
 
 Prompt = str | list[int]
 
@@ -19,23 +22,17 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         seed: int = 0,
+        download_dir: str | None = None,
         **engine_options,
     ):
-        if model is None:
-            from blockdiff.demo import demo_checkpoint
-
-            model = demo_checkpoint()
-        self.engine = LLMEngine(
-            EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, device=device, seed=seed, **engine_options)
-        )
+        """`model`: a checkpoint directory, a Hugging Face id in the local cache (`download_dir`,
+        else HF_HUB_CACHE / HF_HOME), or None for the bundled demo checkpoint. engine_options: the
+        other EngineConfig fields (max_num_seqs, max_model_len, ..., tune_cpu_heap=True to keep freed
+        memory in the heap, see blockdiff/worker/cpu_heap.py)."""
+        cfg = EngineConfig(model=resolve_model(model, download_dir), tensor_parallel_size=tensor_parallel_size,
+                           dtype=dtype, device=device, seed=seed, **engine_options)
+        self.engine = start_engine(cfg)
         self.tokenizer = self.engine.tokenizer
-
-    @classmethod
-    def from_engine_config(cls, cfg: EngineConfig) -> "LLM":
-        llm = cls.__new__(cls)
-        llm.engine = LLMEngine(cfg)
-        llm.tokenizer = llm.engine.tokenizer
-        return llm
 
     def generate(
         self,
@@ -53,7 +50,10 @@ class LLM:
         requests = []
         try:
             for prompt, p in zip(prompts, params):
-                requests.append(self.engine.add_request(prompt, p))
+                # Only the final outputs are read: the engine builds nothing before them.
+                requests.append(self.engine.add_request(prompt, replace(p or SamplingParams(), output_kind="final_only")))
+                if isinstance(prompt, str):
+                    self.tokenizer.warn_unknown(f"request {requests[-1].request_id}", prompt, requests[-1].prompt_token_ids)
         except Exception:
             for req in requests:
                 self.engine.abort(req.request_id)
@@ -71,6 +71,9 @@ class LLM:
             raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.encode_chat(c) for c in conversations]
+        for i, (conversation, ids) in enumerate(zip(conversations, prompts)):
+            contents = "".join(m["content"] for m in conversation if isinstance(m.get("content"), str))
+            self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
@@ -85,6 +88,8 @@ class LLM:
             while len(results) < len(wanted):
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
+                        if out.error is not None:
+                            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
@@ -109,9 +114,15 @@ class LLM:
 
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)):
+        out = [prompts]
+    elif isinstance(prompts, (list, tuple)):
         if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
             return [list(prompts)]
-        return [list(p) if isinstance(p, tuple) else p for p in prompts]
-    raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; got {type(prompts).__name__}")
+        out = [list(p) if isinstance(p, tuple) else p for p in prompts]
+    else:
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; got {type(prompts).__name__}")
+    # "" as [] (which the engine refuses): the BOS token alone is no prompt.
+    empty = [i for i, p in enumerate(out) if p == ""]
+    if empty:
+        raise ValueError(f"prompt is empty (prompt {empty[0]})")
+    return out

@@ -1,4 +1,6 @@
-"""What a request returns."""
+"""What a request returns. With SamplingParams.output_kind "cumulative" (the default) each output
+holds everything so far; "delta" holds what is new since the last output of the request (the
+server streams these); "final_only" reports once, at the end."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str | None  # None when the checkpoint has no tokenizer
     token_ids: list[int]
-    finish_reason: str | None  # "stop" or "length"; None while running
+    finish_reason: str | None  # "stop", "length", "abort" or "error"; None while running
     finished: bool
     metrics: dict
     logprobs: list[TokenLogprob] | None = None
     draft_token_ids: list[int] | None = None  # latest argmax canvas, when drafts are streamed
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     def to_dict(self) -> dict:
         return asdict(self)

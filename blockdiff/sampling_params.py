@@ -1,55 +1,86 @@
-"""Sampling parameters of one request, their validation, and their defaults.
+"""Sampling parameters of one request: one table of the sampler's fields, validation, defaults.
 
-Unset diffusion parameters come from the checkpoint's generation_config.json, else from the
-reference implementation's defaults.
+`SAMPLER_FIELDS` is the only place a sampler field is described: its type, reference default,
+bounds, help text and generation_config.json key. `SamplingParams`, the OpenAI protocol's extra
+body fields, the command line's flags and the sampler's per-canvas `DenoiseParams` are all built
+from it, so adding a field is one entry here plus its use in the sampler.
+
+Bounds are those of the dtype a value is used in: per-canvas fields travel to the sampler as
+int32 or float32 tensors, so an accepted value is always representable there, and temperatures
+stay normal float32 numbers at every step of the schedule (no NaN from an accepted value).
+
+Defaults are merged once, in `with_defaults`: the request's value, else the server's flag, else
+generation_config.json, else the reference default.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, make_dataclass, replace
 
-REFERENCE_DEFAULTS = {
-    "max_tokens": 256,
-    "max_denoising_steps": 48,
-    "entropy_bound": 0.1,
-    "t_min": 0.4,
-    "t_max": 0.8,
-    "stability_threshold": 1,
-    "confidence_threshold": 0.005,
-}
+import numpy as np
 
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# The lowest temperature any denoising step may divide by: logits over it stay far from the
+# float32 range (and from the -1e30 that marks padded vocabulary rows), so nothing overflows.
+MIN_TEMPERATURE = 1e-20
+MAX_TEMPERATURE = 1e4
+# Request temperature 0 asks for greedy decoding: the schedule is scaled by this instead, since the
+# sampler divides by the temperature.
+GREEDY_SCALE = 1e-6
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
-@dataclass
-class SamplingParams:
-    max_tokens: int | None = None
-    max_denoising_steps: int | None = None
-    entropy_bound: float | None = None
-    t_min: float | None = None
-    t_max: float | None = None
-    stability_threshold: int | None = None
-    confidence_threshold: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    draft: list[int] | None = None
-    logprobs: int | None = None  # top logprobs per token; 0 returns only the chosen token's logprob
-    stream_drafts: bool = False  # report the argmax canvas after every denoising step
+@dataclass(frozen=True)
+class SamplerField:
+    name: str
+    type: type  # int or float
+    default: int | float  # the reference implementation's
+    help: str
+    minimum: float
+    maximum: float
+    exclusive_minimum: bool = False
+    generation_config: str | None = None  # key in generation_config.json ("a.b": nested)
+    per_canvas: bool = True  # sent to the sampler as a [canvases] tensor
+    dtype: str = "float32"  # of that tensor
+
+
+SAMPLER_FIELDS: tuple[SamplerField, ...] = (
+    SamplerField("max_tokens", int, 256, "tokens to generate at most", 1, INT32_MAX,
+                 generation_config="max_new_tokens", per_canvas=False),
+    SamplerField("max_denoising_steps", int, 48, "denoising steps per canvas at most", 1, INT32_MAX,
+                 generation_config="max_denoising_steps", dtype="int32"),
+    SamplerField("entropy_bound", float, 0.1, "accept tokens while Σentropy - max entropy stays below this",
+                 0, FLOAT32_MAX, exclusive_minimum=True, generation_config="sampler_config.entropy_bound"),
+    SamplerField("t_min", float, 0.4, "temperature at the last denoising step", 0, MAX_TEMPERATURE,
+                 generation_config="t_min"),
+    SamplerField("t_max", float, 0.8, "temperature at the first denoising step", 0, MAX_TEMPERATURE,
+                 exclusive_minimum=True, generation_config="t_max"),
+    SamplerField("stability_threshold", int, 1, "previous argmax canvases that must match to stop early", 0,
+                 INT32_MAX, generation_config="stability_threshold", dtype="int32"),
+    SamplerField("confidence_threshold", float, 0.005, "mean entropy under which a stable canvas stops", 0,
+                 FLOAT32_MAX, exclusive_minimum=True, generation_config="confidence_threshold"),
+)
+FIELDS_BY_NAME = {f.name: f for f in SAMPLER_FIELDS}
+PER_CANVAS_FIELDS = tuple(f for f in SAMPLER_FIELDS if f.per_canvas)
+REFERENCE_DEFAULTS = {f.name: f.default for f in SAMPLER_FIELDS}
+
+
+class _Params:
+    """The fields that are not the sampler's (`SamplingParams` adds those from the table)."""
 
     def __post_init__(self) -> None:
-        _positive_int(self, "max_tokens")
-        _positive_int(self, "max_denoising_steps")
-        _positive_float(self, "entropy_bound")
-        _non_negative_float(self, "t_min")
-        _positive_float(self, "t_max")
+        for f in SAMPLER_FIELDS:
+            _check_field(f, getattr(self, f.name))
         if self.t_min is not None and self.t_max is not None and self.t_max < self.t_min:
             raise ValueError(f"t_max must be >= t_min, got t_max={self.t_max} < t_min={self.t_min}")
-        _int(self, "stability_threshold", minimum=0)
-        _positive_float(self, "confidence_threshold")
+        if self.temperature is not None and not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        self._check_unsupported()
         _int(self, "seed", minimum=None)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
@@ -60,45 +91,119 @@ class SamplingParams:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         _token_list(self, "stop_token_ids")
         _token_list(self, "draft")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if not isinstance(self.stream_drafts, bool):
-            raise ValueError(f"stream_drafts must be a bool, got {self.stream_drafts!r}")
+        for name in ("ignore_eos", "stream_drafts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         _int(self, "logprobs", minimum=0)
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
 
+    def _check_unsupported(self) -> None:
+        """vLLM's sampling knobs that have no diffusion meaning (yet): only their neutral values."""
+        neutral = {"n": (1,), "top_p": (1, 1.0), "top_k": (0, -1), "min_p": (0, 0.0),
+                   "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
+        for name, values in neutral.items():
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or v not in values):
+                raise ValueError(
+                    f"{name} is not supported: the diffusion sampler draws every candidate from the full "
+                    f"distribution of one request (got {v!r}; allowed: {values[0]})"
+                )
+
     def with_defaults(self, defaults: dict) -> "SamplingParams":
-        """Fill unset fields from `defaults` (see `generation_defaults`), then re-validate."""
-        filled = {f.name: defaults[f.name] for f in fields(self) if getattr(self, f.name) is None and f.name in defaults}
-        return replace(self, **filled)
+        """Every unset sampler field from `defaults` (server flags over `generation_defaults`), the
+        request temperature applied to the schedule, and the schedule checked as a whole."""
+        filled = {f.name: defaults[f.name] for f in SAMPLER_FIELDS if getattr(self, f.name) is None}
+        out = replace(self, **filled)
+        if out.temperature is not None:
+            # The request temperature scales the denoising schedule (t_min .. t_max); 0 is greedy.
+            scale = out.temperature or GREEDY_SCALE
+            scaled = {"t_min": out.t_min * scale, "t_max": out.t_max * scale}
+            for name, value in scaled.items():
+                if not _within(FIELDS_BY_NAME[name], value):
+                    raise ValueError(f"temperature {self.temperature} scales {name} to {value!r}, outside "
+                                     f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+            out = replace(out, **scaled, temperature=None)
+        lowest = min_temperature(out.t_min, out.t_max, out.max_denoising_steps)
+        if not lowest >= MIN_TEMPERATURE:
+            who = "temperature" if self.temperature is not None else "t_min"
+            raise ValueError(f"{who}: the denoising temperature falls to {lowest:.3g} at the last step (t_min={out.t_min}, "
+                             f"t_max={out.t_max}, {out.max_denoising_steps} steps); it must stay >= {MIN_TEMPERATURE}")
+        return out
+
+
+def min_temperature(t_min: float, t_max: float, steps: int) -> float:
+    """The schedule's lowest temperature (its last step, n = 1), in the sampler's float32."""
+    f = np.float32
+    return float(f(t_min) + (f(t_max) - f(t_min)) * (f(1) / f(steps)))
+
+
+SamplingParams = make_dataclass(
+    "SamplingParams",
+    [(f.name, f.type | None, None) for f in SAMPLER_FIELDS]
+    + [
+        ("seed", int | None, None),
+        ("stop", str | list[str] | None, None),
+        ("stop_token_ids", list[int] | None, None),
+        ("ignore_eos", bool, False),
+        ("draft", list[int] | None, None),  # token ids the canvases start from, canvas after canvas
+        ("logprobs", int | None, None),  # top logprobs per token; 0 returns only the chosen token's logprob
+        ("stream_drafts", bool, False),  # report the argmax canvas after every denoising step
+        ("output_kind", str, "cumulative"),  # "cumulative", "delta" or "final_only" (see blockdiff.outputs)
+        ("temperature", float | None, None),  # scales the t_min .. t_max schedule; 0: greedy
+        # vLLM's knobs, accepted at their neutral values only
+        ("n", int | None, None),
+        ("top_p", float | None, None),
+        ("top_k", int | None, None),
+        ("min_p", float | None, None),
+        ("presence_penalty", float | None, None),
+        ("frequency_penalty", float | None, None),
+    ],
+    bases=(_Params,),
+    namespace={"__module__": __name__},
+)
+SamplingParams.__doc__ = "Sampling parameters of one request; unset sampler fields are filled by `with_defaults`."
 
 
 def generation_defaults(model_dir: str | None) -> dict:
-    """Reference defaults overridden by the checkpoint's generation_config.json."""
+    """Reference defaults overridden by the checkpoint's generation_config.json (plus its EOS ids)."""
     out = dict(REFERENCE_DEFAULTS)
     path = os.path.join(model_dir, "generation_config.json") if model_dir else None
     if not path or not os.path.isfile(path):
         return out
-    with open(path) as f:
-        gen = json.load(f)
-    for ours, theirs in (
-        ("max_tokens", "max_new_tokens"),
-        ("max_denoising_steps", "max_denoising_steps"),
-        ("t_min", "t_min"),
-        ("t_max", "t_max"),
-        ("stability_threshold", "stability_threshold"),
-        ("confidence_threshold", "confidence_threshold"),
-    ):
-        if gen.get(theirs) is not None:
-            out[ours] = gen[theirs]
-    sampler = gen.get("sampler_config") or {}
-    if sampler.get("entropy_bound") is not None:
-        out["entropy_bound"] = sampler["entropy_bound"]
+    with open(path) as fh:
+        gen = json.load(fh)
+    for f in SAMPLER_FIELDS:
+        value = gen
+        for key in f.generation_config.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            _check_field(f, value, where=f"{path}: ")
+            out[f.name] = value
     if gen.get("eos_token_id") is not None:
         eos = gen["eos_token_id"]
         out["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
     return out
+
+
+def _within(f: SamplerField, v) -> bool:
+    if f.type is int:
+        if not _is_int(v):
+            return False
+    elif not _is_number(v) or not math.isfinite(v):
+        return False
+    low_ok = v > f.minimum if f.exclusive_minimum else v >= f.minimum
+    return low_ok and v <= f.maximum
+
+
+def _check_field(f: SamplerField, v, where: str = "") -> None:
+    if v is None or _within(f, v):
+        return
+    kind = "an integer" if f.type is int else "a finite number"
+    low = ">" if f.exclusive_minimum else ">="
+    raise ValueError(f"{where}{f.name} must be {kind} {low} {f.minimum:g} and <= {f.maximum:g}, got {v!r}")
 
 
 def _is_int(v) -> bool:
@@ -109,7 +214,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _int(p: SamplingParams, name: str, minimum: int | None) -> None:
+def _int(p, name: str, minimum: int | None) -> None:
     v = getattr(p, name)
     if v is None:
         return
@@ -118,23 +223,7 @@ def _int(p: SamplingParams, name: str, minimum: int | None) -> None:
         raise ValueError(f"{name} must be {bound}, got {v!r}")
 
 
-def _positive_int(p: SamplingParams, name: str) -> None:
-    _int(p, name, minimum=1)
-
-
-def _positive_float(p: SamplingParams, name: str) -> None:
-    v = getattr(p, name)
-    if v is not None and (not _is_number(v) or not v > 0 or v != v or v == float("inf")):
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-
-
-def _non_negative_float(p: SamplingParams, name: str) -> None:
-    v = getattr(p, name)
-    if v is not None and (not _is_number(v) or not v >= 0 or v == float("inf")):
-        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-
-
-def _token_list(p: SamplingParams, name: str) -> None:
+def _token_list(p, name: str) -> None:
     v = getattr(p, name)
     if v is None:
         return

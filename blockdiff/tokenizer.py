@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Tokenizer
+
+from blockdiff.config import read_json
+
+log = logging.getLogger(__name__)
 
 
 def _token_text(value) -> str | None:
@@ -25,29 +30,35 @@ class Tokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", True)) and self.bos_token is not None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.unk_token = _token_text(config.get("unk_token"))
+        self.unk_token_id = self._tok.token_to_id(self.unk_token) if self.unk_token else None
         self.chat_template = chat_template
         self._template = None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_pretrained(cls, path: str) -> "Tokenizer | None":
-        """None when the checkpoint has no tokenizer.json (token-id prompts still work)."""
+    def from_pretrained(cls, path: str, chat_template: str | None = None) -> "Tokenizer | None":
+        """None when the checkpoint has no tokenizer.json (token-id prompts still work).
+        `chat_template` replaces the checkpoint's."""
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             return None
         config = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_file):
-            with open(config_file) as f:
-                config = json.load(f)
-        template = config.get("chat_template")
+            config = read_json(config_file)
+        template = chat_template or config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         jinja_file = os.path.join(path, "chat_template.jinja")
         if template is None and os.path.isfile(jinja_file):
             with open(jinja_file) as f:
                 template = f.read()
-        return cls(_Tokenizer.from_file(file), config, template)
+        try:
+            tok = _Tokenizer.from_file(file)
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise ValueError(f"{file} cannot be loaded: {e}") from None
+        return cls(tok, config, template)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -61,6 +72,23 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def unknown_text(self, text: str, ids: list[int]) -> str:
+        """The characters of `text` that its encoding `ids` holds only as the unknown token ("" when
+        none: always so with byte fallback). Encodes again only when `ids` has an unknown token."""
+        if self.unk_token_id is None or self.unk_token_id not in ids:
+            return ""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        pieces = (text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == self.unk_token_id)
+        return "".join(p for p in pieces if p != self.unk_token)  # a literal "<unk>" was meant
+
+    def warn_unknown(self, where: str, text: str, ids: list[int]) -> None:
+        """Log a warning, naming `where` (a request), when characters of `text` were lost."""
+        lost = self.unknown_text(text, ids)
+        if lost:
+            shown = lost if len(lost) <= 40 else lost[:40] + "..."
+            log.warning("%s: the tokenizer has no token for %d character(s) %r; they were encoded as %s",
+                        where, len(lost), shown, self.unk_token)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

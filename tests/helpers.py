@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from blockdiff.engine.kv_cache import CacheConfig, allocate, geometry
+from blockdiff.step import CacheConfig
+from blockdiff.worker.kv_cache import allocate, geometry
 from blockdiff.model.attention import Row, build_metadata
+from blockdiff.model.interface import layer_kinds
 
 
 def load_hf(path: str, dtype=torch.float32, **kwargs):
@@ -49,13 +51,13 @@ class Harness:
 
     @torch.no_grad()
     def encode(self, ids: list[int]) -> None:
-        meta = build_metadata([Row(0, self.length, len(ids), False, self.blocks)], self.geo, self.model.kinds, "cpu")
+        meta = build_metadata([Row(0, self.length, len(ids), False, self.blocks)], self.geo, layer_kinds(self.model), "cpu")
         self.model(_padded(ids, meta), meta, self.kv)
         self.length += len(ids)
 
     @torch.no_grad()
     def decode(self, canvas: list[int], soft: torch.Tensor | None = None) -> torch.Tensor:
-        meta = build_metadata([Row(0, self.length, len(canvas), True, self.blocks)], self.geo, self.model.kinds, "cpu")
+        meta = build_metadata([Row(0, self.length, len(canvas), True, self.blocks)], self.geo, layer_kinds(self.model), "cpu")
         return self.model(_padded(canvas, meta), meta, self.kv, soft)
 
 

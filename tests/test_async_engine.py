@@ -9,8 +9,9 @@ import threading
 import pytest
 
 from blockdiff import SamplingParams
-from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable
-from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.engine.async_engine import AsyncEngine, RequestFailed
+from blockdiff.config import EngineConfig
+from blockdiff.engine.engine import LLMEngine
 
 PARAMS = SamplingParams(max_tokens=8, max_denoising_steps=2, seed=0)
 
@@ -21,10 +22,13 @@ def engine(tiny):
 
 
 def _fail_next_step(engine: LLMEngine, monkeypatch) -> tuple[threading.Event, threading.Event]:
-    """The next step blocks until `release` is set, then raises; `running` is set once it blocks."""
+    """The next step blocks until `release` is set, then raises (a fault injected into the real
+    executor, once); `running` is set once it blocks."""
     running, release = threading.Event(), threading.Event()
+    real = engine.executor.execute
 
     def execute(plan):
+        monkeypatch.setattr(engine.executor, "execute", real)
         running.set()
         release.wait(30)
         raise RuntimeError("boom")
@@ -33,8 +37,9 @@ def _fail_next_step(engine: LLMEngine, monkeypatch) -> tuple[threading.Event, th
     return running, release
 
 
-def test_failed_step_ends_running_and_arriving_requests(engine, monkeypatch):
-    """A request added while the failing step runs must get EngineUnavailable, not hang."""
+def test_failed_step_fails_its_requests_and_serving_goes_on(engine, monkeypatch):
+    """The requests of a step that raises end with RequestFailed; one that arrived meanwhile, and
+    every later one, is served: one bad step no longer disables the engine (issue 18, item 2)."""
     running, release = _fail_next_step(engine, monkeypatch)
 
     async def main():
@@ -45,15 +50,17 @@ def test_failed_step_ends_running_and_arriving_requests(engine, monkeypatch):
         late = asyncio.ensure_future(async_engine.add([([8, 9], PARAMS)]))
         await asyncio.sleep(0.05)  # `late` is now queued behind the step
         release.set()
-        with pytest.raises(EngineUnavailable, match="boom"):
-            await asyncio.wait_for(late, 10)
-        with pytest.raises(EngineUnavailable, match="boom"):
+        with pytest.raises(RequestFailed, match="boom"):
             await asyncio.wait_for(anext(stream), 10)
-        assert not async_engine.available and "boom" in async_engine.unavailable_reason()
-        with pytest.raises(EngineUnavailable):
-            await async_engine.add([([8, 9], PARAMS)])
+        late_stream = await asyncio.wait_for(late, 10)
+        finals = [out async for _, out in late_stream if out.finished]
+        assert [o.finish_reason for o in finals] == ["length"] and len(finals[0].token_ids) == 8
+        assert async_engine.available
+        again = await async_engine.add([([5, 6, 7], PARAMS)])
+        assert [out.finish_reason async for _, out in again if out.finished] == ["length"]
         await async_engine.stop()
         assert not engine.requests and engine.num_waiting == engine.num_running == 0
+        assert engine.allocator.used == 0 and sorted(engine.scheduler.free_slots) == [0, 1]
 
     asyncio.run(main())
 
@@ -64,7 +71,7 @@ def test_abort_frees_running_and_waiting_requests(engine):
     async def main():
         async_engine = AsyncEngine(engine)
         async_engine.start()
-        long = SamplingParams(max_tokens=48, max_denoising_steps=64, seed=0)
+        long = SamplingParams(max_tokens=48, max_denoising_steps=48, seed=0)  # the tiny model's steps limit
         stream = await async_engine.add([([5, 6, 7 + i], long) for i in range(6)])
         while engine.num_running < 2:
             await asyncio.sleep(0.01)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -59,3 +61,59 @@ def test_count_flags_below_their_minimum_are_refused_by_name(capsys):
         assert f"argument {flag}: must be >= {minimum}" in capsys.readouterr().err
     done = _blockdiff("bench", "offline", "--num-iters", "0", timeout=60)
     assert done.returncode == 2 and "argument --num-iters: must be >= 1, got 0" in done.stderr, done.stderr
+
+
+def test_vllm_spellings_and_help_with_defaults(capsys):
+    from blockdiff import __version__
+    from blockdiff.demo import CHECKPOINT_DIR
+    from blockdiff.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for expected in ["--tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp TENSOR_PARALLEL_SIZE processes the model is split over",
+                     "(default: 1)", "(default: auto)", "(default: 8000)", "(default: 127.0.0.1)", "(default: 0)",
+                     "--max-num-batched-tokens MAX_PREFILL_TOKENS, --max-prefill-tokens MAX_PREFILL_TOKENS",
+                     "--gpu-memory-utilization", "refused: pipeline parallelism is not implemented"]:
+        assert expected in text, expected
+    assert "(default: None)" not in text
+    with pytest.raises(SystemExit) as version:
+        parser.parse_args(["--version"])
+    assert version.value.code == 0 and capsys.readouterr().out.strip() == f"blockdiff {__version__}"
+    args = parser.parse_args(["serve", "--model", "m", "--max-num-batched-tokens", "64", "--log-level", "DEBUG"])
+    assert (args.model, args.model_tag, args.max_prefill_tokens, args.log_level) == ("m", None, 64, "debug")
+    assert parser.parse_args(["--log-level", "warning", "serve"]).log_level == "warning"  # the global one is kept
+    assert parser.parse_args(["serve", "--uvicorn-log-level", "WARNING"]).uvicorn_log_level == "warning"
+    assert os.path.abspath(parser.parse_args(["train-demo"]).out) != CHECKPOINT_DIR  # an experiment never replaces it
+
+
+def test_tokenizer_chat_template_and_ignored_vllm_flags(tmp_path):
+    """--tokenizer gives a tokenizer-less checkpoint one; --chat-template replaces the template (the
+    prompt token count shows which was used); an ignored vLLM flag warns and changes nothing."""
+    from blockdiff.model.tiny import TinySpec, make_tiny_model
+
+    bare = make_tiny_model(str(tmp_path / "bare"), TinySpec(num_layers=1, vocab_size=211, tokenizer=False))
+    full = make_tiny_model(str(tmp_path / "full"), TinySpec(num_layers=1, vocab_size=211))
+    common = ["generate", "--model", bare, "--tokenizer", full, "--max-tokens", "8", "--json", "--chat", "hello"]
+    plain = _blockdiff(*common, "--chat-template", "{{ messages[0]['content'] }}", "--gpu-memory-utilization", "0.9")
+    assert plain.returncode == 0, plain.stderr
+    assert "--gpu-memory-utilization is ignored: the KV cache is sized by --kv-cache-memory" in plain.stderr
+    templated = _blockdiff(*common)
+    assert templated.returncode == 0, templated.stderr
+    from blockdiff.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(full)
+    assert json.loads(plain.stdout)["prompt_token_ids"] == tok.encode("hello", add_special_tokens=False)
+    assert json.loads(templated.stdout)["prompt_token_ids"] == tok.encode_chat([{"role": "user", "content": "hello"}])
+
+
+def test_checkpoint_files_get_the_umask_mode(tmp_path):
+    from blockdiff.model.tiny import TinySpec, make_tiny_model
+
+    old = os.umask(0o022)
+    try:
+        path = make_tiny_model(str(tmp_path / "m"), TinySpec(num_layers=1, vocab_size=64))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(os.path.join(path, "model.safetensors")).st_mode) == 0o644

@@ -15,7 +15,7 @@ import pytest
 from server_process import ServerProcess
 
 from blockdiff import LLM, SamplingParams
-from blockdiff.engine.kv_cache import cache_bytes_per_block, ring_bytes_per_slot
+from blockdiff.worker.kv_cache import cache_bytes_per_block, ring_bytes_per_slot
 from blockdiff.model.loader import load_model
 
 STEPS = 4  # the server's --max-denoising-steps
@@ -342,7 +342,8 @@ BAD = [
     ("stop number", _C, {**_OK, "stop": 5}, None, 400, "stop"),
     ("negative max_tokens", _C, {**_OK, "max_tokens": -1}, None, 400, "max_tokens"),
     ("zero max_tokens", _C, {**_OK, "max_tokens": 0}, None, 400, "max_tokens"),
-    ("huge max_tokens", _C, {**_OK, "max_tokens": 10**12}, None, 400, "prompt"),
+    ("huge max_tokens", _C, {**_OK, "max_tokens": 10**12}, None, 400, "max_tokens"),
+    ("max_tokens over the context", _C, {**_OK, "max_tokens": 100000}, None, 400, "max_tokens"),
     ("seed over 64 bits", _C, {**_OK, "seed": 2**70}, None, 400, "seed"),
     ("unknown model", _C, {**_OK, "model": "gpt-4"}, None, 404, "model"),
     ("out-of-vocab prompt ids", _C, {**_OK, "prompt": [1, 2, 100000]}, None, 400, "prompt"),
@@ -379,11 +380,21 @@ BAD = [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, None, 400, "messages"),
     ("chat top_logprobs alone", _CHAT, {"model": MODEL, "messages": _MSG, "top_logprobs": 2}, None, 400, "top_logprobs"),
     ("chat huge max_completion_tokens", _CHAT, {"model": MODEL, "messages": _MSG, "max_completion_tokens": 10**9},
-     None, 400, "messages"),
+     None, 400, "max_completion_tokens"),
     ("chat zero max_completion_tokens", _CHAT, {"model": MODEL, "messages": _MSG, "max_completion_tokens": 0},
      None, 400, "max_completion_tokens"),
     ("chat zero max_tokens", _CHAT, {"model": MODEL, "messages": _MSG, "max_tokens": 0}, None, 400, "max_tokens"),
     ("chat t_max below t_min", _CHAT, {"model": MODEL, "messages": _MSG, "t_min": 0.9, "t_max": 0.1}, None, 400, "t_max"),
+    # Values the engine could not represent once failed it for everyone (issue 18, findings 1 and 7).
+    ("stability over int64", _C, {**_OK, "stability_threshold": 2**63}, None, 400, "stability_threshold"),
+    ("steps over int32", _C, {**_OK, "max_denoising_steps": 2**31}, None, 400, "max_denoising_steps"),
+    ("steps over the server limit", _C, {**_OK, "max_denoising_steps": 10**9, "stability_threshold": 10**9}, None, 400,
+     "max_denoising_steps"),
+    ("temperature underflows", _C, {**_OK, "temperature": 1e-300}, None, 400, "temperature"),
+    ("temperature overflows", _C, {**_OK, "temperature": 1e300}, None, 400, "temperature"),
+    ("t_max over float32", _C, {**_OK, "t_max": 3.5e38}, None, 400, "t_max"),
+    ("subnormal schedule", _C, {**_OK, "t_min": 0, "t_max": 1e-46}, None, 400, "t_min"),
+    ("cost over the limit", _C, {**_OK, "n": 128, "max_tokens": 200, "ignore_eos": True}, None, 400, "max_tokens"),
     ("wrong api key", _C, _OK, {"Authorization": "Bearer nope"}, 401, None),
     ("missing api key", _C, _OK, {"Authorization": ""}, 401, None),
     ("body over the size limit", _C, {**_OK, "prompt": "x" * 300_000}, None, 413, None),

@@ -15,7 +15,8 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
-from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.config import EngineConfig
+from blockdiff.engine.engine import LLMEngine
 from blockdiff.entrypoints.openai.server import ServerConfig, build_app
 
 KEY = "hardening-key"

@@ -14,7 +14,8 @@ import httpx
 import pytest
 from server_process import ServerProcess, free_port
 
-from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.config import EngineConfig
+from blockdiff.engine.engine import LLMEngine
 from blockdiff.entrypoints.openai.server import ServerConfig, build_app
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -50,13 +51,15 @@ def test_invalid_sampler_flags_fail_startup(tiny):
     assert "Traceback" not in r.stderr
 
 
-def test_engine_failure_ends_requests_and_health_says_why(tiny, monkeypatch):
-    """In-process (no subprocess can make a real step fail): a step that raises ends the open request
-    and every later one with 503 engine_unavailable, and /health reports the failure."""
+def test_a_failed_step_fails_its_request_and_serving_goes_on(tiny, monkeypatch):
+    """In-process (no subprocess can make a real step fail): a step that raises ends its request with
+    500 request_failed; /health stays 200 and the next request is served (issue 18, item 2)."""
     engine = LLMEngine(EngineConfig(tiny, max_model_len=64))
     stepping = threading.Event()
+    real = engine.executor.execute
 
-    def execute(plan):
+    def execute(plan):  # a fault injected into the real executor, once
+        monkeypatch.setattr(engine.executor, "execute", real)
         stepping.set()
         raise RuntimeError("boom")
 
@@ -69,13 +72,13 @@ def test_engine_failure_ends_requests_and_health_says_why(tiny, monkeypatch):
             transport = httpx.ASGITransport(app)
             async with httpx.AsyncClient(transport=transport, base_url="http://server", timeout=30) as client:
                 assert (await client.get("/health")).status_code == 200
-                for _ in range(2):  # the request in the failing step, then one after it
-                    r = await client.post("/v1/completions", json=body)
-                    assert r.status_code == 503, r.text
-                    assert r.json()["error"] == {"message": "the engine failed: boom", "type": "service_unavailable_error",
-                                                 "param": None, "code": "engine_unavailable"}
-                health = await client.get("/health")
-                assert health.status_code == 503 and health.json()["error"]["message"] == "the engine failed: boom"
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 500, r.text
+                assert r.json()["error"] == {"message": "the engine step failed: RuntimeError: boom", "type": "server_error",
+                                             "param": None, "code": "request_failed"}
+                assert (await client.get("/health")).status_code == 200
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
         assert stepping.is_set()
 
     asyncio.run(main())

@@ -12,6 +12,7 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
 from blockdiff.config import parse_dtype
@@ -89,16 +90,19 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], d
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     phases: dict[str, PhaseTiming] = {}
     ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    states: dict = {}
+
+    def record(plan, seconds: float) -> None:
+        kind = _step_kind(plan, states)
+        phases.setdefault(kind, PhaseTiming()).add(seconds, plan_cost(engine.model_config, plan, dtype_bytes))
+
+    engine.on_step = record
     try:
         while engine.has_unfinished():
             states = {r.slot: r.state for r in engine.scheduler.running}
             engine.step()
-            plan = engine.last_plan
-            if plan is None:
-                continue
-            kind = _step_kind(plan, states)
-            phases.setdefault(kind, PhaseTiming()).add(engine.last_step_time, plan_cost(engine.model_config, plan, dtype_bytes))
     finally:  # finished requests are gone already; this drops any left by an error
+        engine.on_step = None
         for rid in ids:
             engine.abort(rid)
     return phases
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=max(cfg.max_num_seqs, max(batch_sizes)),
         max_model_len=cfg.max_model_len or args.input_len + args.output_len,
     )
-    llm = LLM.from_engine_config(cfg)
+    llm = LLM(**dataclasses.asdict(cfg))
     try:
         return _benchmark(llm, cfg, args, batch_sizes)
     finally:
@@ -189,14 +193,22 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
             return reference.generate(prompts, seed=args.seed)
 
         sides = [ours] + ([theirs] if reference else [])
-        for _ in range(args.num_warmup):
-            for side in sides:
-                side()
-        times: list[list[float]] = [[] for _ in sides]
-        for _ in range(args.num_iters):  # alternate, so load on the machine hits both sides alike
-            for i, side in enumerate(sides):
-                times[i].append(side())
-        phases = median_phases([profile_steps(llm, prompts, params, dtype) for _ in range(args.num_iters)])
+        runs = (args.num_warmup + args.num_iters) * len(sides) + args.num_iters
+        with tqdm(total=runs, desc=f"batch {batch}", unit="run", leave=False) as bar:
+            for _ in range(args.num_warmup):
+                for side in sides:
+                    side()
+                    bar.update()
+            times: list[list[float]] = [[] for _ in sides]
+            for _ in range(args.num_iters):  # alternate, so load on the machine hits both sides alike
+                for i, side in enumerate(sides):
+                    times[i].append(side())
+                    bar.update()
+            profiles = []
+            for _ in range(args.num_iters):
+                profiles.append(profile_steps(llm, prompts, params, dtype))
+                bar.update()
+        phases = median_phases(profiles)
         row = {"batch": batch, "blockdiff_s": statistics.median(times[0]), "blockdiff_runs_s": times[0]}
         row["blockdiff_tok_s"] = batch * args.output_len / row["blockdiff_s"]
         if reference:

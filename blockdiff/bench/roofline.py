@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdiff.config import LayerSpec, ModelConfig
-from blockdiff.engine.model_runner import StepPlan
+from blockdiff.step import StepPlan
 from blockdiff.matmul import linear
 
 

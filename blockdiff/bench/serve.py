@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
-from blockdiff.entrypoints.args import at_least
+from blockdiff.entrypoints.args import at_least, port
 
 # Words for text prompts when no local checkpoint tells the vocabulary (any OpenAI server).
 _WORDS = (
@@ -37,7 +37,7 @@ _WORDS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first model)")
     p.add_argument("--tokenizer", default=None,
@@ -270,6 +270,15 @@ async def _first_model(client: httpx.AsyncClient, base_url: str, headers: dict) 
     return models[0]["id"]
 
 
+async def _check_reachable(client: httpx.AsyncClient, base_url: str) -> None:
+    """Fail at once when nothing listens (the ready check below waits for a server that is still
+    loading, not for one that was never started)."""
+    try:
+        await client.get(base_url + "/health", timeout=10)
+    except httpx.TransportError:
+        raise ConnectionError(f"cannot reach {base_url}: is blockdiff serve running?") from None
+
+
 async def benchmark(args: argparse.Namespace) -> dict:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     url = base_url + args.endpoint
@@ -279,6 +288,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
     prompts, prompt_lens = make_prompts(args)
     limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0, connect=30.0), limits=limits) as client:
+        await _check_reachable(client, base_url)
         model = args.model
         if model is None:
             model = await _first_model(client, base_url, headers)

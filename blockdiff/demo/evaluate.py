@@ -59,5 +59,5 @@ def score(problems: Sequence[Problem], outputs: Sequence[RequestOutput]) -> Eval
 def evaluate(llm: LLM, problems: Sequence[Problem], params: SamplingParams, seed: int = 0) -> EvalResult:
     """Every problem as a one-message chat, all of them in one batched generate call."""
     conversations = [[{"role": "user", "content": p.question}] for p in problems]
-    outputs = llm.chat(conversations, per_problem_params(params, len(problems), seed), use_tqdm=False)
+    outputs = llm.chat(conversations, per_problem_params(params, len(problems), seed))
     return score(problems, outputs)

@@ -20,7 +20,6 @@ and thread count.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import random
@@ -34,8 +33,10 @@ from blockdiff.config import ModelConfig
 from blockdiff.demo.tasks import Problem, training_problems
 from blockdiff.demo.tokenizer import VOCAB, build_char_tokenizer
 from blockdiff.diffusion.self_conditioning import soft_embedding
-from blockdiff.engine.kv_cache import CacheConfig, allocate, geometry
+from blockdiff.step import CacheConfig
+from blockdiff.worker.kv_cache import allocate, geometry
 from blockdiff.model.attention import Row, build_metadata
+from blockdiff.model.interface import layer_kinds
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.saver import save_weights
 from blockdiff.model.tiny import (
@@ -44,7 +45,6 @@ from blockdiff.model.tiny import (
 )
 from blockdiff.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
 
 IGNORE = -100
 BLOCK_SIZE = 16
@@ -149,7 +149,7 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
             dec_rows.append(Row(i, len(e.prompt) + k, cl, True, own))
             chunk = e.answer[k : k + cl]
             canvas_targets += chunk + [PAD] * (cl - len(chunk))
-    enc_meta = build_metadata(enc_rows, geo, model.kinds, "cpu")
+    enc_meta = build_metadata(enc_rows, geo, layer_kinds(model), "cpu")
     hidden = model.backbone(_padded(enc_ids, enc_meta.num_tokens), enc_meta, kv)
     ar_logits = model.logits(model.norm(hidden[: len(ar_targets)]))
     ar_loss = F.cross_entropy(ar_logits, torch.tensor(ar_targets), ignore_index=IGNORE)
@@ -160,7 +160,7 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
     t = cfg.t_eps + (1 - cfg.t_eps) * torch.rand(rows, 1, generator=gen)
     noise = torch.randint(0, vocab, target.shape, generator=gen)
     noisy = torch.where(torch.rand(target.shape, generator=gen) < t, noise, target).view(-1)
-    dec_meta = build_metadata(dec_rows, geo, model.kinds, "cpu")
+    dec_meta = build_metadata(dec_rows, geo, layer_kinds(model), "cpu")
     dec_ids = _padded(noisy.tolist(), dec_meta.num_tokens)
 
     # 3. self-conditioning input from a first pass without gradients
@@ -239,13 +239,16 @@ def save_checkpoint(model: DiffusionGemma, cfg: TrainConfig, out_dir: str, repor
 
 def train_and_save(cfg: TrainConfig, out_dir: str) -> dict:
     """Train, save, and return the record written beside the checkpoint."""
+    from tqdm import tqdm
+
     start = time.perf_counter()
+    with tqdm(total=cfg.steps, desc="Training", unit="step") as bar:
 
-    def progress(step: int, parts: dict) -> None:
-        log.info("step %d/%d  loss %.4f  (canvas %.4f, ar %.4f)  %.0f s", step, cfg.steps, parts["loss"],
-                 parts["canvas"], parts["ar"], time.perf_counter() - start)
+        def progress(step: int, parts: dict) -> None:
+            bar.update(step - bar.n)
+            bar.set_postfix(loss=f"{parts['loss']:.4f}", canvas=f"{parts['canvas']:.4f}", ar=f"{parts['ar']:.4f}")
 
-    model, history = train(cfg, progress)
+        model, history = train(cfg, progress)
     tail = history[-50:]
     report = {
         "wall_time_s": round(time.perf_counter() - start, 1),

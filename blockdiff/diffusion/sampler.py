@@ -12,29 +12,39 @@ The distribution is computed once (`VocabParallel.distribution`) and everything 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 
 import torch
 
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
+from blockdiff.sampling_params import PER_CANVAS_FIELDS
 
 
-@dataclass
-class DenoiseParams:
-    """Per-canvas parameters and random draws, [canvases] or [canvases, canvas_length]."""
-
-    step: torch.Tensor  # int32, steps remaining including this one (n)
-    max_steps: torch.Tensor  # int32 (N)
-    t_min: torch.Tensor  # float32
-    t_max: torch.Tensor
-    entropy_bound: torch.Tensor
-    stability: torch.Tensor  # int64
-    confidence: torch.Tensor  # float32
-    uniform: torch.Tensor  # [canvases, CL] float32 in [0, 1), for candidate sampling
-    renoise: torch.Tensor  # [canvases, CL] int64 uniform random tokens
-
+class _DenoiseParams:
     def to(self, device: torch.device | str) -> "DenoiseParams":
         return DenoiseParams(**{k: v.to(device, non_blocking=True) for k, v in self.__dict__.items()})
+
+
+# Per-canvas parameters and random draws, [canvases] or [canvases, canvas_length]: the step count
+# n, the draws, and one tensor per per-canvas field of the sampler-field table, by its name.
+DenoiseParams = make_dataclass(
+    "DenoiseParams",
+    [
+        ("step", torch.Tensor),  # int32, steps remaining including this one (n)
+        ("uniform", torch.Tensor),  # [canvases, CL] float32 in [0, 1), for candidate sampling
+        ("renoise", torch.Tensor),  # [canvases, CL] int64 uniform random tokens
+    ]
+    + [(f.name, torch.Tensor) for f in PER_CANVAS_FIELDS],
+    bases=(_DenoiseParams,),
+    namespace={"__module__": __name__},
+)
+
+
+def denoise_params(step: list[int], params: list, uniform: torch.Tensor, renoise: torch.Tensor) -> "DenoiseParams":
+    """The sampler's inputs for canvases at steps `step` of requests with SamplingParams `params`."""
+    per_canvas = {f.name: torch.tensor([getattr(p, f.name) for p in params], dtype=getattr(torch, f.dtype))
+                  for f in PER_CANVAS_FIELDS}
+    return DenoiseParams(step=torch.tensor(step, dtype=torch.int32), uniform=uniform, renoise=renoise, **per_canvas)
 
 
 @dataclass
@@ -68,14 +78,14 @@ def denoise_step(
     vocab: VocabParallel,
 ) -> DenoiseResult:
     """logits [canvases, CL, local vocab] float32 (overwritten)."""
-    t = temperature(params.step, params.max_steps, params.t_min, params.t_max)
+    t = temperature(params.step, params.max_denoising_steps, params.t_min, params.t_max)
     dist = vocab.distribution(logits.div_(t[:, None, None]))
     argmax, candidates = vocab.argmax_and_sample(dist, params.uniform)
     accepted = entropy_bound_accept(dist.entropy, params.entropy_bound)
     canvas = torch.where(accepted, candidates, params.renoise)
     same = (argmax == last_argmax).all(dim=-1)
     run = torch.where(same, run + 1, torch.zeros_like(run))
-    stable = run >= params.stability
-    confident = dist.entropy.mean(dim=-1) < params.confidence
+    stable = run >= params.stability_threshold
+    confident = dist.entropy.mean(dim=-1) < params.confidence_threshold
     finished = (stable & confident) | (params.step <= 1)
     return DenoiseResult(canvas, argmax, dist.entropy, accepted, run, finished, dist)

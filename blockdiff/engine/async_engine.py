@@ -38,6 +38,10 @@ class EngineUnavailable(RuntimeError):
     """The engine is stopping or has failed; no request can be served."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine step that ran this request raised; the engine goes on serving the others."""
+
+
 class QueueFull(RuntimeError):
     """More requests are waiting than the configured limit allows."""
 
@@ -64,7 +68,7 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._queue.get()
         if isinstance(item, BaseException):
-            self._unfinished.clear()
+            self.abort()  # the call fails whole: its other requests stop too
             raise item
         if item.finished:
             self._unfinished.discard(item.request_id)
@@ -245,7 +249,7 @@ class AsyncEngine:
         self._restarting = True
         error = EngineUnavailable(f"{WORKER_LOST} while this request ran; the workers are restarting: retry")
         for req in self.engine.reset_after_worker_loss():
-            self._on_finish("abort", len(req.prompt_token_ids), len(req.output_token_ids), req.metrics.as_dict())
+            self._on_finish("abort", len(req.prompt_token_ids), len(req.output.token_ids), req.metrics.as_dict())
             stream = self._streams.pop(req.request_id, None)
             if stream is not None:
                 stream._put(error)
@@ -271,10 +275,10 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id)
         if stream is None:  # aborted while this step ran
             return
-        stream._put(out)
+        stream._put(out if out.error is None else RequestFailed(out.error))
         if out.finished:
             del self._streams[out.request_id]
-            self._on_finish(out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), out.metrics)
+            self._on_finish(out.finish_reason, len(out.prompt_token_ids), out.metrics["committed_tokens"], out.metrics)
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []
@@ -287,7 +291,7 @@ class AsyncEngine:
         req = self.engine.requests.get(rid)
         self.engine.abort(rid)
         if req is not None:  # counted without decoding its text, which nobody reads
-            self._on_finish("abort", len(req.prompt_token_ids), len(req.output_token_ids), req.metrics.as_dict())
+            self._on_finish("abort", len(req.prompt_token_ids), len(req.output.token_ids), req.metrics.as_dict())
 
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []

@@ -1,63 +1,46 @@
-"""The engine: requests in, one step at a time, RequestOutputs out."""
+"""The engine: requests in, one step at a time, RequestOutputs out.
+
+    add_request: InputProcessor -> Request -> Scheduler queue
+    step:        Scheduler.schedule -> StepPlan -> executor.execute -> update_from_output -> outputs
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import os
-import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from blockdiff.config import ModelConfig, parse_dtype
-from blockdiff.engine.kv_cache import BlockAllocator, CacheConfig, cache_bytes_per_block, ring_bytes_per_slot, ring_size
-from blockdiff.engine.model_runner import StepPlan
-from blockdiff.engine.request import Request, State
-from blockdiff.engine.scheduler import Scheduler
-from blockdiff.outputs import RequestOutput, TokenLogprob
+from blockdiff.config import EngineConfig, parse_dtype
+from blockdiff.diffusion.sampler import denoise_params
+from blockdiff.engine.block_allocator import BlockAllocator
+from blockdiff.engine.input_processor import InputProcessor
+from blockdiff.engine.output_processor import fail, make_output, update_from_output
+from blockdiff.engine.request import Request
+from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
+from blockdiff.executor import make_executor
+from blockdiff.model.attention import Row
+from blockdiff.model.registry import load_config
+from blockdiff.outputs import RequestOutput
+from blockdiff.parallel.ranks import WorkerError
 from blockdiff.sampling_params import SamplingParams, generation_defaults
+from blockdiff.step import StepPlan
 from blockdiff.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    model: str
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 16
-    max_model_len: int | None = None
-    kv_cache_memory: int | None = None  # bytes for full-attention blocks; None: enough for max_num_seqs at max_model_len
-    block_size: int = 16
-    max_prefill_tokens: int = 2048
-    seed: int = 0
-    worker_timeout: float = 60.0  # seconds a tensor-parallel worker may stay silent before it counts as lost
-
-    def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
 
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         if not os.path.isdir(cfg.model):
             raise ValueError(f"model {cfg.model!r} is not a checkpoint directory")
-        for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len"):
-            value = getattr(cfg, name)
-            if name == "max_model_len" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.cfg = cfg
-        self.model_config = ModelConfig.from_pretrained(cfg.model)
-        self.tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.model_config = load_config(cfg.model)
+        self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
         self.defaults = generation_defaults(cfg.model)
-        self.eos_token_ids = tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids))
         self.canvas_length = self.model_config.canvas_length
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = cfg.max_model_len if cfg.max_model_len is not None else min(self.model_config.max_position_embeddings, 8192)
@@ -66,91 +49,40 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{self.model_config.max_position_embeddings}"
             )
-        dtype = parse_dtype(cfg.dtype, self.model_config)
-        device = cfg.resolved_device()
-        # Seeds of requests that bring none: reproducible from the engine seed, in arrival order.
-        self._seeds = random.Random(cfg.seed)
-
-        from blockdiff.parallel.executor import make_executor
-
-        self.executor = make_executor(cfg, self.model_config, dtype, device, self._cache_config)
-        self.cache = self.executor.cache_config
-        self.allocator = BlockAllocator(self.cache.num_blocks, self.cache.block_size)
-        self.scheduler = Scheduler(
-            self.cache.num_slots, self.allocator, self.vocab_size, self.canvas_length, cfg.max_prefill_tokens
+        # Steps are bounded so that one canvas cannot hold its slot indefinitely.
+        self.max_denoising_steps = cfg.max_denoising_steps_limit or max(4 * self.canvas_length,
+                                                                        self.defaults["max_denoising_steps"])
+        self.executor = make_executor(cfg, self.model_config, parse_dtype(cfg.dtype, self.model_config),
+                                      cfg.resolved_device(), self.max_model_len)
+        cache = self.executor.cache_config
+        self.allocator = BlockAllocator(cache.num_blocks, cache.block_size)
+        self.scheduler = Scheduler(cache.num_slots, self.allocator, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
+        self.inputs = InputProcessor(
+            self.tokenizer, {**self.defaults, **cfg.sampling_defaults},
+            tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids)),
+            self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
+            cache.num_blocks * cache.block_size, cfg.seed,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_time = 0.0
-        self.last_plan: StepPlan | None = None  # what the last step ran, None if nothing (benchmarks count its work)
-
-    def _cache_config(self, model) -> CacheConfig:
-        """Sized on a built (rank's) model, so per-rank head counts are right."""
-        per_block = cache_bytes_per_block(model, self.cfg.block_size)
-        rings = ring_bytes_per_slot(model, ring_size(model, self.max_model_len))
-        if self.cfg.kv_cache_memory is None:
-            num_blocks = self.cfg.max_num_seqs * -(-self.max_model_len // self.cfg.block_size)
-        else:
-            budget = self.cfg.kv_cache_memory - rings * self.cfg.max_num_seqs
-            if per_block == 0:
-                num_blocks = 1
-            elif budget < per_block:
-                raise ValueError(
-                    f"kv_cache_memory {self.cfg.kv_cache_memory} bytes is too small: the sliding-window rings of "
-                    f"{self.cfg.max_num_seqs} sequences take {rings * self.cfg.max_num_seqs} and one block {per_block}"
-                )
-            else:
-                num_blocks = budget // per_block
-        return CacheConfig(self.cfg.max_num_seqs, max(1, num_blocks), self.cfg.block_size, self.max_model_len)
+        # Profiler hook: called with each executed plan and its seconds (`blockdiff bench offline`).
+        self.on_step: Callable[[StepPlan, float], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
-        params = (params or SamplingParams()).with_defaults(self.defaults)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer: pass the prompt as a list of token ids")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        need = len(ids) + params.max_tokens
-        if need > self.max_model_len:  # before the per-token checks, which a huge list would make slow
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
-        self._check_tokens("prompt", ids)
-        for name in ("draft", "stop_token_ids"):
-            self._check_tokens(name, getattr(params, name) or [])
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this checkpoint has none: use stop_token_ids")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, text, ids, params, self.eos_token_ids, self.canvas_length, seed)
-        if self.allocator.blocks_for(req.max_cached_tokens) > self.allocator.num_blocks:
-            raise ValueError(
-                f"request needs {req.max_cached_tokens} cached tokens, more than the whole KV cache "
-                f"({self.allocator.num_blocks * self.allocator.block_size})"
-            )
+        req = self.inputs.process(request_id, prompt, params)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
 
-    def _check_tokens(self, name: str, ids: list) -> None:
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
-
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.finished:
-            req.state = State.ABORTED
-            req.finish_reason = "abort"
+            req.finish("abort")
             self.scheduler.release(req)
 
     def reset_after_worker_loss(self) -> list[Request]:
@@ -167,109 +99,66 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward over every running request; -> outputs of requests that committed a
-        canvas, finished, or (with stream_drafts) have a new draft."""
-        scheduled = self.scheduler.schedule()
-        if scheduled is None:
-            self.last_plan = None
+        canvas, finished, or (with stream_drafts) have a new draft. A step that raises ends the
+        requests it ran with finish_reason "error"; the others go on."""
+        sched = self.scheduler.schedule()
+        if sched is None:
             return []
-        plan, enc, dec = scheduled
+        plan = self._plan(sched)
         t0 = time.perf_counter()
-        out = self.executor.execute(plan)
-        self.last_step_time = time.perf_counter() - t0
-        self.last_plan = plan
-        self.scheduler.advance_encoder(enc, plan)
-        outputs = []
-        if not dec:
-            return outputs
-        done = self.scheduler.advance_decoder(dec, out)
-        done_ids = set()
-        for req, row in done:
-            self._commit_canvas(req, out, row)
-            done_ids.add(req.request_id)
-            outputs.append(self.output(req))
-        outputs += [self.output(r) for r in dec if r.params.stream_drafts and r.request_id not in done_ids]
-        return outputs
+        try:
+            out = self.executor.execute(plan)
+        except WorkerError:  # a lost tensor-parallel worker stops the whole engine
+            raise
+        except Exception as e:
+            log.exception("an engine step failed; its %d requests end with an error", len(sched.encoder) + len(sched.decoder))
+            ran = [r for r, _ in sched.encoder] + sched.decoder
+            fail(self.scheduler, ran, f"the engine step failed: {type(e).__name__}: {e}")
+            return self._outputs(ran)
+        finally:
+            self.last_step_time = time.perf_counter() - t0
+        if self.on_step is not None:
+            self.on_step(plan, self.last_step_time)
+        return self._outputs(update_from_output(self.scheduler, sched, out))
 
-    def _commit_canvas(self, req: Request, out, row: int) -> None:
-        canvas = out.argmax[row].tolist()
-        m = req.metrics
-        m.canvases += 1
-        if m.first_canvas_time is None:
-            m.first_canvas_time = time.monotonic()
-        if req.logprobs is not None:
-            k = req.params.logprobs
-            tops = [{} for _ in canvas]
-            if out.top_ids is not None and k:
-                tops = [dict(zip(i, lp)) for i, lp in zip(out.top_ids[row, :, :k].tolist(), out.top_logprobs[row, :, :k].tolist())]
-            req.logprobs.extend(TokenLogprob(t, lp, top) for t, lp, top in zip(canvas, out.logprob[row].tolist(), tops))
-        committed = len(req.output_token_ids)
-        req.output_token_ids.extend(canvas)
-        reason = self._stop_reason(req, committed)
-        m.committed_tokens = len(req.output_token_ids)
-        if reason is not None:
-            req.finish_reason = reason
-            req.state = State.FINISHED
-            m.finished_time = time.monotonic()
-            self.scheduler.release(req)
-            self.requests.pop(req.request_id, None)
-        else:
-            req.pending_commit = canvas
-            req.state = State.COMMIT
-
-    def _stop_reason(self, req: Request, committed: int) -> str | None:
-        """Trim the output at the first stop condition; -> "stop", "length" or None (go on).
-        The first `committed` tokens passed this check at earlier canvases."""
-        p = req.params
-        ids = req.output_token_ids
-        reason = None
-        if len(ids) >= p.max_tokens:
-            del ids[p.max_tokens :]
-            reason = "length"
-        stops = set(p.stop_token_ids or ())
-        if not p.ignore_eos:
-            stops.update(req.eos_token_ids)
-        cut = next((i for i, t in enumerate(ids) if t in stops), None)
-        if cut is not None:
-            del ids[cut + 1 :]
-            reason = "stop"
-        # As in vLLM, a stop token stays in token_ids but its text is left out of the output text.
-        req.ends_with_stop_token = cut is not None
-        if p.stop:
-            text = self.tokenizer.decode(ids)
-            ends = [text.find(s) + len(s) for s in p.stop if s in text]
-            if ends:
-                # Keep the fewest tokens whose text reaches the end of the first stop string; it ends
-                # in this canvas, since the tokens before it held none.
-                end = min(ends)
-                n = next(n for n in range(committed + 1, len(ids) + 1) if len(self.tokenizer.decode(ids[:n])) >= end)
-                del ids[n:]
-                reason = "stop"
-                req.ends_with_stop_token = False
-        if req.logprobs is not None:
-            del req.logprobs[len(ids) :]
-        return reason
-
-    def output(self, req: Request) -> RequestOutput:
-        ids = list(req.output_token_ids)
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(ids[:-1] if req.ends_with_stop_token else ids)
-            if req.finish_reason == "stop" and req.params.stop:
-                hits = [text.find(s) for s in req.params.stop if s in text]
-                if hits:
-                    text = text[: min(hits)]
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            text=text,
-            token_ids=ids,
-            finish_reason=req.finish_reason,
-            finished=req.finished,
-            metrics=req.metrics.as_dict(),
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            draft_token_ids=req.draft_token_ids,
+    def _plan(self, sched: SchedulerOutput) -> StepPlan:
+        cl = self.canvas_length
+        rows, ids = [], []
+        for req, n in sched.encoder:
+            ids.extend(req.tokens(req.num_cached, req.num_cached + n))
+            rows.append(Row(req.slot, req.num_cached, n, False, req.blocks))
+        new_rows, new_canvases, uniform, renoise = [], [], [], []
+        for i, req in enumerate(sched.decoder):
+            rows.append(Row(req.slot, req.num_cached, cl, True, req.blocks))
+            if req.new_canvas is not None:
+                new_rows.append(i)
+                new_canvases.append(req.new_canvas)
+                req.new_canvas = None
+            u, r = req.draw_step()
+            uniform.append(u)
+            renoise.append(r)
+        denoise = None
+        if sched.decoder:
+            denoise = denoise_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
+                                     torch.stack(uniform), torch.stack(renoise))
+        return StepPlan(
+            rows=rows,
+            encoder_ids=torch.tensor(ids, dtype=torch.long),
+            new_canvas_rows=new_rows,
+            new_canvases=torch.stack(new_canvases) if new_canvases else torch.empty(0, cl, dtype=torch.long),
+            denoise=denoise,
+            top_logprobs=max((r.params.logprobs for r in sched.decoder if r.params.logprobs is not None), default=-1),
         )
+
+    def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for req in requests:
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+            out = make_output(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     # ---- introspection ---------------------------------------------------------------------
     @property

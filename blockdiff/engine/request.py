@@ -1,11 +1,14 @@
-"""A request and its small state machine.
+"""A request and its state machine.
 
     WAITING -> PREFILL -> DENOISE <-> COMMIT -> FINISHED
-                  (any state) -> ABORTED
+                  ^                     |
+                  +------ WAITING <-----+   (preempted at a canvas boundary, recomputed later)
+    any live state -> ABORTED; a failed step -> FINISHED ("error")
 
-PREFILL runs the prompt through the encoder (in chunks if it is long); DENOISE runs decoder steps on
-the current canvas until it converges; COMMIT runs the finished canvas through the encoder so the
-next canvas can see it.
+PREFILL runs the request's uncached tokens through the encoder (the prompt, in chunks; after a
+preemption, the prompt and every committed canvas); DENOISE runs decoder steps on the current
+canvas until it converges; COMMIT runs the finished canvas through the encoder so the next canvas
+can see it. Every transition goes through `to()`, which refuses illegal ones.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.sampling_params import SamplingParams
 
 
@@ -28,6 +32,20 @@ class State(enum.Enum):
     ABORTED = "aborted"
 
 
+_LEGAL = {
+    State.WAITING: {State.PREFILL, State.ABORTED},
+    State.PREFILL: {State.DENOISE, State.ABORTED, State.FINISHED},
+    State.DENOISE: {State.COMMIT, State.ABORTED, State.FINISHED},
+    State.COMMIT: {State.DENOISE, State.WAITING, State.ABORTED, State.FINISHED},
+    State.FINISHED: set(),
+    State.ABORTED: set(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float = field(default_factory=time.monotonic)
@@ -37,6 +55,7 @@ class RequestMetrics:
     denoising_steps: int = 0
     canvas_positions_evaluated: int = 0
     committed_tokens: int = 0
+    preemptions: int = 0
 
     def as_dict(self) -> dict:
         t0 = self.arrival_time
@@ -45,6 +64,7 @@ class RequestMetrics:
             "denoising_steps": self.denoising_steps,
             "canvas_positions_evaluated": self.canvas_positions_evaluated,
             "committed_tokens": self.committed_tokens,
+            "preemptions": self.preemptions,
             "time_to_first_canvas": None if self.first_canvas_time is None else self.first_canvas_time - t0,
             "total_time": None if self.finished_time is None else self.finished_time - t0,
         }
@@ -56,27 +76,32 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams  # with every default filled in
-    eos_token_ids: tuple[int, ...]
     canvas_length: int
+    vocab_size: int
     seed: int  # params.seed, or one drawn by the engine
+    output: IncrementalDetokenizer
     state: State = State.WAITING
     slot: int | None = None
     blocks: tuple[int, ...] = ()
     num_cached: int = 0  # tokens whose K/V are in the cache
+    canvases_since_admitted: int = 0
     steps_left: int = 0  # n of the canvas being denoised
-    pending_commit: list[int] | None = None
-    ends_with_stop_token: bool = False  # finished on a stop or EOS token (its text is not output)
-    output_token_ids: list[int] = field(default_factory=list)  # committed canvases, trimmed at the end
-    logprobs: list[dict] | None = None
+    new_canvas: torch.Tensor | None = None  # the first input of a canvas not yet sent to the workers
     draft_token_ids: list[int] | None = None
     finish_reason: str | None = None
+    error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     generator: torch.Generator = field(default_factory=torch.Generator)
+    sent_tokens: int = 0  # how much of the output delta outputs have reported
+    sent_pieces: int = 0
 
     def __post_init__(self) -> None:
         self.generator.manual_seed(self.seed % 2**64)
-        if self.params.logprobs is not None:
-            self.logprobs = []
+
+    def to(self, state: State) -> None:
+        if state not in _LEGAL[self.state]:
+            raise IllegalTransition(f"request {self.request_id}: {self.state.value} -> {state.value}")
+        self.state = state
 
     @property
     def finished(self) -> bool:
@@ -91,19 +116,77 @@ class Request:
         """Prompt plus every canvas but the last, which is never committed."""
         return len(self.prompt_token_ids) + (self.max_canvases - 1) * self.canvas_length
 
-    def initial_canvas(self, vocab_size: int) -> torch.Tensor:
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and committed output: what the cache holds once the request is caught up."""
+        return len(self.prompt_token_ids) + len(self.output.token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output, without joining the two."""
+        p = len(self.prompt_token_ids)
+        head = self.prompt_token_ids[start:min(end, p)] if start < p else []
+        return head + self.output.token_ids[max(start - p, 0) : max(end - p, 0)]
+
+    # ---- transitions ------------------------------------------------------------------------
+    def admit(self, slot: int, blocks: tuple[int, ...]) -> None:
+        self.to(State.PREFILL)
+        self.slot, self.blocks, self.num_cached, self.canvases_since_admitted = slot, blocks, 0, 0
+
+    def preempt(self) -> None:
+        """Give up the slot at a canvas boundary; the cache is rebuilt from the tokens on readmission."""
+        self.to(State.WAITING)
+        self.slot, self.blocks, self.num_cached = None, (), 0
+        self.metrics.preemptions += 1
+
+    def cached(self, n: int) -> None:
+        """n more tokens went through the encoder; once caught up, the next canvas starts."""
+        self.num_cached += n
+        if self.num_cached == self.num_tokens:
+            self.to(State.DENOISE)
+            self._start_canvas()
+
+    def _start_canvas(self) -> None:
         """Canvas k starts from draft[k*CL:(k+1)*CL], noise where the draft runs out."""
         cl = self.canvas_length
-        canvas = torch.randint(0, vocab_size, (cl,), generator=self.generator)
+        canvas = torch.randint(0, self.vocab_size, (cl,), generator=self.generator)
         draft = self.params.draft or []
         chunk = draft[self.metrics.canvases * cl : (self.metrics.canvases + 1) * cl]
         if chunk:
             canvas[: len(chunk)] = torch.tensor(chunk)
-        return canvas
+        self.new_canvas = canvas
+        self.steps_left = self.params.max_denoising_steps
 
-    def step_draws(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Random numbers of one denoising step: candidate-sampling uniforms and renoise tokens."""
         cl = self.canvas_length
         uniform = torch.rand(cl, generator=self.generator)
-        renoise = torch.randint(0, vocab_size, (cl,), generator=self.generator)
+        renoise = torch.randint(0, self.vocab_size, (cl,), generator=self.generator)
         return uniform, renoise
+
+    def denoised(self, argmax: list[int] | None) -> None:
+        """One denoising step ran; `argmax` is its argmax canvas when drafts are streamed."""
+        self.steps_left -= 1
+        self.metrics.denoising_steps += 1
+        self.metrics.canvas_positions_evaluated += self.canvas_length
+        if argmax is not None:
+            self.draft_token_ids = argmax
+
+    def commit(self, canvas: list[int], logprobs: list | None) -> str | None:
+        """The canvas converged: add it to the output; -> the finish reason, or None (it goes to
+        the encoder next)."""
+        m = self.metrics
+        m.canvases += 1
+        self.canvases_since_admitted += 1
+        if m.first_canvas_time is None:
+            m.first_canvas_time = time.monotonic()
+        reason = self.output.append(canvas, logprobs)
+        m.committed_tokens = len(self.output.token_ids)
+        self.steps_left = 0
+        if reason is None:
+            self.to(State.COMMIT)
+        return reason
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.to(State.ABORTED if reason == "abort" else State.FINISHED)
+        self.finish_reason, self.error = reason, error
+        self.metrics.finished_time = time.monotonic()

@@ -1,32 +1,43 @@
-"""Admission and step planning: which requests run, and what each does this step.
+"""Which requests run this step, and on what resources. The scheduler owns the queues, the slots
+and the cache blocks; it changes a request only to admit or preempt it.
 
-Requests are admitted first-come first-served while a slot is free and the KV cache can hold
-everything the request may ever commit. Every step, each running request contributes one row:
-a prompt chunk (PREFILL), its finished canvas (COMMIT), or its canvas being denoised (DENOISE).
+Admission is first-come first-served while a slot is free and the KV cache can hold everything the
+request may ever commit. Every step each running request contributes one row: its uncached tokens
+(PREFILL: a prompt chunk, at most `max_prefill_tokens` per step across requests; COMMIT: its
+finished canvas) or its canvas being denoised (DENOISE).
+
+Fairness: when the request at the head of the queue cannot be admitted, running requests that have
+committed `preempt_after` canvases since their admission give up their slot and blocks at their
+canvas boundary (COMMIT), oldest admission first, and go to the back of the queue; they are
+recomputed from their tokens when readmitted. A waiting request therefore starts within one canvas
+of some running request: at most the engine's denoising-steps limit plus a commit step, once the
+running requests have had `preempt_after` canvases each.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
-import torch
-
-from blockdiff.diffusion.sampler import DenoiseParams
-from blockdiff.engine.kv_cache import BlockAllocator
-from blockdiff.engine.model_runner import StepOutput, StepPlan
+from blockdiff.engine.block_allocator import BlockAllocator
 from blockdiff.engine.request import Request, State
-from blockdiff.model.attention import Row
+
+
+@dataclass
+class SchedulerOutput:
+    encoder: list[tuple[Request, int]]  # requests with uncached tokens, and how many run this step
+    decoder: list[Request]  # requests whose canvas is denoised this step
+    preempted: list[Request]
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, allocator: BlockAllocator, vocab_size: int, canvas_length: int, max_prefill_tokens: int):
+    def __init__(self, num_slots: int, allocator: BlockAllocator, max_prefill_tokens: int, preempt_after: int | None):
         self.allocator = allocator
-        self.vocab_size = vocab_size
-        self.canvas_length = canvas_length
         self.max_prefill_tokens = max_prefill_tokens
+        self.preempt_after = preempt_after
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in order of admission
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -38,99 +49,56 @@ class Scheduler:
         """Give back the slot and cache blocks of a request that finished or was aborted."""
         if request.slot is not None:  # admitted: it holds a slot until now
             self.running.remove(request)
-            self.free_slots.append(request.slot)
-            self.allocator.release(request.blocks)
-            request.slot, request.blocks = None, ()
-        else:
+            self._free(request)
+        elif request in self.waiting:
             self.waiting.remove(request)
 
+    def _free(self, request: Request) -> None:
+        self.free_slots.append(request.slot)
+        self.allocator.release(request.blocks)
+
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            req = self.waiting[0]
-            if not self.allocator.can_allocate(req.max_cached_tokens):
-                break
-            self.waiting.popleft()
-            req.slot = self.free_slots.pop()
-            req.blocks = self.allocator.allocate(req.max_cached_tokens)
-            req.state = State.PREFILL
+        while self.waiting and self.free_slots and self.allocator.can_allocate(self.waiting[0].max_cached_tokens):
+            req = self.waiting.popleft()
+            req.admit(self.free_slots.pop(), self.allocator.allocate(req.max_cached_tokens))
             self.running.append(req)
 
-    def schedule(self) -> tuple[StepPlan, list[Request], list[Request]] | None:
-        """-> (plan, requests of the encoder rows, requests of the decoder rows), or None if idle."""
+    def _preempt_for_waiting(self) -> list[Request]:
+        """Make room for the head of the queue from requests at a canvas boundary that had their share."""
+        preempted = []
+        if self.preempt_after is None:
+            return preempted
+        for req in list(self.running):
+            head = self.waiting[0] if self.waiting else None
+            if head is None or (self.free_slots and self.allocator.can_allocate(head.max_cached_tokens)):
+                break
+            if req.state != State.COMMIT or req.canvases_since_admitted < self.preempt_after:
+                continue
+            self.running.remove(req)
+            self._free(req)
+            req.preempt()
+            self.waiting.append(req)
+            preempted.append(req)
+        return preempted
+
+    def schedule(self) -> SchedulerOutput | None:
+        """-> this step's requests, or None if nothing can run."""
         self._admit()
-        enc, dec = [], []
-        enc_rows, dec_rows, enc_ids = [], [], []
+        preempted = self._preempt_for_waiting()
+        if preempted:
+            self._admit()
+        encoder, decoder = [], []
         budget = self.max_prefill_tokens
         for req in self.running:
-            if req.state == State.PREFILL:
-                n = min(len(req.prompt_token_ids) - req.num_cached, budget)
-                if n <= 0:
-                    continue
-                budget -= n
-                enc_ids.extend(req.prompt_token_ids[req.num_cached : req.num_cached + n])
-                enc_rows.append(Row(req.slot, req.num_cached, n, False, req.blocks))
-                enc.append(req)
+            if req.state == State.DENOISE:
+                decoder.append(req)
             elif req.state == State.COMMIT:
-                enc_ids.extend(req.pending_commit)
-                enc_rows.append(Row(req.slot, req.num_cached, len(req.pending_commit), False, req.blocks))
-                enc.append(req)
-            elif req.state == State.DENOISE:
-                dec_rows.append(Row(req.slot, req.num_cached, self.canvas_length, True, req.blocks))
-                dec.append(req)
-        if not enc and not dec:
+                encoder.append((req, req.num_tokens - req.num_cached))
+            elif req.state == State.PREFILL:
+                n = min(req.num_tokens - req.num_cached, budget)
+                if n > 0:
+                    budget -= n
+                    encoder.append((req, n))
+        if not encoder and not decoder:
             return None
-
-        new_rows, new_canvases, draws = [], [], []
-        for i, req in enumerate(dec):
-            if req.steps_left == 0:
-                new_rows.append(i)
-                new_canvases.append(req.initial_canvas(self.vocab_size))
-                req.steps_left = req.params.max_denoising_steps
-            draws.append(req.step_draws(self.vocab_size))
-        denoise = None
-        if dec:
-            p = [r.params for r in dec]
-            denoise = DenoiseParams(
-                step=torch.tensor([r.steps_left for r in dec], dtype=torch.int32),
-                max_steps=torch.tensor([x.max_denoising_steps for x in p], dtype=torch.int32),
-                t_min=torch.tensor([x.t_min for x in p], dtype=torch.float32),
-                t_max=torch.tensor([x.t_max for x in p], dtype=torch.float32),
-                entropy_bound=torch.tensor([x.entropy_bound for x in p], dtype=torch.float32),
-                stability=torch.tensor([x.stability_threshold for x in p], dtype=torch.long),
-                confidence=torch.tensor([x.confidence_threshold for x in p], dtype=torch.float32),
-                uniform=torch.stack([d[0] for d in draws]),
-                renoise=torch.stack([d[1] for d in draws]),
-            )
-        top = max((r.params.logprobs for r in dec if r.params.logprobs is not None), default=-1)
-        plan = StepPlan(
-            rows=enc_rows + dec_rows,
-            encoder_ids=torch.tensor(enc_ids, dtype=torch.long),
-            new_canvas_rows=new_rows,
-            new_canvases=torch.stack(new_canvases) if new_canvases else torch.empty(0, self.canvas_length, dtype=torch.long),
-            denoise=denoise,
-            top_logprobs=top,
-        )
-        return plan, enc, dec
-
-    def advance_encoder(self, enc: list[Request], plan: StepPlan) -> None:
-        for req, row in zip(enc, plan.rows):
-            req.num_cached += row.length
-            if req.state == State.COMMIT:
-                req.pending_commit = None
-                req.state = State.DENOISE
-            elif req.num_cached == len(req.prompt_token_ids):
-                req.state = State.DENOISE
-
-    def advance_decoder(self, dec: list[Request], out: StepOutput) -> list[tuple[Request, int]]:
-        """Count the step; -> the requests whose canvas is done, with their row index."""
-        done = []
-        for i, req in enumerate(dec):
-            req.steps_left -= 1
-            req.metrics.denoising_steps += 1
-            req.metrics.canvas_positions_evaluated += self.canvas_length
-            if req.params.stream_drafts:
-                req.draft_token_ids = out.argmax[i].tolist()
-            if bool(out.finished[i]):
-                req.steps_left = 0
-                done.append((req, i))
-        return done
+        return SchedulerOutput(encoder, decoder, preempted)

@@ -1,4 +1,8 @@
-"""`blockdiff` command line: each subcommand lives in its own module with a `register(subparsers)`."""
+"""`blockdiff` command line: each subcommand lives in its own module with a `register(subparsers)`.
+
+Errors are one line, `error: ...`: exit code 2 for usage errors (flags, and values the code
+refuses with ValueError), 1 for runtime failures (files, network, ports), 130 for Ctrl-C. A
+traceback is printed only with `--log-level debug`."""
 
 from __future__ import annotations
 
@@ -11,29 +15,85 @@ COMMAND_MODULES = [
     "blockdiff.entrypoints.bench",
     "blockdiff.entrypoints.generate",
     "blockdiff.entrypoints.make_tiny_model",
+    "blockdiff.entrypoints.quantize",
     "blockdiff.entrypoints.serve",
     "blockdiff.entrypoints.train_demo",
     "blockdiff.entrypoints.eval",
 ]
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends each flag's default to its help, unless there is none or the help names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not unset and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one `error:` line pointing to --help (subcommands inherit this class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=default,
+                        help="log level; debug also prints tracebacks (default: info)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockdiff", description="Serve and run block-diffusion language models.")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    from blockdiff import __version__
+
+    parser = Parser(prog="blockdiff", description="Serve and run block-diffusion language models.")
+    parser.add_argument("--version", action="version", version=f"blockdiff {__version__}")
+    _add_log_level(parser, "info")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    # --log-level also after the subcommand (vLLM's place for it); SUPPRESS keeps the global one.
+    stack = list(sub.choices.values())
+    while stack:
+        p = stack.pop()
+        _add_log_level(p, argparse.SUPPRESS)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack += action.choices.values()
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = None
     try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return args.func(args) or 0
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args is None:  # failed before the flags were read: a bug, so show where
+            raise
+        if args.log_level == "debug":
+            logging.getLogger("blockdiff").exception("the command failed")
+        print(f"error: {_message(e)}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
+
+
+def _message(e: Exception) -> str:
+    """The exception's text on one line; its type where the text alone says too little."""
+    text = " ".join(str(e).split())
+    if isinstance(e, (ValueError, OSError, RuntimeError)) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 if __name__ == "__main__":

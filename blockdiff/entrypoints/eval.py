@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from blockdiff.entrypoints.args import add_engine_args, add_sampling_args, engine_config, sampling_params
+from blockdiff.entrypoints.args import add_chat_template_arg, add_engine_args, add_sampling_args, engine_config, sampling_params
 
 TASK_SETS = ("demo",)
 
@@ -15,6 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num", type=int, default=100, help="held-out problems to ask")
     p.add_argument("--problem-seed", type=int, default=None, help="draw other held-out problems (default: the fixed evaluation set)")
     add_engine_args(p)
+    add_chat_template_arg(p)
     add_sampling_args(p)
     # Every problem runs at once; short sequences keep that batch's KV cache small.
     p.set_defaults(max_num_seqs=128, max_model_len=256, func=run)
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     problems = heldout_problems(args.num, EVAL_SEED if args.problem_seed is None else args.problem_seed)
     params = sampling_params(args)
-    llm = LLM.from_engine_config(engine_config(args))
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
     try:
         result = evaluate(llm, problems, params, seed=args.seed)
     finally:

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
-from blockdiff.entrypoints.args import (add_engine_args, add_sampling_args, at_least, engine_config, parse_size,
-                                        positive_seconds, sampling_overrides)
+from blockdiff.entrypoints.args import (add_chat_template_arg, add_engine_args, add_sampling_args, at_least, engine_config,
+                                       given_model, parse_size, port, positive_seconds, sampling_overrides)
 from blockdiff.entrypoints.openai.config import ServerConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_args(p, model_positional=True)
+    add_chat_template_arg(p)
     add_sampling_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (0: a free one, printed at startup)")
+    p.add_argument("--uvicorn-log-level", type=str.lower, default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients use as `model` (default: MODEL as given, or 'demo'); the first one is reported")
     p.add_argument("--api-key", default=os.environ.get("BLOCKDIFF_API_KEY"),
@@ -26,7 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="answer 429 to a client host with this many generation requests in progress "
                         "(default: no limit)")
     p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
-    p.add_argument("--shutdown-timeout", type=int, default=3,
+    p.add_argument("--max-request-cost", type=at_least(1), default=None,
+                   help="most canvas positions one API request may ask the decoder for: choices x canvases x "
+                        "max_denoising_steps x canvas length (default: max-num-seqs requests of max-model-len tokens "
+                        "at the steps limit)")
+    p.add_argument("--shutdown-timeout", type=at_least(0), default=3,
                    help="seconds open requests get to finish after SIGTERM before they are aborted")
     p.add_argument("--max-connections", type=at_least(1), default=ServerConfig.max_connections,
                    help="open connections at most; past it the longest-idle one is closed, or requests get 503 "
@@ -43,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from blockdiff.entrypoints.openai.server import serve
 
-    names = args.served_model_name or [args.model if args.model is not None else "demo"]
+    model = given_model(args)
+    names = args.served_model_name or [model if model is not None else "demo"]
     cfg = ServerConfig(
         served_model_names=names,
         host=args.host,
@@ -57,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
-        sampling_defaults=sampling_overrides(args),
-        log_level=args.log_level.lower(),
+        max_request_cost=args.max_request_cost,
+        log_level=args.uvicorn_log_level or args.log_level,
     )
-    serve(engine_config(args), cfg)
+    serve(dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args)), cfg)
     return 0

@@ -15,7 +15,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     d = TrainConfig()
     p = sub.add_parser("train-demo", help="train the bundled demo model (CPU, seeded) on sorting, reversal and upper-casing")
-    p.add_argument("--out", default=CHECKPOINT_DIR, help="checkpoint directory (default: the bundled demo checkpoint)")
+    # Not the bundled checkpoint by default: a short experiment must not replace the model that
+    # `blockdiff serve` and the docs use; replacing it takes `--out` with its path, on purpose.
+    p.add_argument("--out", default="demo-checkpoint",
+                   help=f"checkpoint directory to write; the bundled one is {CHECKPOINT_DIR}")
     p.add_argument("--steps", type=at_least(1), default=d.steps)
     p.add_argument("--batch-size", type=at_least(1), default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.lr)

@@ -21,7 +21,8 @@ from blockdiff.config import LayerSpec, ModelConfig
 from blockdiff.matmul import linear, onednn_float32
 from blockdiff.model.layers import RMSNorm, apply_rotary
 from blockdiff.parallel.group import TPGroup
-from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from blockdiff.parallel.layers import column_parallel, row_parallel
+from blockdiff.quantization import covering
 
 # SDPA broadcasts KV heads over query groups itself from torch 2.5 on.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -92,15 +93,19 @@ def qkv_parts(config: ModelConfig, spec: LayerSpec, group: TPGroup) -> list[tupl
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype, prefix: str):
+        """`prefix`: the checkpoint's name of this module, which the quantization_config's patterns match."""
         super().__init__()
         self.spec = spec
         parts = qkv_parts(config, spec, group)
         self.head_dim = spec.head_dim
         self.local_heads = parts[0][1] // spec.head_dim
         self.local_kv_heads = parts[1][1] // spec.head_dim
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, dtype=dtype)
-        self.o_proj = RowParallelLinear(config.num_heads * spec.head_dim, config.hidden_size, group, dtype=dtype)
+        qkv = [f"{prefix}.{n}_proj" for n in "qkv"[: len(parts)]]
+        self.qkv_proj = column_parallel(config.hidden_size, parts, dtype, covering(config.quantization, *qkv))
+        self.o_proj = row_parallel(
+            config.num_heads * spec.head_dim, config.hidden_size, group, dtype, covering(config.quantization, f"{prefix}.o_proj")
+        )
         self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.v_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, with_scale=False)

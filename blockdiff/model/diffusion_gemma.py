@@ -12,12 +12,18 @@ import torch
 from torch import nn
 
 from blockdiff.config import LayerSpec, ModelConfig
+from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.model.attention import Attention, AttentionMetadata
+from blockdiff.model.interface import LayerCacheSpec
 from blockdiff.model.layers import RMSNorm, Rotary
-from blockdiff.model.moe import Experts, GatedMLP, Router
+from blockdiff.model.moe import GatedMLP, Router, make_experts
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import VocabParallelEmbedding
 from blockdiff.parallel.vocab import VocabShard
+from blockdiff.quantization import QuantizationError, covering
+
+# The checkpoint's name of the modules that the quantization_config's patterns match.
+PREFIX = "model.decoder"
 
 NORMS = (
     "input_layernorm",
@@ -31,13 +37,14 @@ NORMS = (
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype, prefix: str):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.attn = Attention(config, spec, group, dtype)
-        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation, group, dtype)
-        self.router = Router(config, dtype)
-        self.experts = Experts(config, group, dtype)
+        self.attn = Attention(config, spec, group, dtype, f"{prefix}.self_attn")
+        act, quant = config.hidden_activation, config.quantization
+        self.mlp = GatedMLP(h, config.intermediate_size, act, group, dtype, quant, f"{prefix}.mlp")
+        self.router = Router(config, dtype, f"{prefix}.router")
+        self.experts = make_experts(config, group, dtype, f"{prefix}.experts")
         for name in NORMS:
             setattr(self, name, RMSNorm(h, eps, dtype=dtype))
         # The one weight the modes do not share (a buffer in the reference, stored per mode).
@@ -70,7 +77,9 @@ class SelfConditioning(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.pre_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
-        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation, group, dtype)
+        self.mlp = GatedMLP(
+            h, config.intermediate_size, config.hidden_activation, group, dtype, config.quantization, f"{PREFIX}.self_conditioning"
+        )
         self.post_norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
 
     def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
@@ -92,7 +101,11 @@ class DiffusionGemma(nn.Module):
         # The reference rounds sqrt(hidden) to the weight dtype before scaling.
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, device="cpu").to(dtype))
         self.embed = VocabParallelEmbedding(self.shard, config.hidden_size, group, self.embed_scale, dtype=dtype)
-        self.layers = nn.ModuleList(Block(config, spec, group, dtype) for spec in config.layers)
+        if covering(config.quantization, "lm_head"):
+            raise QuantizationError("quantization_config quantizes lm_head; blockdiff runs the (tied) LM head unquantized")
+        self.layers = nn.ModuleList(
+            Block(config, spec, group, dtype, f"{PREFIX}.layers.{i}") for i, spec in enumerate(config.layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_conditioning = SelfConditioning(config, group, dtype)
         self.rotary = nn.ModuleDict()
@@ -102,10 +115,17 @@ class DiffusionGemma(nn.Module):
                 self.rotary[key] = Rotary(spec)
         self.softcap = config.final_logit_softcapping
 
-    @property
-    def kinds(self) -> set[bool]:
-        """Layer kinds present (True: sliding)."""
-        return {spec.sliding for spec in self.config.layers}
+    # ---- the engine's interface (blockdiff.model.interface.BlockDiffusionModel) ------------------
+    def kv_cache_spec(self) -> list[LayerCacheSpec]:
+        return [LayerCacheSpec(spec.sliding, layer.attn.local_kv_heads, layer.attn.head_dim)
+                for layer, spec in zip(self.layers, self.config.layers)]
+
+    def soft_embed(self, probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """Self-conditioning input from this rank's unnormalised probabilities [rows, CL, local
+        vocab] and their full-vocabulary sums [rows, CL]: one matmul per rank, one all-reduce."""
+        # exp / Σexp are the probabilities: the normalisation rides on the scale, one multiply
+        scale = (self.embed_scale / total).unsqueeze(-1)
+        return soft_embedding(probs.to(self.dtype), self.embed.weight, scale, self.shard, self.group).to(self.dtype)
 
     def forward(
         self,

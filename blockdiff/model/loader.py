@@ -14,10 +14,12 @@ import re
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from blockdiff.config import ModelConfig
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.parallel.group import TPGroup
+from blockdiff.model.registry import load_config, model_class
 from blockdiff.parallel.layers import replicated_loader
 
 log = logging.getLogger(__name__)
@@ -50,12 +52,36 @@ _SC_RULES = [
 ]
 
 
+# FP8 companions of a weight "X.weight" (compressed-tensors): "X.weight_scale", "X.input_scale".
+_FP8_SUFFIXES = ("weight_scale", "input_scale")
+# compressed-tensors checkpoints store expert e as Linears; our gate_up part 2e+i holds its gate (i=0)
+# or up (i=1), down part e its down.
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
 class CheckpointError(ValueError):
     pass
 
 
 def map_name(name: str) -> tuple[str, int | None] | None:
     """Checkpoint tensor name -> (parameter name, part), or None when it is not a text weight we know."""
+    for suffix in _FP8_SUFFIXES:
+        if name.endswith("." + suffix):
+            mapped = map_name(name[: -len(suffix)] + "weight")
+            if mapped is None:
+                return None
+            target, part = mapped
+            if target.endswith(".weight"):  # "qkv_proj.weight" -> "qkv_proj.weight_scale"
+                return target[: -len("weight")] + suffix, part
+            # the experts' 3-D weights: "experts.down" -> "experts.down_scale" / "experts.down_input_scale"
+            return f"{target}_{'scale' if suffix == 'weight_scale' else suffix}", part
+    m = _PER_EXPERT.fullmatch(name)
+    if m:
+        fused = map_name(f"{m.group(1)}.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}")
+        if fused is None:
+            return None
+        e = int(m.group(2))
+        return fused[0], {"gate_proj": 2 * e, "up_proj": 2 * e + 1, "down_proj": e}[m.group(3)]
     if name.startswith(DECODER + "self_conditioning."):
         rest = name[len(DECODER + "self_conditioning.") :]
         return _apply(_SC_RULES, rest, "")
@@ -105,7 +131,8 @@ def checkpoint_files(path: str) -> list[str]:
 def load_weights(model: DiffusionGemma, path: str) -> None:
     params = dict(model.named_parameters())
     seen_encoder, seen, unexpected, skipped = {}, set(), [], 0
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    for file in tqdm(files, desc="Loading checkpoint shards", unit="shard", disable=len(files) < 2):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name.startswith(SKIPPED):
@@ -168,8 +195,9 @@ def load_model(
     group: TPGroup | None = None,
     config: ModelConfig | None = None,
 ) -> DiffusionGemma:
-    config = config or ModelConfig.from_pretrained(path)
+    config = config or load_config(path)
+    cls = model_class(config)
     with torch.device(device):
-        model = DiffusionGemma(config, group=group, dtype=dtype)
+        model = cls(config, group=group, dtype=dtype)
     load_weights(model, path)
     return model.eval()

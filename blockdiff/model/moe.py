@@ -13,22 +13,44 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdiff.config import ModelConfig
+from blockdiff.fp8 import FP8, fp8_linear, sharded_token_scales
 from blockdiff.matmul import linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.parallel.group import TPGroup
-from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_shape, copy_into
+from blockdiff.parallel.layers import (
+    ColumnParallelLinear,
+    check_fp8,
+    check_shape,
+    column_parallel,
+    copy_into,
+    load_input_scale,
+    load_scale,
+    row_parallel,
+)
+from blockdiff.quantization import Fp8Config, QuantizationError, covering
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up fused in one column-parallel matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, group: TPGroup, dtype: torch.dtype):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act: str,
+        group: TPGroup,
+        dtype: torch.dtype,
+        quant: Fp8Config | None = None,
+        prefix: str = "",
+    ):
+        """`quant` and `prefix` (the checkpoint's name of this module) decide which products are FP8."""
         super().__init__()
         part = ColumnParallelLinear.even_part(intermediate, group)
         self.local = part[1]
-        self.gate_up_proj = ColumnParallelLinear(hidden, [part, part], dtype=dtype)
-        self.down_proj = RowParallelLinear(intermediate, hidden, group, dtype=dtype)
+        gate_up = covering(quant, f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        self.gate_up_proj = column_parallel(hidden, [part, part], dtype, gate_up)
+        self.down_proj = row_parallel(intermediate, hidden, group, dtype, covering(quant, f"{prefix}.down_proj"))
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,8 +59,10 @@ class GatedMLP(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, prefix: str):
         super().__init__()
+        if covering(config.quantization, f"{prefix}.proj"):
+            raise QuantizationError(f"quantization_config quantizes the router {prefix}.proj; blockdiff runs routers unquantized")
         h, e = config.hidden_size, config.num_experts
         self.top_k = config.top_k_experts
         self.norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
@@ -107,12 +131,83 @@ class Experts(nn.Module):
         source[dest] = token
         busy = [e for e, s in enumerate(sizes) if s]
         parts = x.index_select(0, source).split(sizes)
-        hidden = torch.cat([linear(parts[e], self.gate_up[e]) for e in busy])
+        hidden = torch.cat([self.gate_up_product(parts[e], e) for e in busy])
         gate, up = hidden.split(self.local, dim=-1)
         act = (self.act(gate) * up).split([sizes[e] for e in busy])
-        y = torch.cat([linear(a, self.down[e]) for a, e in zip(act, busy)])
+        y = torch.cat([self.down_product(a, e) for a, e in zip(act, busy)])
         y = y.index_select(0, dest) * weights.reshape(-1)[order, None]
         out = x.new_zeros(n, self.hidden).index_add_(0, token, y.to(x.dtype))
         if self.reduce:
             self.group.all_reduce(out)
         return out
+
+    def gate_up_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return linear(x, self.gate_up[e])
+
+    def down_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return linear(x, self.down[e])
+
+
+class Fp8Experts(Experts):
+    """Experts with FP8 weights, loaded from the per-expert layout of compressed-tensors checkpoints
+    (`experts.{e}.gate_proj/up_proj/down_proj` Linears): part 2e / 2e+1 of gate_up is expert e's
+    gate / up, part e of down is its down. Each product dequantizes one expert's weight only, so no
+    full-precision copy of the layer's experts ever exists."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, quant: Fp8Config):
+        super().__init__(config, group, FP8)
+        e, h = self.num_experts, self.hidden
+        self.activations = quant.activations
+        self.gate_up_scale = nn.Parameter(torch.empty(e, 2 * self.local, 1), requires_grad=False)
+        self.down_scale = nn.Parameter(torch.empty(e, h, 1), requires_grad=False)
+        self.gate_up_scale.weight_loader = self.load_gate_up_scale
+        self.down_scale.weight_loader = self.load_down_scale
+        params = [self.gate_up, self.gate_up_scale, self.down, self.down_scale]
+        self.gate_up_input_scale = self.down_input_scale = None
+        if quant.activations == "static":
+            # One input scale per projection for all experts (the largest of theirs), as vLLM does.
+            self.gate_up_input_scale = nn.Parameter(torch.zeros(1), requires_grad=False)
+            self.down_input_scale = nn.Parameter(torch.zeros(1), requires_grad=False)
+            self.gate_up_input_scale.weight_loader = self.down_input_scale.weight_loader = load_input_scale
+            params += [self.gate_up_input_scale, self.down_input_scale]
+        for p, parts in zip(params, [2 * e, 2 * e, e, e, 2 * e, e]):
+            p.num_parts = parts
+
+    def _gate_up_rows(self, part: int) -> tuple[int, slice]:
+        """part -> (expert, its rows in the local gate_up)."""
+        expert, which = divmod(part, 2)
+        return expert, slice(which * self.local, (which + 1) * self.local)
+
+    def load_gate_up(self, param: torch.Tensor, source, name: str, part: int) -> None:
+        check_fp8(name, source)
+        check_shape(name, source, (self.inter, self.hidden))
+        expert, rows = self._gate_up_rows(part)
+        lo = self.rank * self.local
+        copy_into(param.data[expert, rows], source[lo : lo + self.local])
+
+    def load_gate_up_scale(self, param: torch.Tensor, source, name: str, part: int) -> None:
+        expert, rows = self._gate_up_rows(part)
+        load_scale(param.data[expert, rows], source, name, self.inter, self.rank * self.local, self.local)
+
+    def load_down(self, param: torch.Tensor, source, name: str, part: int) -> None:
+        check_fp8(name, source)
+        check_shape(name, source, (self.hidden, self.inter))
+        lo = self.rank * self.local
+        copy_into(param.data[part], source[:, lo : lo + self.local])
+
+    def load_down_scale(self, param: torch.Tensor, source, name: str, part: int) -> None:
+        load_scale(param.data[part], source, name, self.hidden, 0, self.hidden)
+
+    def gate_up_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return fp8_linear(x, self.gate_up[e], self.gate_up_scale[e], self.activations, self.gate_up_input_scale)
+
+    def down_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        # Under TP each rank holds a slice of the expert's width: one small max-reduce per busy expert.
+        scales = sharded_token_scales(x, self.group) if self.reduce and self.activations == "dynamic" else None
+        return fp8_linear(x, self.down[e], self.down_scale[e], self.activations, self.down_input_scale, scales)
+
+
+def make_experts(config: ModelConfig, group: TPGroup, dtype: torch.dtype, prefix: str) -> Experts:
+    names = [f"{prefix}.{e}.{p}" for e in range(config.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+    quant = covering(config.quantization, *names)
+    return Experts(config, group, dtype) if quant is None else Fp8Experts(config, group, quant)

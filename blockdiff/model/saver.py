@@ -82,5 +82,14 @@ def save_weights(model: DiffusionGemma, out_dir: str, extra: dict[str, torch.Ten
     tensors.update(extra or {})
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "model.safetensors")
-    save_file(tensors, path, metadata={"format": "pt"})
+    write_safetensors(tensors, path)
     return path
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors writes through a private temporary file (mode 0600); give the checkpoint the
+    mode any new file gets (0666 less the umask), so others can read a shared checkpoint."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

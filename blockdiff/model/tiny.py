@@ -13,7 +13,8 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import torch
-from safetensors.torch import save_file
+
+from blockdiff.model.saver import write_safetensors
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 PAD, EOS, BOS, UNK, START_OF_TURN, END_OF_TURN = range(len(SPECIAL_TOKENS))
@@ -272,7 +273,7 @@ def make_tiny_model(out_dir: str, spec: TinySpec | None = None, **overrides) -> 
         json.dump(config_dict(spec), f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(generation_config_dict(spec), f, indent=2)
-    save_file(random_tensors(spec), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(random_tensors(spec), os.path.join(out_dir, "model.safetensors"))
     if spec.tokenizer:
         write_tokenizer(out_dir, spec.vocab_size)
     with open(os.path.join(out_dir, "blockdiff_tiny.json"), "w") as f:

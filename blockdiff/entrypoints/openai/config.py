@@ -3,7 +3,7 @@ importing FastAPI and uvicorn)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -20,5 +20,5 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds a connection may stay open without starting a request
     body_timeout: float = 60.0  # seconds a request may take to send its body
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
-    sampling_defaults: dict = field(default_factory=dict)  # the server's sampler flags, as SamplingParams fields
+    max_request_cost: int | None = None  # None: max_num_seqs requests of max_model_len tokens at the steps limit
     log_level: str = "info"

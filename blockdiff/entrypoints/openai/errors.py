@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockdiff.engine.async_engine import EngineUnavailable, QueueFull
+from blockdiff.engine.async_engine import EngineUnavailable, QueueFull, RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ def bad_value(e: ValueError, fields: set[str], renames: dict[str, str]) -> APIEr
     request sent it as (`renames`: engine name -> request field)."""
     message = str(e)
     first = message.split(" ", 1)[0].strip(":,")
+    if first in renames:  # the message speaks of the field as this request sent it
+        message = renames[first] + message[len(first):]
     return APIError(400, message, param=renames.get(first, first) if first in fields else None)
 
 
@@ -97,6 +99,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, e: EngineUnavailable) -> JSONResponse:
         return error_response(503, str(e), code="engine_unavailable")
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(request: Request, e: RequestFailed) -> JSONResponse:
+        return error_response(500, str(e), code="request_failed")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from blockdiff.sampling_params import SamplingParams
+from blockdiff.sampling_params import PER_CANVAS_FIELDS, SamplingParams
 
 
 # Bounds on the lists a request may hold, so validation time and memory stay bounded (see body.py
@@ -33,9 +33,11 @@ class StreamOptions(_Request):
     include_usage: bool | None = None
 
 
-# Sampler fields a request may set directly (the diffusion extensions), typed as in SamplingParams.
-SAMPLER_EXTENSIONS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
-                      "confidence_threshold", "ignore_eos", "draft", "stop_token_ids", "stream_drafts")
+# Sampler fields a request may set directly (the diffusion extensions), typed as in SamplingParams:
+# every per-canvas field of the sampler-field table, and a few more.
+SAMPLER_EXTENSIONS = (*(f.name for f in PER_CANVAS_FIELDS), "ignore_eos", "draft", "stop_token_ids", "stream_drafts")
+# OpenAI/vLLM sampling fields, passed to SamplingParams, which says what it supports.
+VLLM_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty")
 _hints = get_type_hints(SamplingParams)
 _SamplerExtensions = create_model(
     "_SamplerExtensions", __base__=_Request, **{name: (_hints[name] | None, None) for name in SAMPLER_EXTENSIONS}
@@ -53,6 +55,8 @@ class _GenerationRequest(_SamplerExtensions):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

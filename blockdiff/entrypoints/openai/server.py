@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -14,14 +16,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic.json_schema import models_json_schema
 
 from blockdiff.engine.async_engine import AsyncEngine
-from blockdiff.engine.engine import EngineConfig, LLMEngine
+from blockdiff.config import EngineConfig
+from blockdiff.engine.engine import LLMEngine
 from blockdiff.entrypoints.openai import body, errors
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
 from blockdiff.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 from blockdiff.entrypoints.openai.serving import OpenAIServing
-from blockdiff.sampling_params import SamplingParams
+from blockdiff.startup import start_engine
 
 log = logging.getLogger(__name__)
 
@@ -145,16 +148,10 @@ class RequireAPIKey(_Middleware):
 
 
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
-    """The app owns `engine` from here on: it is shut down when the app's lifespan ends. Raises
-    ValueError for sampler flags that are invalid over the checkpoint's defaults (every request
-    would fail on them)."""
-    try:
-        SamplingParams(**cfg.sampling_defaults).with_defaults(engine.defaults)
-    except ValueError as e:
-        raise ValueError(f"invalid sampler flags (with the checkpoint's generation defaults): {e}") from None
+    """The app owns `engine` from here on: it is shut down when the app's lifespan ends."""
     metrics = ServingMetrics(engine)
     async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
-    serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.sampling_defaults)
+    serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -261,24 +258,42 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
-    """Load the model, serve until SIGTERM/SIGINT, then stop the engine (and its workers)."""
-    engine = LLMEngine(engine_cfg)
+    """Bind the port, load the model, serve until SIGTERM/SIGINT, then stop the engine (and its
+    workers). The port is bound first so that a taken one fails at once, before minutes of loading,
+    and the `serving ... on http://...` line names the port really bound (--port 0: a free one)."""
+    sock = _bind(cfg.host, cfg.port)
     try:
-        app = build_app(engine, cfg)
-    except BaseException:
-        engine.shutdown()  # stops tensor-parallel workers too
-        raise
-    # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
-    max_connections = connection_limit(cfg.max_connections)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=cfg.keep_alive_timeout,
-                            http=guarded_protocol(cfg.header_timeout, max_connections),
-                            limit_concurrency=max_connections + 1)
-    try:
-        _Server(config, app.state.async_engine, cfg.shutdown_timeout).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
-        pass
+        cfg = replace(cfg, port=sock.getsockname()[1])
+        engine = start_engine(engine_cfg)
+        try:
+            app = build_app(engine, cfg)
+        except BaseException:
+            engine.shutdown()  # stops tensor-parallel workers too
+            raise
+        # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
+        max_connections = connection_limit(cfg.max_connections)
+        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=cfg.keep_alive_timeout,
+                                http=guarded_protocol(cfg.header_timeout, max_connections),
+                                limit_concurrency=max_connections + 1)
+        try:
+            _Server(config, app.state.async_engine, cfg.shutdown_timeout).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
+            pass
+        finally:
+            # Normally the lifespan already stopped the engine; this covers a server that never started.
+            app.state.async_engine.shutdown()
     finally:
-        # Normally the lifespan already stopped the engine; this covers a server that never started
-        # (e.g. the port is taken).
-        app.state.async_engine.shutdown()
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart while old connections linger
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; stop what uses it or pick another --port") from None
+    return sock

@@ -7,21 +7,18 @@ import asyncio
 import json
 import math
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 
-# temperature 0 asks for greedy decoding; the schedule is scaled by this instead, since the sampler
-# divides by the temperature.
-GREEDY_SCALE = 1e-6
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
     f.name for f in fields(SamplingParams)
@@ -39,14 +36,10 @@ class Piece:
 
 
 class ChoiceState:
-    """What has been sent of one choice. Text that may still change stays back: trailing
-    replacement characters (an incomplete UTF-8 sequence) and, with stop strings, the last
-    len(longest stop) - 1 characters, which a stop string finishing in the next canvas may cut."""
+    """What has been sent of one choice. The engine sends deltas (output_kind "delta"), with text
+    that may still change held back (see engine/detokenizer.py)."""
 
-    def __init__(self, stop: list[str] | None):
-        self.holdback = max(map(len, stop)) - 1 if stop else 0
-        self.text_sent = 0
-        self.tokens_sent = 0
+    def __init__(self):
         self.canvases = 0
 
     def is_draft(self, out: RequestOutput) -> bool:
@@ -54,27 +47,14 @@ class ChoiceState:
 
     def advance(self, out: RequestOutput) -> Piece:
         self.canvases = out.metrics["canvases"]
-        text = out.text or ""
-        end = len(text)
-        if not out.finished:
-            end -= self.holdback
-            while end > self.text_sent and text[end - 1] == "\ufffd":
-                end -= 1
-        end = max(end, self.text_sent)
-        piece = Piece(
-            text=text[self.text_sent : end],
-            token_ids=out.token_ids[self.tokens_sent :],
-            logprobs=None if out.logprobs is None else out.logprobs[self.tokens_sent :],
-            finish_reason=out.finish_reason if out.finished else None,
-        )
-        self.text_sent, self.tokens_sent = end, len(out.token_ids)
-        return piece
+        return Piece(text=out.text or "", token_ids=out.token_ids, logprobs=out.logprobs,
+                     finish_reason=out.finish_reason if out.finished else None)
 
 
 def usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> p.Usage:
     """Each prompt counts once, however many choices it has."""
     prompt_tokens = sum(len(ids) for ids in prompts)
-    completion = sum(len(o.token_ids) for o in finals.values())
+    completion = sum(o.metrics["committed_tokens"] for o in finals.values())  # outputs may be deltas
     diffusion = p.DiffusionUsage(**{k: sum(o.metrics[k] for o in finals.values()) for k in p.DiffusionUsage.model_fields})
     return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
                    diffusion=diffusion)
@@ -206,12 +186,15 @@ def _check_choices(prompts: int, n: int) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], sampling_defaults: dict):
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_request_cost: int | None):
         self.engine = engine
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_names = served_model_names
-        self.defaults = sampling_defaults
+        # By default, one API request may ask for a full batch of the largest requests this server allows.
+        inputs = self.llm.inputs
+        largest = SamplingParams(max_tokens=self.llm.max_model_len, max_denoising_steps=inputs.max_steps)
+        self.max_request_cost = max_request_cost or self.llm.cfg.max_num_seqs * inputs.cost(largest)
         # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
         # tokenizer (which holds the GIL, stalling every other request) sees it.
         self.max_prompt_chars = None if self.tokenizer is None else self.llm.max_model_len * self.tokenizer.max_token_chars
@@ -227,9 +210,10 @@ class OpenAIServing:
         if req.best_of not in (None, n):
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
         _check_choices(_prompt_count(req.prompt), n)
-        prompts = self._completion_prompts(req.prompt)
-        requests = [(ids, self._params(req, len(ids), i, req.max_tokens, req.logprobs)) for ids in prompts for i in range(n)]
-        fmt = _CompletionFormat(self, p.new_id("cmpl"), model, bool(req.return_token_ids), req.logprobs)
+        request_id = p.new_id("cmpl")
+        prompts = self._completion_prompts(req.prompt, request_id)
+        requests = [(ids, self._params(req, i, req.max_tokens, req.logprobs)) for ids in prompts for i in range(n)]
+        fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs)
         return await self._respond(req, prompts, requests, fmt, raw)
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
@@ -242,9 +226,10 @@ class OpenAIServing:
                 raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        prompts = [self._chat_prompt(req.messages)]
-        requests = [(prompts[0], self._params(req, len(prompts[0]), i, max_tokens, logprobs)) for i in range(n)]
-        fmt = _ChatFormat(self, p.new_id("chatcmpl"), model, bool(req.return_token_ids), bool(req.logprobs))
+        request_id = p.new_id("chatcmpl")
+        prompts = [self._chat_prompt(req.messages, request_id)]
+        requests = [(prompts[0], self._params(req, i, max_tokens, logprobs)) for i in range(n)]
+        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs))
         return await self._respond(req, prompts, requests, fmt, raw)
 
     def model_name(self, requested: str | None) -> str:
@@ -261,36 +246,17 @@ class OpenAIServing:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
-        if req.top_p not in (None, 1):
-            raise APIError(400, f"top_p={req.top_p} is not supported: the diffusion sampler draws from the full "
-                                "distribution (top_p must be 1)", param="top_p")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (must be 0)", param=name)
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
-        if req.temperature is not None and not (math.isfinite(req.temperature) and req.temperature >= 0):
-            raise APIError(400, f"temperature must be a finite number >= 0, got {req.temperature}", param="temperature")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         if req.stream_drafts and not req.stream:
             raise APIError(400, "stream_drafts needs stream: true", param="stream_drafts")
         return n
 
-    def _params(self, req: p._GenerationRequest, prompt_len: int, choice: int, max_tokens: int | None,
-                logprobs: int | None) -> SamplingParams:
-        """Request fields over the server's sampler flags; the engine fills the rest from the
-        checkpoint. An unset max_tokens takes the server default, cut to what fits the context."""
-        values = {k: v for k, v in self.defaults.items() if k != "max_tokens"}
-        values.update({k: getattr(req, k) for k in p.SAMPLER_EXTENSIONS if getattr(req, k) is not None})
-        if max_tokens is None:
-            default = self.defaults.get("max_tokens", self.llm.defaults["max_tokens"])
-            max_tokens = max(1, min(default, self.llm.max_model_len - prompt_len))
-        if req.temperature is not None:
-            # temperature multiplies the denoising temperature schedule (t_min .. t_max).
-            scale = req.temperature or GREEDY_SCALE
-            for name in ("t_min", "t_max"):
-                values[name] = values.get(name, self.llm.defaults[name]) * scale
+    def _params(self, req: p._GenerationRequest, choice: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request's sampler fields; the engine fills the rest (server flags, then the checkpoint)."""
+        values = {k: getattr(req, k) for k in (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING) if getattr(req, k) is not None}
         try:
             return SamplingParams(
                 **values,
@@ -298,15 +264,37 @@ class OpenAIServing:
                 seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop,
                 logprobs=logprobs,
+                output_kind="delta" if req.stream else "final_only",
             )
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
 
-    def _encode(self, text: str) -> list[int]:
+    def _check_cost(self, req: p._GenerationRequest, prompts: list[list[int]], requests) -> None:
+        """Refuse an API request that would hold the decoder longer than the limit allows."""
+        cost = 0
+        try:
+            for ids, params in requests:
+                # Lengths beyond the context are the engine's to refuse, with its own message.
+                room = max(1, self.llm.max_model_len - len(ids))
+                resolved = self.llm.inputs.resolve(params, len(ids))
+                cost += self.llm.inputs.cost(replace(resolved, max_tokens=min(resolved.max_tokens, room)))
+        except ValueError as e:
+            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
+        if cost > self.max_request_cost:
+            raise APIError(400, f"this request asks for up to {cost} canvas positions of denoising (choices x canvases x "
+                                f"max_denoising_steps x canvas length), more than this server's limit of "
+                                f"{self.max_request_cost} per request: lower n, max_tokens or max_denoising_steps",
+                           param="max_tokens", code="request_too_costly")
+
+    def _encode(self, text: str, request_id: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer: send the prompt as token ids", param="prompt")
+        if not text:  # as an empty list of ids: the BOS token alone is no prompt
+            raise APIError(400, "prompt is empty", param="prompt")
         self._check_chars(len(text), "prompt")
-        return self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text)
+        self.tokenizer.warn_unknown(f"request {request_id}", text, ids)
+        return ids
 
     def _check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
@@ -314,16 +302,16 @@ class OpenAIServing:
                                 f"tokens (no token covers more than {self.tokenizer.max_token_chars} characters)",
                            param=param)
 
-    def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+    def _completion_prompts(self, prompt: str | list, request_id: str) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self._encode(prompt)]
+            return [self._encode(prompt, request_id)]
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
-        return [self._encode(x) if isinstance(x, str) else list(x) for x in prompt]
+        return [self._encode(x, request_id) if isinstance(x, str) else list(x) for x in prompt]
 
-    def _chat_prompt(self, messages: list[p.ChatMessage]) -> list[int]:
+    def _chat_prompt(self, messages: list[p.ChatMessage], request_id: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = []
@@ -339,17 +327,21 @@ class OpenAIServing:
             rendered.append(message)
         self._check_chars(sum(len(m["content"]) for m in rendered if isinstance(m["content"], str)), "messages")
         try:
-            return self.tokenizer.encode_chat(rendered)
+            ids = self.tokenizer.encode_chat(rendered)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
+        contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
+        self.tokenizer.warn_unknown(f"request {request_id}", contents, ids)
+        return ids
 
     # ---- engine outputs -> responses ----------------------------------------------------------
     async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
+        self._check_cost(req, prompts, requests)
         try:
             stream = await self.engine.add(requests)
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
-        states = [ChoiceState(requests[i][1].stop) for i in range(len(requests))]
+        states = [ChoiceState() for _ in requests]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _EventStream(self._events(stream, states, prompts, fmt, include_usage), stream.abort)
@@ -377,6 +369,8 @@ class OpenAIServing:
                 yield _sse(fmt.usage_chunk(usage(prompts, finals)))
         except EngineUnavailable as e:
             yield _sse(error_body(503, str(e), code="engine_unavailable"))
+        except RequestFailed as e:
+            yield _sse(error_body(500, str(e), code="request_failed"))
         yield "data: [DONE]\n\n"
 
     def _draft(self, fmt: _Format, index: int, out: RequestOutput) -> p.DraftEvent:

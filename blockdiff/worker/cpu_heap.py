@@ -6,8 +6,9 @@ mmap()s and returns them on free, so every step pays a page fault for each of th
 faults, a sixth of the CPU time, for a batch of 8 on the 15M benchmark model (docs/benchmarks.md).
 With mmap off and heap trimming deferred, freed blocks are reused instead. This is what
 `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...` in the environment would do, applied once by each
-process that runs a model on the CPU (ModelRunner); it affects the whole process: memory freed is
-kept for reuse, not handed back to the OS.
+process that runs a model on the CPU (ModelRunner) when `EngineConfig.tune_cpu_heap` is set — the
+`blockdiff` commands set it, library users opt in with `LLM(..., tune_cpu_heap=True)` — since it
+affects the whole process: memory freed is kept for reuse, not handed back to the OS.
 """
 
 from __future__ import annotations

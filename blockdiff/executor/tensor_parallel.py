@@ -12,55 +12,46 @@ cache; what the old group held is gone, and the engine must forget the requests 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 
-from blockdiff.config import ModelConfig
-from blockdiff.engine.kv_cache import CacheConfig
-from blockdiff.engine.model_runner import ModelRunner, StepOutput, StepPlan
-from blockdiff.model.diffusion_gemma import DiffusionGemma
+from blockdiff.config import EngineConfig, ModelConfig
 from blockdiff.model.loader import load_model
-from blockdiff.parallel.group import CommCounter, TPGroup
+from blockdiff.model.registry import model_class
+from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.ranks import RankContext, RankProcesses, WorkerError, WorkerLost
+from blockdiff.step import CacheConfig, StepOutput, StepPlan
+from blockdiff.worker.kv_cache import size_cache
+from blockdiff.worker.model_runner import ModelRunner
 
 
 class TPExecutor:
-    def __init__(self, cfg, config: ModelConfig, dtype: torch.dtype, device: str, cache_config: Callable):
+    def __init__(self, cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int):
         check_splittable(config, cfg.tensor_parallel_size)
-        self._size, self._device, self._model, self._config, self._dtype = cfg.tensor_parallel_size, device, cfg.model, config, dtype
+        self._cfg, self._config, self._dtype, self._device, self._max_model_len = cfg, config, dtype, device, max_model_len
         self.worker_timeout: float = cfg.worker_timeout
         self.cache_config: CacheConfig | None = None
         self._shut = False
         self._stepping = False  # shutdown() may come from another thread while a step waits on a worker
-        self.ranks = self._start(cache_config)
-        self.last_step_comm = CommCounter()
+        self.ranks = self._start()
 
-    def _start(self, cache_config: Callable | None = None) -> RankProcesses:
-        ranks = RankProcesses(self._size, self._device, step_timeout=datetime.timedelta(seconds=self.worker_timeout))
+    def _start(self) -> RankProcesses:
+        cfg = self._cfg
+        ranks = RankProcesses(cfg.tensor_parallel_size, self._device, step_timeout=datetime.timedelta(seconds=self.worker_timeout))
         try:
-            ranks.run(_load, self._model, self._config, self._dtype, gather=True)
+            ranks.run(_load, cfg.model, self._config, self._dtype, gather=True)
             if self.cache_config is None:
                 # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
-                self.cache_config = cache_config(ranks.context.state["model"])
-            ranks.run(_start_runner, self.cache_config, gather=True)
+                self.cache_config = size_cache(ranks.context.state["model"], cfg, self._max_model_len)
+            ranks.run(_start_runner, self.cache_config, cfg.tune_cpu_heap, gather=True)
         except BaseException:
             ranks.close(abort=True)
             raise
         return ranks
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
-        counter = self.ranks.context.group.counter
-        counter.reset()
-        self._stepping = True
-        try:
-            with self._lost_on_failure():
-                out = self.ranks.run(_execute, plan)
-        finally:
-            self._stepping = False
-        self.last_step_comm = CommCounter(counter.bytes, counter.calls)
-        return out
+        return self.ranks.run(_execute, plan)
 
     def heartbeat(self, timeout: float) -> None:
         """Raise WorkerLost unless every worker is alive and answers within `timeout` seconds."""
@@ -100,7 +91,7 @@ def check_splittable(config: ModelConfig, size: int) -> None:
     rank 0's model is built on the meta device, which runs every layer's own split rules."""
     try:
         with torch.device("meta"):
-            DiffusionGemma(config, group=TPGroup(rank=0, size=size), dtype=torch.float32)
+            model_class(config)(config, group=TPGroup(rank=0, size=size), dtype=torch.float32)
     except ValueError as e:
         raise ValueError(f"tensor_parallel_size={size}: {e}") from e
 
@@ -109,8 +100,8 @@ def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype) 
     ctx.state["model"] = load_model(path, dtype=dtype, device=ctx.device, group=ctx.group, config=config)
 
 
-def _start_runner(ctx: RankContext, cache: CacheConfig) -> None:
-    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device)
+def _start_runner(ctx: RankContext, cache: CacheConfig, tune_cpu_heap: bool) -> None:
+    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, tune_cpu_heap)
 
 
 def _execute(ctx: RankContext, plan: StepPlan) -> StepOutput | None:

@@ -8,47 +8,27 @@ and rank 0 returns the results.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from blockdiff.diffusion.sampler import DenoiseParams, denoise_step
-from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.diffusion.sampler import denoise_step
 from blockdiff.diffusion.vocab_parallel import VocabParallel
-from blockdiff.engine.cpu_heap import keep_freed_memory
-from blockdiff.engine.kv_cache import CacheConfig, allocate, geometry
-from blockdiff.model.attention import Row, build_metadata
-from blockdiff.model.diffusion_gemma import DiffusionGemma
-
-
-@dataclass
-class StepPlan:
-    rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised
-    encoder_ids: torch.Tensor  # [encoder tokens] int64
-    new_canvas_rows: list[int]  # decoder rows (0-based among decoder rows) that start a canvas
-    new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64
-    denoise: DenoiseParams | None
-    top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
-
-
-@dataclass
-class StepOutput:
-    finished: torch.Tensor  # [decoder rows] bool
-    argmax: torch.Tensor  # [decoder rows, CL]
-    logprob: torch.Tensor | None  # [decoder rows, CL] logprob of each argmax token
-    top_logprobs: torch.Tensor | None  # [decoder rows, CL, k]
-    top_ids: torch.Tensor | None
+from blockdiff.model.attention import build_metadata
+from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
+from blockdiff.step import CacheConfig, StepOutput, StepPlan
+from blockdiff.worker.cpu_heap import keep_freed_memory
+from blockdiff.worker.kv_cache import allocate, geometry
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionGemma, cache: CacheConfig, device: torch.device | str):
+    def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str, tune_cpu_heap: bool = False):
         self.model = model
         self.device = torch.device(device)
-        if self.device.type == "cpu":  # in every process that runs a model, each rank's included
+        if tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
             keep_freed_memory()
         self.cache_config = cache
         self.kv = allocate(model, cache, self.device)
         self.geometry = geometry(model, cache)
+        self.kinds = layer_kinds(model)
         self.vocab = VocabParallel(model.shard, model.group, self.device)
         self.canvas_length = model.config.canvas_length
         s, cl, h = cache.num_slots, self.canvas_length, model.config.hidden_size
@@ -77,7 +57,7 @@ class ModelRunner:
             # soft embeddings (a finished one starts a new canvas next: the scheduler's steps_left).
             if len(plan.new_canvas_rows) < len(dec_rows):
                 soft = self.soft[slots].reshape(-1, self.soft.shape[-1])
-        meta = build_metadata(plan.rows, self.geometry, self.model.kinds, self.device)
+        meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device)
         if meta.num_tokens > ids.shape[0]:
             ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
         logits = self.model(ids, meta, self.kv, soft)
@@ -98,10 +78,7 @@ class ModelRunner:
             if not bool(going.all()):
                 rows = going.nonzero().squeeze(1).to(self.device)
                 probs, total, keep = probs[rows], total[rows], slots[rows]
-            # exp / Σexp are the probabilities: the normalisation rides on the scale, one multiply
-            scale = (self.model.embed_scale / total).unsqueeze(-1)
-            soft_next = soft_embedding(probs.to(self.model.dtype), self.model.embed.weight, scale, self.model.shard, self.model.group)
-            self.soft[keep] = soft_next.to(self.model.dtype)
+            self.soft[keep] = self.model.soft_embed(probs, total)
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:

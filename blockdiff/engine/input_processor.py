@@ -1,0 +1,89 @@
+"""A prompt and its SamplingParams become a validated Request: tokenized, defaults merged, bounds
+checked against this engine, seeded. Nothing invalid reaches the scheduler."""
+
+from __future__ import annotations
+
+import random
+
+from blockdiff.engine.detokenizer import IncrementalDetokenizer
+from blockdiff.engine.request import Request
+from blockdiff.sampling_params import SamplingParams
+from blockdiff.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, defaults: dict, eos_token_ids: tuple[int, ...], vocab_size: int,
+                 canvas_length: int, max_model_len: int, max_steps: int, cache_tokens: int, seed: int):
+        self.tokenizer = tokenizer
+        self.defaults = defaults
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.canvas_length = canvas_length
+        self.max_model_len = max_model_len
+        self.max_steps = max_steps  # the engine's limit on max_denoising_steps
+        self.cache_tokens = cache_tokens  # what the whole KV cache holds
+        # Seeds of requests that bring none: reproducible from the engine seed, in arrival order.
+        self._seeds = random.Random(seed)
+        try:
+            SamplingParams().with_defaults(defaults)
+        except ValueError as e:
+            raise ValueError(f"invalid sampler flags (over the checkpoint's generation_config.json): {e}") from None
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None) -> Request:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass the prompt as a list of token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room for output in max_model_len={self.max_model_len}")
+        params = self.resolve(params, len(ids))
+        need = len(ids) + params.max_tokens
+        if need > self.max_model_len:  # before the per-token checks, which a huge list would make slow
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) = {need} exceeds "
+                f"max_model_len={self.max_model_len}: ask for at most {self.max_model_len - len(ids)}"
+            )
+        self._check_tokens("prompt", ids)
+        for name in ("draft", "stop_token_ids"):
+            self._check_tokens(name, getattr(params, name) or [])
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this checkpoint has none: use stop_token_ids")
+        stops = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output)
+        if req.max_cached_tokens > self.cache_tokens:
+            raise ValueError(f"request needs {req.max_cached_tokens} cached tokens, more than the whole KV cache "
+                             f"({self.cache_tokens})")
+        return req
+
+    def resolve(self, params: SamplingParams | None, prompt_len: int) -> SamplingParams:
+        """`params` with every default filled in, for a prompt of `prompt_len` tokens."""
+        params = params or SamplingParams()
+        defaults = self.defaults
+        if params.max_tokens is None:  # as much as fits, up to the default
+            defaults = {**defaults, "max_tokens": max(1, min(defaults["max_tokens"], self.max_model_len - prompt_len))}
+        params = params.with_defaults(defaults)
+        for name in ("max_denoising_steps", "stability_threshold"):
+            if getattr(params, name) > self.max_steps:
+                raise ValueError(f"{name} must be at most {self.max_steps} (this engine's denoising-steps limit), "
+                                 f"got {getattr(params, name)}")
+        return params
+
+    def cost(self, params: SamplingParams) -> int:
+        """Canvas positions the decoder evaluates for a request at most (resolved params)."""
+        canvases = -(-params.max_tokens // self.canvas_length)
+        return canvases * self.canvas_length * params.max_denoising_steps
+
+    def _check_tokens(self, name: str, ids: list) -> None:
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")

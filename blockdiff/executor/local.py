@@ -1,0 +1,28 @@
+"""The executor of one device: the model and its runner in this process."""
+
+from __future__ import annotations
+
+import torch
+
+from blockdiff.config import EngineConfig, ModelConfig
+from blockdiff.model.loader import load_model
+from blockdiff.parallel.group import TPGroup
+from blockdiff.step import CacheConfig, StepOutput, StepPlan
+from blockdiff.worker.kv_cache import size_cache
+from blockdiff.worker.model_runner import ModelRunner
+
+
+class LocalExecutor:
+    def __init__(self, cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int):
+        model = load_model(cfg.model, dtype=dtype, device=device, group=TPGroup(), config=config)
+        self.cache_config: CacheConfig = size_cache(model, cfg, max_model_len)
+        self.runner = ModelRunner(model, self.cache_config, device, cfg.tune_cpu_heap)
+
+    def execute(self, plan: StepPlan) -> StepOutput | None:
+        return self.runner.execute(plan)
+
+    def heartbeat(self, timeout: float) -> None:
+        """One process: nothing can be lost without the engine noticing."""
+
+    def shutdown(self) -> None:
+        pass

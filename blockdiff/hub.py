@@ -1,0 +1,42 @@
+"""Where a model argument points: the bundled demo checkpoint (none given), a local directory, or a
+Hugging Face Hub id (`org/name`) found in the local Hugging Face cache."""
+
+from __future__ import annotations
+
+import os
+
+_DOWNLOAD_HINT = "download it first with `hf download {repo}{dir_flag}`"
+
+
+def resolve_model(model: str | None, download_dir: str | None = None) -> str:
+    """-> a checkpoint directory. Hub ids are looked up in the cache only (`download_dir`, else
+    HF_HUB_CACHE, else HF_HOME/hub): a server must not stall on a multi-GB download at startup.
+    Raises ValueError for what is neither a directory nor a cached hub id, saying how to get it."""
+    if model is None:
+        from blockdiff.demo import demo_checkpoint
+
+        return demo_checkpoint()
+    if os.path.isdir(model):
+        return model
+    if not _looks_like_repo_id(model):
+        raise ValueError(f"model {model!r} is not a checkpoint directory, nor a Hugging Face id (org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(model, cache_dir=download_dir, local_files_only=True)
+    except LocalEntryNotFoundError:
+        hint = _DOWNLOAD_HINT.format(repo=model, dir_flag=f" --cache-dir {download_dir}" if download_dir else "")
+        raise ValueError(f"model {model!r} is not a local directory and not in the Hugging Face cache "
+                         f"({download_dir or _default_cache()}); {hint}") from None
+
+
+def _looks_like_repo_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+
+
+def _default_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE

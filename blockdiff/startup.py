@@ -1,0 +1,81 @@
+"""Starting an engine from the edges (LLM, the server): device check, thread count, and the
+startup summary a user reads to see what runs with which limits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import torch
+
+from blockdiff.config import EngineConfig, ModelConfig, parse_dtype
+from blockdiff.engine.engine import LLMEngine
+
+log = logging.getLogger("blockdiff")
+
+# Below this hidden size one op's work is too small to split over threads: every op then waits
+# for all threads to be scheduled, and on a busy machine that took the demo model from 0.2 s to
+# 0.65 s per request (docs/quickstart.md, "Threads").
+_SINGLE_THREAD_HIDDEN_SIZE = 512
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()  # before anything here changes it
+_chosen: int | None = None  # the count the last start_engine set (another one was the user's)
+
+
+def check_device(device: str) -> None:
+    """ValueError for a device this torch build cannot run, naming what to use instead."""
+    if device in ("auto", "cpu"):
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        build = "has no CUDA support" if torch.version.cuda is None else "finds no GPU"
+        raise ValueError(f"device {device!r} is not available: this torch {torch.__version__} {build}; "
+                         "use the cpu device (--device cpu)")
+
+
+def choose_threads(cfg: EngineConfig, model_config: ModelConfig) -> tuple[int, str]:
+    """-> torch's intra-op thread count for the engine's processes, and why (for the summary).
+    OMP_NUM_THREADS, when set, always wins."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    if torch.get_num_threads() not in (_TORCH_DEFAULT_THREADS, _chosen):
+        return torch.get_num_threads(), "set by torch.set_num_threads before"
+    if cfg.resolved_device() == "cpu" and model_config.hidden_size < _SINGLE_THREAD_HIDDEN_SIZE:
+        return 1, f"hidden size {model_config.hidden_size} is too small to split ops over threads; set OMP_NUM_THREADS to choose"
+    return _TORCH_DEFAULT_THREADS, "torch's default, one per core; set OMP_NUM_THREADS to choose"
+
+
+def start_engine(cfg: EngineConfig) -> LLMEngine:
+    """Check the device, choose threads, build the engine and log its summary at INFO."""
+    check_device(cfg.device)
+    if not os.path.isdir(cfg.model):
+        raise ValueError(f"model {cfg.model!r} is not a checkpoint directory")
+    global _chosen
+    threads, why = choose_threads(cfg, ModelConfig.from_pretrained(cfg.model))
+    torch.set_num_threads(threads)
+    _chosen = threads
+    # Tensor-parallel workers, started while the engine is built, read the count from their
+    # environment; it is set for that time only, so a later engine in this process chooses afresh.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        engine = LLMEngine(cfg)
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+    for line in summary(engine, f"{threads} ({why})"):
+        log.info("%s", line)
+    return engine
+
+
+def summary(engine: LLMEngine, threads: str) -> list[str]:
+    """The startup summary, one log line each."""
+    cfg, cache = engine.cfg, engine.executor.cache_config
+    dtype = str(parse_dtype(cfg.dtype, engine.model_config)).removeprefix("torch.")
+    return [
+        f"model {cfg.model}: {dtype} on {cfg.resolved_device()}, tensor parallel size {cfg.tensor_parallel_size}",
+        f"threads: {threads}",
+        f"max_model_len {engine.max_model_len}, max_num_seqs {cache.num_slots}, "
+        f"KV cache {cache.num_blocks} blocks x {cache.block_size} = {cache.num_blocks * cache.block_size} tokens",
+    ]

@@ -1,0 +1,38 @@
+"""The contract between the engine and the workers: what one step runs, what it returns, and the
+KV-cache geometry the executor sized. Both sides import this module; it imports neither."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdiff.diffusion.sampler import DenoiseParams
+from blockdiff.model.attention import Row
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    num_slots: int  # requests that can hold cache at once (max_num_seqs)
+    num_blocks: int  # full-attention blocks
+    block_size: int
+    max_model_len: int
+
+
+@dataclass
+class StepPlan:
+    rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised
+    encoder_ids: torch.Tensor  # [encoder tokens] int64
+    new_canvas_rows: list[int]  # decoder rows (0-based among decoder rows) that start a canvas
+    new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64
+    denoise: DenoiseParams | None
+    top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
+
+
+@dataclass
+class StepOutput:
+    finished: torch.Tensor  # [decoder rows] bool
+    argmax: torch.Tensor  # [decoder rows, CL]
+    logprob: torch.Tensor | None  # [decoder rows, CL] logprob of each argmax token
+    top_logprobs: torch.Tensor | None  # [decoder rows, CL, k]
+    top_ids: torch.Tensor | None

@@ -1,0 +1,312 @@
+"""The engine's core parts on their own, without a model: the request state machine, the block
+allocator, the scheduler (admission, chunked prefill, fairness), entropy-bound acceptance, the
+incremental detokenizer and stop checker, and the sampler-field table."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from blockdiff.demo import demo_checkpoint
+from blockdiff.diffusion.sampler import DenoiseParams, denoise_params, entropy_bound_accept
+from blockdiff.engine.block_allocator import BlockAllocator
+from blockdiff.engine.detokenizer import IncrementalDetokenizer
+from blockdiff.engine.request import IllegalTransition, Request, State
+from blockdiff.engine.scheduler import Scheduler
+from blockdiff.entrypoints.args import add_sampling_args, sampling_overrides
+from blockdiff.entrypoints.openai.protocol import CompletionRequest
+from blockdiff.sampling_params import PER_CANVAS_FIELDS, REFERENCE_DEFAULTS, SAMPLER_FIELDS, SamplingParams
+from blockdiff.tokenizer import Tokenizer
+
+CL = 4
+
+
+def _request(rid: str, prompt: int = 3, max_tokens: int = 8, tokenizer=None, **params) -> Request:
+    p = SamplingParams(max_tokens=max_tokens, **params).with_defaults(REFERENCE_DEFAULTS)
+    out = IncrementalDetokenizer(tokenizer, p.max_tokens, {0}, p.stop, False)
+    return Request(rid, None, list(range(1, prompt + 1)), p, CL, 50, 0, out)
+
+
+# ---- the request state machine ------------------------------------------------------------------
+def test_every_legal_transition_and_illegal_ones_raise():
+    req = _request("a", max_tokens=12)
+    with pytest.raises(IllegalTransition):
+        req.to(State.DENOISE)  # a waiting request has no cache to denoise against
+    req.admit(0, (0,))
+    assert req.state == State.PREFILL
+    req.cached(3)  # caught up with its prompt: the first canvas starts
+    assert req.state == State.DENOISE and req.new_canvas is not None and req.steps_left == 48
+    req.denoised(None)
+    assert req.steps_left == 47 and req.metrics.denoising_steps == 1
+    assert req.commit([5, 6, 7, 8], None) is None and req.state == State.COMMIT
+    req.cached(4)
+    assert req.state == State.DENOISE
+    assert req.commit([5, 6, 7, 8], None) is None
+    req.preempt()  # at a canvas boundary
+    assert req.state == State.WAITING and req.slot is None and req.num_cached == 0
+    req.admit(1, (1,))
+    req.cached(req.num_tokens)  # recomputed: prompt and both canvases
+    assert req.num_cached == 11 and req.state == State.DENOISE
+    assert req.commit([5, 6, 7, 8], None) == "length"
+    req.finish("length")
+    assert req.finished and req.state == State.FINISHED
+    for state in State:
+        with pytest.raises(IllegalTransition):
+            req.to(state)
+    with pytest.raises(IllegalTransition):
+        _request("b").preempt()  # only at a canvas boundary
+    waiting = _request("c")
+    waiting.finish("abort")
+    assert waiting.state == State.ABORTED
+
+
+def test_tokens_slices_prompt_and_output_without_joining_them():
+    req = _request("a", prompt=3)
+    req.output.token_ids.extend([10, 11, 12])
+    assert req.tokens(0, 6) == [1, 2, 3, 10, 11, 12]
+    assert req.tokens(2, 5) == [3, 10, 11] and req.tokens(4, 6) == [11, 12] and req.tokens(0, 2) == [1, 2]
+
+
+# ---- the block allocator ------------------------------------------------------------------------
+def test_block_allocator_exhaustion_free_and_double_free():
+    a = BlockAllocator(4, 16)
+    assert a.blocks_for(0) == 0 and a.blocks_for(16) == 1 and a.blocks_for(17) == 2
+    first = a.allocate(40)
+    assert len(first) == 3 and a.used == 3 and not a.can_allocate(17) and a.can_allocate(16)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        a.allocate(17)
+    a.release(first)
+    assert a.used == 0 and a.can_allocate(64)
+    with pytest.raises(RuntimeError, match="released twice"):
+        a.release(first[:1])
+
+
+# ---- the scheduler ------------------------------------------------------------------------------
+def test_admission_is_first_come_first_served_within_slots_and_cache():
+    s = Scheduler(2, BlockAllocator(4, 4), max_prefill_tokens=100, preempt_after=None)
+    big, small, late = _request("big", prompt=7, max_tokens=8), _request("s"), _request("l")
+    for r in (big, small, late):
+        s.add(r)
+    out = s.schedule()
+    # big needs 7 + 4 = 11 tokens (3 blocks of 4), small 3 + 4 (2 blocks): it waits for blocks, not slots.
+    assert [r.request_id for r, _ in out.encoder] == ["big"] and list(s.waiting) == [small, late]
+    assert s.free_slots == [1]
+    big.finish("abort")
+    s.release(big)
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.encoder] == ["s", "l"] and not s.waiting
+
+
+def test_chunked_prefill_shares_the_token_budget():
+    s = Scheduler(3, BlockAllocator(10, 4), max_prefill_tokens=5, preempt_after=None)
+    a, b = _request("a", prompt=4), _request("b", prompt=4)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.encoder] == [("a", 4), ("b", 1)]
+    for r, n in out.encoder:
+        r.cached(n)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.encoder] == [("b", 3)] and out.decoder == [a]
+
+
+def test_a_waiting_request_takes_the_slot_of_one_that_had_its_share():
+    """One slot, held by a long request: at its canvas boundary after `preempt_after` canvases it
+    gives the slot to the waiting request and goes to the back of the queue, with its output kept."""
+    s = Scheduler(1, BlockAllocator(8, 4), max_prefill_tokens=100, preempt_after=2)
+    hog, small = _request("hog", max_tokens=24), _request("small")
+    s.add(hog)
+    s.schedule()
+    hog.cached(3)
+    s.add(small)
+    for canvas in range(2):
+        assert s.schedule().decoder == [hog]
+        hog.commit([7] * CL, None)
+        out = s.schedule()
+        if canvas == 0:  # one canvas is not its share yet: it commits
+            assert [r for r, _ in out.encoder] == [hog] and not out.preempted
+            hog.cached(CL)
+    assert out.preempted == [hog] and hog.state == State.WAITING and list(s.waiting) == [hog]
+    assert [r for r, _ in out.encoder] == [small] and small.slot == 0
+    assert hog.output.token_ids == [7] * 8 and hog.metrics.preemptions == 1
+    small.cached(3)
+    small.commit([0] + [7] * (CL - 1), None)  # EOS: done
+    small.finish("stop")
+    s.release(small)
+    out = s.schedule()
+    # Readmitted: the prompt and both canvases are recomputed in one prefill row.
+    assert [(r, n) for r, n in out.encoder] == [(hog, 11)]
+
+
+def test_no_preemption_without_a_waiting_request_or_when_disabled():
+    for preempt_after, waiting in ((1, False), (None, True)):
+        s = Scheduler(1, BlockAllocator(8, 4), max_prefill_tokens=100, preempt_after=preempt_after)
+        hog = _request("hog", max_tokens=24)
+        s.add(hog)
+        s.schedule()
+        hog.cached(3)
+        if waiting:
+            s.add(_request("small"))
+        s.schedule()
+        hog.commit([7] * CL, None)
+        out = s.schedule()
+        assert not out.preempted and [r for r, _ in out.encoder] == [hog]
+
+
+# ---- entropy-bound acceptance -------------------------------------------------------------------
+@pytest.mark.parametrize("entropy,bound,want", [
+    ([0.3, 0.3, 0.3, 0.3], 0.65, [True, True, True, False]),  # all equal: ties keep their order
+    ([0.0, 0.0, 0.0], 0.0, [True, True, True]),  # zeros are always accepted
+    ([0.5, 0.1, 0.2], 0.0, [False, True, False]),  # bound 0: the lowest entropy alone
+    ([5.0, 1.0, 9.0], float("inf"), [True, True, True]),  # no bound: everything
+    ([0.2, 0.05, 0.1], 0.15, [True, True, True]),  # Σ before the last (0.05 + 0.1) <= bound
+    ([0.2, 0.05, 0.1], 0.1, [False, True, True]),
+])
+def test_entropy_bound_accept(entropy, bound, want):
+    got = entropy_bound_accept(torch.tensor([entropy]), torch.tensor([bound]))
+    assert got.tolist() == [want]
+
+
+# ---- the incremental detokenizer and stop checker -----------------------------------------------
+def _byte_tokenizer() -> Tokenizer:
+    """A byte-fallback BPE: characters outside the vocabulary become one token per UTF-8 byte."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for char in "▁abcdefghijklmnopqrstuvwxyz":
+        vocab[char] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return Tokenizer(tok, {}, None)
+
+
+def _feed(det: IncrementalDetokenizer, ids: list[int], cuts: list[int]) -> tuple[list[str], str | None]:
+    """Canvases ids[a:b] for consecutive cuts; -> the final text after each, and the finish reason."""
+    seen, reason, start = [], None, 0
+    for end in [*cuts, len(ids)]:
+        reason = det.append(ids[start:end])
+        seen.append(det.text)
+        start = end
+        if reason:
+            break
+    return seen, reason
+
+
+def _random_outputs(tok: Tokenizer, rng: random.Random) -> list[int]:
+    if tok.vocab_size > 300:  # the demo tokenizer: any ids
+        return [rng.randrange(1, tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+    # Byte fallback: text with multi-byte characters (random bytes need not be UTF-8 at all).
+    words = [" the", " a", "b", "é", " 日本", "ß", " end", "😀", " stop"]
+    return tok.encode("".join(rng.choice(words) for _ in range(rng.randrange(1, 15))), add_special_tokens=False)
+
+
+def test_incremental_text_equals_decoding_the_whole_output():
+    for tok in (Tokenizer.from_pretrained(demo_checkpoint()), _byte_tokenizer()):
+        rng = random.Random(0)
+        for _ in range(40):
+            ids = _random_outputs(tok, rng)
+            cuts = sorted(rng.sample(range(1, len(ids)), min(len(ids) - 1, rng.randrange(0, 5)))) if len(ids) > 1 else []
+            det = IncrementalDetokenizer(tok, len(ids), set(), None, False)  # the last canvas ends it
+            seen, reason = _feed(det, ids, cuts)
+            assert reason == "length" and det.text == tok.decode(ids), (ids, cuts)
+            assert all(tok.decode(ids).startswith(t) for t in seen)  # text once given is never taken back
+
+
+def test_a_character_split_across_canvases_waits_for_its_last_byte():
+    tok = _byte_tokenizer()
+    ids = tok.encode("a é b", add_special_tokens=False)
+    second = ids.index(tok._tok.token_to_id("<0xA9>"))  # é is <0xC3> <0xA9>
+    det = IncrementalDetokenizer(tok, len(ids), set(), None, False)
+    assert det.append(ids[:second]) is None  # the canvas ends between é's two bytes
+    assert "\ufffd" not in det.text and det.text == "a "
+    assert det.append(ids[second:]) == "length" and det.text == "a é b"
+
+
+def test_a_stop_string_split_across_canvases_cuts_text_and_tokens():
+    tok = _byte_tokenizer()
+    ids = tok.encode("a stop the end", add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, 100, set(), ["op the"], False)
+    split = 6  # "▁a▁sto" | "p▁the▁end"
+    assert det.append(ids[:split]) is None and det.text + det.pending == "a sto"
+    assert "o" not in det.text  # the tail a stop string may cut is held back
+    assert det.append(ids[split:]) == "stop" and det.text == "a st"
+    # The fewest tokens whose text reaches the end of the stop string are kept: "▁a▁stop▁the".
+    assert det.token_ids == ids[:11]
+
+
+def test_a_stop_token_inside_a_canvas_ends_the_output_and_its_text_is_left_out():
+    tok = _byte_tokenizer()
+    stop_id = tok._tok.token_to_id("z")
+    ids = tok.encode("a the", add_special_tokens=False) + [stop_id] + tok.encode(" b", add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, 100, {stop_id}, None, True)
+    reason = det.append(ids, logprobs=[f"lp{i}" for i in range(len(ids))])
+    assert reason == "stop" and det.token_ids == ids[: ids.index(stop_id) + 1]
+    assert det.text == "a the" and det.ends_with_stop_token and len(det.logprobs) == len(det.token_ids)
+
+
+def test_max_tokens_cuts_a_canvas():
+    det = IncrementalDetokenizer(None, 6, set(), None, False)
+    assert det.append([1, 2, 3, 4]) is None and det.append([5, 6, 7, 8]) == "length"
+    assert det.token_ids == [1, 2, 3, 4, 5, 6]
+
+
+# ---- one table of sampler fields ----------------------------------------------------------------
+def test_every_surface_is_built_from_the_sampler_field_table():
+    """SamplingParams, the OpenAI extra body, the CLI flags and DenoiseParams all carry every
+    per-canvas field of SAMPLER_FIELDS: adding a field there adds it everywhere."""
+    names = {f.name for f in SAMPLER_FIELDS}
+    assert names <= set(SamplingParams.__dataclass_fields__)
+    assert {f.name for f in PER_CANVAS_FIELDS} <= set(CompletionRequest.model_fields)
+    assert {f.name for f in PER_CANVAS_FIELDS} <= set(DenoiseParams.__dataclass_fields__)
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    args = parser.parse_args([arg for f in SAMPLER_FIELDS for arg in ("--" + f.name.replace("_", "-"), str(f.default))])
+    assert sampling_overrides(args) == REFERENCE_DEFAULTS
+    params = SamplingParams().with_defaults(REFERENCE_DEFAULTS)
+    d = denoise_params([3], [params], torch.zeros(1, CL), torch.zeros(1, CL, dtype=torch.long))
+    for f in PER_CANVAS_FIELDS:
+        assert getattr(d, f.name).dtype == getattr(torch, f.dtype) and getattr(d, f.name).item() == pytest.approx(f.default)
+
+
+@pytest.mark.parametrize("values,field", [
+    ({"stability_threshold": 2**63}, "stability_threshold"),  # once an overflow inside the engine
+    ({"max_denoising_steps": 2**31}, "max_denoising_steps"),
+    ({"t_max": 3.5e38}, "t_max"),
+    ({"entropy_bound": float("nan")}, "entropy_bound"),
+    ({"confidence_threshold": 1e39}, "confidence_threshold"),
+])
+def test_values_outside_their_dtype_are_refused(values, field):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SamplingParams(**values)
+
+
+@pytest.mark.parametrize("values,field", [
+    ({"temperature": 1e-300}, "temperature"),
+    ({"temperature": 1e300}, "temperature"),
+    ({"t_min": 0.0, "t_max": 1e-46}, "t_min"),
+    ({"t_min": 0.0, "t_max": 1e-19, "max_denoising_steps": 48}, "t_min"),
+])
+def test_schedules_that_would_divide_by_a_subnormal_are_refused(values, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**values).with_defaults(REFERENCE_DEFAULTS)
+
+
+def test_the_lowest_accepted_temperature_gives_finite_sampler_output():
+    """At the floor the sampler still yields finite entropies and valid tokens (no NaN)."""
+    from blockdiff.diffusion.sampler import denoise_step
+    from blockdiff.diffusion.vocab_parallel import VocabParallel
+    from blockdiff.parallel.group import TPGroup
+    from blockdiff.parallel.vocab import VocabShard
+
+    params = SamplingParams(t_min=0.0, t_max=2e-20 * 48 * 1.01, max_denoising_steps=48).with_defaults(REFERENCE_DEFAULTS)
+    logits = (torch.rand(2, CL, 37) * 60 - 30)
+    d = denoise_params([1, 1], [params, params], torch.rand(2, CL), torch.zeros(2, CL, dtype=torch.long))
+    res = denoise_step(logits.clone(), torch.full((2, CL), -1), torch.zeros(2, dtype=torch.long), d,
+                       VocabParallel(VocabShard.make(0, 1, 37), TPGroup()))
+    assert torch.isfinite(res.entropy).all() and torch.equal(res.argmax, logits.argmax(-1))
+    assert ((res.canvas >= 0) & (res.canvas < 37)).all()

@@ -1,0 +1,84 @@
+"""Fair scheduling: a request that finds every slot held still starts within a bounded number of
+steps (docs/server.md, "Fairness"), and preemption changes no output."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from blockdiff import LLM, SamplingParams
+from server_process import ServerProcess
+
+GREEDY = dict(t_min=1e-6, t_max=2e-6)
+
+
+def _hog(steps: int, max_tokens: int) -> SamplingParams:
+    # ignore_eos and a stability threshold no canvas reaches: every canvas takes all its steps
+    return SamplingParams(max_tokens=max_tokens, max_denoising_steps=steps, stability_threshold=steps, ignore_eos=True,
+                          seed=1, **GREEDY)
+
+
+def test_preemption_lets_a_waiting_request_in_and_changes_no_output(tiny):
+    """One slot, held by a long request: a short one arriving later finishes first, within the bound,
+    and the long one, preempted and recomputed, commits the same tokens as alone."""
+    steps, canvas = 6, 8
+    with LLM(tiny, max_num_seqs=1, preempt_after_canvases=1) as llm:
+        [alone] = llm.generate([5, 6, 7], _hog(steps, 6 * canvas), use_tqdm=False)
+        engine = llm.engine
+        hog = engine.add_request([5, 6, 7], _hog(steps, 6 * canvas))
+        engine.step()  # the hog is admitted and prefilled
+        small = engine.add_request([8, 9], SamplingParams(max_tokens=canvas, max_denoising_steps=steps, **GREEDY))
+        waited = 0
+        while not small.finished:
+            engine.step()
+            waited += 1
+        # The hog's canvas (steps), then the small request's prefill and canvas (1 + steps).
+        assert waited <= steps + 1 + steps
+        assert not hog.finished and hog.metrics.preemptions == 1
+        while engine.has_unfinished():
+            engine.step()
+        assert hog.output.token_ids == alone.token_ids and hog.finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    proc = ServerProcess(tiny, "--max-num-seqs", "2", "--preempt-after-canvases", "2", "--max-model-len", "256",
+                         log_path=str(tmp_path_factory.mktemp("fair") / "server.log"))
+    yield proc
+    proc.close()
+
+
+def test_a_small_request_completes_while_one_client_holds_every_slot(server):
+    """A client holding both slots with the largest requests the server allows (the steps limit,
+    a threshold never reached, no EOS) cannot keep a small request out for more than the bound in
+    docs/server.md: preempt_after x (steps limit + 1) steps, then the small request's own."""
+    limit = 48  # the tiny checkpoint: max(4 x canvas length 8, the default 48 steps)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    hog_done = threading.Event()
+
+    def hog():
+        client.completions.create(model=server_model(server), prompt=[5, 6, 7], n=2, max_tokens=40, seed=0,
+                                  extra_body={"max_denoising_steps": limit, "stability_threshold": limit, "ignore_eos": True})
+        hog_done.set()
+
+    thread = threading.Thread(target=hog, daemon=True)
+    thread.start()
+    while server.metrics()["blockdiff_requests_running"] < 2:
+        pass
+    before = server.metrics()["blockdiff_step_duration_seconds_count"]
+    r = client.chat.completions.create(model=server_model(server), messages=[{"role": "user", "content": "sort: 2 1"}],
+                                       max_tokens=8, extra_body={"max_denoising_steps": 8})
+    steps = server.metrics()["blockdiff_step_duration_seconds_count"] - before
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert not hog_done.is_set()  # the hog still holds its work: the small request did not wait it out
+    # The bound, plus the steps the hog runs while the response and the scrape travel (a few).
+    assert steps <= 2 * (limit + 1) + 1 + 8 + 20, steps
+    thread.join(300)
+    assert hog_done.is_set()
+
+
+def server_model(server: ServerProcess) -> str:
+    return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]

@@ -1,0 +1,60 @@
+"""Prompt text is never lost silently: characters the tokenizer lacks are logged with the request id,
+and an empty prompt is refused in every form (text, ids; server and offline alike)."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+from blockdiff import LLM, SamplingParams
+
+UNENCODABLE = "upper: 中文😀"
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    proc = ServerProcess(None, "--max-model-len", "64", log_path=str(tmp_path_factory.mktemp("demo") / "server.log"))
+    yield proc
+    proc.close()
+
+
+def test_unencodable_text_is_answered_with_a_warning_naming_the_request(demo_server):
+    client = openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused")
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": UNENCODABLE}], max_tokens=8)
+    done = client.completions.create(model="demo", prompt="héllo", max_tokens=8)
+    plain = client.completions.create(model="demo", prompt="hello", max_tokens=8)
+    log = demo_server.log()
+    assert f"request {chat.id}: the tokenizer has no token for 3 character(s) '中文😀'" in log
+    assert f"request {done.id}: the tokenizer has no token for 1 character(s) 'é'" in log
+    assert f"request {plain.id}" not in log
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]]], ids=["text", "ids", "list-of-text", "list-of-ids"])
+def test_empty_prompt_is_refused_in_every_form(demo_server, prompt):
+    r = httpx.post(demo_server.url + "/v1/completions", json={"model": "demo", "prompt": prompt}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "prompt is empty" and r.json()["error"]["param"] == "prompt"
+
+
+def test_oversized_max_tokens_names_max_tokens(demo_server):
+    for field, endpoint, body in [("max_tokens", "completions", {"prompt": "hi"}),
+                                  ("max_completion_tokens", "chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+        r = httpx.post(f"{demo_server.url}/v1/{endpoint}", json={"model": "demo", field: 100, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert f"{field} (100) + prompt" in r.json()["error"]["message"]
+
+
+def test_offline_api_warns_and_refuses_alike(caplog):
+    with LLM(max_model_len=64) as llm:
+        with caplog.at_level(logging.WARNING, logger="blockdiff"):
+            out = llm.chat([{"role": "user", "content": UNENCODABLE}], SamplingParams(max_tokens=8), use_tqdm=False)
+        assert out[0].finish_reason in ("stop", "length")
+        assert "conversation 0: the tokenizer has no token for 3 character(s) '中文😀'" in caplog.text
+        for empty in ("", [[]], ["hi", ""]):
+            with pytest.raises(ValueError, match="prompt is empty"):
+                llm.generate(empty, use_tqdm=False)
+        assert not llm.engine.has_unfinished()  # nothing of a refused batch was left behind
