@@ -51,7 +51,12 @@ class TPExecutor:
         return ranks
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
-        return self.ranks.run(_execute, plan)
+        self._stepping = True
+        try:
+            with self._lost_on_failure():
+                return self.ranks.run(_execute, plan)
+        finally:
+            self._stepping = False
 
     def heartbeat(self, timeout: float) -> None:
         """Raise WorkerLost unless every worker is alive and answers within `timeout` seconds."""
