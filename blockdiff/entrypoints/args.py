@@ -85,7 +85,6 @@ _REFUSED_VLLM_FLAGS = [
     (("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not implemented; use --tensor-parallel-size"),
     (("--quantization", "-q"), "quantized checkpoints are not implemented; use --dtype"),
     (("--kv-cache-dtype",), "the KV cache is kept in the model's dtype"),
-    (("--enable-prefix-caching",), "prompts are not shared between requests' KV caches"),
     (("--speculative-config",), "there is no speculative decoding; canvases are denoised in parallel already"),
 ]
 
@@ -122,6 +121,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "request at its next canvas boundary, and is recomputed later")
     p.add_argument("--no-preemption", dest="preempt_after_canvases", action="store_const", const=None,
                    help="never preempt: requests wait first-come first-served")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.enable_prefix_caching,
+                   help="reuse the KV cache of full blocks of a prefix that an earlier request computed")
     vllm = p.add_argument_group("vLLM flags without meaning here (docs/server.md, 'vLLM flags')")
     for flag, kind, reason in _ACCEPTED_VLLM_FLAGS:
         if kind is None:
@@ -159,6 +161,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         max_denoising_steps_limit=args.max_denoising_steps_limit,
         preempt_after_canvases=args.preempt_after_canvases,
+        enable_prefix_caching=args.enable_prefix_caching,
         tune_cpu_heap=True,  # a process that only runs blockdiff: its heap is ours to tune
     )
 
