@@ -95,6 +95,11 @@ class ModelConfig:
     def sliding_window(self) -> int | None:
         return next((layer.window for layer in self.layers if layer.sliding), None)
 
+    def window_past(self, max_model_len: int) -> int:
+        """Cached positions a sliding layer reads: the window's past, or the whole sequence if shorter."""
+        window = self.sliding_window
+        return max(1, min(window - 1, max_model_len)) if window else 1
+
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
         return cls.from_dict(read_config_json(path))
@@ -281,6 +286,9 @@ class EngineConfig:
     # A running request that has committed this many canvases since it was admitted gives its slot
     # to a waiting request at its next canvas boundary (and is recomputed later); None: never.
     preempt_after_canvases: int | None = 4
+    # Full blocks of committed tokens stay cached and are reused by requests that share the prefix
+    # (engine/kv_cache_manager.py).
+    enable_prefix_caching: bool = True
     tune_cpu_heap: bool = False  # see worker/cpu_heap.py: a process-wide glibc setting
     worker_timeout: float = 60.0  # seconds a tensor-parallel worker may stay silent before it counts as lost
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),

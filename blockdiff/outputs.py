@@ -27,6 +27,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     draft_token_ids: list[int] | None = None  # latest argmax canvas, when drafts are streamed
     error: str | None = None  # why the request failed (finish_reason "error")
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     def to_dict(self) -> dict:
         return asdict(self)

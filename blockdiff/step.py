@@ -17,6 +17,11 @@ class CacheConfig:
     num_blocks: int  # full-attention blocks
     block_size: int
     max_model_len: int
+    num_sliding_blocks: int | None = None  # sliding-layer blocks; None: as many as full ones
+
+    @property
+    def sliding_blocks(self) -> int:
+        return self.num_blocks if self.num_sliding_blocks is None else self.num_sliding_blocks
 
 
 @dataclass

@@ -60,7 +60,7 @@ def test_failed_step_fails_its_requests_and_serving_goes_on(engine, monkeypatch)
         assert [out.finish_reason async for _, out in again if out.finished] == ["length"]
         await async_engine.stop()
         assert not engine.requests and engine.num_waiting == engine.num_running == 0
-        assert engine.allocator.used == 0 and sorted(engine.scheduler.free_slots) == [0, 1]
+        assert engine.kv.full.used == 0 and sorted(engine.scheduler.free_slots) == [0, 1]
 
     asyncio.run(main())
 
@@ -82,7 +82,7 @@ def test_abort_frees_running_and_waiting_requests(engine):
                 break
             await asyncio.sleep(0.01)
         assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
-        assert engine.allocator.used == 0 and sorted(engine.scheduler.free_slots) == [0, 1]
+        assert engine.kv.full.used == 0 and sorted(engine.scheduler.free_slots) == [0, 1]
         await async_engine.stop()
 
     asyncio.run(main())

@@ -14,8 +14,9 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from blockdiff.demo import demo_checkpoint
 from blockdiff.diffusion.sampler import DenoiseParams, denoise_params, entropy_bound_accept
-from blockdiff.engine.block_allocator import BlockAllocator
+from blockdiff.engine.block_allocator import BlockPool, block_keys
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
+from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.request import IllegalTransition, Request, State
 from blockdiff.engine.scheduler import Scheduler
 from blockdiff.entrypoints.args import add_sampling_args, sampling_overrides
@@ -37,7 +38,7 @@ def test_every_legal_transition_and_illegal_ones_raise():
     req = _request("a", max_tokens=12)
     with pytest.raises(IllegalTransition):
         req.to(State.DENOISE)  # a waiting request has no cache to denoise against
-    req.admit(0, (0,))
+    req.admit(0, 0)
     assert req.state == State.PREFILL
     req.cached(3)  # caught up with its prompt: the first canvas starts
     assert req.state == State.DENOISE and req.new_canvas is not None and req.steps_left == 48
@@ -49,7 +50,7 @@ def test_every_legal_transition_and_illegal_ones_raise():
     assert req.commit([5, 6, 7, 8], None) is None
     req.preempt()  # at a canvas boundary
     assert req.state == State.WAITING and req.slot is None and req.num_cached == 0
-    req.admit(1, (1,))
+    req.admit(1, 0)
     req.cached(req.num_tokens)  # recomputed: prompt and both canvases
     assert req.num_cached == 11 and req.state == State.DENOISE
     assert req.commit([5, 6, 7, 8], None) == "length"
@@ -59,7 +60,7 @@ def test_every_legal_transition_and_illegal_ones_raise():
         with pytest.raises(IllegalTransition):
             req.to(state)
     with pytest.raises(IllegalTransition):
-        _request("b").preempt()  # only at a canvas boundary
+        _request("b").preempt()  # only an admitted request
     waiting = _request("c")
     waiting.finish("abort")
     assert waiting.state == State.ABORTED
@@ -72,57 +73,187 @@ def test_tokens_slices_prompt_and_output_without_joining_them():
     assert req.tokens(2, 5) == [3, 10, 11] and req.tokens(4, 6) == [11, 12] and req.tokens(0, 2) == [1, 2]
 
 
-# ---- the block allocator ------------------------------------------------------------------------
-def test_block_allocator_exhaustion_free_and_double_free():
-    a = BlockAllocator(4, 16)
+# ---- the block pool ----------------------------------------------------------------------------
+def test_block_pool_exhaustion_free_and_double_free():
+    a = BlockPool(4, 16)
     assert a.blocks_for(0) == 0 and a.blocks_for(16) == 1 and a.blocks_for(17) == 2
-    first = a.allocate(40)
-    assert len(first) == 3 and a.used == 3 and not a.can_allocate(17) and a.can_allocate(16)
+    first = a.allocate(3)
+    assert len(set(first)) == 3 and a.used == 3 and a.num_free == 1
     with pytest.raises(RuntimeError, match="exhausted"):
-        a.allocate(17)
-    a.release(first)
-    assert a.used == 0 and a.can_allocate(64)
+        a.allocate(2)
+    a.free(first)
+    assert a.used == 0 and a.num_free == 4
     with pytest.raises(RuntimeError, match="released twice"):
-        a.release(first[:1])
+        a.free(first[:1])
+
+
+def test_block_hashes_chain_and_shared_blocks_are_counted():
+    keys = block_keys(list(range(10)), 4)
+    assert len(keys) == 2 and keys[0][0] == (None, (0, 1, 2, 3)) and keys[1][0] == (keys[0][1], (4, 5, 6, 7))
+    # The same tokens after a different parent are another block.
+    assert block_keys([9, 9, 9, 9, 4, 5, 6, 7], 4)[1][1] != keys[1][1]
+    pool = BlockPool(3, 4)
+    [b] = pool.allocate(1)
+    pool.register(b, keys[0][0])
+    pool.share(b)  # a second request reuses it
+    pool.free([b])
+    assert pool.refs[b] == 1 and pool.num_free == 2  # still held by one
+    pool.free([b])
+    assert pool.lookup(keys[0][0]) == b and pool.num_free == 3  # free, but still cached
+    pool.share(b)  # a hit takes it back out of the free queue
+    assert pool.num_free == 2 and pool.refs[b] == 1
+    off = BlockPool(3, 4, caching=False)
+    off.register(0, keys[0][0])
+    assert off.lookup(keys[0][0]) is None
+
+
+def test_free_cached_blocks_are_evicted_last_and_least_recently_freed_first():
+    pool = BlockPool(4, 4)
+    blocks = pool.allocate(4)
+    for i, b in enumerate(blocks[:3]):
+        pool.register(b, (None, (i,) * 4))
+    pool.free([blocks[1]])
+    pool.free([blocks[0]])
+    pool.free([blocks[3]])  # holds no full block: handed out before any cached one
+    pool.free([blocks[2]])
+    assert pool.allocate(1) == [blocks[3]] and pool.lookup((None, (1,) * 4)) == blocks[1]
+    assert pool.allocate(1) == [blocks[1]]  # the least recently freed cached block goes first
+    assert pool.lookup((None, (1,) * 4)) is None and pool.lookup((None, (0,) * 4)) == blocks[0]
+    assert pool.allocate(2) == [blocks[0], blocks[2]] and not pool.cached
 
 
 # ---- the scheduler ------------------------------------------------------------------------------
-def test_admission_is_first_come_first_served_within_slots_and_cache():
-    s = Scheduler(2, BlockAllocator(4, 4), max_prefill_tokens=100, preempt_after=None)
+def _scheduler(slots: int, blocks: int, bs: int = 4, past: int = 100, sliding: int = 100, caching: bool = True,
+               max_prefill_tokens: int = 100, preempt_after: int | None = None) -> Scheduler:
+    kv = KVCacheManager(BlockPool(blocks, bs, caching), BlockPool(sliding, bs, caching), past)
+    return Scheduler(slots, kv, max_prefill_tokens=max_prefill_tokens, preempt_after=preempt_after)
+
+
+def _ids(out) -> list[str]:
+    return [r.request_id for r, _ in out.encoder]
+
+
+def test_admission_takes_what_a_request_needs_now_first_come_first_served():
+    s = _scheduler(3, 4)
     big, small, late = _request("big", prompt=7, max_tokens=8), _request("s"), _request("l")
     for r in (big, small, late):
         s.add(r)
     out = s.schedule()
-    # big needs 7 + 4 = 11 tokens (3 blocks of 4), small 3 + 4 (2 blocks): it waits for blocks, not slots.
-    assert [r.request_id for r, _ in out.encoder] == ["big"] and list(s.waiting) == [small, late]
-    assert s.free_slots == [1]
-    big.finish("abort")
-    s.release(big)
+    # big's prompt takes 2 blocks of 4 now, the others 1 each: all three run, though big alone
+    # could commit 7 + 4 tokens (3 blocks) in the end.
+    assert _ids(out) == ["big", "s", "l"] and not s.waiting and s.kv.full.num_free == 0
+    assert big.blocks and len(big.blocks) == 2
+
+
+def test_exhausted_blocks_preempt_the_newest_request_which_is_recomputed_later():
+    s = _scheduler(3, 4)
+    big, small, late = _request("big", prompt=7, max_tokens=12), _request("s"), _request("l")
+    for r in (big, small, late):
+        s.add(r)
     out = s.schedule()
-    assert [r.request_id for r, _ in out.encoder] == ["s", "l"] and not s.waiting
+    for r, n in out.encoder:
+        s.cached(r, n)
+    assert s.schedule().decoder == [big, small, late]
+    late.denoised(None)  # late is mid-canvas: preempting it rewinds its random stream
+    big.commit([7] * CL, None)  # positions 7..10: a third block, and none is free
+    first_canvas = late.canvas_rng_state
+    out = s.schedule()
+    assert out.preempted == [late] and late.state == State.WAITING and late.metrics.preemptions == 1
+    assert _ids(out) == ["big"] and out.decoder == [small] and list(s.waiting) == [late]
+    assert torch.equal(late.generator.get_state(), first_canvas) and late.blocks == [] and s.num_preemptions == 1
+    s.cached(big, CL)
+    small.finish("abort")
+    s.release(small)
+    out = s.schedule()  # small's block lets late in again, from its prompt
+    assert out.decoder == [big] and [(r.request_id, n) for r, n in out.encoder] == [("l", 3)]
+    assert s.kv.full.used == 4
+
+
+def test_the_newest_request_preempts_itself_when_older_ones_hold_every_block():
+    s = _scheduler(2, 3)
+    a, b = _request("a", prompt=8, max_tokens=12), _request("b", prompt=4, max_tokens=12)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    for r, n in out.encoder:
+        s.cached(r, n)
+    s.schedule()
+    b.commit([7] * CL, None)  # b needs a fourth block; a is older
+    out = s.schedule()
+    assert out.preempted == [b] and out.decoder == [a] and not out.encoder
 
 
 def test_chunked_prefill_shares_the_token_budget():
-    s = Scheduler(3, BlockAllocator(10, 4), max_prefill_tokens=5, preempt_after=None)
+    s = _scheduler(3, 10, max_prefill_tokens=5)
     a, b = _request("a", prompt=4), _request("b", prompt=4)
     s.add(a)
     s.add(b)
     out = s.schedule()
     assert [(r.request_id, n) for r, n in out.encoder] == [("a", 4), ("b", 1)]
     for r, n in out.encoder:
-        r.cached(n)
+        s.cached(r, n)
     out = s.schedule()
     assert [(r.request_id, n) for r, n in out.encoder] == [("b", 3)] and out.decoder == [a]
+
+
+def test_sliding_blocks_out_of_the_window_are_given_back_and_stay_cached():
+    s = _scheduler(1, 10, bs=4, past=3)
+    req = _request("a", prompt=10, max_tokens=8)
+    s.add(req)
+    s.schedule()
+    assert len(req.sliding_blocks) == 3 and s.kv.sliding.used == 3
+    s.cached(req, 10)
+    # Positions 7, 8, 9 are all a query can still reach: block 0 (positions 0-3) and block 1 (4-7)...
+    # block 1 holds position 7, so only block 0 goes.
+    assert req.sliding_blocks[0] == -1 and min(req.sliding_blocks[1:]) >= 0 and s.kv.sliding.used == 2
+    assert s.kv.sliding.lookup((None, (1, 2, 3, 4))) is not None  # freed, still cached for a prefix hit
+    assert len(req.blocks) == 3 and s.kv.full.used == 3  # full layers keep everything
+
+
+def test_a_prefix_hit_reuses_full_blocks_and_the_sliding_blocks_its_window_reaches():
+    s = _scheduler(2, 10, bs=4, past=3)
+    a = _request("a", prompt=10)
+    s.add(a)
+    s.schedule()
+    s.cached(a, 10)
+    b = _request("b", prompt=10)
+    b.prompt_token_ids[9] = 40  # shares 9 tokens with a: the hit ends inside a block, at 8
+    s.add(b)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.encoder] == [("b", 2)] and b.num_cached == 8
+    assert b.blocks[:2] == a.blocks[:2] and b.sliding_blocks[1] == a.sliding_blocks[1] and b.sliding_blocks[0] == -1
+    assert b.num_cached_prompt_tokens == 8 and (s.kv.queries, s.kv.hits) == (20, 8)
+    # Whole prompt cached (a multiple of the block size): the canvas starts at once.
+    c = _request("c", prompt=8)
+    s.release(a)
+    s.add(c)
+    out = s.schedule()
+    assert c.state == State.DENOISE and c in out.decoder and c.num_cached == 8
+
+
+def test_a_hit_needs_the_sliding_blocks_before_its_end():
+    s = _scheduler(2, 10, bs=4, past=3)
+    a = _request("a", prompt=10)
+    s.add(a)
+    s.schedule()
+    s.cached(a, 10)
+    s.release(a)
+    s.kv.sliding.allocate(s.kv.sliding.num_free)  # every cached sliding block is evicted
+    s.kv.sliding.free(list(range(100)))
+    b = _request("b", prompt=10)
+    s.add(b)
+    s.schedule()
+    assert b.num_cached == 0 and s.kv.hits == 0
 
 
 def test_a_waiting_request_takes_the_slot_of_one_that_had_its_share():
     """One slot, held by a long request: at its canvas boundary after `preempt_after` canvases it
     gives the slot to the waiting request and goes to the back of the queue, with its output kept."""
-    s = Scheduler(1, BlockAllocator(8, 4), max_prefill_tokens=100, preempt_after=2)
+    s = _scheduler(1, 8, caching=False, preempt_after=2)
     hog, small = _request("hog", max_tokens=24), _request("small")
     s.add(hog)
     s.schedule()
-    hog.cached(3)
+    s.cached(hog, 3)
     s.add(small)
     for canvas in range(2):
         assert s.schedule().decoder == [hog]
@@ -130,11 +261,11 @@ def test_a_waiting_request_takes_the_slot_of_one_that_had_its_share():
         out = s.schedule()
         if canvas == 0:  # one canvas is not its share yet: it commits
             assert [r for r, _ in out.encoder] == [hog] and not out.preempted
-            hog.cached(CL)
+            s.cached(hog, CL)
     assert out.preempted == [hog] and hog.state == State.WAITING and list(s.waiting) == [hog]
     assert [r for r, _ in out.encoder] == [small] and small.slot == 0
     assert hog.output.token_ids == [7] * 8 and hog.metrics.preemptions == 1
-    small.cached(3)
+    s.cached(small, 3)
     small.commit([0] + [7] * (CL - 1), None)  # EOS: done
     small.finish("stop")
     s.release(small)
@@ -145,11 +276,11 @@ def test_a_waiting_request_takes_the_slot_of_one_that_had_its_share():
 
 def test_no_preemption_without_a_waiting_request_or_when_disabled():
     for preempt_after, waiting in ((1, False), (None, True)):
-        s = Scheduler(1, BlockAllocator(8, 4), max_prefill_tokens=100, preempt_after=preempt_after)
+        s = _scheduler(1, 8, preempt_after=preempt_after)
         hog = _request("hog", max_tokens=24)
         s.add(hog)
         s.schedule()
-        hog.cached(3)
+        s.cached(hog, 3)
         if waiting:
             s.add(_request("small"))
         s.schedule()

@@ -207,7 +207,7 @@ def test_invalid_values_against_the_model(llm):
     # a batch whose second prompt fails leaves nothing behind of its first
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[1, 2], [1, 2, 5000]])
-    assert not llm.engine.has_unfinished() and llm.engine.allocator.used == 0 and not llm.engine.requests
+    assert not llm.engine.has_unfinished() and llm.engine.kv.full.used == 0 and not llm.engine.requests
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(llm.engine.cfg.model, max_model_len=0)
     with pytest.raises(ValueError, match="max_model_len"):

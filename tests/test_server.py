@@ -15,7 +15,8 @@ import pytest
 from server_process import ServerProcess
 
 from blockdiff import LLM, SamplingParams
-from blockdiff.worker.kv_cache import cache_bytes_per_block, ring_bytes_per_slot
+from blockdiff.config import EngineConfig
+from blockdiff.worker.kv_cache import cache_bytes_per_block, sliding_blocks_needed, sliding_bytes_per_block
 from blockdiff.model.loader import load_model
 
 STEPS = 4  # the server's --max-denoising-steps
@@ -29,8 +30,9 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     model = load_model(tiny)
-    ring = min(MAX_MODEL_LEN, model.config.sliding_window - 1)
-    kv_bytes = ring_bytes_per_slot(model, ring) * MAX_NUM_SEQS + cache_bytes_per_block(model, 16) * KV_BLOCKS
+    sliding = sliding_blocks_needed(model.config.window_past(MAX_MODEL_LEN), model.config.canvas_length, 16,
+                                    MAX_NUM_SEQS, EngineConfig.max_prefill_tokens)
+    kv_bytes = sliding_bytes_per_block(model, 16) * sliding + cache_bytes_per_block(model, 16) * KV_BLOCKS
     proc = ServerProcess(
         tiny, "--served-model-name", MODEL, "--api-key", KEY, "--max-denoising-steps", str(STEPS),
         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--kv-cache-memory", str(kv_bytes),
@@ -60,13 +62,15 @@ def _params(**kw) -> SamplingParams:
     return SamplingParams(max_denoising_steps=STEPS, **kw)
 
 
-def _usage(out) -> dict:
-    """The usage the server must report for one offline RequestOutput."""
+def _usage(out, cached: int | None = None) -> dict:
+    """The usage the server must report for one offline RequestOutput (`cached`: the prompt tokens
+    the server found cached, if it served the same prompt before)."""
     m = out.metrics
     return {
         "prompt_tokens": len(out.prompt_token_ids),
         "completion_tokens": len(out.token_ids),
         "total_tokens": len(out.prompt_token_ids) + len(out.token_ids),
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens if cached is None else cached},
         "diffusion": {k: m[k] for k in ("canvases", "denoising_steps", "canvas_positions_evaluated")},
     }
 
@@ -93,6 +97,22 @@ def test_completion_matches_offline(client, offline):
     assert choice.finish_reason == want.finish_reason
     assert r.usage.model_dump(exclude_none=True) == _usage(want)
     assert want.metrics["canvases"] >= 2
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
+    """The second of two requests sharing a 40-token prompt finds its two full blocks of 16 cached:
+    `usage.prompt_tokens_details.cached_tokens` and the prefix-cache counters say so, and the tokens
+    are the same."""
+    prompt = [(7 * i) % 250 + 20 for i in range(40)]
+    before = server.metrics()
+    runs = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=5,
+                                      extra_body={"return_token_ids": True}) for _ in range(2)]
+    after = server.metrics()
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in runs] == [0, 32]
+    assert runs[0].choices[0].token_ids == runs[1].choices[0].token_ids
+    delta = {k: after[k] - before[k] for k in ("blockdiff_prefix_cache_queries_total", "blockdiff_prefix_cache_hits_total")}
+    assert delta == {"blockdiff_prefix_cache_queries_total": 80, "blockdiff_prefix_cache_hits_total": 32}
+    assert "blockdiff_num_preemptions_total" in after
 
 
 def test_completion_stream_one_chunk_per_canvas(client, offline):
@@ -129,7 +149,8 @@ def test_chat_matches_offline(client, offline):
     assert len(content) == want.metrics["canvases"]
     assert "".join(c.choices[0].delta.content for c in content) == want.text
     assert content[-1].choices[0].finish_reason == want.finish_reason
-    assert chunks[-1].usage.model_dump(exclude_none=True) == _usage(want)
+    # The same prompt again: its full blocks of 16 are cached now.
+    assert chunks[-1].usage.model_dump(exclude_none=True) == _usage(want, len(want.prompt_token_ids) // 16 * 16)
 
 
 def test_stream_holds_back_text_a_stop_string_may_cut(client, offline):

@@ -1,40 +1,94 @@
-"""Accounting of full-attention KV cache blocks: which are free, who holds which."""
+"""KV cache blocks of one layer kind: who holds which, and which hold a cached prefix.
+
+A block is held by reference: a request that reuses a cached prefix shares its blocks with the
+requests that computed or reuse them. A block nobody holds is free; if it holds a full block of
+committed tokens it keeps them, under its hash, until it is reused for something else. Free blocks
+are handed out from the front of the free queue: blocks without a hash first, then cached ones in
+least-recently-freed order, so a cached prefix survives as long as memory allows.
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 
-class BlockAllocator:
-    """Free-list of blocks. A request reserves everything it can ever commit when it is admitted,
-    so a running request never waits for memory."""
+# A block's identity: the hash of its parent block (None for the first) and its token ids. Only
+# rank 0's engine hashes (the workers get block tables), so the hashes never cross processes.
+BlockKey = tuple[int | None, tuple[int, ...]]
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.block_size = block_size
+
+def block_keys(tokens: list[int], block_size: int, parent: int | None = None) -> list[tuple[BlockKey, int]]:
+    """(key, hash) of each full block of `tokens`, chained from the block hash `parent`."""
+    out = []
+    for i in range(0, len(tokens) - block_size + 1, block_size):
+        key = (parent, tuple(tokens[i : i + block_size]))
+        parent = hash(key)
+        out.append((key, parent))
+    return out
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True):
         self.num_blocks = num_blocks
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self._held = [False] * num_blocks
+        self.block_size = block_size
+        self.caching = caching
+        self.refs = [0] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached: dict[BlockKey, int] = {}  # key -> block holding it
+        self.key_of: dict[int, BlockKey] = {}
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def can_allocate(self, tokens: int) -> bool:
-        return self.blocks_for(tokens) <= len(self.free)
-
-    def allocate(self, tokens: int) -> tuple[int, ...]:
-        n = self.blocks_for(tokens)
-        if n > len(self.free):
-            raise RuntimeError(f"KV cache exhausted: {n} blocks asked, {len(self.free)} free")
-        blocks = tuple(self.free.pop() for _ in range(n))
-        for b in blocks:
-            self._held[b] = True
-        return blocks
-
-    def release(self, blocks: tuple[int, ...]) -> None:
-        for b in blocks:
-            if not self._held[b]:
-                raise RuntimeError(f"block {b} released twice")
-            self._held[b] = False
-        self.free.extend(reversed(blocks))
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now, cached ones included (they are evicted on demand)."""
+        return len(self.free_queue)
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - len(self.free_queue)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"KV cache exhausted: {n} blocks asked, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self.free_queue.popitem(last=False)
+            key = self.key_of.pop(block, None)
+            if key is not None:  # evicted: its cached tokens are gone
+                del self.cached[key]
+            self.refs[block] = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; blocks nobody holds go back to the free queue. Give a
+        request's blocks last first: then its tail, the least likely to be shared, is evicted first."""
+        for b in blocks:
+            if self.refs[b] <= 0:
+                raise RuntimeError(f"block {b} released twice")
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free_queue[b] = None
+                if b not in self.key_of:  # nothing worth keeping: hand it out before cached blocks
+                    self.free_queue.move_to_end(b, last=False)
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self.cached.get(key) if self.caching else None
+
+    def share(self, block: int) -> None:
+        """Take a reference to a cached block (a prefix hit)."""
+        if self.refs[block] == 0:
+            del self.free_queue[block]
+        self.refs[block] += 1
+
+    def forget(self) -> None:
+        """The blocks' contents are gone (new workers, an empty cache): no block holds a prefix now."""
+        self.cached.clear()
+        self.key_of.clear()
+
+    def register(self, block: int, key: BlockKey) -> None:
+        """`block` now holds the full block `key`; if another block already does, that one stays cached."""
+        if self.caching and key not in self.cached and block not in self.key_of:
+            self.cached[key] = block
+            self.key_of[block] = key

@@ -16,8 +16,9 @@ import torch
 
 from blockdiff.config import EngineConfig, parse_dtype
 from blockdiff.diffusion.sampler import denoise_params
-from blockdiff.engine.block_allocator import BlockAllocator
+from blockdiff.engine.block_allocator import BlockPool
 from blockdiff.engine.input_processor import InputProcessor
+from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
 from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
@@ -55,8 +56,12 @@ class LLMEngine:
         self.executor = make_executor(cfg, self.model_config, parse_dtype(cfg.dtype, self.model_config),
                                       cfg.resolved_device(), self.max_model_len)
         cache = self.executor.cache_config
-        self.allocator = BlockAllocator(cache.num_blocks, cache.block_size)
-        self.scheduler = Scheduler(cache.num_slots, self.allocator, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
+        # A non-causal encoder's K/V of a token depend on the tokens after it in its chunk: nothing to share.
+        caching = cfg.enable_prefix_caching and self.model_config.encoder_causal
+        self.kv = KVCacheManager(BlockPool(cache.num_blocks, cache.block_size, caching),
+                                 BlockPool(cache.sliding_blocks, cache.block_size, caching),
+                                 self.model_config.window_past(self.max_model_len))
+        self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
         self.inputs = InputProcessor(
             self.tokenizer, {**self.defaults, **cfg.sampling_defaults},
             tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids)),
@@ -91,6 +96,8 @@ class LLMEngine:
         lost = [req for req in self.requests.values() if req.slot is not None]
         for req in lost:
             self.abort(req.request_id)
+        for pool in (self.kv.full, self.kv.sliding):  # the prefixes they held are gone too
+            pool.forget()
         return lost
 
     def has_unfinished(self) -> bool:
@@ -126,10 +133,10 @@ class LLMEngine:
         rows, ids = [], []
         for req, n in sched.encoder:
             ids.extend(req.tokens(req.num_cached, req.num_cached + n))
-            rows.append(Row(req.slot, req.num_cached, n, False, req.blocks))
+            rows.append(Row(req.slot, req.num_cached, n, False, tuple(req.blocks), tuple(req.sliding_blocks)))
         new_rows, new_canvases, uniform, renoise = [], [], [], []
         for i, req in enumerate(sched.decoder):
-            rows.append(Row(req.slot, req.num_cached, cl, True, req.blocks))
+            rows.append(Row(req.slot, req.num_cached, cl, True, tuple(req.blocks), tuple(req.sliding_blocks)))
             if req.new_canvas is not None:
                 new_rows.append(i)
                 new_canvases.append(req.new_canvas)
@@ -175,7 +182,7 @@ class LLMEngine:
 
     @property
     def kv_cache_usage(self) -> float:
-        return self.allocator.used / max(1, self.allocator.num_blocks)
+        return self.kv.usage
 
     def shutdown(self) -> None:
         self.executor.shutdown()

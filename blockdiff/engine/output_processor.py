@@ -14,7 +14,7 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     canvas that converged; finished requests are released. -> the requests with news: a committed
     canvas, an end, or (streaming drafts) a new argmax canvas."""
     for req, n in sched.encoder:
-        req.cached(n)
+        scheduler.cached(req, n)
     news = []
     if out is None:
         return news
@@ -75,6 +75,7 @@ def make_output(req: Request) -> RequestOutput | None:
         logprobs=logprobs,
         draft_token_ids=req.draft_token_ids,
         error=req.error,
+        num_cached_tokens=req.num_cached_prompt_tokens,
     )
 
 

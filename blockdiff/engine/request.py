@@ -1,14 +1,17 @@
 """A request and its state machine.
 
     WAITING -> PREFILL -> DENOISE <-> COMMIT -> FINISHED
-                  ^                     |
-                  +------ WAITING <-----+   (preempted at a canvas boundary, recomputed later)
+       ^          |          |            |
+       +----------+----------+------------+   preempted (fairness: at COMMIT; memory: any of the
+                                              three), recomputed from its tokens later
     any live state -> ABORTED; a failed step -> FINISHED ("error")
 
 PREFILL runs the request's uncached tokens through the encoder (the prompt, in chunks; after a
-preemption, the prompt and every committed canvas); DENOISE runs decoder steps on the current
-canvas until it converges; COMMIT runs the finished canvas through the encoder so the next canvas
-can see it. Every transition goes through `to()`, which refuses illegal ones.
+preemption, the prompt and every committed canvas), minus a cached prefix found at admission;
+DENOISE runs decoder steps on the current canvas until it converges; COMMIT runs the finished canvas
+through the encoder so the next canvas can see it. A request preempted while denoising drops its
+canvas and rewinds its random stream to the canvas's start, so that it draws the same canvas and
+steps again. Every transition goes through `to()`, which refuses illegal ones.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ class State(enum.Enum):
 
 _LEGAL = {
     State.WAITING: {State.PREFILL, State.ABORTED},
-    State.PREFILL: {State.DENOISE, State.ABORTED, State.FINISHED},
-    State.DENOISE: {State.COMMIT, State.ABORTED, State.FINISHED},
+    State.PREFILL: {State.DENOISE, State.WAITING, State.ABORTED, State.FINISHED},
+    State.DENOISE: {State.COMMIT, State.WAITING, State.ABORTED, State.FINISHED},
     State.COMMIT: {State.DENOISE, State.WAITING, State.ABORTED, State.FINISHED},
     State.FINISHED: set(),
     State.ABORTED: set(),
@@ -82,8 +85,12 @@ class Request:
     output: IncrementalDetokenizer
     state: State = State.WAITING
     slot: int | None = None
-    blocks: tuple[int, ...] = ()
+    blocks: list[int] = field(default_factory=list)  # full-layer block table (engine/kv_cache_manager.py)
+    sliding_blocks: list[int] = field(default_factory=list)  # sliding-layer block table, -1 out of reach
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered
     num_cached: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    canvas_rng_state: torch.Tensor | None = None  # the generator where the current canvas started
     canvases_since_admitted: int = 0
     steps_left: int = 0  # n of the canvas being denoised
     new_canvas: torch.Tensor | None = None  # the first input of a canvas not yet sent to the workers
@@ -128,14 +135,21 @@ class Request:
         return head + self.output.token_ids[max(start - p, 0) : max(end - p, 0)]
 
     # ---- transitions ------------------------------------------------------------------------
-    def admit(self, slot: int, blocks: tuple[int, ...]) -> None:
+    def admit(self, slot: int, num_cached: int) -> None:
+        """Take a slot with `num_cached` tokens already in the cache (a prefix hit): a hit on every
+        token starts the next canvas at once."""
         self.to(State.PREFILL)
-        self.slot, self.blocks, self.num_cached, self.canvases_since_admitted = slot, blocks, 0, 0
+        self.slot, self.num_cached, self.canvases_since_admitted = slot, 0, 0
+        self.cached(num_cached)
 
     def preempt(self) -> None:
-        """Give up the slot at a canvas boundary; the cache is rebuilt from the tokens on readmission."""
+        """Give up the slot (the scheduler took the blocks back); the cache is rebuilt from the
+        tokens on readmission. A canvas being denoised starts again from the same random numbers."""
+        if self.state == State.DENOISE:
+            self.generator.set_state(self.canvas_rng_state)
+            self.new_canvas = None
         self.to(State.WAITING)
-        self.slot, self.blocks, self.num_cached = None, (), 0
+        self.slot, self.num_cached = None, 0
         self.metrics.preemptions += 1
 
     def cached(self, n: int) -> None:
@@ -148,6 +162,7 @@ class Request:
     def _start_canvas(self) -> None:
         """Canvas k starts from draft[k*CL:(k+1)*CL], noise where the draft runs out."""
         cl = self.canvas_length
+        self.canvas_rng_state = self.generator.get_state()
         canvas = torch.randint(0, self.vocab_size, (cl,), generator=self.generator)
         draft = self.params.draft or []
         chunk = draft[self.metrics.canvases * cl : (self.metrics.canvases + 1) * cl]

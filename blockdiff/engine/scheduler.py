@@ -1,17 +1,19 @@
 """Which requests run this step, and on what resources. The scheduler owns the queues, the slots
-and the cache blocks; it changes a request only to admit or preempt it.
+and, through the KV cache manager, the cache blocks; it changes a request only to admit or preempt it.
 
-Admission is first-come first-served while a slot is free and the KV cache can hold everything the
-request may ever commit. Every step each running request contributes one row: its uncached tokens
+Every step each running request, oldest admission first, contributes one row: its uncached tokens
 (PREFILL: a prompt chunk, at most `max_prefill_tokens` per step across requests; COMMIT: its
-finished canvas) or its canvas being denoised (DENOISE).
+finished canvas) or its canvas being denoised (DENOISE). Blocks are taken as rows need them; when
+the pool runs out, the newest running requests are preempted (in any state) until the row fits, and
+recomputed from their tokens when readmitted, as vLLM v1 does. Then waiting requests are admitted,
+first come first served, while a slot is free and the cache holds their first chunk after the
+prefix they find cached: admission asks for what a request needs now, not its worst case.
 
 Fairness: when the request at the head of the queue cannot be admitted, running requests that have
 committed `preempt_after` canvases since their admission give up their slot and blocks at their
-canvas boundary (COMMIT), oldest admission first, and go to the back of the queue; they are
-recomputed from their tokens when readmitted. A waiting request therefore starts within one canvas
-of some running request: at most the engine's denoising-steps limit plus a commit step, once the
-running requests have had `preempt_after` canvases each.
+canvas boundary (COMMIT), oldest admission first, and go to the back of the queue. A waiting request
+therefore starts within one canvas of some running request: at most the engine's denoising-steps
+limit plus a commit step, once the running requests have had `preempt_after` canvases each.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from blockdiff.engine.block_allocator import BlockAllocator
+from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.request import Request, State
 
 
@@ -31,13 +33,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, allocator: BlockAllocator, max_prefill_tokens: int, preempt_after: int | None):
-        self.allocator = allocator
+    def __init__(self, num_slots: int, kv: KVCacheManager, max_prefill_tokens: int, preempt_after: int | None):
+        self.kv = kv
         self.max_prefill_tokens = max_prefill_tokens
         self.preempt_after = preempt_after
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in order of admission
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -53,52 +56,86 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
 
+    def cached(self, request: Request, n: int) -> None:
+        """n more tokens of `request` went through the encoder."""
+        request.cached(n)
+        self.kv.cached(request)
+
     def _free(self, request: Request) -> None:
         self.free_slots.append(request.slot)
-        self.allocator.release(request.blocks)
+        self.kv.free(request)
 
-    def _admit(self) -> None:
-        while self.waiting and self.free_slots and self.allocator.can_allocate(self.waiting[0].max_cached_tokens):
-            req = self.waiting.popleft()
-            req.admit(self.free_slots.pop(), self.allocator.allocate(req.max_cached_tokens))
-            self.running.append(req)
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._free(req)
+        req.preempt()
+        self.waiting.append(req)
+        self.num_preemptions += 1
+
+    def _fits(self, req: Request) -> bool:
+        return bool(self.free_slots) and self.kv.can_admit(req, self.max_prefill_tokens)
 
     def _preempt_for_waiting(self) -> list[Request]:
         """Make room for the head of the queue from requests at a canvas boundary that had their share."""
         preempted = []
-        if self.preempt_after is None:
+        if self.preempt_after is None or not self.waiting:
             return preempted
+        head = self.waiting[0]
         for req in list(self.running):
-            head = self.waiting[0] if self.waiting else None
-            if head is None or (self.free_slots and self.allocator.can_allocate(head.max_cached_tokens)):
+            if self._fits(head):
                 break
             if req.state != State.COMMIT or req.canvases_since_admitted < self.preempt_after:
                 continue
-            self.running.remove(req)
-            self._free(req)
-            req.preempt()
-            self.waiting.append(req)
+            self._preempt(req)
             preempted.append(req)
         return preempted
 
     def schedule(self) -> SchedulerOutput | None:
         """-> this step's requests, or None if nothing can run."""
-        self._admit()
         preempted = self._preempt_for_waiting()
-        if preempted:
-            self._admit()
+        out_of_memory = False
         encoder, decoder = [], []
         budget = self.max_prefill_tokens
-        for req in self.running:
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
             if req.state == State.DENOISE:
                 decoder.append(req)
-            elif req.state == State.COMMIT:
-                encoder.append((req, req.num_tokens - req.num_cached))
-            elif req.state == State.PREFILL:
+                i += 1
+                continue
+            n = req.num_tokens - req.num_cached
+            if req.state == State.PREFILL:
+                n = min(n, budget)
+                if n == 0:
+                    i += 1
+                    continue
+            while not self.kv.grow(req, req.num_cached + n):  # out of blocks: the newest request goes
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                out_of_memory = True
+                if victim is req:
+                    break
+            if req.state == State.WAITING:  # it was the newest: nothing after it runs either
+                break
+            encoder.append((req, n))
+            if req.state == State.PREFILL:
+                budget -= n
+            i += 1
+        while self.waiting and self.free_slots and not out_of_memory:
+            req = self.waiting[0]
+            hit = self.kv.admit(req, budget)
+            if hit is None:
+                break
+            self.waiting.popleft()
+            req.admit(self.free_slots.pop(), hit)
+            self.running.append(req)
+            if req.state == State.DENOISE:  # everything was cached
+                decoder.append(req)
+            else:
                 n = min(req.num_tokens - req.num_cached, budget)
-                if n > 0:
-                    budget -= n
-                    encoder.append((req, n))
+                encoder.append((req, n))
+                budget -= n
         if not encoder and not decoder:
             return None
         return SchedulerOutput(encoder, decoder, preempted)

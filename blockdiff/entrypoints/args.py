@@ -95,7 +95,6 @@ _REFUSED_VLLM_FLAGS = [
     (("--quantization", "-q"), "the quantization is read from the checkpoint's quantization_config "
                                "(compressed-tensors FP8, docs/fp8.md); there is nothing to choose"),
     (("--kv-cache-dtype",), "the KV cache is kept in the model's dtype"),
-    (("--enable-prefix-caching",), "prompts are not shared between requests' KV caches"),
     (("--speculative-config",), "there is no speculative decoding; canvases are denoised in parallel already"),
 ]
 
@@ -135,6 +134,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--worker-timeout", type=positive_seconds, default=EngineConfig.worker_timeout,
                    help="seconds a tensor-parallel worker may not answer before it counts as lost and the workers "
                         "restart")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.enable_prefix_caching,
+                   help="reuse the KV cache of full blocks of a prefix that an earlier request computed")
     vllm = p.add_argument_group("vLLM flags without meaning here (docs/server.md, 'vLLM flags')")
     for flag, kind, reason in _ACCEPTED_VLLM_FLAGS:
         if kind is None:
@@ -173,6 +175,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         worker_timeout=args.worker_timeout,
         max_denoising_steps_limit=args.max_denoising_steps_limit,
         preempt_after_canvases=args.preempt_after_canvases,
+        enable_prefix_caching=args.enable_prefix_caching,
         tune_cpu_heap=True,  # a process that only runs blockdiff: its heap is ours to tune
     )
 

@@ -207,31 +207,32 @@ def _attend_products(qs, ks, vs, mask: torch.Tensor | None) -> torch.Tensor:
 class Row:
     """One sequence's part of a forward pass."""
 
-    slot: int  # the request's cache slot (sliding-layer ring)
+    slot: int  # the request's slot (per-request denoising state of the worker)
     start: int  # tokens already in the cache = position of the first new token
     length: int  # new tokens: a prompt chunk, a canvas to commit, or a canvas to denoise
     decoder: bool
     blocks: tuple[int, ...] = ()  # full-attention cache blocks of the request, in order
+    # Sliding-layer blocks, in order; -1 where a block is out of every query's window and was
+    # given back. None: the same table as `blocks` (a cache with as many sliding blocks as full ones).
+    sliding_blocks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class CacheGeometry:
     """Where a position of a request lives in the flat cache storage."""
 
-    block_size: int  # full-attention layers: paged blocks
-    ring: int  # sliding layers: a ring of the last `ring` positions per slot (window - 1)
+    block_size: int  # both layer kinds: paged blocks, one block table per kind
+    window_past: int  # sliding layers read the last `window_past` cached positions (window - 1)
     window: int | None  # sliding window, the query itself included
     encoder_causal: bool = True
 
-    def full_index(self, blocks: tuple[int, ...], positions: torch.Tensor) -> torch.Tensor:
+    def block_index(self, blocks: tuple[int, ...], positions: torch.Tensor) -> torch.Tensor:
         table = torch.tensor(blocks, dtype=torch.long)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def ring_index(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
-        return slot * self.ring + positions % self.ring
-
     def index(self, row: Row, positions: torch.Tensor, sliding: bool) -> torch.Tensor:
-        return self.ring_index(row.slot, positions) if sliding else self.full_index(row.blocks, positions)
+        table = row.sliding_blocks if sliding and row.sliding_blocks is not None else row.blocks
+        return self.block_index(table, positions)
 
 
 def build_metadata(
@@ -251,20 +252,20 @@ def build_metadata(
     for sliding in kinds:
         shapes: dict[tuple[bool, int, int], list[int]] = {}
         for i, r in enumerate(rows):
-            cached = min(r.start, geometry.ring) if sliding else r.start
+            cached = min(r.start, geometry.window_past) if sliding else r.start
             shapes.setdefault((r.decoder, r.length, cached), []).append(i)
         groups = [
             _group([rows[i] for i in idx], [starts[i] for i in idx], key, geometry, sliding, device)
             for key, idx in shapes.items()
         ]
+        # Every new position is written, sliding layers' included: a full block of them may be
+        # reused by a later request whose window reaches it (prefix caching).
         src, dst = [], []
         for r, s in zip(rows, starts):
             if r.decoder:
                 continue
-            keep = min(r.length, geometry.ring) if sliding else r.length
-            pos = torch.arange(r.start + r.length - keep, r.start + r.length)
-            src.append(torch.arange(s + r.length - keep, s + r.length))
-            dst.append(geometry.index(r, pos, sliding))
+            src.append(torch.arange(s, s + r.length))
+            dst.append(geometry.index(r, torch.arange(r.start, r.start + r.length), sliding))
         write_src = torch.cat(src).to(device) if src else None
         write_dst = torch.cat(dst).to(device) if dst else None
         kind = KindMetadata(groups, write_src, write_dst)

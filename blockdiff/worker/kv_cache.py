@@ -1,8 +1,10 @@
 """KV cache storage, its size, and where a position lives in it.
 
-Full-attention layers keep every committed position, in fixed-size blocks handed out per request.
-Sliding layers only ever need the last `window - 1` positions, so each request slot owns a ring of
-that many entries per sliding layer, whatever the length of the request.
+Both layer kinds are paged in blocks of `block_size` positions, with one block table per kind for
+each request (docs/architecture.md, "The KV cache"). Full-attention layers keep every committed
+position. Sliding layers only ever read the last `window - 1` positions, so the engine gives back a
+request's sliding blocks once they fall out of that reach: their pool is sized for what the running
+requests can reach, not for their lengths.
 """
 
 from __future__ import annotations
@@ -24,49 +26,54 @@ def cache_bytes_per_block(model: BlockDiffusionModel, block_size: int) -> int:
     return _bytes(model, False, block_size)
 
 
-def ring_bytes_per_slot(model: BlockDiffusionModel, ring: int) -> int:
-    return _bytes(model, True, ring)
+def sliding_bytes_per_block(model: BlockDiffusionModel, block_size: int) -> int:
+    return _bytes(model, True, block_size)
 
 
-def ring_size(model: BlockDiffusionModel, max_model_len: int) -> int:
-    """Positions a sliding layer keeps per slot: the window's past, or the whole sequence if shorter."""
-    window = model.config.sliding_window
-    return max(1, min(window - 1, max_model_len)) if window else 1
+def sliding_blocks_needed(past: int, canvas_length: int, block_size: int, num_slots: int, max_prefill_tokens: int) -> int:
+    """Sliding blocks the running requests can hold at once. A request holds the blocks of its last
+    `past` positions plus those of the tokens its step writes: a prompt chunk (all chunks of a step
+    share `max_prefill_tokens`) or a canvas. Twice that, so that sliding blocks of cached prefixes
+    outlive their requests for a while."""
+    per = lambda n: -(-n // block_size)  # noqa: E731
+    live = num_slots * (per(past) + per(canvas_length) + 3) + per(max_prefill_tokens)
+    return 2 * live
 
 
 def size_cache(model: BlockDiffusionModel, cfg: EngineConfig, max_model_len: int) -> CacheConfig:
     """The cache `cfg` asks for, sized on a built (rank's) model, so per-rank head counts are right."""
     per_block = cache_bytes_per_block(model, cfg.block_size)
-    rings = ring_bytes_per_slot(model, ring_size(model, max_model_len))
+    num_sliding = sliding_blocks_needed(model.config.window_past(max_model_len), model.config.canvas_length, cfg.block_size,
+                                        cfg.max_num_seqs, cfg.max_prefill_tokens)
+    sliding = sliding_bytes_per_block(model, cfg.block_size) * num_sliding
     if cfg.kv_cache_memory is None:
         num_blocks = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
     else:
-        budget = cfg.kv_cache_memory - rings * cfg.max_num_seqs
+        budget = cfg.kv_cache_memory - sliding
         if per_block == 0:
             num_blocks = 1
         elif budget < per_block:
             raise ValueError(
-                f"kv_cache_memory {cfg.kv_cache_memory} bytes is too small: the sliding-window rings of "
-                f"{cfg.max_num_seqs} sequences take {rings * cfg.max_num_seqs} and one block {per_block}"
+                f"kv_cache_memory {cfg.kv_cache_memory} bytes is too small: the sliding-window blocks of "
+                f"{cfg.max_num_seqs} sequences take {sliding} and one block {per_block}"
             )
         else:
             num_blocks = budget // per_block
-    return CacheConfig(cfg.max_num_seqs, max(1, num_blocks), cfg.block_size, max_model_len)
+    return CacheConfig(cfg.max_num_seqs, max(1, num_blocks), cfg.block_size, max_model_len, num_sliding)
 
 
 def geometry(model: BlockDiffusionModel, cfg: CacheConfig) -> CacheGeometry:
     return CacheGeometry(
-        block_size=cfg.block_size, ring=ring_size(model, cfg.max_model_len), window=model.config.sliding_window,
-        encoder_causal=model.config.encoder_causal,
+        block_size=cfg.block_size, window_past=model.config.window_past(cfg.max_model_len),
+        window=model.config.sliding_window, encoder_causal=model.config.encoder_causal,
     )
 
 
 def allocate(model: BlockDiffusionModel, cfg: CacheConfig, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V) flat storage: [entries, local KV heads, head dim]."""
-    ring = geometry(model, cfg).ring
     out = []
     for spec in model.kv_cache_spec():
-        entries = cfg.num_slots * ring if spec.sliding else cfg.num_blocks * cfg.block_size
+        entries = (cfg.sliding_blocks if spec.sliding else cfg.num_blocks) * cfg.block_size
         shape = (entries, spec.kv_heads, spec.head_dim)
         out.append((torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device)))
     return out

@@ -41,11 +41,13 @@ class Counter:
 
 
 class Gauge:
-    def __init__(self, name: str, help: str, read: Callable[[], float]):
-        self.name, self.help, self.read = name, help, read
+    """A value read from the engine at each scrape; kind "counter" for a total the engine keeps."""
+
+    def __init__(self, name: str, help: str, read: Callable[[], float], kind: str = "gauge"):
+        self.name, self.help, self.read, self.kind = name, help, read, kind
 
     def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge", f"{self.name} {_number(self.read())}"]
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", f"{self.name} {_number(self.read())}"]
 
 
 class Histogram:
@@ -76,7 +78,7 @@ _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 
 class ServingMetrics:
     """What /metrics reports. `engine` is anything with num_running, num_waiting, kv_cache_usage and
-    an `allocator` (the LLMEngine)."""
+    a `kv` cache manager and `scheduler` (the LLMEngine)."""
 
     def __init__(self, engine):
         p = "blockdiff_"
@@ -99,7 +101,16 @@ class ServingMetrics:
             Gauge(p + "requests_waiting", "Requests waiting for a slot or KV cache.", lambda: engine.num_waiting),
             Gauge(p + "kv_cache_usage_ratio", "Fraction of full-attention KV cache blocks reserved.",
                   lambda: engine.kv_cache_usage),
-            Gauge(p + "kv_cache_blocks", "Full-attention KV cache blocks in all.", lambda: engine.allocator.num_blocks),
+            Gauge(p + "kv_cache_blocks", "Full-attention KV cache blocks in all.", lambda: engine.kv.full.num_blocks),
+        ]
+        # Counted by the engine; read at each scrape, as counters.
+        self.engine_counters = [
+            Gauge(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (first admissions).",
+                  lambda: engine.kv.queries, kind="counter"),
+            Gauge(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (first admissions).",
+                  lambda: engine.kv.hits, kind="counter"),
+            Gauge(p + "num_preemptions_total", "Requests preempted (fairness or KV cache exhausted).",
+                  lambda: engine.scheduler.num_preemptions, kind="counter"),
         ]
 
     def step(self, seconds: float) -> None:
@@ -123,5 +134,5 @@ class ServingMetrics:
 
     def render(self) -> str:
         families = [self.requests, self.prompt_tokens, self.generation_tokens, self.denoising_steps, self.canvases,
-                    self.positions, *self.gauges, self.step_time, self.first_canvas, self.request_time, self.http]
+                    self.positions, *self.gauges, *self.engine_counters, self.step_time, self.first_canvas, self.request_time, self.http]
         return "\n".join(line for family in families for line in family.render()) + "\n"

@@ -109,10 +109,15 @@ class DiffusionUsage(BaseModel):
     canvas_positions_evaluated: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV cache was reused (prefix caching)
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     diffusion: DiffusionUsage = Field(default_factory=DiffusionUsage)
 
 

@@ -51,13 +51,18 @@ class ChoiceState:
                      finish_reason=out.finish_reason if out.finished else None)
 
 
-def usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> p.Usage:
-    """Each prompt counts once, however many choices it has."""
+def usage(prompts: list[list[int]], finals: dict[int, RequestOutput], choices: int) -> p.Usage:
+    """Each prompt counts once, however many choices it has (choice i is of prompt i // per prompt);
+    so do its cached tokens, the most any of its choices found."""
     prompt_tokens = sum(len(ids) for ids in prompts)
     completion = sum(o.metrics["committed_tokens"] for o in finals.values())  # outputs may be deltas
     diffusion = p.DiffusionUsage(**{k: sum(o.metrics[k] for o in finals.values()) for k in p.DiffusionUsage.model_fields})
+    per_prompt = max(1, choices // len(prompts))
+    cached: dict[int, int] = {}
+    for i, o in finals.items():
+        cached[i // per_prompt] = max(cached.get(i // per_prompt, 0), o.num_cached_tokens)
     return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                   diffusion=diffusion)
+                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(cached.values())), diffusion=diffusion)
 
 
 class _Format:
@@ -349,7 +354,7 @@ class OpenAIServing:
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         pieces = {i: states[i].advance(out) for i, out in finals.items()}
-        body = fmt.response(pieces, usage(prompts, finals))
+        body = fmt.response(pieces, usage(prompts, finals, len(states)))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _events(self, stream: RequestStream, states: list[ChoiceState], prompts, fmt: _Format,
@@ -366,7 +371,7 @@ class OpenAIServing:
                 if out.finished:
                     finals[index] = out
             if include_usage:
-                yield _sse(fmt.usage_chunk(usage(prompts, finals)))
+                yield _sse(fmt.usage_chunk(usage(prompts, finals, len(states))))
         except EngineUnavailable as e:
             yield _sse(error_body(503, str(e), code="engine_unavailable"))
         except RequestFailed as e:

@@ -1,0 +1,124 @@
+"""The block tables of the running requests, one per layer kind, and automatic prefix caching.
+
+A request gets blocks as it grows: those of a prompt chunk when the chunk is scheduled, those of a
+canvas when it is committed. Full layers keep every block; a sliding layer's block is given back as
+soon as no query of the request can reach it (`past` positions back). Once a block holds
+`block_size` committed tokens it is registered under the hash of its tokens chained to its parent's,
+in both pools; a request admitted later reuses the longest registered prefix whose full blocks are
+all cached and whose sliding blocks are cached for the last `past` positions before its end.
+"""
+
+from __future__ import annotations
+
+from blockdiff.engine.block_allocator import BlockPool, block_keys
+from blockdiff.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, full: BlockPool, sliding: BlockPool, past: int):
+        self.full, self.sliding, self.past = full, sliding, past
+        self.block_size = full.block_size
+        self.queries = 0  # prompt tokens of first admissions...
+        self.hits = 0  # ...and how many of them were found cached
+
+    def _hit(self, req: Request) -> tuple[int, list[int], list[int], list[int]]:
+        """-> (blocks hit, their full blocks, their sliding table (-1 out of reach), their hashes)."""
+        if not self.full.caching:
+            return 0, [], [], []
+        keys = block_keys(req.tokens(0, req.num_tokens), self.block_size)
+        full = []
+        for key, _ in keys:
+            block = self.full.lookup(key)
+            if block is None:
+                break
+            full.append(block)
+        for k in range(len(full), 0, -1):
+            lo = max(0, k * self.block_size - self.past) // self.block_size
+            sliding = [self.sliding.lookup(key) for key, _ in keys[lo:k]]
+            if None not in sliding:
+                return k, full[:k], [-1] * lo + sliding, [h for _, h in keys[:k]]
+        return 0, [], [], []
+
+    def _need(self, req: Request, end: int) -> tuple[int, int]:
+        """New (full, sliding) blocks for `req` to hold positions up to `end`."""
+        n = self.full.blocks_for(end)
+        return n - len(req.blocks), n - len(req.sliding_blocks)
+
+    def _admission(self, req: Request, budget: int) -> tuple | None:
+        """What admitting `req` takes: (its hit, the tokens of its first chunk), or None if the
+        pools cannot give it now (or no prefill budget is left for it)."""
+        hit = self._hit(req)
+        k, full, sliding, _ = hit
+        cached = k * self.block_size
+        n = min(req.num_tokens - cached, budget)
+        if n <= 0 and cached < req.num_tokens:
+            return None
+        new = self.full.blocks_for(cached + n) - k
+        # Cached blocks nobody holds are counted as free: sharing them takes them out of the queue.
+        if new + sum(1 for b in full if self.full.refs[b] == 0) > self.full.num_free:
+            return None
+        if new + sum(1 for b in sliding if b >= 0 and self.sliding.refs[b] == 0) > self.sliding.num_free:
+            return None
+        return hit, n
+
+    def can_admit(self, req: Request, budget: int) -> bool:
+        return self._admission(req, budget) is not None
+
+    def admit(self, req: Request, budget: int) -> int | None:
+        """Give a waiting request its cached prefix and the blocks of its first chunk (at most
+        `budget` tokens); -> the tokens found cached, or None (and nothing held) if its first chunk
+        does not fit now."""
+        admission = self._admission(req, budget)
+        if admission is None:
+            return None
+        (k, full, sliding, hashes), n = admission
+        for b in full:
+            self.full.share(b)
+        for b in sliding:
+            if b >= 0:
+                self.sliding.share(b)
+        req.blocks, req.sliding_blocks, req.block_hashes = full, sliding, hashes
+        cached = k * self.block_size
+        self.grow(req, cached + n)
+        if req.metrics.preemptions == 0:  # as vLLM counts them: first admissions only
+            req.num_cached_prompt_tokens = min(cached, len(req.prompt_token_ids))
+            self.queries += len(req.prompt_token_ids)
+            self.hits += req.num_cached_prompt_tokens
+        return cached
+
+    def grow(self, req: Request, end: int) -> bool:
+        """Blocks for the positions of `req` up to `end`; False (and nothing taken) if the pools
+        cannot give them now."""
+        need_full, need_sliding = self._need(req, end)
+        if need_full > self.full.num_free or need_sliding > self.sliding.num_free:
+            return False
+        req.blocks += self.full.allocate(max(0, need_full))
+        req.sliding_blocks += self.sliding.allocate(max(0, need_sliding))
+        return True
+
+    def cached(self, req: Request) -> None:
+        """`req.num_cached` advanced: register its newly full blocks and give back the sliding blocks
+        out of its reach."""
+        bs, done = self.block_size, req.num_cached
+        if self.full.caching and len(req.block_hashes) < done // bs:
+            first = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            for i, (key, h) in enumerate(block_keys(req.tokens(first * bs, done // bs * bs), bs, parent), first):
+                self.full.register(req.blocks[i], key)
+                if req.sliding_blocks[i] >= 0:
+                    self.sliding.register(req.sliding_blocks[i], key)
+                req.block_hashes.append(h)
+        i = max(0, done - self.past) // bs - 1  # the last block out of reach; those before went first
+        while i >= 0 and req.sliding_blocks[i] >= 0:
+            self.sliding.free([req.sliding_blocks[i]])
+            req.sliding_blocks[i] = -1
+            i -= 1
+
+    def free(self, req: Request) -> None:
+        self.full.free(req.blocks[::-1])
+        self.sliding.free([b for b in req.sliding_blocks[::-1] if b >= 0])
+        req.blocks, req.sliding_blocks = [], []
+
+    @property
+    def usage(self) -> float:
+        return self.full.used / max(1, self.full.num_blocks)
