@@ -290,6 +290,7 @@ class EngineConfig:
     # (engine/kv_cache_manager.py).
     enable_prefix_caching: bool = True
     tune_cpu_heap: bool = False  # see worker/cpu_heap.py: a process-wide glibc setting
+    num_threads: int | None = None  # tensor-parallel workers' intra-op threads; None: from their environment
     worker_timeout: float = 60.0  # seconds a tensor-parallel worker may stay silent before it counts as lost
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as SamplingParams fields.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import replace
 
 import torch
 
@@ -55,15 +56,7 @@ def start_engine(cfg: EngineConfig) -> LLMEngine:
     threads, why = choose_threads(cfg, ModelConfig.from_pretrained(cfg.model))
     torch.set_num_threads(threads)
     _chosen = threads
-    # Tensor-parallel workers, started while the engine is built, read the count from their
-    # environment; it is set for that time only, so a later engine in this process chooses afresh.
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    try:
-        engine = LLMEngine(cfg)
-    finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
+    engine = LLMEngine(replace(cfg, num_threads=threads))  # the workers get the same count
     for line in summary(engine, f"{threads} ({why})"):
         log.info("%s", line)
     return engine

@@ -38,7 +38,10 @@ class TPExecutor:
 
     def _start(self) -> RankProcesses:
         cfg = self._cfg
-        ranks = RankProcesses(cfg.tensor_parallel_size, self._device, step_timeout=datetime.timedelta(seconds=self.worker_timeout))
+        # The workers run as many intra-op threads as rank 0 was given, passed to them explicitly.
+        env = {} if cfg.num_threads is None else {"OMP_NUM_THREADS": str(cfg.num_threads)}
+        ranks = RankProcesses(cfg.tensor_parallel_size, self._device, step_timeout=datetime.timedelta(seconds=self.worker_timeout),
+                              env=env)
         try:
             ranks.run(_load, cfg.model, self._config, self._dtype, gather=True)
             if self.cache_config is None:

@@ -96,10 +96,10 @@ def rank_device(device: torch.device | str, rank: int, size: int) -> torch.devic
 class _Worker:
     """Rank 0's handle on one worker: its process, its control socket, and its sentinel."""
 
-    def __init__(self, rank: int, bootstrap: tuple):
+    def __init__(self, rank: int, bootstrap: tuple, extra_env: dict[str, str]):
         ours, theirs = socket.socketpair()
         sentinel, held = os.pipe()  # `held` stays open in the worker only: EOF here when it exits
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        env = dict(os.environ, **extra_env, PYTHONPATH=os.pathsep.join(sys.path))
         command = [sys.executable, "-c", _WORKER_COMMAND, str(theirs.fileno())]
         try:
             self.proc = subprocess.Popen(command, pass_fds=(theirs.fileno(), held), env=env)
@@ -144,10 +144,11 @@ class _Worker:
 
 class RankProcesses:
     def __init__(self, size: int, device: torch.device | str, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-                 step_timeout: datetime.timedelta | None = None):
+                 step_timeout: datetime.timedelta | None = None, env: dict[str, str] | None = None):
         """Start ranks 1..size-1 and join the group as rank 0. `timeout` bounds the group's start-up
         and, unless `step_timeout` is given, rank 0's collectives waiting for a rank that is alive but
-        stuck; dead ranks are noticed at once."""
+        stuck; dead ranks are noticed at once. `env`: variables the workers get on top of this
+        process's environment (which is left as it is)."""
         if size < 2:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, got {size}")
         devices = [rank_device(device, r, size) for r in range(size)]
@@ -165,7 +166,7 @@ class RankProcesses:
         try:
             for rank in range(1, size):
                 bootstrap = (rank, size, store.port, devices[rank], os.getpid(), pdeathsig, timeout)
-                self._workers.append(_Worker(rank, bootstrap))
+                self._workers.append(_Worker(rank, bootstrap, env or {}))
             for rank in range(1, size):
                 self._reply(rank)  # started: imported, on its device, about to join the group
             if devices[0].type == "cuda":
