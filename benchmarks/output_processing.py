@@ -33,7 +33,7 @@ def one_run(tok: Tokenizer, seed: int) -> list[float]:
                             ignore_eos=True).with_defaults(REFERENCE_DEFAULTS)
     out = IncrementalDetokenizer(tok, params.max_tokens, set(), params.stop, False)
     req = Request("bench", None, [1, 2, 3], params, CANVAS, tok.vocab_size, seed, out)
-    req.admit(0, ())
+    req.admit(0, 0)
     req.cached(3)
     times, full = [], []
     for _ in range(CANVASES):
