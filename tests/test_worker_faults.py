@@ -68,7 +68,18 @@ def _serves_again(server: ServerProcess, since: float) -> float:
     raise AssertionError(f"no successful request within {SERVES_AGAIN_WITHIN} s:\n{server.log()[-4000:]}")
 
 
+def _cached_prefix_tokens(server: ServerProcess) -> list[int]:
+    """A seeded request whose 40-token prompt fills prefix-cache blocks: run again after a restart,
+    it must not reuse blocks the lost workers held (greedy, so the tokens are comparable)."""
+    body = {"prompt": list(range(3, 43)), "max_tokens": 8, "seed": 7, "t_min": 1e-6, "t_max": 2e-6,
+            "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
 def _lose_a_worker_under_load(server: ServerProcess, sig: signal.Signals) -> None:
+    before = _cached_prefix_tokens(server)
     (worker,) = _workers(server.proc.pid)
     threads, results = _start_load(server, 3)
     lost_at = time.monotonic()
@@ -88,6 +99,7 @@ def _lose_a_worker_under_load(server: ServerProcess, sig: signal.Signals) -> Non
     assert worker not in _workers(server.proc.pid) and len(_workers(server.proc.pid)) == 1
     assert not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split()[2] == "Z"
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert _cached_prefix_tokens(server) == before  # the new workers' cache holds no stale prefix
 
 
 @pytest.fixture(scope="module")

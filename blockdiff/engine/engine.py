@@ -96,8 +96,7 @@ class LLMEngine:
         lost = [req for req in self.requests.values() if req.slot is not None]
         for req in lost:
             self.abort(req.request_id)
-        for pool in (self.kv.full, self.kv.sliding):  # the prefixes they held are gone too
-            pool.forget()
+        self.kv.forget()  # the prefixes the old workers held are gone too
         return lost
 
     def has_unfinished(self) -> bool:

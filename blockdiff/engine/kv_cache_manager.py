@@ -119,6 +119,11 @@ class KVCacheManager:
         self.sliding.free([b for b in req.sliding_blocks[::-1] if b >= 0])
         req.blocks, req.sliding_blocks = [], []
 
+    def forget(self) -> None:
+        """The workers' caches are new and empty: no block holds a cached prefix any more."""
+        self.full.forget()
+        self.sliding.forget()
+
     @property
     def usage(self) -> float:
         return self.full.used / max(1, self.full.num_blocks)
