@@ -150,3 +150,35 @@ def test_bench_plot(serve_run, tmp_path):
     png = tmp_path / "latency.png"
     assert main(["bench", "plot", str(serve_run[1]), "--output", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _serve_args(*argv: str):
+    import argparse
+
+    from blockdiff.bench.serve import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(["--dataset-name", "prefix-repetition", "--num-prompts", "6", "--prefix-repetition-prefix-len",
+                         "10", "--prefix-repetition-suffix-len", "4", "--prefix-repetition-num-prefixes", "2",
+                         "--prefix-repetition-output-len", "24", *argv])
+
+
+def test_prefix_repetition_prompts_share_prefixes_and_not_suffixes(tiny):
+    from blockdiff.bench.datasets import special_token_ids
+    from blockdiff.bench.serve import make_prompts, output_len
+
+    args = _serve_args("--model", tiny)
+    prompts, lens = make_prompts(args)
+    assert lens == [14] * 6 and [len(p) for p in prompts] == lens and output_len(args) == 24
+    prefixes = [tuple(p[:10]) for p in prompts]
+    assert prefixes[0] != prefixes[1] and prefixes == [prefixes[0], prefixes[1]] * 3
+    assert len({tuple(p[10:]) for p in prompts}) == 6
+    special = special_token_ids(ModelConfig.from_pretrained(tiny))
+    assert not special & {t for p in prompts for t in p}
+    # Without a checkpoint to draw token ids from, prompts are words, shared and unique the same way.
+    words = [p.split() for p in make_prompts(_serve_args())[0]]
+    assert [len(w) for w in words] == [14] * 6
+    assert len({tuple(w[:10]) for w in words}) == 2 and len({tuple(w[10:]) for w in words}) == 6
+    with pytest.raises(ValueError, match="--prefix-repetition-num-prefixes"):
+        make_prompts(_serve_args("--prefix-repetition-num-prefixes", "7"))

@@ -1,6 +1,9 @@
-"""Benchmark prompts: random token ids, as `vllm bench serve --dataset-name random` makes them."""
+"""Benchmark prompts: random token ids, as `vllm bench serve --dataset-name random` makes them, and
+prompts sharing prefixes, as its `--dataset-name prefix-repetition` makes them."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -15,6 +18,18 @@ def random_token_prompts(num: int, length: int, vocab_size: int, special_ids: se
     g = torch.Generator().manual_seed(seed)
     picks = torch.randint(0, len(allowed), (num, length), generator=g)
     return allowed[picks].tolist()
+
+
+def prefix_repetition_prompts(draw: Callable[[int, int, int], list[Sequence]], num: int, prefix_len: int,
+                              suffix_len: int, num_prefixes: int, seed: int) -> list[list]:
+    """`num` prompts, prompt i made of prefix i mod `num_prefixes` and a suffix of its own, so a
+    server that caches prefixes computes each prefix once. `draw(n, length, seed)` gives n random
+    sequences (token ids or words); prefixes and suffixes come from different seeds."""
+    if num_prefixes > num:
+        raise ValueError(f"--prefix-repetition-num-prefixes ({num_prefixes}) must not exceed --num-prompts ({num})")
+    prefixes = draw(num_prefixes, prefix_len, seed)
+    suffixes = draw(num, suffix_len, seed + 1)
+    return [list(prefixes[i % num_prefixes]) + list(suffixes[i]) for i in range(num)]
 
 
 def special_token_ids(config) -> set[int]:

@@ -23,7 +23,7 @@ from datetime import datetime
 import httpx
 import numpy as np
 
-from blockdiff.bench.datasets import random_token_prompts, special_token_ids
+from blockdiff.bench.datasets import prefix_repetition_prompts, random_token_prompts, special_token_ids
 from blockdiff.entrypoints.args import at_least, port
 
 # Words for text prompts when no local checkpoint tells the vocabulary (any OpenAI server).
@@ -43,9 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="checkpoint directory whose vocabulary random prompts are drawn from (default: --model "
                         "if it is a directory; otherwise prompts are random words)")
-    p.add_argument("--dataset-name", default="random", choices=["random"])
+    p.add_argument("--dataset-name", default="random", choices=["random", "prefix-repetition"],
+                   help="random: prompts of random tokens; prefix-repetition: a few random prefixes, each "
+                        "shared by many prompts, every prompt with a random suffix of its own")
     p.add_argument("--random-input-len", type=at_least(1), default=1024)
     p.add_argument("--random-output-len", type=at_least(1), default=128)
+    p.add_argument("--prefix-repetition-prefix-len", type=at_least(1), default=256)
+    p.add_argument("--prefix-repetition-suffix-len", type=at_least(1), default=256)
+    p.add_argument("--prefix-repetition-num-prefixes", type=at_least(1), default=10)
+    p.add_argument("--prefix-repetition-output-len", type=at_least(1), default=128)
     p.add_argument("--num-prompts", type=at_least(1), default=1000)
     p.add_argument("--max-concurrency", type=at_least(1), default=None, help="requests in flight at most")
     p.add_argument("--request-rate", type=float, default=float("inf"),
@@ -132,12 +138,32 @@ def make_prompts(args: argparse.Namespace) -> tuple[list, list[int]]:
         from blockdiff.config import ModelConfig
 
         config = ModelConfig.from_pretrained(source)
-        prompts = random_token_prompts(args.num_prompts, args.random_input_len, config.vocab_size,
-                                       special_token_ids(config), args.seed)
-        return prompts, [args.random_input_len] * args.num_prompts
-    rng = random.Random(args.seed)
-    prompts = [" ".join(rng.choice(_WORDS) for _ in range(args.random_input_len)) for _ in range(args.num_prompts)]
-    return prompts, [args.random_input_len] * args.num_prompts
+        special = special_token_ids(config)
+
+        def draw(num: int, length: int, seed: int) -> list[list[int]]:
+            return random_token_prompts(num, length, config.vocab_size, special, seed)
+
+        join = list
+    else:
+        def draw(num: int, length: int, seed: int) -> list[list[str]]:
+            rng = random.Random(seed)
+            return [[rng.choice(_WORDS) for _ in range(length)] for _ in range(num)]
+
+        join = " ".join
+    if args.dataset_name == "prefix-repetition":
+        sequences = prefix_repetition_prompts(draw, args.num_prompts, args.prefix_repetition_prefix_len,
+                                              args.prefix_repetition_suffix_len,
+                                              args.prefix_repetition_num_prefixes, args.seed)
+        length = args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len
+    else:
+        sequences = draw(args.num_prompts, args.random_input_len, args.seed)
+        length = args.random_input_len
+    return [join(s) for s in sequences], [length] * args.num_prompts
+
+
+def output_len(args: argparse.Namespace) -> int:
+    """max_tokens of every request: the chosen dataset's output length."""
+    return args.prefix_repetition_output_len if args.dataset_name == "prefix-repetition" else args.random_output_len
 
 
 def arrival_delays(n: int, rate: float, seed: int) -> list[float]:
@@ -297,7 +323,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
             body = {
                 "model": model,
                 "prompt": prompt,
-                "max_tokens": args.random_output_len,
+                "max_tokens": output_len(args),
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
@@ -357,6 +383,10 @@ async def benchmark(args: argparse.Namespace) -> dict:
         num_prompts=args.num_prompts,
         random_input_len=args.random_input_len,
         random_output_len=args.random_output_len,
+        prefix_repetition_prefix_len=args.prefix_repetition_prefix_len,
+        prefix_repetition_suffix_len=args.prefix_repetition_suffix_len,
+        prefix_repetition_num_prefixes=args.prefix_repetition_num_prefixes,
+        prefix_repetition_output_len=args.prefix_repetition_output_len,
         request_rate=args.request_rate if args.request_rate != float("inf") else "inf",
         max_concurrency=args.max_concurrency,
         ignore_eos=args.ignore_eos,
