@@ -107,13 +107,15 @@ class DocSession:
 
     def adapt(self, code: str) -> str:
         code = code.replace(SETUP, "")
+        # The documents' /tmp/ paths first: the interpreter's own bin/ may itself lie under /tmp/.
+        code = re.sub(r"(?<![\w.])/tmp/", str(self.tmp) + "/", code)
         code = code.replace(".venv/bin/", self.bindir + "/")
         for port in DOC_PORTS:
             code = code.replace(f"127.0.0.1:{port}", f"127.0.0.1:{self.port}").replace(f"--port {port}", f"--port {self.port}")
         # `serve` and `bench serve` lines that leave the port at its default (8000) get the free one.
         code = "\n".join(ln + f" --port {self.port}" if re.search(r"blockdiff (bench )?serve\b", ln)
                          and not re.search(r"--port|--base-url|\\$", ln) else ln for ln in code.splitlines())
-        return re.sub(r"(?<![\w.])/tmp/", str(self.tmp) + "/", code)
+        return code
 
     def run(self, block: Block) -> str:
         code = self.adapt(block.code)
@@ -142,7 +144,10 @@ class DocSession:
 
     def close(self) -> None:
         if self.server is not None:
-            os.killpg(self.server.pid, signal.SIGTERM)
+            try:
+                os.killpg(self.server.pid, signal.SIGTERM)
+            except ProcessLookupError:  # the server and all it started are gone already
+                pass
             self.server.wait(60)
 
 
