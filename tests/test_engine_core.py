@@ -133,11 +133,17 @@ def _ids(out) -> list[str]:
     return [r.request_id for r, _ in out.encoder]
 
 
+def _big_small_late(s: Scheduler, big_max_tokens: int) -> tuple[Request, Request, Request]:
+    """A 7-token prompt, then two 3-token ones, queued in that order."""
+    requests = _request("big", prompt=7, max_tokens=big_max_tokens), _request("s"), _request("l")
+    for r in requests:
+        s.add(r)
+    return requests
+
+
 def test_admission_takes_what_a_request_needs_now_first_come_first_served():
     s = _scheduler(3, 4)
-    big, small, late = _request("big", prompt=7, max_tokens=8), _request("s"), _request("l")
-    for r in (big, small, late):
-        s.add(r)
+    big, small, late = _big_small_late(s, 8)
     out = s.schedule()
     # big's prompt takes 2 blocks of 4 now, the others 1 each: all three run, though big alone
     # could commit 7 + 4 tokens (3 blocks) in the end.
@@ -147,9 +153,7 @@ def test_admission_takes_what_a_request_needs_now_first_come_first_served():
 
 def test_exhausted_blocks_preempt_the_newest_request_which_is_recomputed_later():
     s = _scheduler(3, 4)
-    big, small, late = _request("big", prompt=7, max_tokens=12), _request("s"), _request("l")
-    for r in (big, small, late):
-        s.add(r)
+    big, small, late = _big_small_late(s, 12)
     out = s.schedule()
     for r, n in out.encoder:
         s.cached(r, n)
@@ -210,12 +214,18 @@ def test_sliding_blocks_out_of_the_window_are_given_back_and_stay_cached():
     assert len(req.blocks) == 3 and s.kv.full.used == 3  # full layers keep everything
 
 
+def _prefilled(s: Scheduler, rid: str, prompt: int) -> Request:
+    """A request admitted and its whole prompt run through the encoder."""
+    req = _request(rid, prompt=prompt)
+    s.add(req)
+    s.schedule()
+    s.cached(req, prompt)
+    return req
+
+
 def test_a_prefix_hit_reuses_full_blocks_and_the_sliding_blocks_its_window_reaches():
     s = _scheduler(2, 10, bs=4, past=3)
-    a = _request("a", prompt=10)
-    s.add(a)
-    s.schedule()
-    s.cached(a, 10)
+    a = _prefilled(s, "a", 10)
     b = _request("b", prompt=10)
     b.prompt_token_ids[9] = 40  # shares 9 tokens with a: the hit ends inside a block, at 8
     s.add(b)
@@ -233,10 +243,7 @@ def test_a_prefix_hit_reuses_full_blocks_and_the_sliding_blocks_its_window_reach
 
 def test_a_hit_needs_the_sliding_blocks_before_its_end():
     s = _scheduler(2, 10, bs=4, past=3)
-    a = _request("a", prompt=10)
-    s.add(a)
-    s.schedule()
-    s.cached(a, 10)
+    a = _prefilled(s, "a", 10)
     s.release(a)
     s.kv.sliding.allocate(s.kv.sliding.num_free)  # every cached sliding block is evicted
     s.kv.sliding.free(list(range(100)))
