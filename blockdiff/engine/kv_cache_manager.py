@@ -25,7 +25,9 @@ class KVCacheManager:
         """-> (blocks hit, their full blocks, their sliding table (-1 out of reach), their hashes)."""
         if not self.full.caching:
             return 0, [], [], []
-        keys = block_keys(req.tokens(0, req.num_tokens), self.block_size)
+        if len(req.prefix_keys) != req.num_tokens // self.block_size:  # not every step the request waits
+            req.prefix_keys = block_keys(req.tokens(0, req.num_tokens), self.block_size)
+        keys = req.prefix_keys
         full = []
         for key, _ in keys:
             block = self.full.lookup(key)

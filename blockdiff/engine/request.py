@@ -88,6 +88,9 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # full-layer block table (engine/kv_cache_manager.py)
     sliding_blocks: list[int] = field(default_factory=list)  # sliding-layer block table, -1 out of reach
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered
+    # Keys of the full blocks of prompt + output, for prefix lookups while the request waits; its
+    # tokens only grow, so they stay valid until num_tokens changes.
+    prefix_keys: list = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     canvas_rng_state: torch.Tensor | None = None  # the generator where the current canvas started
