@@ -249,7 +249,7 @@ class AsyncEngine:
         self._restarting = True
         error = EngineUnavailable(f"{WORKER_LOST} while this request ran; the workers are restarting: retry")
         for req in self.engine.reset_after_worker_loss():
-            self._on_finish("abort", len(req.prompt_token_ids), len(req.output.token_ids), req.metrics.as_dict())
+            self._count_abort(req)
             stream = self._streams.pop(req.request_id, None)
             if stream is not None:
                 stream._put(error)
@@ -290,8 +290,12 @@ class AsyncEngine:
         self._streams.pop(rid, None)
         req = self.engine.requests.get(rid)
         self.engine.abort(rid)
-        if req is not None:  # counted without decoding its text, which nobody reads
-            self._on_finish("abort", len(req.prompt_token_ids), len(req.output.token_ids), req.metrics.as_dict())
+        if req is not None:
+            self._count_abort(req)
+
+    def _count_abort(self, req) -> None:
+        """on_finish for a request that ends without an output (its text is never decoded)."""
+        self._on_finish("abort", len(req.prompt_token_ids), len(req.output.token_ids), req.metrics.as_dict())
 
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []

@@ -274,7 +274,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
 
-    def _check_cost(self, req: p._GenerationRequest, prompts: list[list[int]], requests) -> None:
+    def _check_cost(self, req: p._GenerationRequest, requests) -> None:
         """Refuse an API request that would hold the decoder longer than the limit allows."""
         cost = 0
         try:
@@ -341,7 +341,7 @@ class OpenAIServing:
 
     # ---- engine outputs -> responses ----------------------------------------------------------
     async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
-        self._check_cost(req, prompts, requests)
+        self._check_cost(req, requests)
         try:
             stream = await self.engine.add(requests)
         except ValueError as e:
