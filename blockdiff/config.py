@@ -145,7 +145,9 @@ class ModelConfig:
                 raise ConfigError(f"layer {i}: {text['num_attention_heads']} heads not divisible by {kv_heads} KV heads")
             layers.append(_layer_spec(i, kind, head_dim, kv_heads, rope[kind], window))
 
-        eos = text.get("eos_token_id")
+        # The top-level list (Gemma 4: [<eos>, <end_of_turn>]) over the text model's single id;
+        # generation_config.json's, when there is one, wins over both (sampling_params.generation_defaults).
+        eos = raw.get("eos_token_id") if raw.get("eos_token_id") is not None else text.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or "float32"
         if dtype_name not in _DTYPES:

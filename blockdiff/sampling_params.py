@@ -39,7 +39,7 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 class SamplerField:
     name: str
     type: type  # int or float
-    default: int | float  # the reference implementation's
+    default: int | float | None  # the reference implementation's; None: decided per request
     help: str
     minimum: float
     maximum: float
@@ -50,8 +50,10 @@ class SamplerField:
 
 
 SAMPLER_FIELDS: tuple[SamplerField, ...] = (
-    SamplerField("max_tokens", int, 256, "tokens to generate at most", 1, INT32_MAX,
-                 generation_config="max_new_tokens", per_canvas=False),
+    # Unset, a request may generate what fits in the context (engine/input_processor.py), as in vLLM:
+    # generation_config.json's max_new_tokens is the reference generate()'s default, one canvas of
+    # the released checkpoint, which would cut answers (thinking ones above all) short.
+    SamplerField("max_tokens", int, None, "tokens to generate at most", 1, INT32_MAX, per_canvas=False),
     SamplerField("max_denoising_steps", int, 48, "denoising steps per canvas at most", 1, INT32_MAX,
                  generation_config="max_denoising_steps", dtype="int32"),
     SamplerField("entropy_bound", float, 0.1, "accept tokens while Σentropy - max entropy stays below this",
@@ -176,6 +178,8 @@ def generation_defaults(model_dir: str | None) -> dict:
     with open(path) as fh:
         gen = json.load(fh)
     for f in SAMPLER_FIELDS:
+        if f.generation_config is None:
+            continue
         value = gen
         for key in f.generation_config.split("."):
             value = value.get(key) if isinstance(value, dict) else None

@@ -69,8 +69,10 @@ class InputProcessor:
         """`params` with every default filled in, for a prompt of `prompt_len` tokens."""
         params = params or SamplingParams()
         defaults = self.defaults
-        if params.max_tokens is None:  # as much as fits, up to the default
-            defaults = {**defaults, "max_tokens": max(1, min(defaults["max_tokens"], self.max_model_len - prompt_len))}
+        if params.max_tokens is None:  # as much as fits, up to the server's --max-tokens if it set one
+            room = max(1, self.max_model_len - prompt_len)
+            given = defaults["max_tokens"]
+            defaults = {**defaults, "max_tokens": room if given is None else max(1, min(given, room))}
         params = params.with_defaults(defaults)
         for name in ("max_denoising_steps", "stability_threshold"):
             if getattr(params, name) > self.max_steps:

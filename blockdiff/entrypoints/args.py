@@ -199,8 +199,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """Sampler defaults, one flag per field of the sampler-field table; unset ones come from the
     checkpoint's generation_config.json."""
     for f in SAMPLER_FIELDS:
-        p.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None,
-                       help=f"{f.help} (default: generation_config.json, else {f.default})")
+        default = ("what fits in --max-model-len" if f.default is None else
+                   f"generation_config.json, else {f.default}" if f.generation_config else str(f.default))
+        p.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None, help=f"{f.help} (default: {default})")
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
