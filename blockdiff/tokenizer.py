@@ -115,9 +115,9 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The prompt ids of a conversation; the template writes any BOS itself."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
 
 def _raise(message: str):

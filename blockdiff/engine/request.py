@@ -52,7 +52,10 @@ class IllegalTransition(RuntimeError):
 @dataclass
 class RequestMetrics:
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admission
     first_canvas_time: float | None = None
+    last_canvas_time: float | None = None
+    canvas_gaps: list[float] = field(default_factory=list)  # seconds between consecutive committed canvases
     finished_time: float | None = None
     canvases: int = 0
     denoising_steps: int = 0
@@ -68,8 +71,10 @@ class RequestMetrics:
             "canvas_positions_evaluated": self.canvas_positions_evaluated,
             "committed_tokens": self.committed_tokens,
             "preemptions": self.preemptions,
+            "queue_time": None if self.scheduled_time is None else self.scheduled_time - t0,
             "time_to_first_canvas": None if self.first_canvas_time is None else self.first_canvas_time - t0,
             "total_time": None if self.finished_time is None else self.finished_time - t0,
+            "canvas_gaps": list(self.canvas_gaps),
         }
 
 
@@ -142,6 +147,8 @@ class Request:
         """Take a slot with `num_cached` tokens already in the cache (a prefix hit): a hit on every
         token starts the next canvas at once."""
         self.to(State.PREFILL)
+        if self.metrics.scheduled_time is None:
+            self.metrics.scheduled_time = time.monotonic()
         self.slot, self.num_cached, self.canvases_since_admitted = slot, 0, 0
         self.cached(num_cached)
 
@@ -195,8 +202,12 @@ class Request:
         m = self.metrics
         m.canvases += 1
         self.canvases_since_admitted += 1
+        now = time.monotonic()
         if m.first_canvas_time is None:
-            m.first_canvas_time = time.monotonic()
+            m.first_canvas_time = now
+        else:
+            m.canvas_gaps.append(now - m.last_canvas_time)
+        m.last_canvas_time = now
         reason = self.output.append(canvas, logprobs)
         m.committed_tokens = len(self.output.token_ids)
         self.steps_left = 0

@@ -1,7 +1,9 @@
 """Serving metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
 
 Counters and histograms are updated on the event loop; gauges are read from the engine when
-/metrics is scraped.
+/metrics is scraped. Beside blockdiff's own families, `VllmMetrics` reports the same events under
+vLLM's names (with vLLM's `model_name` label), so that dashboards and tools written for a vLLM
+server read a blockdiff one (docs/server.md, "vLLM metric names").
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ def _labels(pairs: Iterable[tuple[str, str]]) -> str:
     return "{" + body + "}" if body else ""
 
 
+Labels = tuple[tuple[str, str], ...]
+
+
 class Counter:
-    def __init__(self, name: str, help: str, label: str | None = None, initial: Iterable[str] = ()):
-        self.name, self.help, self.label = name, help, label
+    def __init__(self, name: str, help: str, label: str | None = None, initial: Iterable[str] = (), const: Labels = ()):
+        self.name, self.help, self.label, self.const = name, help, label, const
         self.values: dict[str, float] = {v: 0.0 for v in initial} if label else {"": 0.0}
 
     def inc(self, amount: float = 1.0, label: str = "") -> None:
@@ -36,23 +41,24 @@ class Counter:
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
         for value, total in sorted(self.values.items()):
-            lines.append(f"{self.name}{_labels([(self.label, value)] if self.label else [])} {_number(total)}")
+            lines.append(f"{self.name}{_labels([*self.const, *([(self.label, value)] if self.label else [])])} {_number(total)}")
         return lines
 
 
 class Gauge:
     """A value read from the engine at each scrape; kind "counter" for a total the engine keeps."""
 
-    def __init__(self, name: str, help: str, read: Callable[[], float], kind: str = "gauge"):
-        self.name, self.help, self.read, self.kind = name, help, read, kind
+    def __init__(self, name: str, help: str, read: Callable[[], float], kind: str = "gauge", const: Labels = ()):
+        self.name, self.help, self.read, self.kind, self.const = name, help, read, kind, const
 
     def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", f"{self.name} {_number(self.read())}"]
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}",
+                f"{self.name}{_labels(self.const)} {_number(self.read())}"]
 
 
 class Histogram:
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name, self.help = name, help
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...], const: Labels = ()):
+        self.name, self.help, self.const = name, help, const
         self.bounds = (*sorted(buckets), math.inf)
         self.counts = [0] * len(self.bounds)
         self.sum = 0.0
@@ -66,9 +72,9 @@ class Histogram:
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         for bound, count in zip(self.bounds, self.counts):
-            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {count}')
-        lines.append(f"{self.name}_sum {_number(self.sum)}")
-        lines.append(f"{self.name}_count {self.counts[-1]}")
+            lines.append(f"{self.name}_bucket{_labels([*self.const, ('le', _number(bound))])} {count}")
+        lines.append(f"{self.name}_sum{_labels(self.const)} {_number(self.sum)}")
+        lines.append(f"{self.name}_count{_labels(self.const)} {self.counts[-1]}")
         return lines
 
 
@@ -76,11 +82,107 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
-class ServingMetrics:
-    """What /metrics reports. `engine` is anything with num_running, num_waiting, kv_cache_usage and
-    a `kv` cache manager and `scheduler` (the LLMEngine)."""
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_CANVAS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
-    def __init__(self, engine):
+
+def _token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length."""
+    out, scale = [], 1
+    while scale <= max_model_len:
+        out += [b for b in (scale, 2 * scale, 5 * scale) if b <= max_model_len]
+        scale *= 10
+    return tuple(out)
+
+
+class VllmMetrics:
+    """vLLM's metric names for the events ServingMetrics counts, labelled with the served model's
+    name. A diffusion model outputs a canvas at a time: a "token" latency here is a canvas's (time to
+    the first committed canvas, time between committed canvases), as vLLM reports DiffusionGemma."""
+
+    def __init__(self, engine, model_name: str):
+        v = "vllm:"
+        m = (("model_name", model_name),)
+        self.success = Counter(v + "request_success_total", "Requests that ended, by finish reason.", "finished_reason",
+                               OUTCOMES, const=m)
+        self.prompt_tokens = Counter(v + "prompt_tokens_total", "Prompt tokens of ended requests.", const=m)
+        self.generation_tokens = Counter(v + "generation_tokens_total", "Tokens generated by ended requests.", const=m)
+        self.denoising_steps = Counter(v + "diffusion_num_denoising_steps_total",
+                                       "Denoising steps (decoder passes over one canvas).", const=m)
+        self.positions = Counter(v + "diffusion_num_canvas_positions_total", "Canvas positions run through the decoder.",
+                                 const=m)
+        self.committed = Counter(v + "diffusion_num_committed_tokens_total",
+                                 "Tokens committed to the outputs of ended requests (after EOS and stop trimming).", const=m)
+        self.gauges = [
+            Gauge(v + "num_requests_running", "Requests holding a slot and KV cache.", lambda: engine.num_running, const=m),
+            Gauge(v + "num_requests_waiting", "Requests waiting for a slot or KV cache.", lambda: engine.num_waiting, const=m),
+            Gauge(v + "kv_cache_usage_perc", "Fraction of full-attention KV cache blocks reserved (1 = full).",
+                  lambda: engine.kv_cache_usage, const=m),
+            Gauge(v + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (first admissions).",
+                  lambda: engine.kv.queries, kind="counter", const=m),
+            Gauge(v + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (first admissions).",
+                  lambda: engine.kv.hits, kind="counter", const=m),
+            Gauge(v + "num_preemptions_total", "Requests preempted (fairness or KV cache exhausted).",
+                  lambda: engine.scheduler.num_preemptions, kind="counter", const=m),
+        ]
+        tokens = _token_buckets(engine.max_model_len)
+        self.ttft = Histogram(v + "time_to_first_token_seconds", "Arrival to the first committed canvas.", _TTFT_BUCKETS, m)
+        self.itl = Histogram(v + "inter_token_latency_seconds", "Time between consecutive committed canvases.",
+                             _CANVAS_BUCKETS, m)
+        self.tpot_old = Histogram(v + "time_per_output_token_seconds",
+                                  "The same observations as vllm:inter_token_latency_seconds (vLLM's older name).",
+                                  _CANVAS_BUCKETS, m)
+        self.tpot = Histogram(v + "request_time_per_output_token_seconds",
+                              "Per request: (end-to-end - time to first canvas) / (generated tokens - 1).", _CANVAS_BUCKETS, m)
+        self.e2e = Histogram(v + "e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS, m)
+        self.queue = Histogram(v + "request_queue_time_seconds", "Arrival to first admission.", _E2E_BUCKETS, m)
+        self.inference = Histogram(v + "request_inference_time_seconds", "First admission to finish.", _E2E_BUCKETS, m)
+        self.prefill = Histogram(v + "request_prefill_time_seconds", "First admission to the first committed canvas.",
+                                 _E2E_BUCKETS, m)
+        self.decode = Histogram(v + "request_decode_time_seconds", "First committed canvas to finish.", _E2E_BUCKETS, m)
+        self.prompt_len = Histogram(v + "request_prompt_tokens", "Prompt tokens per ended request.", tokens, m)
+        self.generation_len = Histogram(v + "request_generation_tokens", "Generated tokens per ended request.", tokens, m)
+
+    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, m: dict) -> None:
+        self.success.inc(label=finish_reason)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated_tokens)
+        self.denoising_steps.inc(m["denoising_steps"])
+        self.positions.inc(m["canvas_positions_evaluated"])
+        self.committed.inc(m["committed_tokens"])
+        self.prompt_len.observe(prompt_tokens)
+        self.generation_len.observe(generated_tokens)
+        for gap in m["canvas_gaps"]:
+            self.itl.observe(gap)
+            self.tpot_old.observe(gap)
+        first, total, queued = m["time_to_first_canvas"], m["total_time"], m["queue_time"]
+        if total is not None:
+            self.e2e.observe(total)
+        if queued is not None:
+            self.queue.observe(queued)
+            if total is not None:
+                self.inference.observe(total - queued)
+        if first is not None:
+            self.ttft.observe(first)
+            if queued is not None:
+                self.prefill.observe(first - queued)
+            if total is not None:
+                self.decode.observe(total - first)
+                if generated_tokens > 1:
+                    self.tpot.observe((total - first) / (generated_tokens - 1))
+
+    def families(self) -> list:
+        return [self.success, self.prompt_tokens, self.generation_tokens, self.denoising_steps, self.positions,
+                self.committed, *self.gauges, self.ttft, self.itl, self.tpot_old, self.tpot, self.e2e, self.queue,
+                self.inference, self.prefill, self.decode, self.prompt_len, self.generation_len]
+
+
+class ServingMetrics:
+    """What /metrics reports. `engine` is anything with num_running, num_waiting, kv_cache_usage,
+    max_model_len and a `kv` cache manager and `scheduler` (the LLMEngine)."""
+
+    def __init__(self, engine, model_name: str):
         p = "blockdiff_"
         self.requests = Counter(p + "requests_total", "Engine requests that ended, by outcome (stop, length, abort, error).",
                                 "outcome", OUTCOMES)
@@ -112,6 +214,7 @@ class ServingMetrics:
             Gauge(p + "num_preemptions_total", "Requests preempted (fairness or KV cache exhausted).",
                   lambda: engine.scheduler.num_preemptions, kind="counter"),
         ]
+        self.vllm = VllmMetrics(engine, model_name)
 
     def step(self, seconds: float) -> None:
         self.step_time.observe(seconds)
@@ -128,11 +231,13 @@ class ServingMetrics:
             self.first_canvas.observe(m["time_to_first_canvas"])
         if m["total_time"] is not None:
             self.request_time.observe(m["total_time"])
+        self.vllm.finished(finish_reason, prompt_tokens, generated_tokens, m)
 
     def response(self, status: int) -> None:
         self.http.inc(label=str(status))
 
     def render(self) -> str:
         families = [self.requests, self.prompt_tokens, self.generation_tokens, self.denoising_steps, self.canvases,
-                    self.positions, *self.gauges, *self.engine_counters, self.step_time, self.first_canvas, self.request_time, self.http]
+                    self.positions, *self.gauges, *self.engine_counters, self.step_time, self.first_canvas, self.request_time, self.http,
+                    *self.vllm.families()]
         return "\n".join(line for family in families for line in family.render()) + "\n"

@@ -59,6 +59,7 @@ class _GenerationRequest(_SamplerExtensions):
     min_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's; `vllm bench serve` sends 1.0, the only value accepted
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool | None = None  # extension: token ids in every choice and chunk
@@ -233,3 +234,33 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes; entrypoints/openai/tokenization.py) ------------------
+class TokenizeRequest(_Request):
+    """vLLM's two request forms in one model: `prompt` (a completion prompt) or `messages` (a chat,
+    through the chat template); the chat-only fields are refused with a prompt."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template writes BOS)
+    add_generation_prompt: bool | None = None  # messages only; default true
+    continue_final_message: bool | None = None  # messages only; default false
+    return_token_strs: bool | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

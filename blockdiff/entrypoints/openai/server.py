@@ -22,8 +22,11 @@ from blockdiff.entrypoints.openai import body, errors
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
-from blockdiff.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
+from blockdiff.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                   DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                                   TokenizeResponse, now)
 from blockdiff.entrypoints.openai.serving import OpenAIServing
+from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
 from blockdiff.startup import start_engine
 
 log = logging.getLogger(__name__)
@@ -149,9 +152,10 @@ class RequireAPIKey(_Middleware):
 
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     """The app owns `engine` from here on: it is shut down when the app's lifespan ends."""
-    metrics = ServingMetrics(engine)
+    metrics = ServingMetrics(engine, cfg.served_model_names[0])
     async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
     serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost)
+    tokenization = OpenAIServingTokenization(serving)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -194,6 +198,14 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await serving.chat(await parse(await request.body(), ChatCompletionRequest), request)
 
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize(request: Request) -> TokenizeResponse:
+        return tokenization.tokenize(await parse(await request.body(), TokenizeRequest))
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        return tokenization.detokenize(await parse(await request.body(), DetokenizeRequest))
+
     # The last added runs first: check the key before reading any body. CountResponses wraps them all.
     app.add_middleware(LimitBody, limit=cfg.max_request_bytes, timeout=cfg.body_timeout)
     if cfg.max_client_concurrency is not None:
@@ -203,7 +215,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     return app
 
 
-_BODIES = (CompletionRequest, ChatCompletionRequest)
+_BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
 def _body_schema(model) -> dict:

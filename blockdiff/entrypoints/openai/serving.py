@@ -251,6 +251,9 @@ class OpenAIServing:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
+        if req.repetition_penalty not in (None, 1.0):
+            raise APIError(400, f"repetition_penalty is not supported (got {req.repetition_penalty}; allowed: 1)",
+                           param="repetition_penalty")
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if req.stream_options is not None and not req.stream:
@@ -316,7 +319,7 @@ class OpenAIServing:
             return [list(prompt)]
         return [self._encode(x, request_id) if isinstance(x, str) else list(x) for x in prompt]
 
-    def _chat_prompt(self, messages: list[p.ChatMessage], request_id: str) -> list[int]:
+    def _chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = []
@@ -332,7 +335,7 @@ class OpenAIServing:
             rendered.append(message)
         self._check_chars(sum(len(m["content"]) for m in rendered if isinstance(m["content"], str)), "messages")
         try:
-            ids = self.tokenizer.encode_chat(rendered)
+            ids = self.tokenizer.encode_chat(rendered, add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
