@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from blockdiff.config import EngineConfig
@@ -75,6 +75,23 @@ class LLM:
             contents = "".join(m["content"] for m in conversation if isinstance(m.get("content"), str))
             self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding what each committed canvas adds (output_kind "delta");
+        the last output has finished=True. Closing the iterator early aborts the request."""
+        req = self.engine.add_request(prompt, replace(sampling_params or SamplingParams(), output_kind="delta"))
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != req.request_id:
+                        continue
+                    if out.error is not None:
+                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                    yield out
+                    if out.finished:
+                        return
+        finally:
+            self.engine.abort(req.request_id)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -13,6 +13,7 @@ import sys
 
 COMMAND_MODULES = [
     "blockdiff.entrypoints.bench",
+    "blockdiff.entrypoints.chat",
     "blockdiff.entrypoints.generate",
     "blockdiff.entrypoints.make_tiny_model",
     "blockdiff.entrypoints.quantize",
