@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     add_chat_template_arg(p)
     add_sampling_args(p)
-    p.set_defaults(func=run)
+    # Info lines (the client's every HTTP request) would interleave with the conversation.
+    p.set_defaults(func=run, log_level="warning")
 
 
 def run(args: argparse.Namespace) -> int:
