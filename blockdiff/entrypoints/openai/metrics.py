@@ -22,8 +22,13 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _labels(pairs: Iterable[tuple[str, str]]) -> str:
-    body = ",".join(f'{k}="{str(v)}"' for k, v in pairs)
+    # Label values escaped as the exposition format requires (a served model name may hold any text).
+    body = ",".join(f'{k}="{_escape(str(v))}"' for k, v in pairs)
     return "{" + body + "}" if body else ""
 
 
