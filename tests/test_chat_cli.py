@@ -44,3 +44,16 @@ def test_chat_against_a_server_streams_and_keeps_the_conversation(tmp_path):
         assert server.wait_idle()["blockdiff_prompt_tokens_total"] - before == sum(counts)
     finally:
         server.close()
+
+
+def test_llm_stream_yields_what_each_committed_canvas_adds():
+    from blockdiff import LLM, SamplingParams
+
+    with LLM() as llm:  # the demo: canvases of 8 tokens
+        ids = llm.tokenizer.encode_chat([{"role": "user", "content": "upper: diffusion"}])
+        outs = list(llm.stream(ids, SamplingParams(seed=0)))
+        whole, = llm.generate([ids], SamplingParams(seed=0))
+    assert len(outs) == whole.metrics["canvases"] >= 2
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert "".join(o.text for o in outs) == whole.text == "DIFFUSION"
+    assert sum((o.token_ids for o in outs), []) == whole.token_ids
