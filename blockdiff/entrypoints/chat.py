@@ -60,10 +60,12 @@ def _server_reply(url: str, api_key: str | None, model: str | None, sampling: di
 
     client = openai.OpenAI(base_url=url, api_key=api_key or "unused")
     max_tokens = sampling.pop("max_tokens", None)
+    served = [model]  # the server's first model, asked for at the first turn when none was given
 
     def reply(messages: list[dict]) -> Iterator[str]:
-        name = model or client.models.list().data[0].id
-        stream = client.chat.completions.create(model=name, messages=messages, stream=True, max_tokens=max_tokens,
+        if served[0] is None:
+            served[0] = client.models.list().data[0].id
+        stream = client.chat.completions.create(model=served[0], messages=messages, stream=True, max_tokens=max_tokens,
                                                 extra_body=sampling or None)
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
