@@ -1,0 +1,147 @@
+"""The vision path against transformers: the encoder's soft tokens, and logits of prompts that hold
+images (their tokens bidirectional in the encoder), on one rank and on two."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import Harness, load_hf, rel_err
+from PIL import Image
+from rank_checks import image_prompt_logits
+from transformers import AutoImageProcessor
+from transformers.cache_utils import DynamicCache
+
+from blockdiff.model.loader import load_model
+from blockdiff.model.tiny import BOI, EOI, IMAGE
+from blockdiff.model.vision import ImageInputs
+from blockdiff.parallel.group import TPGroup
+from blockdiff.parallel.ranks import RankContext, RankProcesses
+
+FP32_TOL = 1e-4  # the text model's (test_parity.py)
+# Odd vocabulary, GQA, a window of 6 that image tokens outrun (the image's own tokens still see
+# each other), sliding and full layers of different head dims.
+VISION_SPEC = dict(vocab_size=301, canvas_length=8, sliding_window=6, seed=3, vision=True)
+
+
+@pytest.fixture(scope="module")
+def mm(checkpoints) -> str:
+    return checkpoints("vision", **VISION_SPEC)
+
+
+def picture(h: int, w: int, seed: int) -> Image.Image:
+    rng = np.random.RandomState(seed)
+    # smooth gradients plus noise: resizing has structure to keep
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 / max(w - 1, 1), y * 255 / max(h - 1, 1), (x + y) % 256], -1)
+    return Image.fromarray(np.clip(base + rng.randint(-40, 40, (h, w, 3)), 0, 255).astype(np.uint8))
+
+
+def hf_pixels(path: str, images: list[Image.Image]):
+    """transformers' processor output, and per image its unpadded patches and positions."""
+    out = AutoImageProcessor.from_pretrained(path)(images, return_tensors="pt")
+    k2 = AutoImageProcessor.from_pretrained(path).pooling_kernel_size ** 2
+    per_image = [
+        (out["pixel_values"][i, : n * k2], out["image_position_ids"][i, : n * k2])
+        for i, n in enumerate(out["num_soft_tokens_per_image"].tolist())
+    ]
+    return out, per_image
+
+
+def image_prompt(counts: list[int], seed: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Text, then per image <boi> soft tokens <eoi> and more text; -> ids and the images' spans."""
+    g = torch.Generator().manual_seed(seed)
+    text = lambda n: torch.randint(EOI + 1, VISION_SPEC["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+    ids, spans = [2] + text(3), []
+    for n in counts:
+        ids.append(BOI)
+        spans.append((len(ids), len(ids) + n))
+        ids += [IMAGE] * n + [EOI] + text(2)
+    return ids, spans
+
+
+def image_inputs(per_image, ids: list[int]) -> ImageInputs:
+    index = torch.tensor([i for i, t in enumerate(ids) if t == IMAGE])
+    return ImageInputs([p for p, _ in per_image], [q for _, q in per_image], torch.arange(len(index)), index)
+
+
+@pytest.mark.parametrize("size", [(40, 30), (24, 60), (7, 90), (50, 50)])
+def test_soft_tokens_equal_transformers(mm, size):
+    ours, hf = load_model(mm), load_hf(mm)
+    out, per_image = hf_pixels(mm, [picture(*size, seed=sum(size))])
+    with torch.no_grad():
+        want = hf.model.encoder.get_image_features(out["pixel_values"], out["image_position_ids"]).pooler_output
+        got = ours.vision(*per_image[0])
+    assert got.shape == want.shape == (out["num_soft_tokens_per_image"][0], ours.config.hidden_size)
+    assert rel_err(got, want) <= FP32_TOL
+
+
+class Oracle:
+    """transformers' encoder and decoder, called as its generate() calls them."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self.cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
+        self.length = 0
+
+    @torch.no_grad()
+    def encode(self, ids: list[int], pixels=None) -> None:
+        n = len(ids)
+        pos = torch.arange(self.length, self.length + n)[None]
+        extra, mm_types = {}, None
+        if pixels is not None:
+            extra = dict(pixel_values=pixels["pixel_values"], image_position_ids=pixels["image_position_ids"])
+            mm_types = (torch.tensor([ids]) == IMAGE).long()
+        masks = self.hf.model.encoder.create_masks_for_generate(
+            config=self.hf.config, inputs_embeds=torch.empty(1, n, 0), attention_mask=torch.ones(1, self.length + n, dtype=torch.bool),
+            past_key_values=self.cache, position_ids=pos, mm_token_type_ids=mm_types,
+        )
+        self.hf.model.encoder(input_ids=torch.tensor([ids]), attention_mask=masks, past_key_values=self.cache, position_ids=pos, **extra)
+        self.length += n
+
+    @torch.no_grad()
+    def decode(self, canvas: list[int]) -> torch.Tensor:
+        pos = torch.arange(self.length, self.length + len(canvas))[None]
+        return self.hf(decoder_input_ids=torch.tensor([canvas]), past_key_values=self.cache, decoder_position_ids=pos).logits[0]
+
+
+def _canvas(seed: int) -> list[int]:
+    return torch.randint(3, VISION_SPEC["vocab_size"], (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_logits_of_a_prompt_with_two_images_equal_transformers(mm):
+    images = [picture(30, 20, 1), picture(12, 40, 2)]
+    out, per_image = hf_pixels(mm, images)
+    ids, spans = image_prompt(out["num_soft_tokens_per_image"].tolist(), seed=4)
+    first, second = _canvas(5), _canvas(6)
+    ours, ref = Harness(load_model(mm)), Oracle(load_hf(mm))
+    ours.encode(ids, image_inputs(per_image, ids), tuple(spans))
+    ref.encode(ids, out)
+    assert rel_err(ours.decode(first), ref.decode(first)) <= FP32_TOL
+    # a committed canvas is causal (transformers drops mm_token_type_ids after the prompt)
+    ours.encode(first)
+    ref.encode(first)
+    want = ref.decode(second)
+    assert rel_err(ours.decode(second), want) <= FP32_TOL
+
+    # Both the image and the bidirectional mask must matter, or this test would test neither.
+    causal = Harness(load_model(mm))
+    causal.encode(ids, image_inputs(per_image, ids))
+    causal.encode(first)
+    assert rel_err(causal.decode(second), want) > 10 * FP32_TOL
+    blind = Harness(load_model(mm))
+    blind.encode(ids, bidirectional=tuple(spans))
+    blind.encode(first)
+    assert rel_err(blind.decode(second), want) > 10 * FP32_TOL
+
+
+def test_tensor_parallel_logits_with_images_equal_one_rank(mm, single_threaded_workers):
+    images = [picture(30, 20, 1), picture(12, 40, 2)]
+    out, per_image = hf_pixels(mm, images)
+    ids, spans = image_prompt(out["num_soft_tokens_per_image"].tolist(), seed=7)
+    args = (mm, ids, per_image, spans, _canvas(8))
+    single = image_prompt_logits(RankContext(0, 1, torch.device("cpu"), TPGroup()), *args)
+    with RankProcesses(2, "cpu") as two:
+        split = two.run(image_prompt_logits, *args, gather=True)
+    for got in split:
+        assert rel_err(got, single) <= FP32_TOL
