@@ -145,3 +145,32 @@ def test_tensor_parallel_logits_with_images_equal_one_rank(mm, single_threaded_w
         split = two.run(image_prompt_logits, *args, gather=True)
     for got in split:
         assert rel_err(got, single) <= FP32_TOL
+
+
+def test_make_tiny_model_vision_is_a_multimodal_checkpoint_transformers_loads(tmp_path):
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from blockdiff.entrypoints.cli import main
+
+    path = str(tmp_path / "mm")
+    assert main(["make-tiny-model", path, "--vision", "--vocab-size", "211", "--num-layers", "2"]) == 0
+    _, info = DiffusionGemmaForBlockDiffusion.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    processor = AutoImageProcessor.from_pretrained(path)
+    assert (processor.patch_size, processor.max_soft_tokens) == (2, 70)
+    model = load_model(path)
+    assert model.vision is not None and model.config.vision.bidirectional
+    assert model.vision.layers[0].self_attn.q_proj.bounds.isfinite().all()  # the clamp bounds were loaded
+
+
+def test_a_checkpoint_without_vision_tensors_loads_text_only(tmp_path, mm):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "text-only"
+    shutil.copytree(mm, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if "vision" not in k}, str(path / "model.safetensors"))
+    model = load_model(str(path))
+    assert model.vision is None and load_model(mm).vision is not None
