@@ -297,15 +297,26 @@ class EngineConfig:
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as SamplingParams fields.
     sampling_defaults: dict = field(default_factory=dict)
+    # Images one prompt may hold (vLLM's --limit-mm-per-prompt '{"image": N}'); 0 takes none.
+    limit_images_per_prompt: int = 4
+    max_image_bytes: int = 20 * 1024 * 1024  # an encoded image, before decoding
+    max_image_pixels: int = 40_000_000  # width x height of a decoded image (~120 MB of RGB)
+    # Image URLs besides data: URLs (vLLM's names): http(s) hosts that may be fetched, and the
+    # directory whose files file:// URLs may name. Both off by default.
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
-                     "max_denoising_steps_limit", "preempt_after_canvases"):
+                     "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        n = self.limit_images_per_prompt
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"limit_images_per_prompt must be a non-negative integer, got {n!r}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

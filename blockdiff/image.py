@@ -26,8 +26,6 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 # What the reference processor accepts as max_soft_tokens.
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-MAX_IMAGE_BYTES = 20 * 1024 * 1024
-MAX_IMAGE_PIXELS = 40_000_000  # 40 megapixels: decoded RGB of ~120 MB
 
 
 class ImageError(ValueError):
@@ -36,11 +34,11 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ImageLimits:
-    max_bytes: int = MAX_IMAGE_BYTES
-    max_pixels: int = MAX_IMAGE_PIXELS
+    max_bytes: int  # of an encoded image
+    max_pixels: int  # width x height
 
 
-def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), what: str = "image") -> Image.Image:
+def decode_image(data: bytes, limits: ImageLimits, what: str = "image") -> Image.Image:
     """Encoded bytes -> a loaded PIL image, or ImageError saying why not."""
     if len(data) > limits.max_bytes:
         raise ImageError(f"{what} is {len(data)} bytes, above the limit of {limits.max_bytes}")
@@ -67,7 +65,7 @@ def check_pixels(image: Image.Image, limits: ImageLimits, what: str = "image") -
         raise ImageError(f"{what} is empty ({w}x{h})")
 
 
-def as_image(source, limits: ImageLimits = ImageLimits(), what: str = "image") -> Image.Image:
+def as_image(source, limits: ImageLimits, what: str = "image") -> Image.Image:
     """A PIL image, encoded bytes or a file path -> a PIL image."""
     if isinstance(source, Image.Image):
         check_pixels(source, limits, what)

@@ -6,12 +6,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from blockdiff.config import EngineConfig
+from blockdiff.engine.images import split_chat_images
 from blockdiff.hub import resolve_model
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import SamplingParams
 from blockdiff.startup import start_engine
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or (vLLM's form) {"prompt": text or "prompt_token_ids": ids,
+# "multi_modal_data": {"image": one image or a list}} with PIL images, encoded bytes or file paths.
+Prompt = str | list[int] | dict
 
 
 class LLM:
@@ -50,8 +53,10 @@ class LLM:
         requests = []
         try:
             for prompt, p in zip(prompts, params):
+                prompt, images = _split_images(prompt)
                 # Only the final outputs are read: the engine builds nothing before them.
-                requests.append(self.engine.add_request(prompt, replace(p or SamplingParams(), output_kind="final_only")))
+                requests.append(self.engine.add_request(prompt, replace(p or SamplingParams(), output_kind="final_only"),
+                                                        images=images))
                 if isinstance(prompt, str):
                     self.tokenizer.warn_unknown(f"request {requests[-1].request_id}", prompt, requests[-1].prompt_token_ids)
         except Exception:
@@ -66,14 +71,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template and generate the reply."""
+        """Render each conversation with the checkpoint's chat template and generate the reply.
+        Content parts may hold images as vLLM's chat format does: {"type": "image_url", "image_url":
+        {"url": "data:image/png;base64,..."}} (file:// and http(s) URLs as the engine allows them), or
+        {"type": "image", "image": a PIL image, bytes or a path}."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode_chat(c) for c in conversations]
-        for i, (conversation, ids) in enumerate(zip(conversations, prompts)):
-            contents = "".join(m["content"] for m in conversation if isinstance(m.get("content"), str))
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            rendered, images = split_chat_images(conversation, self.engine.inputs.images.fetch)
+            ids = self.tokenizer.encode_chat(rendered)
+            contents = "".join(m["content"] for m in rendered if isinstance(m.get("content"), str))
             self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
@@ -112,8 +123,23 @@ class LLM:
         self.shutdown()
 
 
+def _split_images(prompt: Prompt) -> tuple[str | list[int], list | None]:
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', and 'multi_modal_data'; got {sorted(prompt)}")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes 'image' only, got {data!r:.80}")
+    images = data.get("image")
+    if images is not None and not isinstance(images, (list, tuple)):
+        images = [images]
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), images
+
+
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         out = [prompts]
     elif isinstance(prompts, (list, tuple)):
         if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):

@@ -41,6 +41,7 @@ def _assert_same(ours: ImageProcessor, theirs, image: Image.Image) -> None:
     assert not want["pixel_values"][0, n:].any() and (want["image_position_ids"][0, n:] == -1).all()
 
 
+LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=1 << 20)
 SIZES = [(40, 30), (24, 60), (7, 90), (90, 7), (300, 200), (5, 5), (48, 48), (1, 400)]
 
 
@@ -76,17 +77,18 @@ def test_bytes_paths_and_images_decode_to_the_same_pixels(tmp_path):
     data = _encoded(image, "PNG")
     (tmp_path / "a.png").write_bytes(data)
     for source in (image, data, str(tmp_path / "a.png"), tmp_path / "a.png"):
-        assert np.array_equal(np.array(as_image(source).convert("RGB")), np.array(image.convert("RGB")))
+        assert np.array_equal(np.array(as_image(source, LIMITS).convert("RGB")), np.array(image.convert("RGB")))
 
 
 @pytest.mark.parametrize(
     "data, limits, message",
     [
-        (_encoded(picture(20, 30, 0), "PNG")[:120], ImageLimits(), "corrupt"),
-        (_encoded(picture(20, 30, 0), "TIFF"), ImageLimits(), "unsupported format TIFF"),
-        (b"hello, I am text", ImageLimits(), "not an image"),
-        (_encoded(picture(20, 30, 0), "PNG"), ImageLimits(max_bytes=100), "above the limit of 100"),
-        (_encoded(picture(20, 30, 0), "PNG"), ImageLimits(max_pixels=599), "600 pixels, above the limit of 599"),
+        (_encoded(picture(20, 30, 0), "PNG")[:120], LIMITS, "corrupt"),
+        (_encoded(picture(20, 30, 0), "TIFF"), LIMITS, "unsupported format TIFF"),
+        (b"hello, I am text", LIMITS, "not an image"),
+        (_encoded(picture(20, 30, 0), "PNG"), ImageLimits(max_bytes=100, max_pixels=1 << 20), "above the limit of 100"),
+        (_encoded(picture(20, 30, 0), "PNG"), ImageLimits(max_bytes=1 << 20, max_pixels=599),
+         "600 pixels, above the limit of 599"),
     ],
     ids=["corrupt", "format", "not-an-image", "bytes", "pixels"],
 )

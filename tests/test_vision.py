@@ -174,3 +174,82 @@ def test_a_checkpoint_without_vision_tensors_loads_text_only(tmp_path, mm):
     save_file({k: v for k, v in tensors.items() if "vision" not in k}, str(path / "model.safetensors"))
     model = load_model(str(path))
     assert model.vision is None and load_model(mm).vision is not None
+
+
+# ---- generation through the engine -----------------------------------------------------------
+GREEDY = dict(t_min=1e-6, t_max=2e-6)
+
+
+def _greedy(draft: list[int], **extra):
+    from blockdiff import SamplingParams
+
+    return SamplingParams(max_tokens=20, max_denoising_steps=4, draft=draft, **GREEDY, **extra)
+
+
+def _hf_generate(hf, path: str, images, ids: list[int], draft: list[int]) -> list[int]:
+    from helpers import hf_generate_with_draft
+
+    out = AutoImageProcessor.from_pretrained(path)(images, return_tensors="pt")
+    mm_types = (torch.tensor([ids]) == IMAGE).long()
+    theirs = hf_generate_with_draft(hf, ids, draft, max_new_tokens=20, max_denoising_steps=4, pixel_values=out["pixel_values"],
+                                    image_position_ids=out["image_position_ids"], mm_token_type_ids=mm_types, **GREEDY)
+    eos = set(hf.generation_config.eos_token_id)
+    return theirs[: next((i + 1 for i, t in enumerate(theirs) if t in eos), 20)]
+
+
+def _unexpanded(ids: list[int]) -> list[int]:
+    """The prompt as the user writes it: one image token per image."""
+    out = []
+    for t in ids:
+        if t in (BOI, EOI) or (t == IMAGE and out and out[-1] == IMAGE):
+            continue
+        out.append(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def generation_cases(mm):
+    """(images, expanded prompt, draft, transformers' greedy tokens) with one image and with two."""
+    hf = load_hf(mm)
+    cases = []
+    for k, images in enumerate([[picture(33, 21, 11)], [picture(18, 45, 12), picture(40, 40, 13)]]):
+        counts = AutoImageProcessor.from_pretrained(mm)(images)["num_soft_tokens_per_image"]
+        ids, _ = image_prompt(list(counts), seed=20 + k)
+        draft = _canvas(30 + k) + _canvas(40 + k) + _canvas(50 + k)
+        cases.append((images, ids, draft, _hf_generate(hf, mm, images, ids, draft)))
+    return cases
+
+
+@pytest.mark.parametrize("max_prefill_tokens", [2048, 16], ids=["whole-prompt", "chunked"])
+def test_greedy_generation_with_images_equals_transformers(mm, generation_cases, max_prefill_tokens):
+    from blockdiff import LLM
+
+    prompts = [{"prompt_token_ids": _unexpanded(ids), "multi_modal_data": {"image": images}} for images, ids, _, _ in generation_cases]
+    # a text prompt batched with the image prompts
+    text = [2] + _canvas(60)
+    with LLM(mm, max_prefill_tokens=max_prefill_tokens) as llm:
+        outs = llm.generate(prompts + [text], [_greedy(d) for _, _, d, _ in generation_cases] + [_greedy(_canvas(61), seed=7)],
+                            use_tqdm=False)
+        alone = llm.generate(text, _greedy(_canvas(61), seed=7), use_tqdm=False)[0]
+    for out, (_, ids, _, theirs) in zip(outs, generation_cases):
+        assert out.prompt_token_ids == ids  # placeholders expanded as the processor does
+        assert out.token_ids == theirs
+    assert outs[-1].token_ids == alone.token_ids
+
+
+def test_prefix_cache_shares_blocks_only_for_the_same_image(mm, generation_cases):
+    from blockdiff import LLM
+
+    images, ids, draft, theirs = generation_cases[1]
+    prompt = _unexpanded(ids)
+    other = [images[0], picture(40, 40, 99)]  # same sizes, so the same tokens, but another second image
+    with LLM(mm, block_size=4) as llm:
+        first = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, _greedy(draft), use_tqdm=False)[0]
+        again = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, _greedy(draft), use_tqdm=False)[0]
+        changed = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": other}}, _greedy(draft), use_tqdm=False)[0]
+    assert first.token_ids == again.token_ids == theirs
+    second_image = ids.index(IMAGE, ids.index(EOI))  # the first soft token of the second image
+    # the same images: the hit covers the second image too; another second image: the hit stops
+    # before it, at a block boundary outside every image
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= ids.index(EOI, second_image)
+    assert 0 < changed.num_cached_tokens <= second_image - 1 and changed.num_cached_tokens % 4 == 0

@@ -44,6 +44,10 @@ class ImageInputs:
     feature_rows: torch.Tensor  # [n] long
     token_index: torch.Tensor  # [n] long
 
+    def to(self, device: torch.device) -> "ImageInputs":
+        return ImageInputs([p.to(device) for p in self.pixel_values], [q.to(device) for q in self.position_ids],
+                           self.feature_rows.to(device), self.token_index.to(device))
+
 
 class ClippableLinear(nn.Module):
     """A bias-free linear layer that may clamp its input and output to bounds stored beside it."""
