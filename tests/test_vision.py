@@ -253,3 +253,14 @@ def test_prefix_cache_shares_blocks_only_for_the_same_image(mm, generation_cases
     # before it, at a block boundary outside every image
     assert first.num_cached_tokens == 0 and again.num_cached_tokens >= ids.index(EOI, second_image)
     assert 0 < changed.num_cached_tokens <= second_image - 1 and changed.num_cached_tokens % 4 == 0
+
+
+@pytest.mark.slow  # ~35 s: two ranks, model load and generation (the executor carrying images to every rank)
+def test_tensor_parallel_generation_with_images_equals_transformers(mm, generation_cases, single_threaded_workers):
+    from blockdiff import LLM
+
+    images, ids, draft, theirs = generation_cases[1]
+    with LLM(mm, tensor_parallel_size=2) as llm:
+        out = llm.generate({"prompt_token_ids": _unexpanded(ids), "multi_modal_data": {"image": images}}, _greedy(draft),
+                           use_tqdm=False)[0]
+    assert out.token_ids == theirs  # == one rank's (test_greedy_generation_with_images_equals_transformers)
