@@ -53,10 +53,8 @@ class LLM:
         requests = []
         try:
             for prompt, p in zip(prompts, params):
-                prompt, images = _split_images(prompt)
                 # Only the final outputs are read: the engine builds nothing before them.
-                requests.append(self.engine.add_request(prompt, replace(p or SamplingParams(), output_kind="final_only"),
-                                                        images=images))
+                requests.append(self.engine.add_request(prompt, replace(p or SamplingParams(), output_kind="final_only")))
                 if isinstance(prompt, str):
                     self.tokenizer.warn_unknown(f"request {requests[-1].request_id}", prompt, requests[-1].prompt_token_ids)
         except Exception:
@@ -121,21 +119,6 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _split_images(prompt: Prompt) -> tuple[str | list[int], list | None]:
-    if not isinstance(prompt, dict):
-        return prompt, None
-    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
-    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-        raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', and 'multi_modal_data'; got {sorted(prompt)}")
-    data = prompt.get("multi_modal_data") or {}
-    if not isinstance(data, dict) or set(data) - {"image"}:
-        raise ValueError(f"multi_modal_data takes 'image' only, got {data!r:.80}")
-    images = data.get("image")
-    if images is not None and not isinstance(images, (list, tuple)):
-        images = [images]
-    return prompt.get("prompt", prompt.get("prompt_token_ids")), images
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -17,7 +17,7 @@ import torch
 from blockdiff.config import EngineConfig, parse_dtype
 from blockdiff.diffusion.sampler import denoise_params
 from blockdiff.engine.block_allocator import BlockPool
-from blockdiff.engine.images import ImageIntake
+from blockdiff.engine.images import ImageIntake, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
@@ -77,9 +77,11 @@ class LLMEngine:
         self.on_step: Callable[[StepPlan, float], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    images: list | None = None) -> Request:
-        """`images`: PIL images, encoded bytes or file paths, one per image placeholder of the prompt."""
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """`prompt`: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data":
+        {"image": ...}} with PIL images, encoded bytes or file paths, one per image placeholder."""
+        prompt, images = split_prompt(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")

@@ -50,7 +50,8 @@ class ImageIntake:
     def load(self, sources: list, what: str = "image") -> list[ProcessedImage]:
         """PIL images, encoded bytes or file paths -> preprocessed images."""
         self.check_count(len(sources))
-        return [self.processor(as_image(s, self.limits, f"{what} {i}")) for i, s in enumerate(sources)]
+        return [s if isinstance(s, ProcessedImage) else self.processor(as_image(s, self.limits, f"{what} {i}"))
+                for i, s in enumerate(sources)]
 
     def expand(self, ids: list[int], images: list[ProcessedImage]) -> PromptImages:
         v = self.vision
@@ -61,6 +62,23 @@ class ImageIntake:
         ids, spans = expand_placeholders(ids, [im.num_soft_tokens for im in images], v.image_token_id,
                                          v.boi_token_id, v.eoi_token_id)
         return PromptImages(ids, images, spans)
+
+
+def split_prompt(prompt) -> tuple[str | list[int], list | None]:
+    """A prompt in vLLM's dict form ({"prompt": text or "prompt_token_ids": ids, "multi_modal_data":
+    {"image": one image or a list}}) -> (text or ids, images); any other prompt -> (it, None)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', and 'multi_modal_data'; got {sorted(prompt)}")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes 'image' only, got {data!r:.80}")
+    images = data.get("image")
+    if images is not None and not isinstance(images, (list, tuple)):
+        images = [images]
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), images
 
 
 # ---- image URLs and chat messages --------------------------------------------------------------

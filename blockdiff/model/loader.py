@@ -133,7 +133,7 @@ def checkpoint_files(path: str) -> list[str]:
 
 def load_weights(model: DiffusionGemma, path: str) -> None:
     params = dict(model.named_parameters())
-    seen_encoder, seen, unexpected = {}, set(), []
+    seen_encoder, seen, unexpected, skipped = {}, set(), [], 0
     files = checkpoint_files(path)
     if model.vision is not None and not _has_vision_tensors(files):
         # A vision_config without the tower's weights: a text-only export of a multimodal model.
@@ -144,6 +144,9 @@ def load_weights(model: DiffusionGemma, path: str) -> None:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name == "lm_head.weight":  # tied to the embedding; some exports still write it
+                    continue
+                if model.vision is None and map_vision_name(name) is not None:
+                    skipped += 1  # a vision tower that config.json does not declare
                     continue
                 mapped = map_name(name)
                 if mapped is None or mapped[0] not in params:
@@ -166,6 +169,8 @@ def load_weights(model: DiffusionGemma, path: str) -> None:
             with safe_open(file, framework="pt") as f:
                 _load_one(params[key[0]], f.get_slice(name), name, key[1])
             seen.add(key)
+    if skipped:
+        log.info("skipped %d vision tensors: %r declares no vision tower", skipped, path)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in checkpoint {path!r}: {', '.join(sorted(unexpected))}")
     missing = sorted(_expected_keys(model) - seen)
