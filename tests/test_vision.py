@@ -264,3 +264,20 @@ def test_tensor_parallel_generation_with_images_equals_transformers(mm, generati
         out = llm.generate({"prompt_token_ids": _unexpanded(ids), "multi_modal_data": {"image": images}}, _greedy(draft),
                            use_tqdm=False)[0]
     assert out.token_ids == theirs  # == one rank's (test_greedy_generation_with_images_equals_transformers)
+
+
+def test_cli_generate_takes_images(mm, tmp_path, capsys):
+    import json
+
+    from blockdiff.entrypoints.cli import main
+
+    path = tmp_path / "picture.png"
+    picture(30, 20, 1).save(path)
+    common = ["generate", "--model", mm, "--max-tokens", "8", "--max-denoising-steps", "2", "--seed-per-request", "3",
+              "--json", "--image", str(path)]
+    assert main([*common, "--chat", "What is this?"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    n = hf_pixels(mm, [picture(30, 20, 1)])[0]["num_soft_tokens_per_image"][0]
+    assert out["prompt_token_ids"].count(IMAGE) == n and len(out["token_ids"]) == 8
+    assert main([*common, "--image", str(tmp_path / "missing.png"), "--chat", "and this?"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: image 1: no such file {str(tmp_path / 'missing.png')!r}"
