@@ -328,7 +328,7 @@ class OpenAIServing:
         for i, m in enumerate(messages):
             message = m.model_dump(exclude_none=True)
             if isinstance(m.content, list) and any(part.type in IMAGE_PART_TYPES for part in m.content):
-                message["content"] = _template_parts(m.content)
+                message["content"] = _template_parts(i, m.content)
             elif isinstance(m.content, list):
                 for part in m.content:
                     if part.type != "text" or part.text is None:
@@ -475,6 +475,15 @@ class OpenAIServing:
         ])
 
 
-def _template_parts(parts: list[p.ContentPart]) -> list[dict]:
-    """A message's content parts for the chat template: text as it is, each image as {"type": "image"}."""
-    return [{"type": "image"} if part.type in IMAGE_PART_TYPES else part.model_dump(exclude_none=True) for part in parts]
+def _template_parts(i: int, parts: list[p.ContentPart]) -> list[dict]:
+    """Message i's content parts for the chat template: text as it is, each image as {"type": "image"}."""
+    out = []
+    for part in parts:
+        if part.type in IMAGE_PART_TYPES:
+            out.append({"type": "image"})
+        elif part.type == "text" and part.text is not None:
+            out.append({"type": "text", "text": part.text})
+        else:
+            raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model reads text "
+                                "and images", param="messages")
+    return out
