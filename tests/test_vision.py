@@ -247,6 +247,15 @@ def test_prefix_cache_shares_blocks_only_for_the_same_image(mm, generation_cases
         first = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, _greedy(draft), use_tqdm=False)[0]
         again = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, _greedy(draft), use_tqdm=False)[0]
         changed = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": other}}, _greedy(draft), use_tqdm=False)[0]
+        # bad image input to the offline API: a ValueError naming the problem
+        for bad, message in [
+            ({"prompt_token_ids": [2] + [IMAGE] * 5, "multi_modal_data": {"image": [images[0]] * 5}}, "5 images in one prompt, above the limit of 4"),
+            ({"prompt_token_ids": [2, IMAGE], "multi_modal_data": {"image": images}}, "1 image placeholders for 2 images"),
+            ({"prompt_token_ids": [2, IMAGE], "multi_modal_data": {"image": [b"\x89PNG\r\n\x1a\n"]}}, "image 0 is not an image in a known format"),
+            ({"prompt_token_ids": [2, IMAGE], "multi_modal_data": {"video": [b""]}}, "multi_modal_data takes 'image' only"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                llm.generate(bad, _greedy(draft), use_tqdm=False)
     assert first.token_ids == again.token_ids == theirs
     second_image = ids.index(IMAGE, ids.index(EOI))  # the first soft token of the second image
     # the same images: the hit covers the second image too; another second image: the hit stops
