@@ -167,7 +167,7 @@ def add_image_args(p: argparse.ArgumentParser) -> None:
                    default=EngineConfig.limit_images_per_prompt,
                    help=f'images one prompt may hold, as JSON: \'{{"image": N}}\' (default {EngineConfig.limit_images_per_prompt})')
     g.add_argument("--max-image-bytes", type=parse_size, default=EngineConfig.max_image_bytes,
-                   help="largest encoded image, e.g. 8MiB (default 20MiB)")
+                   help=f"largest encoded image, e.g. 8MiB (default {EngineConfig.max_image_bytes} bytes)")
     g.add_argument("--max-image-pixels", type=at_least(1), default=EngineConfig.max_image_pixels,
                    help=f"largest width x height of an image (default {EngineConfig.max_image_pixels})")
     g.add_argument("--allowed-media-domains", nargs="+", default=list(EngineConfig.allowed_media_domains), metavar="DOMAIN",
