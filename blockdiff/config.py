@@ -85,6 +85,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
     quantization: Fp8Config | None = None  # FP8 weights (quantization_config), None: plain weights
+    vision: "VisionConfig | None" = None  # the image encoder; None: a text-only checkpoint
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -172,6 +173,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=_DTYPES[dtype_name],
             quantization=parse_quantization(raw.get("quantization_config")),
+            vision=VisionConfig.from_dict(raw, bidirectional == "vision"),
             raw=raw,
         )
 
@@ -297,17 +299,85 @@ class EngineConfig:
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as SamplingParams fields.
     sampling_defaults: dict = field(default_factory=dict)
+    # Images one prompt may hold (vLLM's --limit-mm-per-prompt '{"image": N}'); 0 takes none.
+    limit_images_per_prompt: int = 4
+    max_image_bytes: int = 20 * 1024 * 1024  # an encoded image, before decoding
+    max_image_pixels: int = 40_000_000  # width x height of a decoded image (~120 MB of RGB)
+    # Image URLs besides data: URLs (vLLM's names): http(s) hosts that may be fetched, and the
+    # directory whose files file:// URLs may name. Both off by default.
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
-                     "max_denoising_steps_limit", "preempt_after_canvases"):
+                     "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        n = self.limit_images_per_prompt
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"limit_images_per_prompt must be a non-negative integer, got {n!r}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The Gemma 4 vision encoder (`vision_config`) and how its soft tokens enter the prompt."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_activation: str
+    rms_norm_eps: float
+    rope_theta: float
+    patch_size: int
+    pooling_kernel_size: int
+    position_embedding_size: int
+    clipped_linears: bool  # each linear clamps its input and output to stored bounds
+    standardize: bool  # soft tokens get (x - std_bias) * std_scale
+    image_token_id: int  # the placeholder each soft token replaces
+    boi_token_id: int | None
+    eoi_token_id: int | None
+    # use_bidirectional_attention == "vision": the tokens of one image attend to each other both
+    # ways inside the otherwise causal encoder pass of the prompt.
+    bidirectional: bool
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], bidirectional: bool) -> "VisionConfig | None":
+        v = raw.get("vision_config")
+        if not isinstance(v, dict):
+            return None
+        rope = v.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"vision_config: unsupported rope_type {rope.get('rope_type')!r} (Gemma 4 uses axial)")
+        heads = int(v.get("num_attention_heads", 12))
+        hidden = int(v.get("hidden_size", 768))
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(v.get("intermediate_size", 3072)),
+            num_layers=int(v.get("num_hidden_layers", 16)),
+            num_heads=heads,
+            num_kv_heads=int(v.get("num_key_value_heads", heads)),
+            head_dim=int(v.get("head_dim") or hidden // heads),
+            hidden_activation=v.get("hidden_activation", "gelu_pytorch_tanh"),
+            rms_norm_eps=float(v.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", 100.0)),
+            patch_size=int(v.get("patch_size", 16)),
+            pooling_kernel_size=int(v.get("pooling_kernel_size", 3)),
+            position_embedding_size=int(v.get("position_embedding_size", 10 * 1024)),
+            clipped_linears=bool(v.get("use_clipped_linears", False)),
+            standardize=bool(v.get("standardize", False)),
+            image_token_id=int(raw.get("image_token_id", 258_880)),
+            boi_token_id=raw.get("boi_token_id", 255_999),
+            eoi_token_id=raw.get("eoi_token_id", 258_882),
+            bidirectional=bidirectional,
+        )

@@ -6,12 +6,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from blockdiff.config import EngineConfig
+from blockdiff.engine.images import split_chat_images
 from blockdiff.hub import resolve_model
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import SamplingParams
 from blockdiff.startup import start_engine
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or (vLLM's form) {"prompt": text or "prompt_token_ids": ids,
+# "multi_modal_data": {"image": one image or a list}} with PIL images, encoded bytes or file paths.
+Prompt = str | list[int] | dict
 
 
 class LLM:
@@ -66,14 +69,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template and generate the reply."""
+        """Render each conversation with the checkpoint's chat template and generate the reply.
+        Content parts may hold images as vLLM's chat format does: {"type": "image_url", "image_url":
+        {"url": "data:image/png;base64,..."}} (file:// and http(s) URLs as the engine allows them), or
+        {"type": "image", "image": a PIL image, bytes or a path}."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode_chat(c) for c in conversations]
-        for i, (conversation, ids) in enumerate(zip(conversations, prompts)):
-            contents = "".join(m["content"] for m in conversation if isinstance(m.get("content"), str))
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            rendered, images = split_chat_images(conversation, self.engine.inputs.images.fetch)
+            ids = self.tokenizer.encode_chat(rendered)
+            contents = "".join(m["content"] for m in rendered if isinstance(m.get("content"), str))
             self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -130,7 +139,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         out = [prompts]
     elif isinstance(prompts, (list, tuple)):
         if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):

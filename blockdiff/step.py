@@ -9,6 +9,7 @@ import torch
 
 from blockdiff.diffusion.sampler import DenoiseParams
 from blockdiff.model.attention import Row
+from blockdiff.model.vision import ImageInputs
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class StepPlan:
     new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64
     denoise: DenoiseParams | None
     top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
+    images: ImageInputs | None = None  # the images of this step's prompt chunks (every rank encodes them)
 
 
 @dataclass

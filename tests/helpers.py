@@ -50,9 +50,12 @@ class Harness:
         self.length = 0
 
     @torch.no_grad()
-    def encode(self, ids: list[int]) -> None:
-        meta = build_metadata([Row(0, self.length, len(ids), False, self.blocks)], self.geo, layer_kinds(self.model), "cpu")
-        self.model(_padded(ids, meta), meta, self.kv)
+    def encode(self, ids: list[int], images=None, bidirectional: tuple[tuple[int, int], ...] = ()) -> None:
+        """`images`: blockdiff.model.vision.ImageInputs for the placeholders among `ids`;
+        `bidirectional`: their [start, end) position spans, as the engine gives them."""
+        row = Row(0, self.length, len(ids), False, self.blocks, bidirectional=bidirectional)
+        meta = build_metadata([row], self.geo, layer_kinds(self.model), "cpu")
+        self.model(_padded(ids, meta), meta, self.kv, images=images)
         self.length += len(ids)
 
     @torch.no_grad()

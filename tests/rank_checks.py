@@ -75,3 +75,23 @@ def die_on_rank(ctx: RankContext, rank: int) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
     ctx.group.all_reduce(torch.zeros(1))
     return ctx.rank
+
+
+def image_prompt_logits(ctx: RankContext, path: str, ids, per_image, spans, canvas) -> torch.Tensor:
+    """Full-vocabulary logits of `canvas` after a prompt with images, from this rank's shard of the
+    model (every rank encodes the images with its replicated vision tower)."""
+    from helpers import Harness
+
+    from blockdiff.model.loader import load_model
+    from blockdiff.model.vision import ImageInputs
+
+    model = load_model(path, group=ctx.group)
+    index = torch.tensor([i for i, t in enumerate(ids) if t == model.config.vision.image_token_id])
+    images = ImageInputs([p for p, _ in per_image], [q for _, q in per_image], torch.arange(len(index)), index)
+    harness = Harness(model)
+    harness.encode(ids, images, tuple(spans))
+    local = harness.decode(canvas)
+    full = local.new_zeros(local.shape[0], model.config.vocab_size)
+    owned = model.shard.global_ids() >= 0
+    full[:, model.shard.global_ids()[owned]] = local[:, owned]
+    return ctx.group.all_reduce(full) if ctx.size > 1 else full

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-# A block's identity: the hash of its parent block (None for the first) and its token ids. Only
+# A block's identity: the hash of its parent block (None for the first) and its token ids (an
+# image's soft tokens: the image's digest, Request.key_tokens). Only
 # rank 0's engine hashes (the workers get block tables), so the hashes never cross processes.
-BlockKey = tuple[int | None, tuple[int, ...]]
+BlockKey = tuple[int | None, tuple[int | bytes, ...]]
 
 
-def block_keys(tokens: list[int], block_size: int, parent: int | None = None) -> list[tuple[BlockKey, int]]:
+def block_keys(tokens: list[int | bytes], block_size: int, parent: int | None = None) -> list[tuple[BlockKey, int]]:
     """(key, hash) of each full block of `tokens`, chained from the block hash `parent`."""
     out = []
     for i in range(0, len(tokens) - block_size + 1, block_size):

@@ -17,6 +17,7 @@ import torch
 from blockdiff.config import EngineConfig, parse_dtype
 from blockdiff.diffusion.sampler import denoise_params
 from blockdiff.engine.block_allocator import BlockPool
+from blockdiff.engine.images import ImageIntake, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
@@ -24,6 +25,7 @@ from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
 from blockdiff.executor import make_executor
 from blockdiff.model.attention import Row
+from blockdiff.model.vision import ImageInputs
 from blockdiff.model.registry import load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
@@ -66,7 +68,7 @@ class LLMEngine:
             self.tokenizer, {**self.defaults, **cfg.sampling_defaults},
             tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids)),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
-            cache.num_blocks * cache.block_size, cfg.seed,
+            cache.num_blocks * cache.block_size, cfg.seed, ImageIntake.from_pretrained(cfg, self.model_config),
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -75,11 +77,15 @@ class LLMEngine:
         self.on_step: Callable[[StepPlan, float], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """`prompt`: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data":
+        {"image": ...}} with PIL images, encoded bytes or file paths, one per image placeholder."""
+        prompt, images = split_prompt(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        req = self.inputs.process(request_id, prompt, params)
+        req = self.inputs.process(request_id, prompt, params, images)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -130,9 +136,13 @@ class LLMEngine:
     def _plan(self, sched: SchedulerOutput) -> StepPlan:
         cl = self.canvas_length
         rows, ids = [], []
+        images = _ImagesOfStep()
         for req, n in sched.encoder:
+            spans = images.add(req, req.num_cached, n, len(ids))
+            bidirectional = spans if self.model_config.vision and self.model_config.vision.bidirectional else ()
             ids.extend(req.tokens(req.num_cached, req.num_cached + n))
-            rows.append(Row(req.slot, req.num_cached, n, False, tuple(req.blocks), tuple(req.sliding_blocks)))
+            rows.append(Row(req.slot, req.num_cached, n, False, tuple(req.blocks), tuple(req.sliding_blocks),
+                            bidirectional=bidirectional))
         new_rows, new_canvases, uniform, renoise = [], [], [], []
         for i, req in enumerate(sched.decoder):
             rows.append(Row(req.slot, req.num_cached, cl, True, tuple(req.blocks), tuple(req.sliding_blocks)))
@@ -154,6 +164,7 @@ class LLMEngine:
             new_canvases=torch.stack(new_canvases) if new_canvases else torch.empty(0, cl, dtype=torch.long),
             denoise=denoise,
             top_logprobs=max((r.params.logprobs for r in sched.decoder if r.params.logprobs is not None), default=-1),
+            images=images.inputs(),
         )
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
@@ -185,3 +196,32 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+class _ImagesOfStep:
+    """The images whose soft tokens fall in this step's prompt chunks, gathered as ImageInputs."""
+
+    def __init__(self):
+        self.pixels, self.positions, self.rows, self.index = [], [], [], []
+        self.features = 0  # soft tokens of the images taken so far
+
+    def add(self, req: Request, start: int, n: int, token_offset: int) -> tuple[tuple[int, int], ...]:
+        """Take the images of req's chunk [start, start + n) whose tokens sit from `token_offset` on in
+        the packed encoder tokens; -> their spans within the chunk."""
+        spans = []
+        for image, (a, b) in zip(req.images, req.image_spans):
+            lo, hi = max(a, start), min(b, start + n)
+            if lo >= hi:
+                continue
+            self.pixels.append(image.pixel_values)
+            self.positions.append(image.position_ids)
+            self.rows.append(torch.arange(self.features + lo - a, self.features + hi - a))
+            self.index.append(torch.arange(token_offset + lo - start, token_offset + hi - start))
+            self.features += b - a
+            spans.append((lo, hi))
+        return tuple(spans)
+
+    def inputs(self) -> ImageInputs | None:
+        if not self.pixels:
+            return None
+        return ImageInputs(self.pixels, self.positions, torch.cat(self.rows), torch.cat(self.index))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
+from blockdiff.engine.images import ImageIntake
 from blockdiff.engine.request import Request
 from blockdiff.sampling_params import SamplingParams
 from blockdiff.tokenizer import Tokenizer
@@ -13,8 +14,10 @@ from blockdiff.tokenizer import Tokenizer
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, defaults: dict, eos_token_ids: tuple[int, ...], vocab_size: int,
-                 canvas_length: int, max_model_len: int, max_steps: int, cache_tokens: int, seed: int):
+                 canvas_length: int, max_model_len: int, max_steps: int, cache_tokens: int, seed: int,
+                 images: ImageIntake | None = None):
         self.tokenizer = tokenizer
+        self.images = images
         self.defaults = defaults
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -29,7 +32,13 @@ class InputProcessor:
         except ValueError as e:
             raise ValueError(f"invalid sampler flags (over the checkpoint's generation_config.json): {e}") from None
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None) -> Request:
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+                images: list | None = None) -> Request:
+        """`images`: PIL images, encoded bytes or file paths, one per image placeholder of the prompt."""
+        if images and self.images is None:
+            raise ValueError("this engine takes no images")
+        if self.images is not None:
+            self.images.check_count(len(images or []))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: pass the prompt as a list of token ids")
@@ -40,6 +49,9 @@ class InputProcessor:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty")
+        mm = self.images.expand(ids, self.images.load(images or [])) if self.images is not None else None
+        if mm is not None:
+            ids = mm.token_ids
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room for output in max_model_len={self.max_model_len}")
         params = self.resolve(params, len(ids))
@@ -60,6 +72,8 @@ class InputProcessor:
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output)
+        if mm is not None:
+            req.images, req.image_spans = mm.images, mm.spans
         if req.max_cached_tokens > self.cache_tokens:
             raise ValueError(f"request needs {req.max_cached_tokens} cached tokens, more than the whole KV cache "
                              f"({self.cache_tokens})")

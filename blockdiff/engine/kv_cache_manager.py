@@ -26,7 +26,7 @@ class KVCacheManager:
         if not self.full.caching:
             return 0, [], [], []
         if len(req.prefix_keys) != req.num_tokens // self.block_size:  # not every step the request waits
-            req.prefix_keys = block_keys(req.tokens(0, req.num_tokens), self.block_size)
+            req.prefix_keys = block_keys(req.key_tokens(0, req.num_tokens), self.block_size)
         keys = req.prefix_keys
         full = []
         for key, _ in keys:
@@ -35,6 +35,8 @@ class KVCacheManager:
                 break
             full.append(block)
         for k in range(len(full), 0, -1):
+            if req.splits_image(k * self.block_size):  # an image is encoded whole (Request.chunk)
+                continue
             lo = max(0, k * self.block_size - self.past) // self.block_size
             sliding = [self.sliding.lookup(key) for key, _ in keys[lo:k]]
             if None not in sliding:
@@ -55,6 +57,8 @@ class KVCacheManager:
         n = min(req.num_tokens - cached, budget)
         if n <= 0 and cached < req.num_tokens:
             return None
+        if n > 0:
+            n = req.chunk(cached, n)
         new = self.full.blocks_for(cached + n) - k
         # Cached blocks nobody holds are counted as free: sharing them takes them out of the queue.
         if new + sum(1 for b in full if self.full.refs[b] == 0) > self.full.num_free:
@@ -105,7 +109,7 @@ class KVCacheManager:
         if self.full.caching and len(req.block_hashes) < done // bs:
             first = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None
-            for i, (key, h) in enumerate(block_keys(req.tokens(first * bs, done // bs * bs), bs, parent), first):
+            for i, (key, h) in enumerate(block_keys(req.key_tokens(first * bs, done // bs * bs), bs, parent), first):
                 self.full.register(req.blocks[i], key)
                 if req.sliding_blocks[i] >= 0:
                     self.sliding.register(req.sliding_blocks[i], key)

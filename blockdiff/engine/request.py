@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
+from blockdiff.image import ProcessedImage
 from blockdiff.sampling_params import SamplingParams
 
 
@@ -109,6 +110,8 @@ class Request:
     generator: torch.Generator = field(default_factory=torch.Generator)
     sent_tokens: int = 0  # how much of the output delta outputs have reported
     sent_pieces: int = 0
+    images: list[ProcessedImage] = field(default_factory=list)  # of the prompt, in order
+    image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each one's soft tokens
 
     def __post_init__(self) -> None:
         self.generator.manual_seed(self.seed % 2**64)
@@ -141,6 +144,27 @@ class Request:
         p = len(self.prompt_token_ids)
         head = self.prompt_token_ids[start:min(end, p)] if start < p else []
         return head + self.output.token_ids[max(start - p, 0) : max(end - p, 0)]
+
+    def key_tokens(self, start: int, end: int) -> list:
+        """tokens(start, end) with the soft tokens of each image replaced by its digest: what the
+        prefix cache hashes, so that prompts share blocks only where their images are equal too."""
+        ids: list = self.tokens(start, end)
+        for image, (a, b) in zip(self.images, self.image_spans):
+            for p in range(max(a, start), min(b, end)):
+                ids[p - start] = image.digest
+        return ids
+
+    def splits_image(self, pos: int) -> tuple[int, int] | None:
+        """The image span that a cut before position `pos` falls inside, if any."""
+        return next(((a, b) for a, b in self.image_spans if a < pos < b), None)
+
+    def chunk(self, start: int, n: int) -> int:
+        """A prompt chunk of `n` tokens from `start`, moved so it never ends inside an image: an
+        image's tokens attend to each other and are encoded in one pass."""
+        span = self.splits_image(start + n)
+        if span is None:
+            return n
+        return span[0] - start if span[0] > start else span[1] - start
 
     # ---- transitions ------------------------------------------------------------------------
     def admit(self, slot: int, num_cached: int) -> None:

@@ -106,9 +106,10 @@ class Scheduler:
             n = req.num_tokens - req.num_cached
             if req.state == State.PREFILL:
                 n = min(n, budget)
-                if n == 0:
+                if n <= 0:
                     i += 1
                     continue
+                n = req.chunk(req.num_cached, n)
             while not self.kv.grow(req, req.num_cached + n):  # out of blocks: the newest request goes
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -133,7 +134,7 @@ class Scheduler:
             if req.state == State.DENOISE:  # everything was cached
                 decoder.append(req)
             else:
-                n = min(req.num_tokens - req.num_cached, budget)
+                n = req.chunk(req.num_cached, min(req.num_tokens - req.num_cached, budget))
                 encoder.append((req, n))
                 budget -= n
         if not encoder and not decoder:

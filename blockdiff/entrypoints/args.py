@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 
@@ -137,6 +138,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.enable_prefix_caching,
                    help="reuse the KV cache of full blocks of a prefix that an earlier request computed")
+    add_image_args(p)
     vllm = p.add_argument_group("vLLM flags without meaning here (docs/server.md, 'vLLM flags')")
     for flag, kind, reason in _ACCEPTED_VLLM_FLAGS:
         if kind is None:
@@ -145,6 +147,33 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
             vllm.add_argument(flag, type=kind, default=None, help=f"ignored: {reason}")
     for flags, reason in _REFUSED_VLLM_FLAGS:
         vllm.add_argument(*flags, action=_Refused, reason=reason, default=argparse.SUPPRESS)
+
+
+def limit_mm(text: str) -> int:
+    """argparse type of --limit-mm-per-prompt: vLLM's JSON '{"image": N}' -> N."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict) or set(value) - {"image"} or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()):
+        raise argparse.ArgumentTypeError(f'expected JSON like \'{{"image": 2}}\' (images only), got {text!r}')
+    return value.get("image", EngineConfig.limit_images_per_prompt)
+
+
+def add_image_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("images (docs/images.md)")
+    g.add_argument("--limit-mm-per-prompt", dest="limit_images_per_prompt", type=limit_mm,
+                   default=EngineConfig.limit_images_per_prompt,
+                   help=f'images one prompt may hold, as JSON: \'{{"image": N}}\' (default {EngineConfig.limit_images_per_prompt})')
+    g.add_argument("--max-image-bytes", type=parse_size, default=EngineConfig.max_image_bytes,
+                   help=f"largest encoded image, e.g. 8MiB (default {EngineConfig.max_image_bytes} bytes)")
+    g.add_argument("--max-image-pixels", type=at_least(1), default=EngineConfig.max_image_pixels,
+                   help=f"largest width x height of an image (default {EngineConfig.max_image_pixels})")
+    g.add_argument("--allowed-media-domains", nargs="+", default=list(EngineConfig.allowed_media_domains), metavar="DOMAIN",
+                   help="hosts whose http(s) image URLs may be fetched (default: none; data: URLs always work)")
+    g.add_argument("--allowed-local-media-path", default=EngineConfig.allowed_local_media_path, metavar="DIR",
+                   help="directory whose files file:// image URLs may name (default: none)")
 
 
 def given_model(args: argparse.Namespace) -> str | None:
@@ -176,6 +205,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_denoising_steps_limit=args.max_denoising_steps_limit,
         preempt_after_canvases=args.preempt_after_canvases,
         enable_prefix_caching=args.enable_prefix_caching,
+        limit_images_per_prompt=args.limit_images_per_prompt,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        allowed_media_domains=tuple(args.allowed_media_domains),
+        allowed_local_media_path=args.allowed_local_media_path,
         tune_cpu_heap=True,  # a process that only runs blockdiff: its heap is ours to tune
     )
 

@@ -20,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed-per-request", type=int, default=None, help="sampling seed of every request")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print each RequestOutput as JSON")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image file for every prompt (repeat for several): with --chat it comes before the "
+                        "message's text; without, each prompt holds one image placeholder token per image")
     p.set_defaults(func=run)
 
 
@@ -40,8 +43,12 @@ def run(args: argparse.Namespace) -> int:
         if llm.tokenizer is None:
             raise ValueError(f"{llm.engine.cfg.model} has no tokenizer.json, so text prompts cannot be encoded: "
                              "pass --tokenizer with the directory of its tokenizer")
+        images = [{"type": "image", "image": path} for path in args.image]
         if args.chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+            outputs = llm.chat([[{"role": "user", "content": [*images, {"type": "text", "text": p}] if images else p}]
+                                for p in args.prompts], params)
+        elif images:
+            outputs = llm.generate([{"prompt": p, "multi_modal_data": {"image": args.image}} for p in args.prompts], params)
         else:
             outputs = llm.generate(args.prompts, params)
     finally:

@@ -34,11 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name), help=text)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-denoising-steps", type=int, default=None, help="written to generation_config.json")
+    p.add_argument("--vision", action="store_true",
+                   help="a multimodal checkpoint: a vision tower for image tests, image tokens, preprocessor_config.json")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = TinySpec(**{f.name: getattr(args, f.name) for f in fields(TinySpec) if f.name in _FLAGS}, dtype=args.dtype)
+    spec = TinySpec(**{f.name: getattr(args, f.name) for f in fields(TinySpec) if f.name in _FLAGS}, dtype=args.dtype,
+                    vision=args.vision)
     if args.max_denoising_steps is not None:
         spec.generation["max_denoising_steps"] = args.max_denoising_steps
     make_tiny_model(args.dir, spec)

@@ -215,6 +215,9 @@ class Row:
     # Sliding-layer blocks, in order; -1 where a block is out of every query's window and was
     # given back. None: the same table as `blocks` (a cache with as many sliding blocks as full ones).
     sliding_blocks: tuple[int, ...] | None = None
+    # [start, end) positions among the new tokens whose tokens attend to each other both ways (the
+    # soft tokens of one image, where the checkpoint asks for it); the rest stays causal.
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -253,7 +256,8 @@ def build_metadata(
         shapes: dict[tuple[bool, int, int], list[int]] = {}
         for i, r in enumerate(rows):
             cached = min(r.start, geometry.window_past) if sliding else r.start
-            shapes.setdefault((r.decoder, r.length, cached), []).append(i)
+            spans = tuple((a - r.start, b - r.start) for a, b in r.bidirectional)
+            shapes.setdefault((r.decoder, r.length, cached, spans), []).append(i)
         groups = [
             _group([rows[i] for i in idx], [starts[i] for i in idx], key, geometry, sliding, device)
             for key, idx in shapes.items()
@@ -276,8 +280,8 @@ def build_metadata(
     return meta
 
 
-def _group(rows: list[Row], token_starts: list[int], shape: tuple[bool, int, int], geo: CacheGeometry, sliding: bool, device) -> AttnGroup:
-    decoder, q_len, cached = shape
+def _group(rows: list[Row], token_starts: list[int], shape: tuple, geo: CacheGeometry, sliding: bool, device) -> AttnGroup:
+    decoder, q_len, cached, spans = shape
     n = len(rows)
     contiguous = all(token_starts[i] == token_starts[0] + i * q_len for i in range(n))
     gather = None
@@ -299,5 +303,7 @@ def _group(rows: list[Row], token_starts: list[int], shape: tuple[bool, int, int
                 allowed &= dist < geo.window
         else:
             allowed = dist.abs() <= geo.window if sliding else torch.ones_like(dist, dtype=torch.bool)
+        for a, b in spans:
+            allowed[a:b, a:b] = True
         mask = allowed[None, None].to(device)
     return AttnGroup(rows=n, q_len=q_len, token_start=token_starts[0], gather=gather, cache_index=cache_index, mask=mask)

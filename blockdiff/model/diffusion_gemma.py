@@ -17,6 +17,7 @@ from blockdiff.model.attention import Attention, AttentionMetadata
 from blockdiff.model.interface import LayerCacheSpec
 from blockdiff.model.layers import RMSNorm, Rotary
 from blockdiff.model.moe import GatedMLP, Router, make_experts
+from blockdiff.model.vision import ImageInputs, VisionEncoder
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import VocabParallelEmbedding
 from blockdiff.parallel.vocab import VocabShard
@@ -114,6 +115,8 @@ class DiffusionGemma(nn.Module):
             if key not in self.rotary:
                 self.rotary[key] = Rotary(spec)
         self.softcap = config.final_logit_softcapping
+        # Replicated on every rank (blockdiff.model.vision); None for a text-only checkpoint.
+        self.vision = VisionEncoder(config.vision, config.hidden_size, config.rms_norm_eps, dtype) if config.vision else None
 
     # ---- the engine's interface (blockdiff.model.interface.BlockDiffusionModel) ------------------
     def kv_cache_spec(self) -> list[LayerCacheSpec]:
@@ -133,13 +136,14 @@ class DiffusionGemma(nn.Module):
         meta: AttentionMetadata,
         cache: list[tuple[torch.Tensor, torch.Tensor]],
         soft_embeds: torch.Tensor | None = None,
+        images: ImageInputs | None = None,
     ) -> torch.Tensor:
         """input_ids [meta.num_tokens] packed [encoder | decoder | padding]; soft_embeds
-        [decoder tokens, hidden] or None.
+        [decoder tokens, hidden] or None; images: the soft tokens that replace image placeholders.
 
         Returns float32 soft-capped logits of the decoder tokens over this rank's vocabulary rows.
         """
-        hidden = self.backbone(input_ids, meta, cache, soft_embeds)
+        hidden = self.backbone(input_ids, meta, cache, soft_embeds, images)
         ne = meta.num_encoder_tokens
         return self.logits(self.norm(hidden[ne : ne + meta.num_decoder_tokens]))
 
@@ -149,10 +153,13 @@ class DiffusionGemma(nn.Module):
         meta: AttentionMetadata,
         cache: list[tuple[torch.Tensor, torch.Tensor]],
         soft_embeds: torch.Tensor | None = None,
+        images: ImageInputs | None = None,
     ) -> torch.Tensor:
         """Last-layer hidden states of every token, before the final norm (training reads the
         encoder tokens' too, for the autoregressive loss)."""
         x = self.embed(input_ids)
+        if images is not None:
+            x[images.token_index] = self.vision.soft_tokens(images).to(x.dtype)
         ne, nd = meta.num_encoder_tokens, meta.num_decoder_tokens
         if nd:
             x[ne : ne + nd] = self.self_conditioning(x[ne : ne + nd], soft_embeds)

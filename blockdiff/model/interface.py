@@ -13,6 +13,7 @@ import torch
 
 from blockdiff.config import ModelConfig
 from blockdiff.model.attention import AttentionMetadata
+from blockdiff.model.vision import ImageInputs
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
@@ -37,9 +38,10 @@ class BlockDiffusionModel(Protocol):
         ...
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                soft_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                soft_embeds: torch.Tensor | None = None, images: ImageInputs | None = None) -> torch.Tensor:
         """Packed [encoder | decoder | padding] ids -> float32 logits of the decoder tokens over this
-        rank's vocabulary rows; encoder rows append their K/V to `cache`."""
+        rank's vocabulary rows; encoder rows append their K/V to `cache`. `images`: soft tokens
+        that replace image placeholders among the encoder tokens."""
         ...
 
     def soft_embed(self, probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

@@ -20,13 +20,13 @@ from blockdiff.config import ModelConfig
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.parallel.group import TPGroup
 from blockdiff.model.registry import load_config, model_class
+from blockdiff.model.vision import map_vision_name
 from blockdiff.parallel.layers import replicated_loader
 
 log = logging.getLogger(__name__)
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
-SKIPPED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 # checkpoint name below DECODER / ENCODER -> (our parameter, part of a fused parameter)
@@ -64,7 +64,10 @@ class CheckpointError(ValueError):
 
 
 def map_name(name: str) -> tuple[str, int | None] | None:
-    """Checkpoint tensor name -> (parameter name, part), or None when it is not a text weight we know."""
+    """Checkpoint tensor name -> (parameter name, part), or None when it is not a weight we know."""
+    vision = map_vision_name(name)
+    if vision is not None:
+        return vision
     for suffix in _FP8_SUFFIXES:
         if name.endswith("." + suffix):
             mapped = map_name(name[: -len(suffix)] + "weight")
@@ -132,13 +135,18 @@ def load_weights(model: DiffusionGemma, path: str) -> None:
     params = dict(model.named_parameters())
     seen_encoder, seen, unexpected, skipped = {}, set(), [], 0
     files = checkpoint_files(path)
+    if model.vision is not None and not _has_vision_tensors(files):
+        # A vision_config without the tower's weights: a text-only export of a multimodal model.
+        log.info("%r declares a vision tower but holds none of its tensors: image input is off", path)
+        model.vision = None
+        params = dict(model.named_parameters())
     for file in tqdm(files, desc="Loading checkpoint shards", unit="shard", disable=len(files) < 2):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name.startswith(SKIPPED):
-                    skipped += 1
-                    continue
                 if name == "lm_head.weight":  # tied to the embedding; some exports still write it
+                    continue
+                if model.vision is None and map_vision_name(name) is not None:
+                    skipped += 1  # a vision tower that config.json does not declare
                     continue
                 mapped = map_name(name)
                 if mapped is None or mapped[0] not in params:
@@ -162,13 +170,21 @@ def load_weights(model: DiffusionGemma, path: str) -> None:
                 _load_one(params[key[0]], f.get_slice(name), name, key[1])
             seen.add(key)
     if skipped:
-        log.info("skipped %d vision tensors (image input is not supported yet)", skipped)
+        log.info("skipped %d vision tensors: %r declares no vision tower", skipped, path)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in checkpoint {path!r}: {', '.join(sorted(unexpected))}")
     missing = sorted(_expected_keys(model) - seen)
     if missing:
         names = [f"{t}[part {p}]" if p is not None else t for t, p in missing]
         raise CheckpointError(f"tensors missing from checkpoint {path!r}: {', '.join(names)}")
+
+
+def _has_vision_tensors(files: list[str]) -> bool:
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            if any(map_vision_name(name) is not None for name in f.keys()):
+                return True
+    return False
 
 
 def _load_one(param: torch.Tensor, source, name: str, part: int | None) -> None:

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.loader import DECODER, ENCODER, map_name
+from blockdiff.model.vision import export_vision
 
 # our parameter name below "layers.N." -> checkpoint names of its parts, below "model.decoder.layers.N."
 _FUSED = {
@@ -31,7 +32,7 @@ _SC_FUSED = {"mlp.gate_up_proj.weight": ("gate_proj.weight", "up_proj.weight")}
 
 
 def checkpoint_tensors(model: DiffusionGemma) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> tensor, for every text weight of a single-device model."""
+    """Checkpoint name -> tensor, for every weight of a single-device model."""
     if model.group.size > 1:
         raise ValueError(f"saving needs the whole model on one device, not a shard of {model.group.size}")
     out: dict[str, torch.Tensor] = {}
@@ -47,6 +48,8 @@ def _export(model: DiffusionGemma, name: str, param: torch.Tensor):
     """-> [(checkpoint name, part, tensor)] of one of our parameters."""
     if name in ("embed.weight", "norm.weight"):
         return [(DECODER + {"embed.weight": "embed_tokens.weight", "norm.weight": "norm.weight"}[name], None, param)]
+    if name.startswith("vision."):
+        return export_vision(name, param)
     if name.startswith("self_conditioning."):
         rest = name[len("self_conditioning.") :]
         prefix = DECODER + "self_conditioning."

@@ -3,7 +3,10 @@
 Every parameter and buffer is random (norm weights, router and per-expert scales, and layer scalars
 that differ between encoder and decoder), so a mix-up between two weights cannot hide behind a
 default initialisation of ones. The checkpoint carries a small vision tower too, so transformers
-loads it with no missing keys, and a real `tokenizers` tokenizer with a chat template.
+loads it with no missing keys, and a real `tokenizers` tokenizer with a chat template. With
+`vision=True` the tower is one made for image tests (GQA, clamped linears, standardised soft
+tokens, image tokens bidirectional in the encoder), with image special tokens in the tokenizer and
+a preprocessor_config.json.
 """
 
 from __future__ import annotations
@@ -24,6 +27,23 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# The multimodal variant: an image content part becomes one image token, which the processor expands
+# into <start_of_image>, one token per soft token of the image, and <end_of_image>.
+CHAT_TEMPLATE_MM = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<image_soft_token>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<end_of_turn>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
@@ -72,6 +92,7 @@ class TinySpec:
     generation: dict = field(default_factory=dict)  # extra generation_config.json entries
     tokenizer: bool = True
     max_position_embeddings: int = 131_072
+    vision: bool = False  # the multimodal variant (VISION_MM, image tokens, preprocessor_config.json)
 
     def resolved_layer_types(self) -> list[str]:
         if self.layer_types:
@@ -93,6 +114,37 @@ VISION = dict(
     pooling_kernel_size=3,
     model_type="gemma4_vision",
 )
+
+# The tower of a multimodal tiny checkpoint: 2-D positions up to 256 patches per side, which covers
+# the widest image the preprocessor makes (70 soft tokens of 3 x 3 patches of 2 x 2 pixels).
+VISION_MM = dict(
+    VISION,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    position_embedding_size=256,
+    use_clipped_linears=True,
+    standardize=True,
+)
+IMAGE_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+BOI, IMAGE, EOI = range(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(IMAGE_TOKENS))
+PREPROCESSOR = {
+    "image_processor_type": "Gemma4ImageProcessor",
+    "do_convert_rgb": True,
+    "do_resize": True,
+    "resample": 3,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": False,
+    "image_mean": [0.0, 0.0, 0.0],
+    "image_std": [1.0, 1.0, 1.0],
+    "patch_size": VISION_MM["patch_size"],
+    "pooling_kernel_size": VISION_MM["pooling_kernel_size"],
+    "max_soft_tokens": 70,
+}
 
 
 def config_dict(spec: TinySpec) -> dict:
@@ -127,23 +179,26 @@ def config_dict(spec: TinySpec) -> dict:
         "sliding_window": spec.sliding_window,
         "layer_types": layer_types,
         "final_logit_softcapping": 30.0,
-        "use_bidirectional_attention": None,
+        "use_bidirectional_attention": "vision" if spec.vision else None,
         "num_experts": spec.num_experts,
         "top_k_experts": spec.top_k_experts,
         "moe_intermediate_size": spec.moe_intermediate_size,
         "per_layer_config": per_layer,
         "initializer_range": 0.02,
     }
-    return {
+    out = {
         "architectures": ["DiffusionGemmaForBlockDiffusion"],
         "model_type": "diffusion_gemma",
         "canvas_length": spec.canvas_length,
         "dtype": spec.dtype,
         "tie_word_embeddings": True,
         "text_config": text,
-        "vision_config": dict(VISION),
+        "vision_config": dict(VISION_MM if spec.vision else VISION),
         "transformers_version": "5.23.0",
     }
+    if spec.vision:
+        out.update(image_token_id=IMAGE, boi_token_id=BOI, eoi_token_id=EOI)
+    return out
 
 
 def generation_config_dict(spec: TinySpec) -> dict:
@@ -188,7 +243,7 @@ def random_tensors(spec: TinySpec) -> dict[str, torch.Tensor]:
     t[sc + "gate_proj.weight"] = normal(i, h)
     t[sc + "up_proj.weight"] = normal(i, h)
     t[sc + "down_proj.weight"] = normal(h, i)
-    t.update(_vision_tensors(h, normal, around_one))
+    t.update(_vision_tensors(h, normal, around_one, VISION_MM if spec.vision else VISION))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
     return {k: v.to(dtype).contiguous() for k, v in t.items()}
 
@@ -210,8 +265,7 @@ def vision_tensors(text_hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return _vision_tensors(text_hidden, *_random_fns(torch.Generator().manual_seed(seed)))
 
 
-def _vision_tensors(text_hidden: int, normal, around_one) -> dict[str, torch.Tensor]:
-    v = VISION
+def _vision_tensors(text_hidden: int, normal, around_one, v: dict = VISION) -> dict[str, torch.Tensor]:
     vh, vi, hd = v["hidden_size"], v["intermediate_size"], v["head_dim"]
     heads, kv = v["num_attention_heads"], v["num_key_value_heads"]
     t = {"model.encoder.embed_vision.embedding_projection.weight": normal(text_hidden, vh)}
@@ -231,16 +285,27 @@ def _vision_tensors(text_hidden: int, normal, around_one) -> dict[str, torch.Ten
         t[p + "self_attn.o_proj.linear.weight"] = normal(vh, heads * hd)
         t[p + "self_attn.q_norm.weight"] = around_one(hd)
         t[p + "self_attn.k_norm.weight"] = around_one(hd)
+        if v.get("use_clipped_linears"):
+            # Bounds that clamp a few inputs and outputs of every linear (unit-scale activations).
+            for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                t[p + proj + ".input_min"] = -around_one((), spread=0.2) * 1.5
+                t[p + proj + ".input_max"] = around_one((), spread=0.2) * 1.5
+                t[p + proj + ".output_min"] = -around_one((), spread=0.2) * 1.5
+                t[p + proj + ".output_max"] = around_one((), spread=0.2) * 1.5
+    if v.get("standardize"):
+        t[tower + "std_bias"] = normal(vh, std=0.5)
+        t[tower + "std_scale"] = around_one(vh, spread=0.5)
     return t
 
 
-def build_tokenizer(vocab_size: int, corpus: str = _CORPUS):
+def build_tokenizer(vocab_size: int, corpus: str = _CORPUS, specials: list[str] = SPECIAL_TOKENS):
     """A SentencePiece-style BPE (spaces become "▁") trained on `corpus`, with the special tokens
     first. Its vocabulary never exceeds `vocab_size`; characters outside it map to <unk>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     chars = sorted(set(corpus.replace(" ", "▁").replace("\n", "▁")))
-    budget = vocab_size - len(SPECIAL_TOKENS)
+    budget = vocab_size - len(specials)
     if budget < 2:
         raise ValueError(f"vocab_size {vocab_size} leaves no room for a tokenizer")
     alphabet = ["▁"] + [c for c in chars if c != "▁"][: budget - 1]
@@ -248,22 +313,26 @@ def build_tokenizer(vocab_size: int, corpus: str = _CORPUS):
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=alphabet,
+        vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=alphabet,
         limit_alphabet=len(alphabet), show_progress=False,
     )
     tok.train_from_iterator([corpus] * 4, trainer=trainer)
     return tok
 
 
-def write_tokenizer(out_dir: str, vocab_size: int, corpus: str = _CORPUS) -> None:
-    save_tokenizer(out_dir, build_tokenizer(vocab_size, corpus))
+def write_tokenizer(out_dir: str, vocab_size: int, corpus: str = _CORPUS, vision: bool = False) -> None:
+    if vision:
+        tok = build_tokenizer(vocab_size, corpus, SPECIAL_TOKENS + IMAGE_TOKENS)
+        save_tokenizer(out_dir, tok, {**TOKENIZER_CONFIG, "chat_template": CHAT_TEMPLATE_MM})
+    else:
+        save_tokenizer(out_dir, build_tokenizer(vocab_size, corpus))
 
 
-def save_tokenizer(out_dir: str, tok) -> None:
+def save_tokenizer(out_dir: str, tok, config: dict = TOKENIZER_CONFIG) -> None:
     """tokenizer.json, and tokenizer_config.json with the special tokens and the chat template."""
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(TOKENIZER_CONFIG, f, indent=2)
+        json.dump(config, f, indent=2)
 
 
 def make_tiny_model(out_dir: str, spec: TinySpec | None = None, **overrides) -> str:
@@ -275,7 +344,10 @@ def make_tiny_model(out_dir: str, spec: TinySpec | None = None, **overrides) -> 
         json.dump(generation_config_dict(spec), f, indent=2)
     write_safetensors(random_tensors(spec), os.path.join(out_dir, "model.safetensors"))
     if spec.tokenizer:
-        write_tokenizer(out_dir, spec.vocab_size)
+        write_tokenizer(out_dir, spec.vocab_size, vision=spec.vision)
+    if spec.vision:
+        with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+            json.dump(PREPROCESSOR, f, indent=2)
     with open(os.path.join(out_dir, "blockdiff_tiny.json"), "w") as f:
         json.dump(asdict(spec), f, indent=2)
     return out_dir

@@ -60,7 +60,8 @@ class ModelRunner:
         meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device)
         if meta.num_tokens > ids.shape[0]:
             ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
-        logits = self.model(ids, meta, self.kv, soft)
+        images = None if plan.images is None else plan.images.to(self.device)
+        logits = self.model(ids, meta, self.kv, soft, images)
         if not dec_rows:
             return None
 

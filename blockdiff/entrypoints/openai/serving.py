@@ -14,6 +14,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
+from blockdiff.engine.images import IMAGE_PART_TYPES, split_chat_images
+from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
 from blockdiff.outputs import RequestOutput, TokenLogprob
@@ -232,8 +234,10 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         request_id = p.new_id("chatcmpl")
+        images = await self._chat_images(req.messages)
         prompts = [self._chat_prompt(req.messages, request_id)]
-        requests = [(prompts[0], self._params(req, i, max_tokens, logprobs)) for i in range(n)]
+        prompt, prompts = self._with_images(prompts[0], images)
+        requests = [(prompt, self._params(req, i, max_tokens, logprobs)) for i in range(n)]
         fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs))
         return await self._respond(req, prompts, requests, fmt, raw)
 
@@ -281,10 +285,11 @@ class OpenAIServing:
         """Refuse an API request that would hold the decoder longer than the limit allows."""
         cost = 0
         try:
-            for ids, params in requests:
+            for prompt, params in requests:
                 # Lengths beyond the context are the engine's to refuse, with its own message.
-                room = max(1, self.llm.max_model_len - len(ids))
-                resolved = self.llm.inputs.resolve(params, len(ids))
+                length = self._prompt_length(prompt)
+                room = max(1, self.llm.max_model_len - length)
+                resolved = self.llm.inputs.resolve(params, length)
                 cost += self.llm.inputs.cost(replace(resolved, max_tokens=min(resolved.max_tokens, room)))
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
@@ -325,7 +330,9 @@ class OpenAIServing:
         rendered = []
         for i, m in enumerate(messages):
             message = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
+            if isinstance(m.content, list) and any(part.type in IMAGE_PART_TYPES for part in m.content):
+                message["content"] = _template_parts(i, m.content)
+            elif isinstance(m.content, list):
                 for part in m.content:
                     if part.type != "text" or part.text is None:
                         raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model "
@@ -341,6 +348,44 @@ class OpenAIServing:
         contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
         self.tokenizer.warn_unknown(f"request {request_id}", contents, ids)
         return ids
+
+    # ---- images in chat messages (docs/images.md) -----------------------------------------------
+    async def _chat_images(self, messages: list[p.ChatMessage]) -> list:
+        """The images of the messages' image_url parts, fetched, decoded and preprocessed off the
+        event loop; a bad one is a 400 naming it."""
+        plain = [m.model_dump(exclude_none=True) for m in messages]
+        if not any(isinstance(m.get("content"), list) and any(part.get("type") in IMAGE_PART_TYPES for part in m["content"])
+                   for m in plain):
+            return []
+        intake = self.llm.inputs.images
+
+        def load() -> list:
+            _, urls = split_chat_images(plain, lambda url, what: (url, what))
+            intake.check_count(len(urls))  # before anything is fetched
+            if not all(isinstance(u, tuple) for u in urls):  # an "image" part's value would be read as a file path
+                raise ImageError("this server takes images as image_url parts only")
+            return intake.load([intake.fetch(*u) for u in urls], "image")
+
+        try:
+            return await asyncio.to_thread(load)
+        except ImageError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_image") from None
+
+    def _with_images(self, ids: list[int], images: list) -> tuple[list[int] | dict, list[list[int]]]:
+        """-> (the engine's prompt, the prompt ids that usage counts: placeholders expanded)."""
+        if not images:
+            return ids, [ids]
+        try:
+            expanded = self.llm.inputs.images.expand(ids, images).token_ids
+        except ImageError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_image") from None
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, [expanded]
+
+    def _prompt_length(self, prompt: list[int] | dict) -> int:
+        """Tokens of an engine prompt, each image counting its expanded placeholder."""
+        if isinstance(prompt, dict):
+            return len(self.llm.inputs.images.expand(prompt["prompt_token_ids"], prompt["multi_modal_data"]["image"]).token_ids)
+        return len(prompt)
 
     # ---- engine outputs -> responses ----------------------------------------------------------
     async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
@@ -431,3 +476,17 @@ class OpenAIServing:
             p.ChatTokenLogprob(**entry(lp.token_id, lp.logprob), top_logprobs=[p.TopLogprob(**entry(t, v)) for t, v in lp.top.items()])
             for lp in lps
         ])
+
+
+def _template_parts(i: int, parts: list[p.ContentPart]) -> list[dict]:
+    """Message i's content parts for the chat template: text as it is, each image as {"type": "image"}."""
+    out = []
+    for part in parts:
+        if part.type in IMAGE_PART_TYPES:
+            out.append({"type": "image"})
+        elif part.type == "text" and part.text is not None:
+            out.append({"type": "text", "text": part.text})
+        else:
+            raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model reads text "
+                                "and images", param="messages")
+    return out

@@ -1,0 +1,196 @@
+"""The images of a prompt: checked against the engine's limits, decoded, preprocessed, and their
+placeholders in the prompt expanded to one token per soft token."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import urllib.parse
+from dataclasses import dataclass
+
+from blockdiff.config import EngineConfig, ModelConfig
+from blockdiff.image import ImageError, ImageLimits, ImageProcessor, ProcessedImage, as_image, expand_placeholders
+
+
+@dataclass
+class PromptImages:
+    token_ids: list[int]  # the prompt with each image placeholder expanded
+    images: list[ProcessedImage]
+    spans: list[tuple[int, int]]  # [start, end) of each image's soft tokens
+
+
+class ImageIntake:
+    def __init__(self, cfg: EngineConfig, config: ModelConfig, processor: ImageProcessor | None):
+        self.vision = config.vision
+        self.processor = processor
+        self.limit = cfg.limit_images_per_prompt
+        self.limits = ImageLimits(cfg.max_image_bytes, cfg.max_image_pixels)
+        self.policy = MediaPolicy(tuple(d.lower() for d in cfg.allowed_media_domains), cfg.allowed_local_media_path)
+
+    def fetch(self, url: str, what: str = "image_url") -> bytes:
+        return fetch_url(url, self.policy, self.limits.max_bytes, what)
+
+    @classmethod
+    def from_pretrained(cls, cfg: EngineConfig, config: ModelConfig) -> "ImageIntake":
+        return cls(cfg, config, ImageProcessor.from_pretrained(cfg.model) if config.vision else None)
+
+    @property
+    def enabled(self) -> bool:
+        return self.vision is not None and self.processor is not None
+
+    def check_count(self, n: int) -> None:
+        """ValueError unless a prompt may hold `n` images; called before any of them is decoded."""
+        if n and not self.enabled:
+            why = "no vision tower" if self.vision is None else "no preprocessor_config.json"
+            raise ImageError(f"this model does not take images: its checkpoint has {why}")
+        if n > self.limit:
+            raise ImageError(f"{n} images in one prompt, above the limit of {self.limit} (--limit-mm-per-prompt)")
+
+    def load(self, sources: list, what: str = "image") -> list[ProcessedImage]:
+        """PIL images, encoded bytes or file paths -> preprocessed images."""
+        self.check_count(len(sources))
+        return [s if isinstance(s, ProcessedImage) else self.processor(as_image(s, self.limits, f"{what} {i}"))
+                for i, s in enumerate(sources)]
+
+    def expand(self, ids: list[int], images: list[ProcessedImage]) -> PromptImages:
+        v = self.vision
+        if not images:
+            if v is not None and v.image_token_id in ids:
+                raise ImageError(f"the prompt holds the image placeholder token {v.image_token_id} but no image was given")
+            return PromptImages(ids, [], [])
+        ids, spans = expand_placeholders(ids, [im.num_soft_tokens for im in images], v.image_token_id,
+                                         v.boi_token_id, v.eoi_token_id)
+        return PromptImages(ids, images, spans)
+
+
+def split_prompt(prompt) -> tuple[str | list[int], list | None]:
+    """A prompt in vLLM's dict form ({"prompt": text or "prompt_token_ids": ids, "multi_modal_data":
+    {"image": one image or a list}}) -> (text or ids, images); any other prompt -> (it, None)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', and 'multi_modal_data'; got {sorted(prompt)}")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes 'image' only, got {data!r:.80}")
+    images = data.get("image")
+    if images is not None and not isinstance(images, (list, tuple)):
+        images = [images]
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), images
+
+
+# ---- image URLs and chat messages --------------------------------------------------------------
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where image URLs may point besides data: URLs (vLLM's --allowed-media-domains and
+    --allowed-local-media-path); both off by default."""
+
+    domains: tuple[str, ...] = ()
+    local_path: str | None = None
+    timeout: float = 10.0
+
+
+def fetch_url(url: str, policy: MediaPolicy, max_bytes: int, what: str = "image_url") -> bytes:
+    """The encoded image an image URL names, or ImageError saying why not (and how to allow it)."""
+    if not isinstance(url, str):
+        raise ImageError(f"{what} must be a string URL, not {type(url).__name__}")
+    if url.startswith("data:"):
+        return _data_url(url, max_bytes, what)
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        return _remote(url, policy, max_bytes, what)
+    if scheme == "file":
+        return _local(url[len("file://"):] if url.startswith("file://") else url[len("file:"):], policy, max_bytes, what)
+    raise ImageError(f"{what}: unsupported URL {url[:40]!r}; use a data:image/...;base64 URL"
+                     + ("" if policy.domains else ", or enable http(s) URLs with --allowed-media-domains")
+                     + ("" if policy.local_path else ", or file:// URLs with --allowed-local-media-path"))
+
+
+def _data_url(url: str, max_bytes: int, what: str) -> bytes:
+    head, sep, payload = url[len("data:"):].partition(",")
+    if not sep:
+        raise ImageError(f"{what}: a data URL needs a ',' before its data")
+    media_type, *options = head.split(";")
+    if not media_type.lower().startswith("image/"):
+        raise ImageError(f"{what}: a data URL of type {media_type or 'text/plain'!r} is not an image")
+    if "base64" not in options:
+        raise ImageError(f"{what}: an image data URL must be base64 (data:{media_type};base64,...)")
+    if len(payload) * 3 // 4 > max_bytes:
+        raise ImageError(f"{what} is about {len(payload) * 3 // 4} bytes, above the limit of {max_bytes}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error:
+        raise ImageError(f"{what}: the data URL's base64 data is not valid") from None
+
+
+def _remote(url: str, policy: MediaPolicy, max_bytes: int, what: str) -> bytes:
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if not policy.domains:
+        raise ImageError(f"{what}: fetching images from URLs is off; start the server with "
+                         f"--allowed-media-domains {host or 'DOMAIN'} to allow it, or send a data:image/...;base64 URL")
+    if host not in policy.domains:
+        raise ImageError(f"{what}: the domain {host!r} is not in --allowed-media-domains ({', '.join(policy.domains)})")
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=policy.timeout, follow_redirects=False) as r:
+            if r.status_code != 200:
+                raise ImageError(f"{what}: {url} answered HTTP {r.status_code}")
+            data = bytearray()
+            for chunk in r.iter_bytes():
+                data += chunk
+                if len(data) > max_bytes:
+                    raise ImageError(f"{what}: {url} is more than {max_bytes} bytes, the limit")
+            return bytes(data)
+    except httpx.HTTPError as e:
+        raise ImageError(f"{what}: cannot fetch {url}: {type(e).__name__}") from None
+
+
+def _local(path: str, policy: MediaPolicy, max_bytes: int, what: str) -> bytes:
+    if policy.local_path is None:
+        raise ImageError(f"{what}: reading local files is off; start the server with --allowed-local-media-path DIR "
+                         "to allow files under DIR")
+    root = os.path.realpath(policy.local_path)
+    real = os.path.realpath(urllib.parse.unquote(path))
+    if os.path.commonpath([root, real]) != root:
+        raise ImageError(f"{what}: {path!r} is outside --allowed-local-media-path {policy.local_path!r}")
+    if not os.path.isfile(real):
+        raise ImageError(f"{what}: no such file {path!r}")
+    if os.path.getsize(real) > max_bytes:
+        raise ImageError(f"{what}: {path!r} is {os.path.getsize(real)} bytes, above the limit of {max_bytes}")
+    with open(real, "rb") as f:
+        return f.read()
+
+
+IMAGE_PART_TYPES = ("image_url", "image", "image_pil")
+
+
+def split_chat_images(messages: list[dict], fetch) -> tuple[list[dict], list]:
+    """Messages in vLLM's / OpenAI's format -> (the messages for the chat template, each image part
+    as {"type": "image"}; the images in order). `fetch(url, what)` turns an image URL into bytes."""
+    rendered, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in IMAGE_PART_TYPES:
+                parts.append(part)
+                continue
+            what = f"messages[{i}].content[{j}]"
+            value = part.get(kind)
+            if kind == "image_url":
+                url = value.get("url") if isinstance(value, dict) else value
+                images.append(fetch(url, what))
+            elif value is None:
+                raise ImageError(f"{what}: an {kind!r} part needs its {kind!r} field")
+            else:
+                images.append(value)
+            parts.append({"type": "image"})
+        rendered.append({**message, "content": parts})
+    return rendered, images
