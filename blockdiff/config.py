@@ -315,6 +315,10 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (self.compile is None or isinstance(self.compile, bool)):
+            raise ValueError(f"compile must be True, False or None (the device's default), got {self.compile!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
 
     def step_modes(self, device: str) -> tuple[bool | None, bool]:
         """(compile, cuda_graphs) on `device`; compile None: the device's default, where the model

@@ -7,11 +7,14 @@ Dynamo's own "eager" backend checks the whole graph in seconds; the inductor-com
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from helpers import hf_generate_with_draft, load_hf
 
 from blockdiff import LLM, SamplingParams
+from blockdiff.entrypoints.args import add_engine_args, engine_config
 from blockdiff.model.attention import canvas_metadata
 from blockdiff.model.loader import load_model
 from blockdiff.step import CacheConfig
@@ -139,3 +142,24 @@ def test_cuda_graph_replay_equals_eager(tiny, compile):
         shapes = llm.engine.executor.runner.canvas_steps.shapes
     assert shapes and all(graph is not None for _, graph, _ in shapes.values())
     assert got == want
+
+
+def test_compile_flags_reach_the_engine_config(tiny):
+    """--compile/--no-compile/--enforce-eager become EngineConfig fields; (compile, cuda_graphs) per
+    device follow vLLM's meaning of --enforce-eager; a bad value names the field."""
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    modes = {}
+    for flags in ([], ["--compile"], ["--no-compile"], ["--enforce-eager"], ["--enforce-eager", "--compile"]):
+        args = p.parse_args(flags + ["--model", tiny])
+        cfg = engine_config(args)
+        modes[" ".join(flags)] = (cfg.step_modes("cpu"), cfg.step_modes("cuda"))
+    assert modes == {
+        "": ((None, False), (None, True)),
+        "--compile": ((True, False), (True, True)),
+        "--no-compile": ((False, False), (False, True)),
+        "--enforce-eager": ((False, False), (False, False)),
+        "--enforce-eager --compile": ((True, False), (True, False)),
+    }
+    with pytest.raises(ValueError, match="compile must be"):
+        LLM(tiny, compile="yes")

@@ -7,6 +7,10 @@ nothing. Tokens are packed [encoder tokens | decoder tokens]. For attention, row
 and the same shape (new tokens, cached tokens) form one SDPA batch with no padding at all, so a
 row's result never depends on the rows it shares the step with. The keys of a row are [its own new
 tokens | its cached tokens]; masks come from positions and are shared by the rows of a group.
+
+That is one of two kinds of per-layer-kind metadata behind one seam (`attend`, `write`): the other,
+`CanvasKind`, serves steps of canvases only with fixed shapes built on the device
+(`canvas_metadata`), so that the step can be compiled whole and replayed as a CUDA graph.
 """
 
 from __future__ import annotations
