@@ -1,12 +1,12 @@
 """Runs one engine step on one rank: a forward over the step's rows, then the sampler.
 
 Per-slot denoising state (canvas, last argmax canvas, its run length, self-conditioning input)
-lives in preallocated device tensors indexed by the request's slot. A step whose rows are all
-canvases being denoised can run as the static step of worker/canvas_step.py (compiled, or replayed
-as a CUDA graph); every other step (prompt chunks, committed canvases beside canvases) runs eagerly
-over rows grouped by shape. Every rank runs the same
-`execute` on the same `StepPlan`; with tensor parallelism the collectives inside keep them equal,
-and rank 0 returns the results.
+lives in preallocated device tensors indexed by the request's slot (one more, a scratch slot, takes
+the writes of padded canvases). A step whose rows are all canvases being denoised can run as the
+static step of worker/canvas_step.py (compiled, or replayed as a CUDA graph); every other step
+(prompt chunks, committed canvases beside canvases) runs eagerly over rows grouped by shape. Every
+rank runs the same `execute` on the same `StepPlan`; with tensor parallelism the collectives inside
+keep them equal, and rank 0 returns the results.
 """
 
 from __future__ import annotations
