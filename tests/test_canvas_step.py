@@ -15,6 +15,7 @@ from helpers import hf_generate_with_draft, load_hf
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.entrypoints.args import add_engine_args, engine_config
+from blockdiff.matmul import has_grouped_mm
 from blockdiff.model.attention import canvas_metadata
 from blockdiff.model.loader import load_model
 from blockdiff.step import CacheConfig
@@ -131,17 +132,29 @@ def test_inductor_compiled_engine_greedy_parity(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("compile", [False, True], ids=["eager-graphs", "compiled-graphs"])
 def test_cuda_graph_replay_equals_eager(tiny, compile):
-    """On CUDA each static step shape is captured once and replayed; the tokens equal the eager
-    engine's (--enforce-eager) on the same device."""
+    """On CUDA (bfloat16, where torch has grouped_mm) each static step shape is captured once and
+    replayed: every captured graph's outputs equal the same step function run without the graph
+    on the same inputs. Compiled, the engine's tokens also equal those of --enforce-eager --compile
+    (the same compiled steps without graphs; without --compile, --enforce-eager runs the eager
+    grouped-rows forward, whose bfloat16 numbers differ)."""
+    if not has_grouped_mm(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("torch has no grouped_mm for bfloat16 on this GPU")
     prompts = _prompts(301)
-    with LLM(tiny, device="cuda", enforce_eager=True) as llm:
-        assert llm.engine.executor.runner.canvas_steps is None
-        want = _generate(llm, prompts[:1]) + _generate(llm, prompts)
-    with LLM(tiny, device="cuda", compile=compile) as llm:
+    with LLM(tiny, device="cuda", dtype="bfloat16", compile=compile) as llm:
         got = _generate(llm, prompts[:1]) + _generate(llm, prompts)
-        shapes = llm.engine.executor.runner.canvas_steps.shapes
-    assert shapes and all(graph is not None for _, graph, _ in shapes.values())
-    assert got == want
+        steps = llm.engine.executor.runner.canvas_steps
+        assert steps.shapes and all(graph is not None for _, graph, _ in steps.shapes.values())
+        for (_, context), (inputs, graph, outputs) in steps.shapes.items():
+            graph.replay()
+            replayed = {k: v.clone() for k, v in outputs.__dict__.items()}
+            with torch.inference_mode():  # as the runner calls it
+                direct = steps.fn(steps.model, steps.vocab, steps.kv, steps.geometry, context, steps.state, inputs)
+            for name, value in direct.__dict__.items():
+                assert torch.equal(value, replayed[name]), name
+    if compile:
+        with LLM(tiny, device="cuda", dtype="bfloat16", compile=True, enforce_eager=True) as llm:
+            assert llm.engine.executor.runner.canvas_steps.pool is None
+            assert got == _generate(llm, prompts[:1]) + _generate(llm, prompts)
 
 
 def test_compile_flags_reach_the_engine_config(tiny):
