@@ -2,8 +2,8 @@
 so it has no host sync and no graph break, with the same tokens as the eager path and as
 transformers; its MoE and attention alone trace the same way; on CUDA, graph replay equals eager.
 
-Dynamo's own "eager" backend checks the whole graph in seconds; the inductor-compiled engine (what
---compile runs) is the one slow test."""
+Dynamo's graph-only backends check the graphs without generating code; the inductor-compiled
+engine (what --compile runs) is slower still. Only the MoE/attention trace is in the default run."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def _trace_with_dynamo(llm: LLM) -> dict[str, int]:
     return counter
 
 
+@pytest.mark.slow  # three engines, transformers and two dynamo traces: ~70 s of CPU here
 def test_fullgraph_step_matches_eager_and_transformers(tiny):
     """One canvas alone, then three in a batch of bucket 4 (one padded canvas): the step traced whole
     with fullgraph=True gives the eager engine's tokens, which are transformers' greedy tokens."""
