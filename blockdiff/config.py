@@ -269,6 +269,11 @@ def _layer_spec(idx: int, kind: str, head_dim: int, kv_heads: int, rope: dict, w
     )
 
 
+# Whether static steps are compiled unless the user says, per device type: the faster of compiled
+# and eager as measured (docs/benchmarks.md, "Compiled steps").
+COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs a model: read once at the edge (CLI, `LLM(...)`) and passed down. Each
@@ -294,6 +299,12 @@ class EngineConfig:
     # (engine/kv_cache_manager.py).
     enable_prefix_caching: bool = True
     tune_cpu_heap: bool = False  # see worker/cpu_heap.py: a process-wide glibc setting
+    # Steps whose rows are all canvases being denoised run as one static step compiled with
+    # torch.compile(fullgraph=True) (worker/canvas_step.py); None: COMPILE_BY_DEFAULT of the device.
+    compile: bool | None = None
+    # On CUDA the static steps are replayed as CUDA graphs, one per shape, unless this is set (and
+    # then they are compiled only when compile=True), as vLLM's --enforce-eager.
+    enforce_eager: bool = False
     num_threads: int | None = None  # tensor-parallel workers' intra-op threads; None: from their environment
     worker_timeout: float = 60.0  # seconds a tensor-parallel worker may stay silent before it counts as lost
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
@@ -319,6 +330,16 @@ class EngineConfig:
         n = self.limit_images_per_prompt
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"limit_images_per_prompt must be a non-negative integer, got {n!r}")
+        if not (self.compile is None or isinstance(self.compile, bool)):
+            raise ValueError(f"compile must be True, False or None (the device's default), got {self.compile!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+
+    def step_modes(self, device: str) -> tuple[bool | None, bool]:
+        """(compile, cuda_graphs) on `device`; compile None: the device's default, where the model
+        can run static steps."""
+        cuda_graphs = torch.device(device).type == "cuda" and not self.enforce_eager
+        return (bool(self.compile) if self.enforce_eager else self.compile), cuda_graphs
 
     def resolved_device(self) -> str:
         if self.device == "auto":

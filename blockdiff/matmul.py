@@ -5,11 +5,16 @@ processors; oneDNN's float32 kernel uses AVX-512 where the CPU has it and runs t
 about twice as fast (docs/benchmarks.md). It is full float32 arithmetic, like sgemm. Like sgemm it
 computes a row the same way wherever it sits in a product whose row count is a multiple of 8, which
 keeps requests batch-invariant (see ROW_ALIGN in model/attention.py).
-Everything else (GPUs, reduced precision, where oneDNN is missing, training) stays on `F.linear`.
+Everything else (GPUs, reduced precision, where oneDNN is missing, training, and code traced by
+torch.compile, whose inductor cannot lower the oneDNN op) stays on `F.linear`.
+
+`grouped_linear` runs many experts' products in one call (`torch._grouped_mm`) with the group
+offsets on the device, so no per-expert row count ever reaches the host.
 """
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
@@ -25,7 +30,8 @@ _ONEDNN_FP32 = (
 def onednn_float32(x: torch.Tensor) -> bool:
     """Whether `linear` runs products of `x` on oneDNN's float32 kernel. Not when `x` needs a
     gradient (the demo trainer): the oneDNN op has no autograd formula."""
-    return _ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
+    return (_ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
+            and not torch.compiler.is_compiling())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -33,3 +39,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if onednn_float32(x) and not weight.requires_grad and x.numel():
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
+
+
+# torch._grouped_mm's fake-tensor rule only accepts bfloat16 (torch 2.13), although the CPU kernel
+# runs float32 too: wrapped as an opaque op with its own shape rule, it compiles in every dtype.
+@torch.library.custom_op("blockdiff::grouped_mm", mutates_args=())
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+
+
+@_grouped_mm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ends[g-1]:ends[g] of x [rows, in] times weight[g] [out, in].T, in one call; `ends`
+    int32 on x's device. Rows past ends[-1] are left undefined."""
+    return _grouped_mm(x, weight, ends)
+
+
+@functools.cache
+def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs on this device and dtype (it is missing before torch 2.8, and
+    its CUDA kernels need recent GPUs); probed once with a tiny product."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(16, 16, dtype=dtype, device=device)
+        w = torch.ones(2, 16, 16, dtype=dtype, device=device)
+        out = grouped_linear(x, w, torch.tensor([8, 16], dtype=torch.int32, device=device))
+        return bool((out == 16).all())
+    except (RuntimeError, NotImplementedError):
+        return False

@@ -87,7 +87,6 @@ class _Refused(argparse.Action):
 _ACCEPTED_VLLM_FLAGS = [
     ("--gpu-memory-utilization", float, "the KV cache is sized by --kv-cache-memory instead"),
     ("--swap-space", float, "the KV cache is never swapped to host memory"),
-    ("--enforce-eager", None, "blockdiff always runs eagerly"),
     ("--enable-chunked-prefill", None, "prefill is always chunked (--max-num-batched-tokens per step)"),
     ("--trust-remote-code", None, "blockdiff never runs code from a checkpoint"),
 ]
@@ -139,6 +138,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    default=EngineConfig.enable_prefix_caching,
                    help="reuse the KV cache of full blocks of a prefix that an earlier request computed")
     add_image_args(p)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="run steps of canvases only as one static step compiled with torch.compile "
+                        "(default: the faster per device as measured: off on CPU, on on CUDA)")
+    p.add_argument("--enforce-eager", action="store_true", default=EngineConfig.enforce_eager,
+                   help="CUDA: no CUDA graphs for the static denoising steps (and no compile unless --compile)")
     vllm = p.add_argument_group("vLLM flags without meaning here (docs/server.md, 'vLLM flags')")
     for flag, kind, reason in _ACCEPTED_VLLM_FLAGS:
         if kind is None:
@@ -210,6 +214,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_image_pixels=args.max_image_pixels,
         allowed_media_domains=tuple(args.allowed_media_domains),
         allowed_local_media_path=args.allowed_local_media_path,
+        compile=args.compile,
+        enforce_eager=args.enforce_eager,
         tune_cpu_heap=True,  # a process that only runs blockdiff: its heap is ours to tune
     )
 

@@ -7,6 +7,10 @@ nothing. Tokens are packed [encoder tokens | decoder tokens]. For attention, row
 and the same shape (new tokens, cached tokens) form one SDPA batch with no padding at all, so a
 row's result never depends on the rows it shares the step with. The keys of a row are [its own new
 tokens | its cached tokens]; masks come from positions and are shared by the rows of a group.
+
+That is one of two kinds of per-layer-kind metadata behind one seam (`attend`, `write`): the other,
+`CanvasKind`, serves steps of canvases only with fixed shapes built on the device
+(`canvas_metadata`), so that the step can be compiled whole and replayed as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -42,13 +46,59 @@ class AttnGroup:
 
 @dataclass
 class KindMetadata:
-    """Everything one layer kind (sliding or full) needs for one step."""
+    """Everything one layer kind (sliding or full) needs for one step of mixed rows: rows grouped
+    by mode and shape, each group one SDPA batch with no padding, and the encoder rows' cache writes.
+    Built in Python per step (build_metadata); the eager path of every step that is not all canvases."""
 
     groups: list[AttnGroup]
     write_src: torch.Tensor | None  # encoder tokens whose K/V are stored...
     write_dst: torch.Tensor | None  # ...at these flat cache positions
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+
+    def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]."""
+        n, heads, dim = q.shape
+        g = self.groups[0]
+        if len(self.groups) == 1 and g.gather is None and g.rows * g.q_len == n:
+            return _attend(q, k, v, g, *cache).reshape(n, -1)
+        out = q.new_zeros(n, heads * dim)  # padding rows stay zero
+        for g in self.groups:
+            o = _attend(q, k, v, g, *cache).reshape(g.rows * g.q_len, -1)
+            if g.gather is None:
+                out[g.token_start : g.token_start + g.rows * g.q_len] = o
+            else:
+                out[g.gather] = o
+        return out
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if self.write_dst is not None:
+            cache[0][self.write_dst] = k[self.write_src]
+            cache[1][self.write_dst] = v[self.write_src]
+
+
+@dataclass
+class CanvasKind:
+    """One layer kind's metadata for a step of canvases only (the static step): every canvas
+    attends to itself and to a fixed number of prefix keys, masked where the canvas has fewer.
+    Device tensors of fixed shape built on the device (canvas_metadata), no cache writes."""
+
+    rows: int  # canvases
+    cache_index: torch.Tensor | None  # [canvases, past] flat cache positions; None: no prefix keys
+    key_mask: torch.Tensor | None  # [canvases, 1, 1, canvas + past] bool
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        n, heads, dim = q.shape
+        qs, ks, vs = (t.view(self.rows, n // self.rows, *t.shape[1:]) for t in (q, k, v))
+        if self.cache_index is not None:
+            ks = torch.cat((ks, _cached(cache[0], self.cache_index)), dim=1)
+            vs = torch.cat((vs, _cached(cache[1], self.cache_index)), dim=1)
+        return _sdpa(qs, ks, vs, self.key_mask).reshape(n, heads * dim)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Canvases being denoised write nothing."""
 
 
 # Token rows of a forward are padded to a multiple of this. CPU BLAS kernels compute a row the same
@@ -67,10 +117,10 @@ class AttentionMetadata:
     num_encoder_tokens: int
     num_decoder_tokens: int
     positions: torch.Tensor  # [num_tokens]
-    sliding: KindMetadata | None
-    full: KindMetadata | None
+    sliding: KindMetadata | CanvasKind | None
+    full: KindMetadata | CanvasKind | None
 
-    def kind(self, sliding: bool) -> KindMetadata:
+    def kind(self, sliding: bool) -> KindMetadata | CanvasKind:
         return self.sliding if sliding else self.full
 
 
@@ -122,21 +172,8 @@ class Attention(nn.Module):
         q = apply_rotary(q, kind.cos, kind.sin)
         k = apply_rotary(k, kind.cos, kind.sin)
 
-        k_cache, v_cache = cache
-        g = kind.groups[0]
-        if len(kind.groups) == 1 and g.gather is None and g.rows * g.q_len == n:
-            out = _attend(q, k, v, g, k_cache, v_cache).reshape(n, -1)
-        else:
-            out = q.new_zeros(n, self.local_heads * self.head_dim)  # padding rows stay zero
-            for g in kind.groups:
-                o = _attend(q, k, v, g, k_cache, v_cache).reshape(g.rows * g.q_len, -1)
-                if g.gather is None:
-                    out[g.token_start : g.token_start + g.rows * g.q_len] = o
-                else:
-                    out[g.gather] = o
-        if kind.write_dst is not None:
-            k_cache[kind.write_dst] = k[kind.write_src]
-            v_cache[kind.write_dst] = v[kind.write_src]
+        out = kind.attend(q, k, v, cache)
+        kind.write(k, v, cache)
         return self.o_proj(out)
 
 
@@ -170,6 +207,11 @@ def _attend(q, k, v, g: AttnGroup, k_cache, v_cache) -> torch.Tensor:
         vs = torch.cat((vs, _cached(v_cache, g.cache_index)), dim=1)
     if onednn_float32(qs) and qs.shape[2] // ks.shape[2] * g.q_len * ks.shape[1] <= _MAX_SCORES:
         return _attend_products(qs, ks, vs, g.mask)
+    return _sdpa(qs, ks, vs, g.mask)
+
+
+def _sdpa(qs, ks, vs, mask: torch.Tensor | None) -> torch.Tensor:
+    """PyTorch's SDPA (scale 1) on [rows, tokens, heads, dim] operands."""
     qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
     extra = {}
     if qs.shape[1] != ks.shape[1]:
@@ -178,7 +220,7 @@ def _attend(q, k, v, g: AttnGroup, k_cache, v_cache) -> torch.Tensor:
         else:
             rep = qs.shape[1] // ks.shape[1]
             ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=1.0, **extra)
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=1.0, **extra)
     return out.transpose(1, 2)
 
 
@@ -307,3 +349,33 @@ def _group(rows: list[Row], token_starts: list[int], shape: tuple, geo: CacheGeo
             allowed[a:b, a:b] = True
         mask = allowed[None, None].to(device)
     return AttnGroup(rows=n, q_len=q_len, token_start=token_starts[0], gather=gather, cache_index=cache_index, mask=mask)
+
+
+def canvas_metadata(
+    starts: torch.Tensor, tables: dict[bool, torch.Tensor], canvas_length: int, context: int, geometry: CacheGeometry
+) -> AttentionMetadata:
+    """Metadata for a step of canvases only, built on the device with no host sync: canvas r sits
+    at positions starts[r]..+canvas_length and reads the cached positions before it through its
+    block table tables[sliding][r] ([canvases, blocks], -1 for a given-back sliding block). Each
+    canvas gets the same number of prefix keys, `context` (full layers; at least every start) or
+    min(context, window_past) (sliding layers), masked where it has fewer."""
+    rows = starts.shape[0]
+    steps = torch.arange(canvas_length, device=starts.device)
+    positions = (starts[:, None] + steps).reshape(-1)
+    meta = AttentionMetadata(rows * canvas_length, 0, rows * canvas_length, positions, None, None)
+    for sliding, table in tables.items():
+        past = min(context, geometry.window_past) if sliding else context
+        kind = CanvasKind(rows, None, None)
+        if past:
+            pos = starts[:, None] - past + torch.arange(past, device=starts.device)
+            valid = pos >= 0
+            pos = pos.clamp(min=0)
+            block = table.gather(1, pos // geometry.block_size).clamp(min=0)
+            kind.cache_index = block * geometry.block_size + pos % geometry.block_size
+            canvas = torch.ones(rows, canvas_length, dtype=torch.bool, device=starts.device)
+            kind.key_mask = torch.cat((canvas, valid), dim=1)[:, None, None, :]
+        if sliding:
+            meta.sliding = kind
+        else:
+            meta.full = kind
+    return meta

@@ -13,6 +13,7 @@ from torch import nn
 
 from blockdiff.config import LayerSpec, ModelConfig
 from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.matmul import has_grouped_mm
 from blockdiff.model.attention import Attention, AttentionMetadata
 from blockdiff.model.interface import LayerCacheSpec
 from blockdiff.model.layers import RMSNorm, Rotary
@@ -122,6 +123,11 @@ class DiffusionGemma(nn.Module):
     def kv_cache_spec(self) -> list[LayerCacheSpec]:
         return [LayerCacheSpec(spec.sliding, layer.attn.local_kv_heads, layer.attn.head_dim)
                 for layer, spec in zip(self.layers, self.config.layers)]
+
+    def static_shapes(self, device: torch.device) -> bool:
+        """Whether a step can run with static shapes and no host sync on `device`: every MoE block
+        runs grouped expert products (not FP8 experts, and torch has grouped_mm there)."""
+        return all(layer.experts.groupable for layer in self.layers) and has_grouped_mm(device, self.dtype)
 
     def soft_embed(self, probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """Self-conditioning input from this rank's unnormalised probabilities [rows, CL, local

@@ -44,6 +44,11 @@ class BlockDiffusionModel(Protocol):
         that replace image placeholders among the encoder tokens."""
         ...
 
+    def static_shapes(self, device: torch.device) -> bool:
+        """Whether a step of canvases can run with static shapes and no host sync on `device`
+        (compiled, or captured as a CUDA graph)."""
+        ...
+
     def soft_embed(self, probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """The next step's self-conditioning input [rows * CL, hidden] from this rank's unnormalised
         probabilities [rows, CL, local vocab] and their full-vocabulary sums [rows, CL]."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from blockdiff.config import ModelConfig
 from blockdiff.fp8 import FP8, fp8_linear, sharded_token_scales
-from blockdiff.matmul import linear
+from blockdiff.matmul import grouped_linear, has_grouped_mm, linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.parallel.group import TPGroup
@@ -111,35 +111,54 @@ class Experts(nn.Module):
         lo = self.rank * self.local
         copy_into(param.data, source[:, :, lo : lo + self.local])
 
+    # Whether the experts can run as grouped products (Fp8Experts dequantize one expert at a time).
+    groupable = True
+
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Grouped products wherever torch has them: they need no host sync, and on this CPU they
+        measured faster than per-expert oneDNN products in float32 as well (docs/benchmarks.md,
+        "MoE: grouped against per-expert products")."""
+        return self.groupable and (torch.compiler.is_compiling() or has_grouped_mm(x.device, x.dtype))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Tokens are sorted by expert into one buffer where each expert's rows start on a multiple
-        of ROW_ALIGN; each expert is then two plain matmuls over its own rows, with no padding to
-        the busiest expert's load."""
+        of ROW_ALIGN, with no padding to the busiest expert's load. The buffer has a fixed size (the
+        pairs plus every expert's worst alignment gap) and the offsets stay on the device, so the
+        grouped path has static shapes and no host sync; the per-expert path reads the row counts."""
         n, k = index.shape
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
         rows = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-        first = rows.cumsum(0) - rows
-        skip = (first - (counts.cumsum(0) - counts)).repeat_interleave(counts, output_size=n * k)
-        dest = torch.arange(n * k, device=x.device) + skip
-        sizes = rows.tolist()
+        ends = rows.cumsum(0)
+        skip = (ends - rows) - (counts.cumsum(0) - counts)  # per expert: aligned start - packed start
+        dest = torch.arange(n * k, device=x.device) + skip[flat[order]]
+        capacity = n * k + self.num_experts * (ROW_ALIGN - 1)
         # Row gathers through index_select (a copy per row) rather than advanced indexing (index
-        # arithmetic per element, ~5x slower on CPU); padding rows repeat token 0 and are dropped.
-        source = torch.zeros(sum(sizes), dtype=torch.long, device=x.device)
-        source[dest] = token
-        busy = [e for e, s in enumerate(sizes) if s]
-        parts = x.index_select(0, source).split(sizes)
-        hidden = torch.cat([self.gate_up_product(parts[e], e) for e in busy])
-        gate, up = hidden.split(self.local, dim=-1)
-        act = (self.act(gate) * up).split([sizes[e] for e in busy])
-        y = torch.cat([self.down_product(a, e) for a, e in zip(act, busy)])
+        # arithmetic per element, ~5x slower on CPU); gap rows repeat token 0 and are dropped.
+        source = torch.zeros(capacity, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
+        xs = x.index_select(0, source)
+        if self.grouped(x):
+            ends32 = ends.to(torch.int32)
+            gate, up = grouped_linear(xs, self.gate_up, ends32).split(self.local, dim=-1)
+            y = grouped_linear(self.act(gate) * up, self.down, ends32)
+        else:
+            y = self._per_expert(xs, rows.tolist())
         y = y.index_select(0, dest) * weights.reshape(-1)[order, None]
         out = x.new_zeros(n, self.hidden).index_add_(0, token, y.to(x.dtype))
         if self.reduce:
             self.group.all_reduce(out)
         return out
+
+    def _per_expert(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Two plain products per busy expert over its own rows (the first sum(sizes) rows of xs)."""
+        busy = [e for e, s in enumerate(sizes) if s]
+        parts = xs.split(sizes + [xs.shape[0] - sum(sizes)])
+        hidden = torch.cat([self.gate_up_product(parts[e], e) for e in busy])
+        gate, up = hidden.split(self.local, dim=-1)
+        act = (self.act(gate) * up).split([sizes[e] for e in busy])
+        return torch.cat([self.down_product(a, e) for a, e in zip(act, busy)])
 
     def gate_up_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return linear(x, self.gate_up[e])
@@ -153,6 +172,8 @@ class Fp8Experts(Experts):
     (`experts.{e}.gate_proj/up_proj/down_proj` Linears): part 2e / 2e+1 of gate_up is expert e's
     gate / up, part e of down is its down. Each product dequantizes one expert's weight only, so no
     full-precision copy of the layer's experts ever exists."""
+
+    groupable = False
 
     def __init__(self, config: ModelConfig, group: TPGroup, quant: Fp8Config):
         super().__init__(config, group, FP8)

@@ -1,26 +1,35 @@
 """Runs one engine step on one rank: a forward over the step's rows, then the sampler.
 
 Per-slot denoising state (canvas, last argmax canvas, its run length, self-conditioning input)
-lives in preallocated device tensors indexed by the request's slot. Every rank runs the same
-`execute` on the same `StepPlan`; with tensor parallelism the collectives inside keep them equal,
-and rank 0 returns the results.
+lives in preallocated device tensors indexed by the request's slot (one more, a scratch slot, takes
+the writes of padded canvases). A step whose rows are all canvases being denoised can run as the
+static step of worker/canvas_step.py (compiled, or replayed as a CUDA graph); every other step
+(prompt chunks, committed canvases beside canvases) runs eagerly over rows grouped by shape. Every
+rank runs the same `execute` on the same `StepPlan`; with tensor parallelism the collectives inside
+keep them equal, and rank 0 returns the results.
 """
 
 from __future__ import annotations
 
 import torch
 
+from blockdiff.config import COMPILE_BY_DEFAULT
 from blockdiff.diffusion.sampler import denoise_step
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, StepOutput, StepPlan
+from blockdiff.worker.canvas_step import CanvasSteps, SlotState, all_canvases
 from blockdiff.worker.cpu_heap import keep_freed_memory
 from blockdiff.worker.kv_cache import allocate, geometry
 
 
 class ModelRunner:
-    def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str, tune_cpu_heap: bool = False):
+    def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str, tune_cpu_heap: bool = False,
+                 compile: bool | None = False, cuda_graphs: bool = False):
+        """compile / cuda_graphs (EngineConfig.step_modes): run all-canvas steps as the static
+        step, compiled / replayed as CUDA graphs. Both need a model with static shapes
+        (`model.static_shapes`); compile None: the device's default where the model has them."""
         self.model = model
         self.device = torch.device(device)
         if tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
@@ -33,10 +42,23 @@ class ModelRunner:
         self.canvas_length = model.config.canvas_length
         s, cl, h = cache.num_slots, self.canvas_length, model.config.hidden_size
         with torch.device(self.device):
-            self.canvas = torch.zeros(s, cl, dtype=torch.long)
-            self.last_argmax = torch.full((s, cl), -1, dtype=torch.long)
-            self.run = torch.zeros(s, dtype=torch.long)
-            self.soft = torch.zeros(s, cl, h, dtype=model.dtype)
+            self.state = SlotState(
+                canvas=torch.zeros(s + 1, cl, dtype=torch.long),
+                last_argmax=torch.full((s + 1, cl), -1, dtype=torch.long),
+                run=torch.zeros(s + 1, dtype=torch.long),
+                soft=torch.zeros(s + 1, cl, h, dtype=model.dtype),
+            )
+        self.canvas_steps = None
+        static = model.static_shapes(self.device)
+        if compile is None:
+            compile = COMPILE_BY_DEFAULT.get(self.device.type, False) and static
+        elif compile and not static:
+            raise ValueError("compile=True needs grouped expert products, which this model cannot run on "
+                             f"{self.device} (FP8 experts, or no torch._grouped_mm in this torch)")
+        cuda_graphs = cuda_graphs and static  # the default on CUDA: models without static shapes run eagerly
+        if compile or cuda_graphs:
+            self.canvas_steps = CanvasSteps(model, self.vocab, self.kv, self.geometry, tuple(sorted(self.kinds)),
+                                            self.state, self.device, compile, cuda_graphs)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
@@ -44,19 +66,21 @@ class ModelRunner:
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
             starting = slots[torch.tensor(plan.new_canvas_rows, device=self.device)]
-            self.canvas[starting] = plan.new_canvases.to(self.device)
-            self.last_argmax[starting] = -1
-            self.run[starting] = 0
-            self.soft[starting] = 0
+            self.state.canvas[starting] = plan.new_canvases.to(self.device)
+            self.state.last_argmax[starting] = -1
+            self.state.run[starting] = 0
+            self.state.soft[starting] = 0
+        if self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0:
+            return self._canvas_step(plan)
 
         ids = plan.encoder_ids.to(self.device)
         soft = None
         if dec_rows:
-            ids = torch.cat((ids, self.canvas[slots].reshape(-1)))
+            ids = torch.cat((ids, self.state.canvas[slots].reshape(-1)))
             # Every canvas that is not starting went on from the previous step, which computed its
             # soft embeddings (a finished one starts a new canvas next: the scheduler's steps_left).
             if len(plan.new_canvas_rows) < len(dec_rows):
-                soft = self.soft[slots].reshape(-1, self.soft.shape[-1])
+                soft = self.state.soft[slots].reshape(-1, self.state.soft.shape[-1])
         meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device)
         if meta.num_tokens > ids.shape[0]:
             ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
@@ -66,10 +90,10 @@ class ModelRunner:
             return None
 
         params = plan.denoise.to(self.device)
-        res = denoise_step(logits.view(len(dec_rows), self.canvas_length, -1), self.last_argmax[slots], self.run[slots], params, self.vocab)
-        self.canvas[slots] = res.canvas
-        self.last_argmax[slots] = res.argmax
-        self.run[slots] = res.run
+        res = denoise_step(logits.view(len(dec_rows), self.canvas_length, -1), self.state.last_argmax[slots], self.state.run[slots], params, self.vocab)
+        self.state.canvas[slots] = res.canvas
+        self.state.last_argmax[slots] = res.argmax
+        self.state.run[slots] = res.run
         # A finished canvas is committed and the next one starts without self-conditioning, so only
         # the canvases that go on need their soft embeddings (the product is as big as the LM head).
         finished = res.finished.cpu()  # the only host sync the control flow below needs
@@ -79,7 +103,7 @@ class ModelRunner:
             if not bool(going.all()):
                 rows = going.nonzero().squeeze(1).to(self.device)
                 probs, total, keep = probs[rows], total[rows], slots[rows]
-            self.soft[keep] = self.model.soft_embed(probs, total)
+            self.state.soft[keep] = self.model.soft_embed(probs, total)
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:
@@ -96,4 +120,21 @@ class ModelRunner:
             logprob=None if logprob is None else logprob.cpu(),
             top_logprobs=None if top_lp is None else top_lp.cpu(),
             top_ids=None if top_ids is None else top_ids.cpu(),
+        )
+
+    def _canvas_step(self, plan: StepPlan) -> StepOutput:
+        """The static step; only the finished flags and argmax canvases (and logprobs) come back."""
+        n = len(plan.rows)
+        inputs, out = self.canvas_steps(plan.rows, plan.denoise)
+        slots = inputs.slots[:n]
+        self.state.canvas.index_copy_(0, slots, out.canvas[:n])
+        self.state.last_argmax.index_copy_(0, slots, out.argmax[:n])
+        self.state.run.index_copy_(0, slots, out.run[:n])
+        self.state.soft.index_copy_(0, slots, out.soft[:n])
+        return StepOutput(
+            finished=out.finished[:n].cpu(),
+            argmax=out.argmax[:n].cpu(),
+            logprob=out.logprob[:n].cpu() if plan.top_logprobs == 0 else None,
+            top_logprobs=None,
+            top_ids=None,
         )

@@ -1,0 +1,184 @@
+"""The steady-state denoising step as one static function: forward, sampler and self-conditioning
+product over a bucket of canvases, with no host sync and no Python loop over rows.
+
+When every row of a step is a canvas being denoised, the step's shape is fixed by the number of
+canvases (padded up to a bucket) and the prefix length its attention reads (padded up to a power
+of two of blocks). Its inputs are copied into persistent device buffers of that shape; the function
+reads the per-slot state, computes everything for every canvas, padded ones included, and hands
+back fresh tensors that the runner scatters into the state. So `torch.compile(fullgraph=True)`
+accepts it, and on CUDA each shape is captured once as a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdiff.diffusion.sampler import DenoiseParams, denoise_step
+from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.model.attention import CacheGeometry, Row, canvas_metadata
+from blockdiff.model.interface import BlockDiffusionModel
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def bucket(n: int) -> int:
+    """Canvases padded up to 1, 2, 4, ..., 32, then to a multiple of 32."""
+    return next((b for b in BUCKETS if b >= n), -(-n // BUCKETS[-1]) * BUCKETS[-1])
+
+
+@dataclass
+class SlotState:
+    """Per-slot denoising state; one extra slot at the end takes the padded canvases' writes."""
+
+    canvas: torch.Tensor  # [slots + 1, CL] int64
+    last_argmax: torch.Tensor  # [slots + 1, CL] int64
+    run: torch.Tensor  # [slots + 1] int64
+    soft: torch.Tensor  # [slots + 1, CL, hidden]
+
+    @property
+    def scratch(self) -> int:
+        return self.canvas.shape[0] - 1
+
+
+@dataclass
+class CanvasInputs:
+    """Persistent device buffers of one shape: what a step of canvases reads besides the state."""
+
+    slots: torch.Tensor  # [B] int64; padding: the scratch slot
+    starts: torch.Tensor  # [B] int64 cached positions before each canvas; padding: 0
+    tables: dict[bool, torch.Tensor]  # layer kind (True: sliding) -> [B, context / block size] int64
+    params: DenoiseParams  # [B, ...]; padding rows repeat the first canvas's
+
+
+@dataclass
+class CanvasOutputs:
+    canvas: torch.Tensor  # [B, CL]
+    argmax: torch.Tensor  # [B, CL]
+    run: torch.Tensor  # [B]
+    finished: torch.Tensor  # [B] bool
+    soft: torch.Tensor  # [B, CL, hidden] the next step's self-conditioning input
+    logprob: torch.Tensor  # [B, CL] of each argmax token
+
+
+def canvas_step(
+    model: BlockDiffusionModel,
+    vocab: VocabParallel,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    geometry: CacheGeometry,
+    context: int,
+    state: SlotState,
+    inputs: CanvasInputs,
+) -> CanvasOutputs:
+    """One denoising step of every canvas in `inputs`; reads `state` and `kv`, writes neither."""
+    rows = inputs.slots.shape[0]
+    cl = state.canvas.shape[1]
+    meta = canvas_metadata(inputs.starts, inputs.tables, cl, context, geometry)
+    ids = state.canvas.index_select(0, inputs.slots).reshape(-1)
+    # A canvas's first step reads the zeros its slot was reset to: the self-conditioning MLP of
+    # zeros is exactly zero, so that equals the reference's step without a previous one.
+    soft = state.soft.index_select(0, inputs.slots).reshape(rows * cl, -1)
+    logits = model(ids, meta, kv, soft)
+    res = denoise_step(logits.view(rows, cl, -1), state.last_argmax.index_select(0, inputs.slots),
+                       state.run.index_select(0, inputs.slots), inputs.params, vocab)
+    # For every canvas, finished ones included: their slots are reset when the next canvas starts.
+    soft_next = model.soft_embed(res.dist.exp, res.dist.total).view(rows, cl, -1)
+    return CanvasOutputs(res.canvas, res.argmax, res.run, res.finished, soft_next, -res.dist.log_total)
+
+
+def all_canvases(rows: list[Row]) -> bool:
+    return bool(rows) and all(r.decoder for r in rows)
+
+
+def context_of(rows: list[Row], block_size: int) -> int:
+    """The prefix keys a step reads: the longest cached prefix, rounded up to a power of two of blocks."""
+    blocks = -(-max(r.start for r in rows) // block_size)
+    return 0 if blocks == 0 else (1 << (blocks - 1).bit_length()) * block_size
+
+
+def host_inputs(rows: list[Row], params: DenoiseParams, size: int, context: int, kinds: tuple[bool, ...],
+                block_size: int, scratch: int) -> CanvasInputs:
+    """The step's inputs on the host, padded to `size` canvases and `context` prefix positions."""
+    pad = size - len(rows)
+    width = context // block_size
+    slots = torch.tensor([r.slot for r in rows] + [scratch] * pad, dtype=torch.long)
+    starts = torch.tensor([r.start for r in rows] + [0] * pad, dtype=torch.long)
+    tables = {}
+    for sliding in kinds:
+        tables[sliding] = table = torch.zeros(size, width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            used = (r.sliding_blocks if sliding and r.sliding_blocks is not None else r.blocks)[:width]
+            if used:
+                table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+    padded = {k: torch.cat((v, v[:1].expand(pad, *v.shape[1:]))) for k, v in params.__dict__.items()}
+    return CanvasInputs(slots, starts, tables, DenoiseParams(**padded))
+
+
+def allocate_inputs(like: CanvasInputs, device: torch.device) -> CanvasInputs:
+    """Device buffers shaped like `like`."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t, device=device)
+
+    return CanvasInputs(empty(like.slots), empty(like.starts), {k: empty(v) for k, v in like.tables.items()},
+                        DenoiseParams(**{k: empty(v) for k, v in like.params.__dict__.items()}))
+
+
+def copy_inputs(dst: CanvasInputs, src: CanvasInputs) -> None:
+    dst.slots.copy_(src.slots, non_blocking=True)
+    dst.starts.copy_(src.starts, non_blocking=True)
+    for k, v in src.tables.items():
+        dst.tables[k].copy_(v, non_blocking=True)
+    for k, v in src.params.__dict__.items():
+        getattr(dst.params, k).copy_(v, non_blocking=True)
+
+
+class CanvasSteps:
+    """Runs `canvas_step` for the shapes the engine meets: eagerly, compiled with
+    `torch.compile(fullgraph=True)`, and on CUDA (cuda_graphs) captured once per shape as a CUDA
+    graph and replayed. Each shape keeps its input buffers, so a graph reads them where it was
+    captured."""
+
+    def __init__(self, model: BlockDiffusionModel, vocab: VocabParallel, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 geometry: CacheGeometry, kinds: tuple[bool, ...], state: SlotState, device: torch.device,
+                 compile: bool, cuda_graphs: bool):
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self.model, self.vocab, self.kv, self.geometry, self.kinds = model, vocab, kv, geometry, kinds
+        self.state, self.device = state, device
+        self.fn = torch.compile(canvas_step, fullgraph=True) if compile else canvas_step
+        self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.shapes: dict[tuple[int, int], tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
+
+    def __call__(self, rows: list[Row], params: DenoiseParams) -> tuple[CanvasInputs, CanvasOutputs]:
+        """One step of the canvases `rows` (their state reset already where a canvas starts):
+        the inputs used (padded) and the outputs, whose first len(rows) rows are the canvases'."""
+        context = context_of(rows, self.geometry.block_size)
+        size = bucket(len(rows))
+        host = host_inputs(rows, params, size, context, self.kinds, self.geometry.block_size, self.state.scratch)
+        key = (size, context)
+        if key not in self.shapes:
+            self.shapes[key] = (allocate_inputs(host, self.device), None, None)
+        inputs, graph, outputs = self.shapes[key]
+        copy_inputs(inputs, host)
+        if self.pool is None:
+            return inputs, self.fn(self.model, self.vocab, self.kv, self.geometry, context, self.state, inputs)
+        if graph is None:
+            graph, outputs = self._capture(context, inputs)
+            self.shapes[key] = (inputs, graph, outputs)
+        graph.replay()
+        return inputs, outputs
+
+    def _capture(self, context: int, inputs: CanvasInputs) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
+        args = (self.model, self.vocab, self.kv, self.geometry, context, self.state, inputs)
+        # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.fn(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.fn(*args)
+        return graph, outputs

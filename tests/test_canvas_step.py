@@ -1,0 +1,179 @@
+"""The static denoising step (worker/canvas_step.py): traced whole by torch.compile(fullgraph=True),
+so it has no host sync and no graph break, with the same tokens as the eager path and as
+transformers; its MoE and attention alone trace the same way; on CUDA, graph replay equals eager.
+
+Dynamo's graph-only backends check the graphs without generating code; the inductor-compiled
+engine (what --compile runs) is slower still. Only the MoE/attention trace is in the default run."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from helpers import hf_generate_with_draft, load_hf
+
+from blockdiff import LLM, SamplingParams
+from blockdiff.entrypoints.args import add_engine_args, engine_config
+from blockdiff.matmul import has_grouped_mm
+from blockdiff.model.attention import canvas_metadata
+from blockdiff.model.loader import load_model
+from blockdiff.step import CacheConfig
+from blockdiff.worker.canvas_step import canvas_step
+from blockdiff.worker.kv_cache import allocate, geometry
+
+GREEDY = dict(t_min=1e-6, t_max=2e-6)
+STEPS, MAX_TOKENS = 4, 16  # two canvases of 8
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    return [torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 5, 12)]
+
+
+def _draft(prompt: list[int]) -> list[int]:
+    """The canvases' starting tokens, the same on both sides (noise is drawn differently)."""
+    return torch.randint(3, 301, (MAX_TOKENS,), generator=torch.Generator().manual_seed(100 + len(prompt))).tolist()
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=MAX_TOKENS, max_denoising_steps=STEPS, draft=_draft(p), **GREEDY) for p in prompts]
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _reference(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy generate, cut after its first EOS like ours."""
+    hf = load_hf(path)
+    eos = set(hf.generation_config.eos_token_id or [])
+    out = []
+    for p in prompts:
+        tokens = hf_generate_with_draft(hf, p, _draft(p), max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS, **GREEDY)
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), MAX_TOKENS)
+        out.append(tokens[:cut])
+    return out
+
+
+def _trace_with_dynamo(llm: LLM) -> dict[str, int]:
+    """Runs the engine's static step through torch.compile(fullgraph=True) with dynamo's graph-only
+    backend; counts the graphs it made."""
+    steps = llm.engine.executor.runner.canvas_steps
+    assert steps is not None
+    counter = {"graphs": 0}
+
+    def backend(gm, example_inputs):
+        counter["graphs"] += 1
+        return gm.forward
+
+    steps.fn = torch.compile(canvas_step, fullgraph=True, backend=backend)
+    return counter
+
+
+@pytest.mark.slow  # three engines, transformers and two dynamo traces: ~70 s of CPU here
+def test_fullgraph_step_matches_eager_and_transformers(tiny):
+    """One canvas alone, then three in a batch of bucket 4 (one padded canvas): the step traced whole
+    with fullgraph=True gives the eager engine's tokens, which are transformers' greedy tokens."""
+    prompts = _prompts(301)
+    want = _reference(tiny, prompts)
+    with LLM(tiny) as llm:
+        assert llm.engine.executor.runner.canvas_steps is None  # the CPU default: eager (docs/benchmarks.md)
+        eager = _generate(llm, prompts[:1]) + _generate(llm, prompts)
+    with LLM(tiny, compile=True) as llm:
+        counter = _trace_with_dynamo(llm)
+        traced = _generate(llm, prompts[:1]) + _generate(llm, prompts)
+    assert counter["graphs"] >= 1
+    assert eager == traced == want[:1] + want
+
+
+def test_moe_and_attention_trace_without_host_sync(tiny):
+    """A block's experts and its attention over canvases compile with fullgraph=True: a `.tolist()`,
+    `.item()` or data-dependent shape inside either is a graph break, which fullgraph refuses."""
+    model = load_model(tiny)
+    layer = model.layers[0]
+    n, k = 24, model.config.top_k_experts
+    x = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    weights, index = layer.router(x)
+    with torch.inference_mode():
+        want = layer.experts(x, weights, index)
+        got = torch.compile(layer.experts, fullgraph=True, backend="eager")(x, weights, index)
+    assert index.shape == (n, k)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    cache = CacheConfig(num_slots=3, num_blocks=12, block_size=4, max_model_len=48)
+    kv = allocate(model, cache, "cpu")
+    for k_cache, v_cache in kv:
+        k_cache.normal_(generator=torch.Generator().manual_seed(1))
+        v_cache.normal_(generator=torch.Generator().manual_seed(2))
+    geo = geometry(model, cache)
+    cl = model.config.canvas_length
+    starts = torch.tensor([0, 5, 13])
+    tables = {s: torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]) for s in (True, False)}
+    spec = model.config.layers[0]
+
+    def attend(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        meta = canvas_metadata(starts, tables, cl, 16, geo)
+        kind = meta.kind(spec.sliding)
+        kind.cos, kind.sin = model.rotary["sliding" if spec.sliding else "full"].cos_sin(meta.positions, x.dtype)
+        return layer.attn(x, meta, kv[0])
+
+    h = torch.randn(3 * cl, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = attend(h, starts)
+        got = torch.compile(attend, fullgraph=True, backend="eager")(h, starts)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_engine_greedy_parity(tiny):
+    """The engine as --compile runs it (inductor's generated code) against transformers."""
+    prompts = _prompts(301)
+    with LLM(tiny, compile=True) as llm:
+        got = _generate(llm, prompts)
+    assert got == _reference(tiny, prompts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-graphs", "compiled-graphs"])
+def test_cuda_graph_replay_equals_eager(tiny, compile):
+    """On CUDA (bfloat16, where torch has grouped_mm) each static step shape is captured once and
+    replayed: every captured graph's outputs equal the same step function run without the graph
+    on the same inputs. Compiled, the engine's tokens also equal those of --enforce-eager --compile
+    (the same compiled steps without graphs; without --compile, --enforce-eager runs the eager
+    grouped-rows forward, whose bfloat16 numbers differ)."""
+    if not has_grouped_mm(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("torch has no grouped_mm for bfloat16 on this GPU")
+    prompts = _prompts(301)
+    with LLM(tiny, device="cuda", dtype="bfloat16", compile=compile) as llm:
+        got = _generate(llm, prompts[:1]) + _generate(llm, prompts)
+        steps = llm.engine.executor.runner.canvas_steps
+        assert steps.shapes and all(graph is not None for _, graph, _ in steps.shapes.values())
+        for (_, context), (inputs, graph, outputs) in steps.shapes.items():
+            graph.replay()
+            replayed = {k: v.clone() for k, v in outputs.__dict__.items()}
+            with torch.inference_mode():  # as the runner calls it
+                direct = steps.fn(steps.model, steps.vocab, steps.kv, steps.geometry, context, steps.state, inputs)
+            for name, value in direct.__dict__.items():
+                assert torch.equal(value, replayed[name]), name
+    if compile:
+        with LLM(tiny, device="cuda", dtype="bfloat16", compile=True, enforce_eager=True) as llm:
+            assert llm.engine.executor.runner.canvas_steps.pool is None
+            assert got == _generate(llm, prompts[:1]) + _generate(llm, prompts)
+
+
+def test_compile_flags_reach_the_engine_config(tiny):
+    """--compile/--no-compile/--enforce-eager become EngineConfig fields; (compile, cuda_graphs) per
+    device follow vLLM's meaning of --enforce-eager; a bad value names the field."""
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    modes = {}
+    for flags in ([], ["--compile"], ["--no-compile"], ["--enforce-eager"], ["--enforce-eager", "--compile"]):
+        args = p.parse_args(flags + ["--model", tiny])
+        cfg = engine_config(args)
+        modes[" ".join(flags)] = (cfg.step_modes("cpu"), cfg.step_modes("cuda"))
+    assert modes == {
+        "": ((None, False), (None, True)),
+        "--compile": ((True, False), (True, True)),
+        "--no-compile": ((False, False), (False, True)),
+        "--enforce-eager": ((False, False), (False, False)),
+        "--enforce-eager --compile": ((True, False), (True, False)),
+    }
+    with pytest.raises(ValueError, match="compile must be"):
+        LLM(tiny, compile="yes")
