@@ -97,6 +97,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
     @functools.cached_property
     def _compiled_template(self) -> jinja2.Template:
         if self.chat_template is None:
