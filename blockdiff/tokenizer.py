@@ -108,11 +108,15 @@ class Tokenizer:
 
     @functools.cached_property
     def template_variables(self) -> frozenset[str]:
-        """The names the chat template reads that are not its own (messages, tools, enable_thinking, ...)."""
+        """The variables the chat template reads from outside (messages, tools, enable_thinking, ...):
+        names it reads but never sets itself, jinja's globals aside."""
         if self.chat_template is None:
             return frozenset()
         env = _template_env()
-        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))) - set(env.globals)
+        ast = env.parse(self.chat_template)
+        # jinja2.meta also counts names a loop or macro body sets and then reads.
+        stored = {n.name for n in ast.find_all(jinja2.nodes.Name) if n.ctx in ("store", "param")}
+        return frozenset(jinja2.meta.find_undeclared_variables(ast) - stored - set(env.globals))
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
