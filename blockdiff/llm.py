@@ -65,12 +65,15 @@ class LLM:
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template and generate the reply."""
+        """Render each conversation with the checkpoint's chat template (given `tools` and any
+        other template variables, e.g. {"enable_thinking": True}) and generate the reply."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode_chat(c) for c in conversations]
+        prompts = [self.tokenizer.encode_chat(c, tools=tools, **(chat_template_kwargs or {})) for c in conversations]
         for i, (conversation, ids) in enumerate(zip(conversations, prompts)):
             contents = "".join(m["content"] for m in conversation if isinstance(m.get("content"), str))
             self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)

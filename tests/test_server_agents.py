@@ -1,0 +1,139 @@
+"""Tool calls and thinking through the real server and the official `openai` client, on the bundled
+demo model, which was taught a weather tool and thinking (blockdiff/demo/tasks.py): the calls and
+thoughts come from the model, read by the Gemma 4 parsers the server picks for its tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from server_process import ServerProcess
+
+from blockdiff.demo.tasks import WEATHER_TOOL
+
+GREEDY = dict(temperature=0, seed=0, max_tokens=48)
+WEATHER = [{"role": "user", "content": "weather in Paris"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc = ServerProcess(None, "--max-model-len", "512", log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model="demo", messages=messages, **{**GREEDY, **kw})
+
+
+def stream(client, messages, **kw) -> tuple[list, list]:
+    """-> (the choice's deltas, its finish reasons), from every chunk."""
+    chunks = list(chat(client, messages, stream=True, **kw))
+    return [c.choices[0].delta for c in chunks if c.choices], [c.choices[0].finish_reason for c in chunks if c.choices]
+
+
+def assert_weather_call(call, city: str) -> None:
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": city}
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "required", NAMED], ids=["default", "auto", "required", "named"])
+def test_tool_call(client, tool_choice):
+    kw = {} if tool_choice is None else {"tool_choice": tool_choice}
+    r = chat(client, WEATHER, tools=[WEATHER_TOOL], **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    assert_weather_call(choice.message.tool_calls[0], "Paris")
+
+
+def test_tool_call_streaming(client):
+    deltas, reasons = stream(client, [{"role": "user", "content": "weather in Lima"}], tools=[WEATHER_TOOL])
+    calls = [c for d in deltas for c in d.tool_calls or []]
+    assert len(calls) == 1 and calls[0].index == 0
+    assert_weather_call(calls[0], "Lima")
+    assert "".join(d.content or "" for d in deltas) == ""  # no marker leaks into the text
+    assert reasons[-1] == "tool_calls" and reasons[:-1] == [None] * (len(reasons) - 1)
+
+
+def test_tool_choice_none_reads_no_calls(client):
+    r = chat(client, WEATHER, tools=[WEATHER_TOOL], tool_choice="none")
+    assert r.choices[0].message.tool_calls == [] and r.choices[0].finish_reason == "stop"
+    assert "get_weather" in r.choices[0].message.content  # the call's text, markers left out
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "stream"])
+def test_tool_result_is_answered(client, streaming):
+    first = chat(client, WEATHER, tools=[WEATHER_TOOL]).choices[0].message
+    messages = [*WEATHER, first.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "18C sunny"}]
+    if streaming:
+        deltas, reasons = stream(client, messages, tools=[WEATHER_TOOL])
+        text, calls, reason = "".join(d.content or "" for d in deltas), [c for d in deltas for c in d.tool_calls or []], reasons[-1]
+    else:
+        choice = chat(client, messages, tools=[WEATHER_TOOL]).choices[0]
+        text, calls, reason = choice.message.content, choice.message.tool_calls, choice.finish_reason
+    assert text == "Paris: 18C sunny" and not calls and reason == "stop"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_tool_choice_errors_when_the_model_answers_in_text(client, tool_choice):
+    """A sorting question is answered in text even with the tool declared (the model was taught so),
+    so a forced tool_choice cannot be met: a 422, never the text passed off as an answer."""
+    question = [{"role": "user", "content": "sort: 3 1 2"}]
+    assert chat(client, question, tools=[WEATHER_TOOL]).choices[0].message.content == "1 2 3"
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        chat(client, question, tools=[WEATHER_TOOL], tool_choice=tool_choice)
+    assert e.value.body["code"] == "tool_choice_not_followed" and "'1 2 3'" in e.value.body["message"]
+    with pytest.raises(openai.APIError, match="tool_choice requires a call to 'get_weather'"):
+        stream(client, question, tools=[WEATHER_TOOL], tool_choice=tool_choice)
+
+
+def test_forced_tool_choice_refuses_a_call_to_another_tool(client):
+    """The model only knows get_weather; named get_time is asked for, so its call breaks the rule."""
+    time_tool = {"type": "function", "function": {"name": "get_time", "description": "Time of a city",
+                                                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    tool_choice = {"type": "function", "function": {"name": "get_time"}}
+    with pytest.raises(openai.UnprocessableEntityError, match="called 'get_weather'"):
+        chat(client, WEATHER, tools=[WEATHER_TOOL, time_tool], tool_choice=tool_choice)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "stream"])
+def test_thinking_on_and_off(client, streaming):
+    question = [{"role": "user", "content": "reverse: block"}]
+    for thinking, reasoning in ((True, "I reverse the word."), (False, None)):
+        kw = dict(extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+        if streaming:
+            deltas, _ = stream(client, question, **kw)
+            text = "".join(d.content or "" for d in deltas)
+            thought = "".join(d.reasoning_content or "" for d in deltas) or None
+            assert thought == ("".join(d.reasoning or "" for d in deltas) or None)
+        else:
+            message = chat(client, question, **kw).choices[0].message
+            text, thought = message.content, message.reasoning_content
+            assert message.reasoning == thought
+        assert (text, thought) == ("kcolb", reasoning)
+
+
+def test_bad_tool_requests_are_400(client):
+    cases = [
+        (dict(extra_body={"chat_template_kwargs": {"enable_thinking": True, "thinking_budget": 5}}), "does not read thinking_budget"),
+        (dict(extra_body={"chat_template_kwargs": {"tools": []}}), "may not set tools"),
+        (dict(tool_choice="required"), "tool_choice needs tools"),
+        (dict(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), "'nope', which is not among"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(openai.BadRequestError, match=message):
+            chat(client, WEATHER, **kw)
+    bad_args = [*WEATHER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                "function": {"name": "get_weather", "arguments": "{city"}}]}]
+    with pytest.raises(openai.BadRequestError, match=r"tool_calls\[0\].function.arguments is not JSON"):
+        chat(client, bad_args, tools=[WEATHER_TOOL])
