@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdiff.config import ModelConfig
-from blockdiff.demo.tasks import Problem, training_problems
+from blockdiff.demo.tasks import AGENT_TASKS, TASKS, Problem, training_problems
 from blockdiff.demo.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_DEMO, VOCAB, build_char_tokenizer, save_char_tokenizer
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.step import CacheConfig
@@ -84,6 +84,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 50
     init_from: str | None = None  # a demo checkpoint to start from instead of random weights
+    tasks: tuple[str, ...] = TASKS + AGENT_TASKS  # drawn in equal shares
     spec: TinySpec = field(default_factory=demo_spec)
 
 
@@ -213,7 +214,7 @@ def train(cfg: TrainConfig, progress=None) -> tuple[DiffusionGemma, list[dict]]:
     """-> (trained model, per-step loss parts). `progress(step, parts)` is called every log_every steps."""
     model = grown_from(cfg.init_from, cfg.spec, cfg.seed) if cfg.init_from else build_model(cfg.spec, cfg.seed)
     tokenizer = demo_tokenizer()
-    problems = training_problems(random.Random(cfg.seed))
+    problems = training_problems(random.Random(cfg.seed), cfg.tasks)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     matrices = [p for p in model.parameters() if p.dim() > 1]
     vectors = [p for p in model.parameters() if p.dim() <= 1]
