@@ -68,8 +68,11 @@ class LLM:
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template and generate the reply.
+        """Render each conversation with the checkpoint's chat template (given `tools` and any
+        other template variables, e.g. {"enable_thinking": True}) and generate the reply.
         Content parts may hold images as vLLM's chat format does: {"type": "image_url", "image_url":
         {"url": "data:image/png;base64,..."}} (file:// and http(s) URLs as the engine allows them), or
         {"type": "image", "image": a PIL image, bytes or a path}."""
@@ -79,7 +82,7 @@ class LLM:
         prompts = []
         for i, conversation in enumerate(conversations):
             rendered, images = split_chat_images(conversation, self.engine.inputs.images.fetch)
-            ids = self.tokenizer.encode_chat(rendered)
+            ids = self.tokenizer.encode_chat(rendered, tools=tools, **(chat_template_kwargs or {}))
             contents = "".join(m["content"] for m in rendered if isinstance(m.get("content"), str))
             self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)

@@ -93,7 +93,7 @@ class _Params:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         _token_list(self, "stop_token_ids")
         _token_list(self, "draft")
-        for name in ("ignore_eos", "stream_drafts"):
+        for name in ("ignore_eos", "stream_drafts", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.output_kind not in OUTPUT_KINDS:
@@ -153,6 +153,7 @@ SamplingParams = make_dataclass(
         ("draft", list[int] | None, None),  # token ids the canvases start from, canvas after canvas
         ("logprobs", int | None, None),  # top logprobs per token; 0 returns only the chosen token's logprob
         ("stream_drafts", bool, False),  # report the argmax canvas after every denoising step
+        ("skip_special_tokens", bool, True),  # leave special tokens out of the text (vLLM's option)
         ("output_kind", str, "cumulative"),  # "cumulative", "delta" or "final_only" (see blockdiff.outputs)
         ("temperature", float | None, None),  # scales the t_min .. t_max schedule; 0: greedy
         # vLLM's knobs, accepted at their neutral values only

@@ -6,8 +6,10 @@ import functools
 import json
 import logging
 import os
+from datetime import datetime
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Tokenizer
@@ -33,7 +35,6 @@ class Tokenizer:
         self.unk_token = _token_text(config.get("unk_token"))
         self.unk_token_id = self._tok.token_to_id(self.unk_token) if self.unk_token else None
         self.chat_template = chat_template
-        self._template = None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
@@ -96,28 +97,113 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @functools.cached_property
+    def _compiled_template(self) -> jinja2.Template:
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
-        if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(self.chat_template)
+        return _template_env().from_string(self.chat_template)
+
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from outside (messages, tools, enable_thinking, ...):
+        names it reads but never sets itself, jinja's globals aside."""
+        if self.chat_template is None:
+            return frozenset()
+        env = _template_env()
+        ast = env.parse(self.chat_template)
+        # jinja2.meta also counts names a loop or macro body sets and then reads.
+        stored = {n.name for n in ast.find_all(jinja2.nodes.Name) if n.ctx in ("store", "param")}
+        return frozenset(jinja2.meta.find_undeclared_variables(ast) - stored - set(env.globals))
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
+    ) -> str:
+        """The conversation rendered as transformers' apply_chat_template renders it: the same
+        environment and helpers, the same variables (tools, documents, the special tokens), and a
+        message's reasoning under each name templates read it by."""
+        template = self._compiled_template
         try:
-            return self._template.render(
-                messages=messages,
+            return template.render(
+                messages=[_alias_reasoning(m) for m in messages],
+                tools=tools,
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                unk_token=self.unk_token or "",
                 **kwargs,
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
         """The prompt ids of a conversation; the template writes any BOS itself."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, **template_kwargs), add_special_tokens=False)
+
+
+# The names a message's reasoning goes by; templates read "reasoning_content", gpt-oss ones "thinking".
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict) -> dict:
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Not jinja's own filter, which escapes HTML characters: templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` without underscore-prefixed attributes, which would reach Python internals."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore-prefixed attributes, got {name!r}")
+
+
+class _Dict:
+    """`dict(...)` and `dict.fromkeys(...)` for templates, without the class itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+@functools.cache
+def _template_env() -> ImmutableSandboxedEnvironment:
+    """The environment Hugging Face chat templates are written for (transformers' own)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _Dict()
+    env.globals["namespace"] = _Namespace
+    return env
 
 
 def _raise(message: str):

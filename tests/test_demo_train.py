@@ -10,7 +10,9 @@ from helpers import Harness, rel_err
 from safetensors.torch import load_file
 
 from blockdiff.demo import demo_checkpoint
-from blockdiff.demo.train import TrainConfig, demo_spec, save_checkpoint, train
+from blockdiff.demo.tasks import TASKS
+from blockdiff.demo.tokenizer import VOCAB
+from blockdiff.demo.train import TrainConfig, demo_spec, grown_from, save_checkpoint, train
 from blockdiff.model.loader import load_model
 from blockdiff.model.saver import checkpoint_tensors
 
@@ -20,7 +22,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, nu
 
 @pytest.fixture(scope="module")
 def trained():
-    cfg = TrainConfig(steps=48, batch_size=8, lr=3e-3, warmup=2, seed=3, spec=demo_spec(**SMALL))
+    cfg = TrainConfig(steps=48, batch_size=8, lr=3e-3, warmup=2, seed=3, spec=demo_spec(**SMALL), tasks=TASKS)
     model, history = train(cfg)
     return cfg, model, history
 
@@ -58,6 +60,26 @@ def test_saved_checkpoint_loads_back_identically(trained, tmp_path):
     with torch.no_grad():
         theirs = hf(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([canvas])).logits[0]
     assert rel_err(mine, theirs) <= 1e-4
+
+
+def test_fine_tune_grows_the_vocabulary(trained, tmp_path):
+    """--init-from: a checkpoint with fewer tokens keeps every weight and its embedding rows; the
+    added rows are the fresh model's; one step of training on it runs, agent tasks included."""
+    cfg, model, _ = trained
+    old_cfg = dataclasses.replace(cfg, spec=demo_spec(**SMALL, vocab_size=len(VOCAB) - 10))
+    old = train(dataclasses.replace(old_cfg, steps=1))[0]
+    path = save_checkpoint(old, old_cfg, str(tmp_path / "old"))
+    grown = grown_from(path, cfg.spec, seed=9)
+    fresh = dict(train(dataclasses.replace(cfg, steps=0, seed=9))[0].named_parameters())
+    for (name, a), (_, b) in zip(old.named_parameters(), grown.named_parameters(), strict=True):
+        if name == "embed.weight":
+            assert torch.equal(b[: len(VOCAB) - 10], a) and torch.equal(b[len(VOCAB) - 10 :], fresh[name][len(VOCAB) - 10 :])
+        else:
+            assert torch.equal(a, b), name
+    _, history = train(dataclasses.replace(cfg, steps=1, init_from=path, tasks=("weather_answer", "think")))
+    assert history[0]["loss"] > 0
+    with pytest.raises(ValueError, match="has shape"):
+        grown_from(path, demo_spec(**{**SMALL, "hidden_size": 64}), seed=0)
 
 
 def test_bundled_checkpoint_round_trips():

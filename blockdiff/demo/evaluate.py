@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from blockdiff.demo.tasks import TASKS, Problem, is_correct
+from blockdiff.demo.tasks import AGENT_TASKS, TASKS, Problem, is_correct
 from blockdiff.llm import LLM
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import SamplingParams
@@ -36,7 +36,7 @@ class EvalResult:
         """The report `blockdiff eval` prints; the last line is `accuracy: X.XXX`."""
         out = [
             f"{task}: {self.correct[task] / self.total[task]:.3f} ({self.correct[task]}/{self.total[task]})"
-            for task in TASKS
+            for task in TASKS + AGENT_TASKS
             if task in self.total
         ]
         out.append(f"tokens per denoising step: {self.tokens_per_step:.3f} ({self.tokens} tokens, {self.denoising_steps} steps)")
@@ -57,7 +57,19 @@ def score(problems: Sequence[Problem], outputs: Sequence[RequestOutput]) -> Eval
 
 
 def evaluate(llm: LLM, problems: Sequence[Problem], params: SamplingParams, seed: int = 0) -> EvalResult:
-    """Every problem as a one-message chat, all of them in one batched generate call."""
-    conversations = [[{"role": "user", "content": p.question}] for p in problems]
-    outputs = llm.chat(conversations, per_problem_params(params, len(problems), seed))
+    """Every problem as a chat, one batched generate call per set of template variables (tools,
+    thinking). Agent problems are scored on text that keeps the format's markers."""
+    all_params = per_problem_params(params, len(problems), seed)
+    groups: dict[tuple, list[int]] = {}
+    for i, problem in enumerate(problems):
+        groups.setdefault((problem.tools, problem.thinking), []).append(i)
+    outputs: list = [None] * len(problems)
+    for indices in groups.values():
+        first = problems[indices[0]]
+        kwargs = first.template_kwargs()
+        group_params = [replace(all_params[i], skip_special_tokens=not kwargs) for i in indices]
+        done = llm.chat([problems[i].messages() for i in indices], group_params, tools=kwargs.pop("tools", None),
+                        chat_template_kwargs=kwargs)
+        for i, out in zip(indices, done):
+            outputs[i] = out
     return score(problems, outputs)

@@ -30,19 +30,17 @@ import torch
 import torch.nn.functional as F
 
 from blockdiff.config import ModelConfig
-from blockdiff.demo.tasks import Problem, training_problems
-from blockdiff.demo.tokenizer import VOCAB, build_char_tokenizer
+from blockdiff.demo.tasks import AGENT_TASKS, TASKS, Problem, training_problems
+from blockdiff.demo.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_DEMO, VOCAB, build_char_tokenizer, save_char_tokenizer
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.step import CacheConfig
 from blockdiff.worker.kv_cache import allocate, geometry
 from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.interface import layer_kinds
 from blockdiff.model.diffusion_gemma import DiffusionGemma
+from blockdiff.model.loader import load_model
 from blockdiff.model.saver import save_weights
-from blockdiff.model.tiny import (
-    CHAT_TEMPLATE, EOS, PAD, TOKENIZER_CONFIG, TinySpec, config_dict, generation_config_dict, save_tokenizer,
-    vision_tensors,
-)
+from blockdiff.model.tiny import EOS, PAD, TinySpec, config_dict, generation_config_dict, vision_tensors
 from blockdiff.tokenizer import Tokenizer
 
 
@@ -51,7 +49,7 @@ BLOCK_SIZE = 16
 
 # Sampler defaults written to the checkpoint's generation_config.json.
 GENERATION_DEFAULTS = {
-    "max_new_tokens": 32,
+    "max_new_tokens": 64,
     "max_denoising_steps": 16,
     "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
     "t_min": 0.4,
@@ -66,7 +64,7 @@ def demo_spec(**overrides) -> TinySpec:
     spec = dict(
         vocab_size=len(VOCAB), hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=32, global_head_dim=64, num_global_kv_heads=1, num_experts=4,
-        top_k_experts=2, moe_intermediate_size=128, sliding_window=64, canvas_length=8,
+        top_k_experts=2, moe_intermediate_size=128, sliding_window=320, canvas_length=8,
         max_position_embeddings=1024, generation=dict(GENERATION_DEFAULTS), tokenizer=False,
     )
     spec.update(overrides)
@@ -85,17 +83,19 @@ class TrainConfig:
     self_conditioning_prob: float = 0.5
     seed: int = 0
     log_every: int = 50
+    init_from: str | None = None  # a demo checkpoint to start from instead of random weights
+    tasks: tuple[str, ...] = TASKS + AGENT_TASKS  # drawn in equal shares
     spec: TinySpec = field(default_factory=demo_spec)
 
 
 @dataclass
 class Example:
-    prompt: list[int]  # the chat template around the question, ending with "<start_of_turn>model\n"
-    answer: list[int]  # the answer's characters and EOS
+    prompt: list[int]  # the chat template around the conversation, ready for the model's reply
+    answer: list[int]  # the reply's tokens (characters and agent markers) and EOS
 
 
 def demo_tokenizer() -> Tokenizer:
-    return Tokenizer(build_char_tokenizer(), TOKENIZER_CONFIG, CHAT_TEMPLATE)
+    return Tokenizer(build_char_tokenizer(), TOKENIZER_CONFIG_DEMO, CHAT_TEMPLATE)
 
 
 def chat_prompt(tokenizer: Tokenizer, question: str) -> list[int]:
@@ -104,7 +104,8 @@ def chat_prompt(tokenizer: Tokenizer, question: str) -> list[int]:
 
 
 def encode(tokenizer: Tokenizer, problem: Problem) -> Example:
-    return Example(chat_prompt(tokenizer, problem.question), tokenizer.encode(problem.answer, add_special_tokens=False) + [EOS])
+    prompt = tokenizer.encode_chat(problem.messages(), **problem.template_kwargs())
+    return Example(prompt, tokenizer.encode(problem.answer, add_special_tokens=False) + [EOS])
 
 
 def build_model(spec: TinySpec, seed: int) -> DiffusionGemma:
@@ -119,6 +120,25 @@ def build_model(spec: TinySpec, seed: int) -> DiffusionGemma:
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)  # every matrix is [..., out, in]
             p.requires_grad_(True)
+    return model
+
+
+def grown_from(path: str, spec: TinySpec, seed: int) -> DiffusionGemma:
+    """A model of `spec` holding the weights of the demo checkpoint at `path`. The vocabulary may have
+    grown since (new tokens are appended): the old embedding rows are kept and the new rows keep the
+    random initialisation of build_model. Every other weight must have the same shape."""
+    model = build_model(spec, seed)
+    old = load_model(path, dtype=torch.float32)
+    new_params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in old.named_parameters():
+            target = new_params[name]
+            if name == "embed.weight" and p.shape[0] <= target.shape[0] and p.shape[1:] == target.shape[1:]:
+                target[: p.shape[0]] = p
+            elif p.shape == target.shape:
+                target.copy_(p)
+            else:
+                raise ValueError(f"{path}: {name} has shape {tuple(p.shape)}, the demo model needs {tuple(target.shape)}")
     return model
 
 
@@ -192,9 +212,9 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
 
 def train(cfg: TrainConfig, progress=None) -> tuple[DiffusionGemma, list[dict]]:
     """-> (trained model, per-step loss parts). `progress(step, parts)` is called every log_every steps."""
-    model = build_model(cfg.spec, cfg.seed)
+    model = grown_from(cfg.init_from, cfg.spec, cfg.seed) if cfg.init_from else build_model(cfg.spec, cfg.seed)
     tokenizer = demo_tokenizer()
-    problems = training_problems(random.Random(cfg.seed))
+    problems = training_problems(random.Random(cfg.seed), cfg.tasks)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     matrices = [p for p in model.parameters() if p.dim() > 1]
     vectors = [p for p in model.parameters() if p.dim() <= 1]
@@ -231,7 +251,7 @@ def save_checkpoint(model: DiffusionGemma, cfg: TrainConfig, out_dir: str, repor
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(generation_config_dict(spec), f, indent=2)
     save_weights(model, out_dir, vision_tensors(spec.hidden_size, seed=cfg.seed))
-    save_tokenizer(out_dir, build_char_tokenizer())
+    save_char_tokenizer(out_dir)
     with open(os.path.join(out_dir, "blockdiff_demo.json"), "w") as f:
         json.dump({"train_config": asdict(cfg), **(report or {})}, f, indent=2)
     return out_dir

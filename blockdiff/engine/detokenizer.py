@@ -16,8 +16,9 @@ from blockdiff.tokenizer import Tokenizer
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer | None, max_tokens: int, stop_token_ids: set[int], stop: list[str] | None,
-                 want_logprobs: bool):
+                 want_logprobs: bool, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.max_tokens = max_tokens
         self.stop_token_ids = stop_token_ids
         self.stop = stop or []
@@ -73,7 +74,7 @@ class IncrementalDetokenizer:
         return reason
 
     def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.token_ids[start:end])
+        return self.tokenizer.decode(self.token_ids[start:end], self.skip_special_tokens)
 
     def _first_stop(self, window: str) -> tuple[int, int] | None:
         """(start, end) in `window` of the stop string that ends first."""

@@ -69,7 +69,8 @@ class InputProcessor:
         stops = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
-        output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None)
+        output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
+                                        params.skip_special_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output)
         if mm is not None:

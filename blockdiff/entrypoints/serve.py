@@ -9,6 +9,8 @@ import os
 from blockdiff.entrypoints.args import (add_chat_template_arg, add_engine_args, add_sampling_args, at_least, engine_config,
                                        given_model, parse_size, port, positive_seconds, sampling_overrides)
 from blockdiff.entrypoints.openai.config import ServerConfig
+from blockdiff.entrypoints.openai.reasoning import REASONING_PARSERS
+from blockdiff.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,6 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a request may take to send its body (default %(default)s)")
     p.add_argument("--keep-alive-timeout", type=positive_seconds, default=ServerConfig.keep_alive_timeout,
                    help="seconds an idle keep-alive connection stays open (default %(default)s)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="format of tool calls in the output, read into message.tool_calls (default: the checkpoint's "
+                        "own, gemma4, when its tokenizer has that format's tokens; else calls are not read)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="format of the thinking in the output, read into message.reasoning_content (default: as "
+                        "--tool-call-parser)")
     p.set_defaults(func=run)
 
 
@@ -69,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         keep_alive_timeout=args.keep_alive_timeout,
         max_request_cost=args.max_request_cost,
         log_level=args.uvicorn_log_level or args.log_level,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     serve(dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args)), cfg)
     return 0

@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from blockdiff.demo.train import TrainConfig
 
     d = TrainConfig()
-    p = sub.add_parser("train-demo", help="train the bundled demo model (CPU, seeded) on sorting, reversal and upper-casing")
+    p = sub.add_parser("train-demo", help="train the bundled demo model (CPU, seeded) on sorting, reversal, upper-casing and a weather tool")
     # Not the bundled checkpoint by default: a short experiment must not replace the model that
     # `blockdiff serve` and the docs use; replacing it takes `--out` with its path, on purpose.
     p.add_argument("--out", default="demo-checkpoint",
@@ -23,6 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=at_least(1), default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--warmup", type=at_least(0), default=d.warmup, help="warm-up steps (at most a tenth of the run)")
+    p.add_argument("--init-from", default=None, metavar="CHECKPOINT",
+                   help="start from this demo checkpoint's weights (tokens added since keep random embeddings) "
+                        "instead of random weights: a fine-tune")
     p.set_defaults(func=run)
 
 
@@ -31,7 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.lr > 0:
         raise ValueError(f"lr must be > 0, got {args.lr}")
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    if args.init_from is not None and not os.path.isfile(os.path.join(args.init_from, "config.json")):
+        raise ValueError(f"--init-from {args.init_from!r} is not a checkpoint directory (no config.json)")
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, warmup=args.warmup,
+                      init_from=args.init_from)
     report = train_and_save(cfg, args.out)
     print(json.dumps(report, indent=2))
     print(f"wrote {os.path.abspath(args.out)}")

@@ -22,3 +22,5 @@ class ServerConfig:
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     max_request_cost: int | None = None  # None: max_num_seqs requests of max_model_len tokens at the steps limit
     log_level: str = "info"
+    tool_call_parser: str | None = None  # None: the checkpoint's own format (Gemma 4's) if its tokenizer has it
+    reasoning_parser: str | None = None  # the same

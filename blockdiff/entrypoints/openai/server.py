@@ -154,7 +154,8 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     """The app owns `engine` from here on: it is shut down when the app's lifespan ends."""
     metrics = ServingMetrics(engine, cfg.served_model_names[0])
     async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
-    serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost)
+    serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
+                            cfg.reasoning_parser)
     tokenization = OpenAIServingTokenization(serving)
 
     @asynccontextmanager

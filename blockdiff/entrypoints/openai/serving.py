@@ -17,7 +17,9 @@ from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, Reques
 from blockdiff.engine.images import IMAGE_PART_TYPES, split_chat_images
 from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import protocol as p
+from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
+from blockdiff.entrypoints.openai import reasoning, tool_parsers
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -116,9 +118,18 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     draft_object = "chat.completion.draft"
 
-    def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool):
+    def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool, rules: OutputRules):
         super().__init__(serving, request_id, model, return_token_ids)
         self.logprobs = logprobs
+        self.rules = rules
+        self._outputs: dict[int, ChatOutput] = {}
+
+    def _parse(self, index: int, piece: Piece):
+        """-> (what the piece adds: reasoning, content, calls; the choice's calls so far; finish reason)."""
+        output = self._outputs.setdefault(index, ChatOutput(self.rules))
+        first_call = len(output.calls)
+        parsed = output.feed(piece.text, piece.finish_reason is not None)
+        return parsed, first_call, output.finish_reason(piece.finish_reason)
 
     def _logprobs(self, piece: Piece) -> p.ChatLogprobs | None:
         return self.serving.chat_logprobs(piece.logprobs or []) if self.logprobs else None
@@ -130,19 +141,30 @@ class _ChatFormat(_Format):
         return [self._chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=""))]) for i in range(count)]
 
     def chunk(self, index: int, piece: Piece) -> BaseModel:
-        choice = p.ChatChunkChoice(index=index, delta=p.Delta(content=piece.text), logprobs=self._logprobs(piece),
-                                   finish_reason=piece.finish_reason, token_ids=self._ids(piece))
+        parsed, first_call, finish_reason = self._parse(index, piece)
+        calls = [p.DeltaToolCall(index=first_call + k, id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments_json))
+                 for k, c in enumerate(parsed.calls)]
+        delta = p.Delta(content=parsed.content, reasoning_content=parsed.reasoning or None,
+                        reasoning=parsed.reasoning or None, tool_calls=calls or None)
+        choice = p.ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(piece), finish_reason=finish_reason,
+                                   token_ids=self._ids(piece))
         return self._chunk([choice])
 
     def usage_chunk(self, u: p.Usage) -> BaseModel:
         return self._chunk([], u)
 
+    def _choice(self, index: int, piece: Piece) -> p.ChatChoice:
+        parsed, _, finish_reason = self._parse(index, piece)
+        calls = [p.ToolCallOut(id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments_json)) for c in parsed.calls]
+        # As vLLM: no content beside calls when the text outside them is blank, or thinking took it all.
+        content = None if (calls or parsed.reasoning) and not parsed.content.strip() else parsed.content
+        message = p.AssistantMessage(content=content, reasoning_content=parsed.reasoning or None,
+                                     reasoning=parsed.reasoning or None, tool_calls=calls)
+        return p.ChatChoice(index=index, message=message, logprobs=self._logprobs(piece), finish_reason=finish_reason,
+                            token_ids=self._ids(piece))
+
     def response(self, pieces: dict[int, Piece], u: p.Usage) -> BaseModel:
-        choices = [
-            p.ChatChoice(index=i, message=p.AssistantMessage(content=pieces[i].text), logprobs=self._logprobs(pieces[i]),
-                         finish_reason=pieces[i].finish_reason, token_ids=self._ids(pieces[i]))
-            for i in sorted(pieces)
-        ]
+        choices = [self._choice(i, pieces[i]) for i in sorted(pieces)]
         return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
 
 
@@ -192,12 +214,22 @@ def _check_choices(prompts: int, n: int) -> None:
                             "request may ask for", param="prompt" if n == 1 else "n")
 
 
+# Names the server gives the chat template itself; chat_template_kwargs may not set them.
+_SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                        "eos_token", "unk_token"})
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_request_cost: int | None):
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_request_cost: int | None,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine = engine
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_names = served_model_names
+        self.tool_parser = self._parser("tool-call", tool_call_parser, tool_parsers.tool_call_parser,
+                                        tool_parsers.Gemma4ToolParser)
+        self.reasoning_parser = self._parser("reasoning", reasoning_parser, reasoning.reasoning_parser,
+                                             reasoning.Gemma4ReasoningParser)
         # By default, one API request may ask for a full batch of the largest requests this server allows.
         inputs = self.llm.inputs
         largest = SamplingParams(max_tokens=self.llm.max_model_len, max_denoising_steps=inputs.max_steps)
@@ -205,6 +237,21 @@ class OpenAIServing:
         # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
         # tokenizer (which holds the GIL, stalling every other request) sees it.
         self.max_prompt_chars = None if self.tokenizer is None else self.llm.max_model_len * self.tokenizer.max_token_chars
+
+    def _parser(self, kind: str, name: str | None, by_name, checkpoint_format):
+        """The parser named by the server flag; with none named, the checkpoint's own format when its
+        tokenizer has that format's markers (Gemma 4's), else no parsing."""
+        def has(marker: str) -> bool:
+            return self.tokenizer is not None and self.tokenizer.token_to_id(marker) is not None
+
+        if name is None:
+            return checkpoint_format if all(map(has, checkpoint_format.markers())) else None
+        parser = by_name(name)
+        missing = [m for m in parser.markers() if not has(m)]
+        if missing:
+            raise ValueError(f"--{kind}-parser {name}: the checkpoint's tokenizer has no token {missing[0]!r}, so its "
+                             f"output cannot be in that format")
+        return parser
 
     # ---- endpoints --------------------------------------------------------------------------
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
@@ -233,13 +280,41 @@ class OpenAIServing:
                 raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        rules = self._output_rules(req)
         request_id = p.new_id("chatcmpl")
         images = await self._chat_images(req.messages)
-        prompts = [self._chat_prompt(req.messages, request_id)]
-        prompt, prompts = self._with_images(prompts[0], images)
-        requests = [(prompt, self._params(req, i, max_tokens, logprobs)) for i in range(n)]
-        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs))
+        ids = self._chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
+        prompt, prompts = self._with_images(ids, images)
+        # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
+        requests = [(prompt, replace(self._params(req, i, max_tokens, logprobs), skip_special_tokens=not rules.parses))
+                    for i in range(n)]
+        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules)
         return await self._respond(req, prompts, requests, fmt, raw)
+
+    def _output_rules(self, req: p.ChatCompletionRequest) -> OutputRules:
+        """Which parsers read this request's output, and what its tool_choice demands."""
+        choice = req.tool_choice
+        if choice is not None and not req.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        names = {t.function.name for t in req.tools or ()}
+        if len(names) < len(req.tools or ()):
+            raise APIError(400, "tools: two tools have the same name", param="tools")
+        allowed = None
+        if isinstance(choice, p.NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                                    f"({', '.join(sorted(names))})", param="tool_choice")
+            allowed = frozenset({choice.function.name})
+        elif choice == "required":
+            allowed = frozenset(names)
+        parse_calls = bool(req.tools) and choice != "none"
+        if parse_calls and self.tool_parser is None:
+            if allowed is not None or choice == "auto":
+                raise APIError(400, "tool calls cannot be read from this model's output: start the server with "
+                                    "--tool-call-parser", param="tool_choice" if choice else "tools")
+            parse_calls = False  # tools only shown to the model, as vLLM does without a parser
+        return OutputRules(reasoning=self.reasoning_parser, tools=self.tool_parser if parse_calls else None,
+                           allowed=allowed, parallel=req.parallel_tool_calls is not False)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None:
@@ -324,25 +399,16 @@ class OpenAIServing:
             return [list(prompt)]
         return [self._encode(x, request_id) if isinstance(x, str) else list(x) for x in prompt]
 
-    def _chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True) -> list[int]:
+    def _chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True,
+                     tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
-        rendered = []
-        for i, m in enumerate(messages):
-            message = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list) and any(part.type in IMAGE_PART_TYPES for part in m.content):
-                message["content"] = _template_parts(i, m.content)
-            elif isinstance(m.content, list):
-                for part in m.content:
-                    if part.type != "text" or part.text is None:
-                        raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model "
-                                            "reads text", param="messages")
-                message["content"] = "".join(part.text for part in m.content)
-            message.setdefault("content", "")
-            rendered.append(message)
+        rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
         self._check_chars(sum(len(m["content"]) for m in rendered if isinstance(m["content"], str)), "messages")
+        kwargs = self._template_kwargs(chat_template_kwargs or {})
+        tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
-            ids = self.tokenizer.encode_chat(rendered, add_generation_prompt)
+            ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
@@ -387,6 +453,40 @@ class OpenAIServing:
             return len(self.llm.inputs.images.expand(prompt["prompt_token_ids"], prompt["multi_modal_data"]["image"]).token_ids)
         return len(prompt)
 
+    def _template_message(self, i: int, m: p.ChatMessage) -> dict:
+        """A message as the chat template reads it: text parts joined, and the arguments of earlier
+        tool calls as objects (vLLM decodes their JSON too, so templates can format each argument)."""
+        message = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list) and any(part.type in IMAGE_PART_TYPES for part in m.content):
+            message["content"] = _template_parts(i, m.content)
+        elif isinstance(m.content, list):
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model "
+                                        "reads text", param="messages")
+            message["content"] = "".join(part.text for part in m.content)
+        message.setdefault("content", "")
+        for k, call in enumerate(message.get("tool_calls", [])):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"messages[{i}].tool_calls[{k}].function.arguments is not JSON: {e}",
+                               param="messages") from None
+        return message
+
+    def _template_kwargs(self, kwargs: dict) -> dict:
+        """chat_template_kwargs, each a variable the template reads and the server does not set."""
+        reserved = sorted(_SERVER_TEMPLATE_VARIABLES & kwargs.keys())
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
+                           param="chat_template_kwargs")
+        unread = sorted(kwargs.keys() - self.tokenizer.template_variables)
+        if unread:
+            raise APIError(400, f"chat_template_kwargs: this model's chat template does not read {', '.join(unread)}"
+                                f"; it reads {', '.join(sorted(self.tokenizer.template_variables - _SERVER_TEMPLATE_VARIABLES)) or 'nothing else'}",
+                           param="chat_template_kwargs")
+        return kwargs
+
     # ---- engine outputs -> responses ----------------------------------------------------------
     async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
         self._check_cost(req, requests)
@@ -420,6 +520,8 @@ class OpenAIServing:
                     finals[index] = out
             if include_usage:
                 yield _sse(fmt.usage_chunk(usage(prompts, finals, len(states))))
+        except APIError as e:  # the output broke a rule of the request (tool_choice)
+            yield _sse(error_body(e.status, e.message, e.param, e.code))
         except EngineUnavailable as e:
             yield _sse(error_body(503, str(e), code="engine_unavailable"))
         except RequestFailed as e:
