@@ -265,6 +265,9 @@ def _layer_spec(idx: int, kind: str, head_dim: int, kv_heads: int, rope: dict, w
     )
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs a model: read once at the edge (CLI, `LLM(...)`) and passed down. Each
@@ -292,18 +295,29 @@ class EngineConfig:
     tune_cpu_heap: bool = False  # see worker/cpu_heap.py: a process-wide glibc setting
     num_threads: int | None = None  # tensor-parallel workers' intra-op threads; None: from their environment
     worker_timeout: float = 60.0  # seconds a tensor-parallel worker may stay silent before it counts as lost
+    # GB the sampler's temporaries may take beside the logits (tiles of positions, identical results);
+    # None: an eighth of the device's free memory when the worker starts, at most 1 GiB.
+    sampler_memory_gb: float | None = None
+    load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights from config.json
+    num_layers_override: int | None = None  # keep the first N layers (memory-limited runs at real widths)
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as SamplingParams fields.
     sampling_defaults: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
-                     "max_denoising_steps_limit", "preempt_after_canvases"):
+                     "max_denoising_steps_limit", "preempt_after_canvases", "num_layers_override"):
             value = getattr(self, name)
-            if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases"):
+            if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
+                                          "num_layers_override"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        gb = self.sampler_memory_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < float("inf")):
+            raise ValueError(f"sampler_memory_gb must be a positive number, got {gb!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

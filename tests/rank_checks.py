@@ -43,7 +43,7 @@ def vocab_statistics(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, k:
         "sample": sample,
         "top_logprobs": top_lp,
         "top_ids": top_ids,
-        "local_probs": d.exp / d.total.unsqueeze(-1),  # this rank's P_r, the self-conditioning input
+        "local_probs": d.shifted.exp() / d.total.unsqueeze(-1),  # this rank's P_r, the self-conditioning input
         "global_ids": shard.global_ids(),
         "step_collectives": step[0],
         "step_bytes": step[1],
@@ -75,3 +75,29 @@ def die_on_rank(ctx: RankContext, rank: int) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
     ctx.group.all_reduce(torch.zeros(1))
     return ctx.rank
+
+
+def tiled_sampler(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, workspace: int | None) -> dict:
+    """The sampler's outputs from this rank's shard of full-vocabulary `logits` [canvases, CL, V]
+    with a workspace of `workspace` bytes (None: one tile), and the self-conditioning input over
+    `weight` [V, hidden]: what must not change with the tiling."""
+    shard = VocabShard.make(ctx.rank, ctx.size, logits.shape[-1])
+    vocab = VocabParallel(shard, ctx.group, workspace_bytes=workspace)
+    ctx.group.counter.reset()
+    d = vocab.distribution(local_columns(shard, logits))
+    argmax, sample = vocab.argmax_and_sample(d, u)
+    step = (ctx.group.counter.calls, ctx.group.counter.bytes)
+    rows = torch.tensor([2, 0])  # a subset, out of order, as the runner passes the canvases that go on
+    seen = []
+
+    def embed(probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        seen.append(probs.shape[0])
+        return soft_embedding(probs, local_rows(shard, weight), (1.0 / total).unsqueeze(-1), shard, ctx.group)
+
+    soft = vocab.soft_embed(d, rows, embed, torch.float32)
+    top_lp, top_ids = vocab.top_logprobs(d, 3, rows)
+    return {
+        "entropy": d.entropy, "argmax": argmax, "sample": sample, "total": d.total,
+        "probs": d.shifted.exp(), "soft": soft, "top_logprobs": top_lp, "top_ids": top_ids,
+        "tile_positions": seen, "step_collectives": step[0], "step_bytes": step[1],
+    }

@@ -4,10 +4,16 @@ Every function works on this rank's logits [..., local_rows] and returns full-vo
 using collectives over [...]-sized statistics only: the max, Σexp and Σexp·(x - max) give log Z
 and the entropy; argmax and sampling reduce per-rank candidates. With one rank there is no
 collective and no masking: the same code is the plain single-device computation.
+
+Memory: the logits are shifted in place and are the only [..., vocabulary] tensor the sampler keeps.
+exp(x - max) exists only a tile of positions at a time (`workspace_bytes` bounds the tile), so the
+sampler's extra memory does not grow with the batch. The tile count is a Python int fixed by the
+shapes, every tile runs the same ops on its rows, and the results do not depend on the tiling.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +22,26 @@ from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
 _CHUNK = 128  # argmax and inverse-CDF sampling search per-chunk statistics first, then one chunk
+# Without a budget, the sampler's workspace is this share of the device's free memory at start...
+_FREE_MEMORY_SHARE = 8
+_MAX_DEFAULT_WORKSPACE = 2**30  # ...at most this: larger tiles no longer run faster
+
+
+def workspace_bytes(memory_gb: float | None, device: torch.device) -> int:
+    """The sampler's workspace: `memory_gb` (GB, 10^9 bytes), else a share of the free memory."""
+    if memory_gb is not None:
+        return int(memory_gb * 1e9)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(_MAX_DEFAULT_WORKSPACE, free // _FREE_MEMORY_SHARE)
 
 
 @dataclass
 class Distribution:
-    shifted: torch.Tensor  # [..., local_rows] x - max: log-probabilities up to log_z below
-    exp: torch.Tensor  # [..., local_rows] exp(shifted): unnormalised local probabilities
+    shifted: torch.Tensor  # [..., local_rows] x - max: log-probabilities up to log_z below; exp() of
+    # it are the unnormalised local probabilities, recomputed a tile at a time where needed
     chunk_max: torch.Tensor  # [..., chunks] maxima of `shifted` per chunk: 0 where the max is
     chunk_cumsum: torch.Tensor  # [..., chunks] cumulative sums of `exp` per chunk
     rank_bounds: torch.Tensor | None  # [ranks + 1, ...] Σ exp over the ranks before each (sharded)
@@ -41,10 +61,12 @@ class Distribution:
 class VocabParallel:
     """The vocabulary layout of this rank and the collectives over it."""
 
-    def __init__(self, shard: VocabShard, group: TPGroup, device: torch.device | str = "cpu"):
+    def __init__(self, shard: VocabShard, group: TPGroup, device: torch.device | str = "cpu",
+                 workspace_bytes: int | None = None):
         self.shard = shard
         self.group = group
         self.sharded = group.size > 1
+        self.workspace_bytes = workspace_bytes  # the sampler's temporaries per tile; None: one tile
         valid = shard.valid_rows(device)
         self.padding = None if bool(valid.all()) else ~valid
         self.global_ids = shard.global_ids(device)
@@ -59,7 +81,7 @@ class VocabParallel:
         m = chunk_max.amax(dim=-1, keepdim=True)
         if self.sharded:
             self.group.all_reduce(m, op="max")
-        y, e, cum, dot = exp_statistics(x, m)
+        y, cum, dot = exp_statistics(x, m, self.tile_positions(x, 4))
         local_sum = cum[..., -1]
         bounds = None
         if self.sharded:
@@ -70,7 +92,15 @@ class VocabParallel:
             dot = dots.sum(0)
         total = local_sum if bounds is None else bounds[-1]
         entropy = total.log() - dot / total
-        return Distribution(y, e, chunk_max.sub_(m), cum, bounds, total, entropy)
+        return Distribution(y, chunk_max.sub_(m), cum, bounds, total, entropy)
+
+    def tile_positions(self, x: torch.Tensor, bytes_per_value: int) -> int:
+        """Positions per tile such that a [tile, local vocab] temporary of `bytes_per_value` per
+        entry fits the workspace (at least one position): a Python int from the shapes alone."""
+        positions = x[..., 0].numel()
+        if self.workspace_bytes is None:
+            return max(1, positions)
+        return max(1, min(positions, self.workspace_bytes // (bytes_per_value * x.shape[-1])))
 
     def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global token ids of the maxima (ties to the lowest id, like torch.argmax) and one token
@@ -79,7 +109,7 @@ class VocabParallel:
         # The target is cut from the total of the very sums the search runs over: any other sum of
         # the same weights can round above them and send the search past the last token with mass.
         if not self.sharded:
-            return argmax, inverse_cdf(d.exp, d.chunk_cumsum, u.to(d.total.dtype) * d.total)
+            return argmax, inverse_cdf(d.shifted, d.chunk_cumsum, u.to(d.total.dtype) * d.total)
         # Shifted by the global max, the maximum is exactly 0 where it is: a rank's candidate is its
         # first such token, and the lowest candidate id wins.
         candidate = torch.where(d.chunk_max.amax(dim=-1) == 0, self.global_ids[argmax], torch.iinfo(torch.long).max)
@@ -90,14 +120,29 @@ class VocabParallel:
         # A u just below 1 can round the target onto the total: the last rank with mass takes it.
         ranks = torch.arange(self.group.size, device=bounds.device).view(-1, *([1] * target.dim()))
         mine |= (target >= bounds[-1]) & (torch.where(bounds[1:] > bounds[:-1], ranks, -1).amax(0) == r)
-        local = inverse_cdf(d.exp, d.chunk_cumsum, target - bounds[r])
+        local = inverse_cdf(d.shifted, d.chunk_cumsum, target - bounds[r])
         sample = torch.where(mine, self.global_ids[local], -1)
         both = self.group.all_reduce(torch.stack((-candidate, sample)), op="max")
         return -both[0], both[1]
 
+    def soft_embed(self, d: Distribution, rows: torch.Tensor, embed, dtype: torch.dtype) -> torch.Tensor:
+        """embed(probs, totals) [rows, CL, hidden] of canvases `rows` (int64 [rows]): `embed` (the
+        model's soft_embed) takes unnormalised probabilities exp(shifted) [positions, local vocab],
+        which exist a tile of positions at a time, in float32 and as `dtype`, and their totals."""
+        cl = d.shifted.shape[1]
+        positions = (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
+        flat, total = d.shifted.view(-1, d.shifted.shape[-1]), d.total.flatten()
+        tile = self.tile_positions(d.shifted, 4 + dtype.itemsize)
+        out = [embed(flat.index_select(0, p).exp_(), total.index_select(0, p))
+               for p in positions.split(tile)]
+        return torch.cat(out).view(rows.shape[0], cl, -1)
+
     def top_logprobs(self, d: Distribution, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely tokens per position of canvases `rows`: (logprobs [rows, CL, k], ids)."""
-        value, ids = d.shifted[rows].topk(k, dim=-1)
+        # A tile of canvases at a time: shifted[rows] is a copy.
+        per_tile = max(1, self.tile_positions(d.shifted, 4) // d.shifted[0, ..., 0].numel())
+        tops = [d.shifted.index_select(0, rows[a : a + per_tile]).topk(k, dim=-1) for a in range(0, rows.shape[0], per_tile)]
+        value, ids = torch.cat([t.values for t in tops]), torch.cat([t.indices for t in tops])
         if self.sharded:
             ids = self.global_ids[ids]
             value = self.group.all_gather(value).movedim(0, -2).flatten(-2)
@@ -118,12 +163,20 @@ def per_chunk(x: torch.Tensor, reduce) -> torch.Tensor:
     return out
 
 
-def exp_statistics(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """x shifted by the max m in place (y), e = exp(y), e's cumulative sums per chunk, and Σ e·y."""
+def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x shifted by the max m in place (y), the cumulative sums per chunk of e = exp(y), and Σ e·y,
+    `tile` positions at a time: e exists for one tile only."""
     y = x.sub_(m)
-    e = y.exp()
-    # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
-    return y, e, per_chunk(e, torch.sum).cumsum(-1), (e * y).sum(dim=-1)
+    rows, lead = y.reshape(-1, y.shape[-1]), y.shape[:-1]
+    chunks = -(-y.shape[-1] // _CHUNK)
+    cum = y.new_empty(rows.shape[0], chunks)
+    dot = y.new_empty(rows.shape[0])
+    for a in range(0, rows.shape[0], tile):
+        e = rows[a : a + tile].exp()
+        cum[a : a + tile] = per_chunk(e, torch.sum).cumsum(-1)
+        # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
+        dot[a : a + tile] = e.mul_(rows[a : a + tile]).sum(dim=-1)
+    return y, cum.view(*lead, chunks), dot.view(lead)
 
 
 def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
@@ -137,23 +190,23 @@ def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
     return (chunk * _CHUNK).squeeze(-1) + values.argmax(dim=-1)
 
 
-def inverse_cdf(weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The first index i with cumsum(weights)[i] > target, per row of [..., V] weights with
-    `cum` their cumulative sums per chunk, never one of weight 0 (a target at or past the total takes the
-    last index with weight).
+def inverse_cdf(log_weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The first index i with cumsum(weights)[i] > target, per row of weights = exp([..., V]
+    log_weights) with `cum` their cumulative sums per chunk, never one of weight 0 (a target at or
+    past the total takes the last index with weight).
 
-    The chunk sums locate the chunk, then one chunk is scanned, so the cost is one read of the
-    weights instead of a full cumulative sum.
+    The chunk sums locate the chunk, then one chunk is scanned (and exponentiated), so the cost is
+    one read of a chunk instead of a full cumulative sum.
     """
-    v = weights.shape[-1]
+    v = log_weights.shape[-1]
     mass = cum[..., -1:]
     # Strictly below the total, the chunk found holds mass...
     target = torch.minimum(target.unsqueeze(-1), mass.nextafter(torch.zeros_like(mass)))
     chunk = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[-1] - 1)
     before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
-    inside = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)
-    values = weights.gather(-1, inside.clamp(max=v - 1)) * (inside < v)
+    inside = chunk * _CHUNK + torch.arange(_CHUNK, device=log_weights.device)
+    values = log_weights.gather(-1, inside.clamp(max=v - 1)).exp_() * (inside < v)
     pos = torch.searchsorted(values.cumsum(-1), target - before, right=True)
     # ...but the scan sums it in another order, which can run past its last index with weight.
-    last = torch.where(values > 0, torch.arange(_CHUNK, device=weights.device), 0).amax(-1, keepdim=True)
+    last = torch.where(values > 0, torch.arange(_CHUNK, device=log_weights.device), 0).amax(-1, keepdim=True)
     return (chunk * _CHUNK + torch.minimum(pos, last)).squeeze(-1)

@@ -47,7 +47,7 @@ class TPExecutor:
             if self.cache_config is None:
                 # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
                 self.cache_config = size_cache(ranks.context.state["model"], cfg, self._max_model_len)
-            ranks.run(_start_runner, self.cache_config, cfg.tune_cpu_heap, gather=True)
+            ranks.run(_start_runner, self.cache_config, cfg.tune_cpu_heap, cfg.sampler_memory_gb, gather=True)
         except BaseException:
             ranks.close(abort=True)
             raise
@@ -108,8 +108,8 @@ def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype) 
     ctx.state["model"] = load_model(path, dtype=dtype, device=ctx.device, group=ctx.group, config=config)
 
 
-def _start_runner(ctx: RankContext, cache: CacheConfig, tune_cpu_heap: bool) -> None:
-    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, tune_cpu_heap)
+def _start_runner(ctx: RankContext, cache: CacheConfig, tune_cpu_heap: bool, sampler_memory_gb: float | None) -> None:
+    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, tune_cpu_heap, sampler_memory_gb)
 
 
 def _execute(ctx: RankContext, plan: StepPlan) -> StepOutput | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from blockdiff.diffusion.sampler import denoise_step
-from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.diffusion.vocab_parallel import VocabParallel, workspace_bytes
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, StepOutput, StepPlan
@@ -20,7 +20,8 @@ from blockdiff.worker.kv_cache import allocate, geometry
 
 
 class ModelRunner:
-    def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str, tune_cpu_heap: bool = False):
+    def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str, tune_cpu_heap: bool = False,
+                 sampler_memory_gb: float | None = None):
         self.model = model
         self.device = torch.device(device)
         if tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
@@ -29,7 +30,7 @@ class ModelRunner:
         self.kv = allocate(model, cache, self.device)
         self.geometry = geometry(model, cache)
         self.kinds = layer_kinds(model)
-        self.vocab = VocabParallel(model.shard, model.group, self.device)
+        self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device))
         self.canvas_length = model.config.canvas_length
         s, cl, h = cache.num_slots, self.canvas_length, model.config.hidden_size
         with torch.device(self.device):
@@ -74,11 +75,8 @@ class ModelRunner:
         finished = res.finished.cpu()  # the only host sync the control flow below needs
         going = ~finished
         if bool(going.any()):
-            probs, total, keep = res.dist.exp, res.dist.total, slots
-            if not bool(going.all()):
-                rows = going.nonzero().squeeze(1).to(self.device)
-                probs, total, keep = probs[rows], total[rows], slots[rows]
-            self.soft[keep] = self.model.soft_embed(probs, total)
+            rows = going.nonzero().squeeze(1).to(self.device)
+            self.soft[slots[rows]] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:
