@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -95,6 +95,12 @@ class ModelConfig:
     def sliding_window(self) -> int | None:
         return next((layer.window for layer in self.layers if layer.sliding), None)
 
+    def first_layers(self, n: int) -> "ModelConfig":
+        """This config with its first n layers only (--num-layers-override)."""
+        if n > self.num_layers:
+            raise ConfigError(f"num_layers_override {n} exceeds the model's {self.num_layers} layers")
+        return replace(self, layers=self.layers[:n])
+
     def window_past(self, max_model_len: int) -> int:
         """Cached positions a sliding layer reads: the window's past, or the whole sequence if shorter."""
         window = self.sliding_window
@@ -175,7 +181,8 @@ class ModelConfig:
 
 
 def read_config_json(path: str) -> dict:
-    config_path = os.path.join(path, "config.json")
+    """path/config.json, or `path` itself when it is a JSON file (a config alone, for dummy weights)."""
+    config_path = path if os.path.isfile(path) and path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ConfigError(f"no config.json in {path!r}")
     return read_json(config_path)
@@ -318,6 +325,14 @@ class EngineConfig:
             raise ValueError(f"sampler_memory_gb must be a positive number, got {gb!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.num_layers_override is not None and self.load_format != "dummy":
+            raise ValueError("num_layers_override needs load_format='dummy' (a checkpoint holds every layer's weights)")
+
+    def check_model(self) -> None:
+        """The model is a checkpoint directory, or with dummy weights a config.json file alone."""
+        if not (os.path.isdir(self.model) or (self.load_format == "dummy" and os.path.isfile(self.model))):
+            raise ValueError(f"model {self.model!r} is not a checkpoint directory (nor, with load_format='dummy', "
+                             "a config.json file)")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -43,7 +43,7 @@ class TPExecutor:
         ranks = RankProcesses(cfg.tensor_parallel_size, self._device, step_timeout=datetime.timedelta(seconds=self.worker_timeout),
                               env=env)
         try:
-            ranks.run(_load, cfg.model, self._config, self._dtype, gather=True)
+            ranks.run(_load, cfg.model, self._config, self._dtype, cfg.load_format, gather=True)
             if self.cache_config is None:
                 # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
                 self.cache_config = size_cache(ranks.context.state["model"], cfg, self._max_model_len)
@@ -104,8 +104,9 @@ def check_splittable(config: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size={size}: {e}") from e
 
 
-def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype) -> None:
-    ctx.state["model"] = load_model(path, dtype=dtype, device=ctx.device, group=ctx.group, config=config)
+def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype, load_format: str) -> None:
+    ctx.state["model"] = load_model(path, dtype=dtype, device=ctx.device, group=ctx.group, config=config,
+                                    load_format=load_format)
 
 
 def _start_runner(ctx: RankContext, cache: CacheConfig, tune_cpu_heap: bool, sampler_memory_gb: float | None) -> None:
