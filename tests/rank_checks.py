@@ -101,3 +101,14 @@ def tiled_sampler(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, weigh
         "probs": d.shifted.exp(), "soft": soft, "top_logprobs": top_lp, "top_ids": top_ids,
         "tile_positions": seen, "step_collectives": step[0], "step_bytes": step[1],
     }
+
+
+def restricted_draw(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, top_k, top_p, min_p, workspace: int | None = None) -> dict:
+    """The candidate draw under per-canvas top_k, top_p and min_p from this rank's shard of `logits`
+    [canvases, CL, V]: the kept-token thresholds and the draws."""
+    shard = VocabShard.make(ctx.rank, ctx.size, logits.shape[-1])
+    vocab = VocabParallel(shard, ctx.group, workspace_bytes=workspace)
+    d = vocab.distribution(local_columns(shard, logits))
+    draw = vocab.restricted_draw(d, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
+    argmax, sample = vocab.argmax_and_sample(d, u, draw)
+    return {"threshold": draw.threshold, "argmax": argmax, "sample": sample, "total": draw.total}

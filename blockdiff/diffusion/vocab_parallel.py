@@ -58,6 +58,22 @@ class Distribution:
         return self.total.log()
 
 
+@dataclass
+class Draw:
+    """What the candidate draw runs over: the weights exp(shifted), cut to 0 below `threshold` where
+    top-k, top-p or min-p restrict it (None: the whole distribution), their cumulative sums per chunk,
+    the rank bounds and the total."""
+
+    threshold: torch.Tensor | None  # [...] on exp(shifted); a token is kept where its weight >= it
+    chunk_cumsum: torch.Tensor
+    rank_bounds: torch.Tensor | None
+    total: torch.Tensor
+
+
+_ONE_BITS = 0x3F800000  # float32 1.0 as an int32: weights exp(shifted) lie in [0, 1], their bits in [0, this]
+_BISECTIONS = 31  # halvings of [0, _ONE_BITS + 1): enough to land on one float32 exactly
+
+
 class VocabParallel:
     """The vocabulary layout of this rank and the collectives over it."""
 
@@ -102,28 +118,90 @@ class VocabParallel:
             return max(1, positions)
         return max(1, min(positions, self.workspace_bytes // (bytes_per_value * x.shape[-1])))
 
-    def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def argmax_and_sample(self, d: Distribution, u: torch.Tensor, draw: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Global token ids of the maxima (ties to the lowest id, like torch.argmax) and one token
-        per position drawn by inverse CDF for u ~ U[0, 1) [...]; sharded, in one collective."""
+        per position drawn by inverse CDF for u ~ U[0, 1) [...] from `draw` (None: the whole
+        distribution); sharded, in one collective."""
         argmax = first_argmax(d.shifted, d.chunk_max)
+        draw = draw or Draw(None, d.chunk_cumsum, d.rank_bounds, d.total)
         # The target is cut from the total of the very sums the search runs over: any other sum of
         # the same weights can round above them and send the search past the last token with mass.
         if not self.sharded:
-            return argmax, inverse_cdf(d.shifted, d.chunk_cumsum, u.to(d.total.dtype) * d.total)
+            return argmax, inverse_cdf(d.shifted, draw.chunk_cumsum, u.to(draw.total.dtype) * draw.total, draw.threshold)
         # Shifted by the global max, the maximum is exactly 0 where it is: a rank's candidate is its
         # first such token, and the lowest candidate id wins.
         candidate = torch.where(d.chunk_max.amax(dim=-1) == 0, self.global_ids[argmax], torch.iinfo(torch.long).max)
         # Every rank cuts [0, total) at the same rank bounds, so exactly one rank owns each target.
-        bounds, r = d.rank_bounds, self.group.rank
+        bounds, r = draw.rank_bounds, self.group.rank
         target = u.to(bounds.dtype) * bounds[-1]
         mine = (target >= bounds[r]) & (target < bounds[r + 1])
         # A u just below 1 can round the target onto the total: the last rank with mass takes it.
         ranks = torch.arange(self.group.size, device=bounds.device).view(-1, *([1] * target.dim()))
         mine |= (target >= bounds[-1]) & (torch.where(bounds[1:] > bounds[:-1], ranks, -1).amax(0) == r)
-        local = inverse_cdf(d.shifted, d.chunk_cumsum, target - bounds[r])
+        local = inverse_cdf(d.shifted, draw.chunk_cumsum, target - bounds[r], draw.threshold)
         sample = torch.where(mine, self.global_ids[local], -1)
         both = self.group.all_reduce(torch.stack((-candidate, sample)), op="max")
         return -both[0], both[1]
+
+    def restricted_draw(self, d: Distribution, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> Draw:
+        """The draw over the tokens that min-p, then top-k, then top-p (over what min-p and top-k
+        keep) leave, as vLLM applies them, for per-canvas top_k (<= 0: off), top_p (1: off) and
+        min_p (0: off) [canvases]. Each cut is a threshold on the weights e = exp(shifted) (the
+        most likely token has e = 1, so min-p is e >= min_p); top-k's and top-p's are found exactly
+        by bisection on the float32 bits of the threshold, each step counting tokens or adding
+        weights over the whole vocabulary (gathered from every rank and added in rank order, so all
+        ranks take the same branch). A fixed number of steps: no data-dependent control flow."""
+        v, cl = d.shifted.shape[-1], d.shifted.shape[1]
+        flat = d.shifted.view(-1, v)
+        per_position = [x.repeat_interleave(cl) for x in (top_k.float(), top_p, min_p)]
+        threshold = flat.new_empty(flat.shape[0])
+        cum = flat.new_empty(flat.shape[0], d.chunk_cumsum.shape[-1])
+        tile = self.tile_positions(d.shifted, 9)  # e, one float32 and one bool temporary
+        for a in range(0, flat.shape[0], tile):
+            k, p, lowest = (x[a : a + tile] for x in per_position)
+            e = flat[a : a + tile].exp()
+            t = torch.maximum(lowest, torch.where(k > 0, self._kth_largest(e, k), 0.0))
+            kept_total = self._global_sum(torch.where(e >= t.unsqueeze(-1), e, 0.0).sum(-1))
+            t = torch.where(p < 1, torch.maximum(t, self._top_p_threshold(e, t, p * kept_total)), t)
+            threshold[a : a + tile] = t
+            cum[a : a + tile] = per_chunk(torch.where(e >= t.unsqueeze(-1), e, 0.0), torch.sum).cumsum(-1)
+            del e  # before the next tile's exp
+        lead = d.shifted.shape[:-1]
+        cum = cum.view(*lead, -1)
+        local_sum, bounds = cum[..., -1], None
+        if self.sharded:
+            sums = self.group.all_gather(local_sum)
+            bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
+        return Draw(threshold.view(lead), cum, bounds, local_sum if bounds is None else bounds[-1])
+
+    def _global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks in rank order: the same bits on every rank."""
+        return self.group.all_gather(x).sum(0) if self.sharded else x
+
+    def _kth_largest(self, e: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """[positions] the k-th largest weight over the whole vocabulary: the largest t with
+        count(e >= t) >= k (0 when k exceeds the vocabulary)."""
+        lo = torch.zeros(e.shape[0], dtype=torch.int32, device=e.device)  # count(e >= 0) is everything
+        hi = torch.full_like(lo, _ONE_BITS + 1)  # count(e >= just above 1) is nothing
+        for _ in range(_BISECTIONS):
+            mid = (lo + hi) // 2
+            count = self._global_sum((e >= mid.view(torch.float32).unsqueeze(-1)).sum(-1, dtype=torch.float32))
+            ok = count >= k  # counts are exact integers in float32 (vocabularies under 2^24)
+            lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+        return lo.view(torch.float32)
+
+    def _top_p_threshold(self, e: torch.Tensor, floor: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """[positions] the smallest t with Σ{e > t, e >= floor} e < mass: a token is kept when the
+        weight of the kept tokens more likely than it is below top_p of their total (vLLM's rule)."""
+        lo = torch.full((e.shape[0],), -1, dtype=torch.int32, device=e.device)  # never evaluated
+        hi = torch.full_like(lo, _ONE_BITS)  # nothing lies above 1
+        kept = torch.where(e >= floor.unsqueeze(-1), e, 0.0)
+        for _ in range(_BISECTIONS):
+            mid = (lo + hi) // 2
+            above = self._global_sum(torch.where(e > mid.view(torch.float32).unsqueeze(-1), kept, 0.0).sum(-1))
+            ok = above < mass
+            lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
+        return hi.view(torch.float32)
 
     def soft_embed(self, d: Distribution, rows: torch.Tensor, embed, dtype: torch.dtype) -> torch.Tensor:
         """embed(probs, totals) [rows, CL, hidden] of canvases `rows` (int64 [rows]): `embed` (the
@@ -176,6 +254,7 @@ def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int) -> tuple[torch.T
         cum[a : a + tile] = per_chunk(e, torch.sum).cumsum(-1)
         # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
         dot[a : a + tile] = e.mul_(rows[a : a + tile]).sum(dim=-1)
+        del e  # before the next tile's exp, or two tiles would be alive at once
     return y, cum.view(*lead, chunks), dot.view(lead)
 
 
@@ -190,10 +269,11 @@ def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
     return (chunk * _CHUNK).squeeze(-1) + values.argmax(dim=-1)
 
 
-def inverse_cdf(log_weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(log_weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor,
+                threshold: torch.Tensor | None = None) -> torch.Tensor:
     """The first index i with cumsum(weights)[i] > target, per row of weights = exp([..., V]
-    log_weights) with `cum` their cumulative sums per chunk, never one of weight 0 (a target at or
-    past the total takes the last index with weight).
+    log_weights) (0 where below `threshold` [...], if given) with `cum` their cumulative sums per
+    chunk, never one of weight 0 (a target at or past the total takes the last index with weight).
 
     The chunk sums locate the chunk, then one chunk is scanned (and exponentiated), so the cost is
     one read of a chunk instead of a full cumulative sum.
@@ -206,6 +286,8 @@ def inverse_cdf(log_weights: torch.Tensor, cum: torch.Tensor, target: torch.Tens
     before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
     inside = chunk * _CHUNK + torch.arange(_CHUNK, device=log_weights.device)
     values = log_weights.gather(-1, inside.clamp(max=v - 1)).exp_() * (inside < v)
+    if threshold is not None:
+        values = torch.where(values >= threshold.unsqueeze(-1), values, 0.0)
     pos = torch.searchsorted(values.cumsum(-1), target - before, right=True)
     # ...but the scan sums it in another order, which can run past its last index with weight.
     last = torch.where(values > 0, torch.arange(_CHUNK, device=log_weights.device), 0).amax(-1, keepdim=True)
