@@ -77,7 +77,8 @@ def die_on_rank(ctx: RankContext, rank: int) -> int:
     return ctx.rank
 
 
-def tiled_sampler(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, workspace: int | None) -> dict:
+def tiled_sampler(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, workspace: int | None,
+                  all_rows: bool = False) -> dict:
     """The sampler's outputs from this rank's shard of full-vocabulary `logits` [canvases, CL, V]
     with a workspace of `workspace` bytes (None: one tile), and the self-conditioning input over
     `weight` [V, hidden]: what must not change with the tiling."""
@@ -87,7 +88,8 @@ def tiled_sampler(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, weigh
     d = vocab.distribution(local_columns(shard, logits))
     argmax, sample = vocab.argmax_and_sample(d, u)
     step = (ctx.group.counter.calls, ctx.group.counter.bytes)
-    rows = torch.tensor([2, 0])  # a subset, out of order, as the runner passes the canvases that go on
+    # all canvases (None), or a subset out of order, as the runner passes the canvases that go on
+    rows = None if all_rows else torch.tensor([2, 0])
     seen = []
 
     def embed(probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -95,7 +97,7 @@ def tiled_sampler(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, weigh
         return soft_embedding(probs, local_rows(shard, weight), (1.0 / total).unsqueeze(-1), shard, ctx.group)
 
     soft = vocab.soft_embed(d, rows, embed, torch.float32)
-    top_lp, top_ids = vocab.top_logprobs(d, 3, rows)
+    top_lp, top_ids = vocab.top_logprobs(d, 3, torch.tensor([2, 0]))
     return {
         "entropy": d.entropy, "argmax": argmax, "sample": sample, "total": d.total,
         "probs": d.shifted.exp(), "soft": soft, "top_logprobs": top_lp, "top_ids": top_ids,

@@ -37,16 +37,18 @@ def _assert_same(got: dict, want: dict) -> None:
     torch.testing.assert_close(got["soft"], want["soft"], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("all_rows", [False, True], ids=["some-canvases", "all-canvases"])
 @pytest.mark.parametrize("workspace", WORKSPACES)
-def test_tiles_give_the_untiled_results_bit_for_bit(workspace):
+def test_tiles_give_the_untiled_results_bit_for_bit(workspace, all_rows):
     logits, u, weight = _inputs()
-    want = tiled_sampler(SINGLE, logits.clone(), u, weight, None)
-    got = tiled_sampler(SINGLE, logits.clone(), u, weight, workspace)
+    want = tiled_sampler(SINGLE, logits.clone(), u, weight, None, all_rows)
+    got = tiled_sampler(SINGLE, logits.clone(), u, weight, workspace, all_rows)
     _assert_same(got, want)
     # The self-conditioning product ran a tile at a time: no tile is larger than the workspace allows.
+    positions = (CANVASES if all_rows else 2) * CL
     per_tile = max(1, workspace // (8 * VOCAB))
-    assert got["tile_positions"] == [min(per_tile, 2 * CL - a) for a in range(0, 2 * CL, per_tile)]
-    assert want["tile_positions"] == [2 * CL]
+    assert got["tile_positions"] == [min(per_tile, positions - a) for a in range(0, positions, per_tile)]
+    assert want["tile_positions"] == [positions]
 
 
 def test_ranks_tile_to_the_same_results_and_bytes(tp_ranks):

@@ -203,17 +203,20 @@ class VocabParallel:
             lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
         return hi.view(torch.float32)
 
-    def soft_embed(self, d: Distribution, rows: torch.Tensor, embed, dtype: torch.dtype) -> torch.Tensor:
-        """embed(probs, totals) [rows, CL, hidden] of canvases `rows` (int64 [rows]): `embed` (the
-        model's soft_embed) takes unnormalised probabilities exp(shifted) [positions, local vocab],
-        which exist a tile of positions at a time, in float32 and as `dtype`, and their totals."""
-        cl = d.shifted.shape[1]
-        positions = (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
+    def soft_embed(self, d: Distribution, rows: torch.Tensor | None, embed, dtype: torch.dtype) -> torch.Tensor:
+        """embed(probs, totals) [rows, CL, hidden] of canvases `rows` (int64 [rows]; None: all of
+        them): `embed` (the model's soft_embed) takes unnormalised probabilities exp(shifted)
+        [positions, local vocab], which exist a tile of positions at a time, in float32 and as
+        `dtype`, and their totals."""
+        canvases, cl = d.shifted.shape[:2]
         flat, total = d.shifted.view(-1, d.shifted.shape[-1]), d.total.flatten()
         tile = self.tile_positions(d.shifted, 4 + dtype.itemsize)
-        out = [embed(flat.index_select(0, p).exp_(), total.index_select(0, p))
-               for p in positions.split(tile)]
-        return torch.cat(out).view(rows.shape[0], cl, -1)
+        if rows is None:  # contiguous tiles: no gathered copy
+            out = [embed(flat[a : a + tile].exp(), total[a : a + tile]) for a in range(0, flat.shape[0], tile)]
+        else:
+            positions = (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
+            out = [embed(flat.index_select(0, p).exp_(), total.index_select(0, p)) for p in positions.split(tile)]
+        return torch.cat(out).view(canvases if rows is None else rows.shape[0], cl, -1)
 
     def top_logprobs(self, d: Distribution, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely tokens per position of canvases `rows`: (logprobs [rows, CL, k], ids)."""

@@ -75,8 +75,9 @@ class ModelRunner:
         finished = res.finished.cpu()  # the only host sync the control flow below needs
         going = ~finished
         if bool(going.any()):
-            rows = going.nonzero().squeeze(1).to(self.device)
-            self.soft[slots[rows]] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
+            rows = None if bool(going.all()) else going.nonzero().squeeze(1).to(self.device)
+            keep = slots if rows is None else slots[rows]
+            self.soft[keep] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:
