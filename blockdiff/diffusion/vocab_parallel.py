@@ -211,11 +211,19 @@ class VocabParallel:
         canvases, cl = d.shifted.shape[:2]
         flat, total = d.shifted.view(-1, d.shifted.shape[-1]), d.total.flatten()
         tile = self.tile_positions(d.shifted, 4 + dtype.itemsize)
-        if rows is None:  # contiguous tiles: no gathered copy
-            out = [embed(flat[a : a + tile].exp(), total[a : a + tile]) for a in range(0, flat.shape[0], tile)]
-        else:
-            positions = (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
-            out = [embed(flat.index_select(0, p).exp_(), total.index_select(0, p)) for p in positions.split(tile)]
+        positions = None if rows is None else (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
+        n = flat.shape[0] if positions is None else positions.shape[0]
+        buffer = flat.new_empty(min(tile, n), flat.shape[1])  # one for every tile, as in exp_statistics
+        out = []
+        for a in range(0, n, tile):
+            probs = buffer[: min(tile, n - a)]
+            if positions is None:  # contiguous tiles: no gathered copy
+                torch.exp(flat[a : a + tile], out=probs)
+                tile_total = total[a : a + tile]
+            else:
+                torch.index_select(flat, 0, positions[a : a + tile], out=probs).exp_()
+                tile_total = total.index_select(0, positions[a : a + tile])
+            out.append(embed(probs, tile_total))
         return torch.cat(out).view(canvases if rows is None else rows.shape[0], cl, -1)
 
     def top_logprobs(self, d: Distribution, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,12 +260,14 @@ def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int) -> tuple[torch.T
     chunks = -(-y.shape[-1] // _CHUNK)
     cum = y.new_empty(rows.shape[0], chunks)
     dot = y.new_empty(rows.shape[0])
+    # One buffer for every tile: a heap that keeps freed memory (worker/cpu_heap.py) can split a
+    # freed tile for small allocations, and the next tile would then take fresh memory.
+    buffer = y.new_empty(min(tile, rows.shape[0]), rows.shape[1])
     for a in range(0, rows.shape[0], tile):
-        e = rows[a : a + tile].exp()
+        e = torch.exp(rows[a : a + tile], out=buffer[: min(tile, rows.shape[0] - a)])
         cum[a : a + tile] = per_chunk(e, torch.sum).cumsum(-1)
         # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
         dot[a : a + tile] = e.mul_(rows[a : a + tile]).sum(dim=-1)
-        del e  # before the next tile's exp, or two tiles would be alive at once
     return y, cum.view(*lead, chunks), dot.view(lead)
 
 
