@@ -109,12 +109,12 @@ class PlainSampler:
     def distribution(self, x: torch.Tensor) -> Distribution:
         chunk_max = per_chunk(x, torch.amax)
         m = chunk_max.amax(dim=-1, keepdim=True)
-        y, e, cum, dot = exp_statistics(x, m)
+        y, cum, dot = exp_statistics(x, m, x[..., 0].numel())
         total = cum[..., -1]
-        return Distribution(y, e, chunk_max.sub_(m), cum, None, total, total.log() - dot / total)
+        return Distribution(y, chunk_max.sub_(m), cum, None, total, total.log() - dot / total)
 
     def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return first_argmax(d.shifted, d.chunk_max), inverse_cdf(d.exp, d.chunk_cumsum, u * d.total)
+        return first_argmax(d.shifted, d.chunk_max), inverse_cdf(d.shifted, d.chunk_cumsum, u * d.total)
 
 
 def plain_model(model: nn.Module) -> nn.Module:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -96,6 +96,12 @@ class ModelConfig:
     def sliding_window(self) -> int | None:
         return next((layer.window for layer in self.layers if layer.sliding), None)
 
+    def first_layers(self, n: int) -> "ModelConfig":
+        """This config with its first n layers only (--num-layers-override)."""
+        if n > self.num_layers:
+            raise ConfigError(f"num_layers_override {n} exceeds the model's {self.num_layers} layers")
+        return replace(self, layers=self.layers[:n])
+
     def window_past(self, max_model_len: int) -> int:
         """Cached positions a sliding layer reads: the window's past, or the whole sequence if shorter."""
         window = self.sliding_window
@@ -179,7 +185,8 @@ class ModelConfig:
 
 
 def read_config_json(path: str) -> dict:
-    config_path = os.path.join(path, "config.json")
+    """path/config.json, or `path` itself when it is a JSON file (a config alone, for dummy weights)."""
+    config_path = path if os.path.isfile(path) and path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ConfigError(f"no config.json in {path!r}")
     return read_json(config_path)
@@ -273,6 +280,8 @@ def _layer_spec(idx: int, kind: str, head_dim: int, kv_heads: int, rope: dict, w
 # and eager as measured (docs/benchmarks.md, "Compiled steps").
 COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
 
+LOAD_FORMATS = ("auto", "dummy")
+
 
 @dataclass
 class EngineConfig:
@@ -307,6 +316,11 @@ class EngineConfig:
     enforce_eager: bool = False
     num_threads: int | None = None  # tensor-parallel workers' intra-op threads; None: from their environment
     worker_timeout: float = 60.0  # seconds a tensor-parallel worker may stay silent before it counts as lost
+    # GB the sampler's temporaries may take beside the logits (tiles of positions, identical results);
+    # None: an eighth of the device's free memory when the worker starts, at most 1 GiB.
+    sampler_memory_gb: float | None = None
+    load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights from config.json
+    num_layers_override: int | None = None  # keep the first N layers (memory-limited runs at real widths)
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as SamplingParams fields.
     sampling_defaults: dict = field(default_factory=dict)
@@ -321,9 +335,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
-                     "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels"):
+                     "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
+                     "num_layers_override"):
             value = getattr(self, name)
-            if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases"):
+            if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
+                                          "num_layers_override"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -334,12 +350,25 @@ class EngineConfig:
             raise ValueError(f"compile must be True, False or None (the device's default), got {self.compile!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        gb = self.sampler_memory_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < float("inf")):
+            raise ValueError(f"sampler_memory_gb must be a positive number, got {gb!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.num_layers_override is not None and self.load_format != "dummy":
+            raise ValueError("num_layers_override needs load_format='dummy' (a checkpoint holds every layer's weights)")
 
     def step_modes(self, device: str) -> tuple[bool | None, bool]:
         """(compile, cuda_graphs) on `device`; compile None: the device's default, where the model
         can run static steps."""
         cuda_graphs = torch.device(device).type == "cuda" and not self.enforce_eager
         return (bool(self.compile) if self.enforce_eager else self.compile), cuda_graphs
+
+    def check_model(self) -> None:
+        """The model is a checkpoint directory, or with dummy weights a config.json file alone."""
+        if not (os.path.isdir(self.model) or (self.load_format == "dummy" and os.path.isfile(self.model))):
+            raise ValueError(f"model {self.model!r} is not a checkpoint directory (nor, with load_format='dummy', "
+                             "a config.json file)")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

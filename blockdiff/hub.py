@@ -16,7 +16,7 @@ def resolve_model(model: str | None, download_dir: str | None = None) -> str:
         from blockdiff.demo import demo_checkpoint
 
         return demo_checkpoint()
-    if os.path.isdir(model):
+    if os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".json")):  # a config alone: dummy weights
         return model
     if not _looks_like_repo_id(model):
         raise ValueError(f"model {model!r} is not a checkpoint directory, nor a Hugging Face id (org/name)")

@@ -44,7 +44,7 @@ class SamplerField:
     minimum: float
     maximum: float
     exclusive_minimum: bool = False
-    generation_config: str | None = None  # key in generation_config.json ("a.b": nested)
+    generation_config: str | None = None  # key in generation_config.json ("a.b": nested); None: not read
     per_canvas: bool = True  # sent to the sampler as a [canvases] tensor
     dtype: str = "float32"  # of that tensor
 
@@ -66,6 +66,14 @@ SAMPLER_FIELDS: tuple[SamplerField, ...] = (
                  INT32_MAX, generation_config="stability_threshold", dtype="int32"),
     SamplerField("confidence_threshold", float, 0.005, "mean entropy under which a stable canvas stops", 0,
                  FLOAT32_MAX, exclusive_minimum=True, generation_config="confidence_threshold"),
+    # vLLM's truncation knobs restrict the candidate draw only (docs/architecture.md, "Sampler"). The
+    # reference sampler has none, so a checkpoint's generation_config.json values are not applied.
+    SamplerField("top_k", int, -1, "draw candidates from the k most likely tokens only; -1 or 0: all", -1,
+                 INT32_MAX, dtype="int32"),
+    SamplerField("top_p", float, 1.0, "draw candidates from the smallest set of most likely tokens holding this "
+                 "much probability", 0, 1, exclusive_minimum=True),
+    SamplerField("min_p", float, 0.0, "draw candidates only among tokens at least this fraction as likely as "
+                 "the most likely one", 0, 1),
 )
 FIELDS_BY_NAME = {f.name: f for f in SAMPLER_FIELDS}
 PER_CANVAS_FIELDS = tuple(f for f in SAMPLER_FIELDS if f.per_canvas)
@@ -104,14 +112,13 @@ class _Params:
 
     def _check_unsupported(self) -> None:
         """vLLM's sampling knobs that have no diffusion meaning (yet): only their neutral values."""
-        neutral = {"n": (1,), "top_p": (1, 1.0), "top_k": (0, -1), "min_p": (0, 0.0),
-                   "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
+        neutral = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
         for name, values in neutral.items():
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or v not in values):
                 raise ValueError(
-                    f"{name} is not supported: the diffusion sampler draws every candidate from the full "
-                    f"distribution of one request (got {v!r}; allowed: {values[0]})"
+                    f"{name} is not supported: the diffusion sampler has no use for it "
+                    f"(got {v!r}; allowed: {values[0]})"
                 )
 
     def with_defaults(self, defaults: dict) -> "SamplingParams":
@@ -158,9 +165,6 @@ SamplingParams = make_dataclass(
         ("temperature", float | None, None),  # scales the t_min .. t_max schedule; 0: greedy
         # vLLM's knobs, accepted at their neutral values only
         ("n", int | None, None),
-        ("top_p", float | None, None),
-        ("top_k", int | None, None),
-        ("min_p", float | None, None),
         ("presence_penalty", float | None, None),
         ("frequency_penalty", float | None, None),
     ],
@@ -178,9 +182,7 @@ def generation_defaults(model_dir: str | None) -> dict:
         return out
     with open(path) as fh:
         gen = json.load(fh)
-    for f in SAMPLER_FIELDS:
-        if f.generation_config is None:
-            continue
+    for f in (f for f in SAMPLER_FIELDS if f.generation_config):
         value = gen
         for key in f.generation_config.split("."):
             value = value.get(key) if isinstance(value, dict) else None

@@ -50,8 +50,7 @@ def choose_threads(cfg: EngineConfig, model_config: ModelConfig) -> tuple[int, s
 def start_engine(cfg: EngineConfig) -> LLMEngine:
     """Check the device, choose threads, build the engine and log its summary at INFO."""
     check_device(cfg.device)
-    if not os.path.isdir(cfg.model):
-        raise ValueError(f"model {cfg.model!r} is not a checkpoint directory")
+    cfg.check_model()
     global _chosen
     threads, why = choose_threads(cfg, ModelConfig.from_pretrained(cfg.model))
     torch.set_num_threads(threads)

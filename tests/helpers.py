@@ -3,6 +3,8 @@ through its real cache and metadata."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from blockdiff.step import CacheConfig
@@ -11,10 +13,15 @@ from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.interface import layer_kinds
 
 
+# The device the parity and generation tests run our model and transformers on
+# (scripts/device_check.sh sets cuda); the engine's own default, "auto", picks the same.
+DEVICE = torch.device(os.environ.get("BLOCKDIFF_TEST_DEVICE", "cpu"))
+
+
 def load_hf(path: str, dtype=torch.float32, **kwargs):
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, **kwargs).eval()
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, **kwargs).to(DEVICE).eval()
 
 
 def hf_generate_with_draft(hf, prompt: list[int], draft: list[int], **kwargs) -> list[int]:
@@ -26,13 +33,13 @@ def hf_generate_with_draft(hf, prompt: list[int], draft: list[int], **kwargs) ->
     def seeded(*args, **kw):
         chunk = draft[canvas[0] * cl : (canvas[0] + 1) * cl]
         if len(chunk) == cl:
-            kw["model_kwargs"]["decoder_input_ids"] = torch.tensor([chunk])
+            kw["model_kwargs"]["decoder_input_ids"] = torch.tensor([chunk], device=hf.device)
         canvas[0] += 1
         return original(*args, **kw)
 
     hf._prepare_denoiser_inputs = seeded
     try:
-        out = hf.generate(torch.tensor([prompt]), **kwargs)
+        out = hf.generate(torch.tensor([prompt], device=hf.device), **kwargs)
     finally:
         del hf._prepare_denoiser_inputs
     return out.sequences[0, len(prompt) :].tolist()
@@ -44,7 +51,7 @@ class Harness:
     def __init__(self, model, max_len: int = 256, block_size: int = 8):
         self.model = model
         cfg = CacheConfig(num_slots=1, num_blocks=-(-max_len // block_size), block_size=block_size, max_model_len=max_len)
-        self.kv = allocate(model, cfg, "cpu")
+        self.kv = allocate(model, cfg, DEVICE)
         self.geo = geometry(model, cfg)
         self.blocks = tuple(range(cfg.num_blocks))
         self.length = 0
@@ -54,18 +61,18 @@ class Harness:
         """`images`: blockdiff.model.vision.ImageInputs for the placeholders among `ids`;
         `bidirectional`: their [start, end) position spans, as the engine gives them."""
         row = Row(0, self.length, len(ids), False, self.blocks, bidirectional=bidirectional)
-        meta = build_metadata([row], self.geo, layer_kinds(self.model), "cpu")
+        meta = build_metadata([row], self.geo, layer_kinds(self.model), DEVICE)
         self.model(_padded(ids, meta), meta, self.kv, images=images)
         self.length += len(ids)
 
     @torch.no_grad()
     def decode(self, canvas: list[int], soft: torch.Tensor | None = None) -> torch.Tensor:
-        meta = build_metadata([Row(0, self.length, len(canvas), True, self.blocks)], self.geo, layer_kinds(self.model), "cpu")
+        meta = build_metadata([Row(0, self.length, len(canvas), True, self.blocks)], self.geo, layer_kinds(self.model), DEVICE)
         return self.model(_padded(canvas, meta), meta, self.kv, soft)
 
 
 def _padded(ids: list[int], meta) -> torch.Tensor:
-    return torch.tensor(ids + [0] * (meta.num_tokens - len(ids)))
+    return torch.tensor(ids + [0] * (meta.num_tokens - len(ids)), device=DEVICE)
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -43,7 +43,7 @@ def vocab_statistics(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, k:
         "sample": sample,
         "top_logprobs": top_lp,
         "top_ids": top_ids,
-        "local_probs": d.exp / d.total.unsqueeze(-1),  # this rank's P_r, the self-conditioning input
+        "local_probs": d.shifted.exp() / d.total.unsqueeze(-1),  # this rank's P_r, the self-conditioning input
         "global_ids": shard.global_ids(),
         "step_collectives": step[0],
         "step_bytes": step[1],
@@ -95,3 +95,42 @@ def image_prompt_logits(ctx: RankContext, path: str, ids, per_image, spans, canv
     owned = model.shard.global_ids() >= 0
     full[:, model.shard.global_ids()[owned]] = local[:, owned]
     return ctx.group.all_reduce(full) if ctx.size > 1 else full
+
+
+def tiled_sampler(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, workspace: int | None,
+                  all_rows: bool = False) -> dict:
+    """The sampler's outputs from this rank's shard of full-vocabulary `logits` [canvases, CL, V]
+    with a workspace of `workspace` bytes (None: one tile), and the self-conditioning input over
+    `weight` [V, hidden]: what must not change with the tiling."""
+    shard = VocabShard.make(ctx.rank, ctx.size, logits.shape[-1])
+    vocab = VocabParallel(shard, ctx.group, workspace_bytes=workspace)
+    ctx.group.counter.reset()
+    d = vocab.distribution(local_columns(shard, logits))
+    argmax, sample = vocab.argmax_and_sample(d, u)
+    step = (ctx.group.counter.calls, ctx.group.counter.bytes)
+    # all canvases (None), or a subset out of order, as the runner passes the canvases that go on
+    rows = None if all_rows else torch.tensor([2, 0])
+    seen = []
+
+    def embed(probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        seen.append(probs.shape[0])
+        return soft_embedding(probs, local_rows(shard, weight), (1.0 / total).unsqueeze(-1), shard, ctx.group)
+
+    soft = vocab.soft_embed(d, rows, embed, torch.float32)
+    top_lp, top_ids = vocab.top_logprobs(d, 3, torch.tensor([2, 0]))
+    return {
+        "entropy": d.entropy, "argmax": argmax, "sample": sample, "total": d.total,
+        "probs": d.shifted.exp(), "soft": soft, "top_logprobs": top_lp, "top_ids": top_ids,
+        "tile_positions": seen, "step_collectives": step[0], "step_bytes": step[1],
+    }
+
+
+def restricted_draw(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, top_k, top_p, min_p, workspace: int | None = None) -> dict:
+    """The candidate draw under per-canvas top_k, top_p and min_p from this rank's shard of `logits`
+    [canvases, CL, V]: the kept-token thresholds and the draws."""
+    shard = VocabShard.make(ctx.rank, ctx.size, logits.shape[-1])
+    vocab = VocabParallel(shard, ctx.group, workspace_bytes=workspace)
+    d = vocab.distribution(local_columns(shard, logits))
+    draw = vocab.restricted_draw(d, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
+    argmax, sample = vocab.argmax_and_sample(d, u, draw)
+    return {"threshold": draw.threshold, "argmax": argmax, "sample": sample, "total": draw.total}

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import hf_generate_with_draft, load_hf
+from helpers import DEVICE, hf_generate_with_draft, load_hf
 
 from blockdiff import LLM, SamplingParams
 
@@ -68,7 +68,7 @@ def test_greedy_parity_with_transformers_batched(which, engine, tiny, long_ckpt)
     prompts = [_tokens(n, vocab, 100 + n) for n in lengths]
     drafts = [_tokens(32, vocab, 200 + n) for n in lengths]
     steps, max_tokens = 6, 29  # four canvases of 8, the last one cut
-    with LLM(path, **engine) as llm:
+    with LLM(path, device=str(DEVICE), **engine) as llm:
         params = [SamplingParams(max_tokens=max_tokens, max_denoising_steps=steps, draft=d, **GREEDY) for d in drafts]
         outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, draft, out in zip(prompts, drafts, outs):
@@ -84,7 +84,7 @@ def test_early_convergence_matches_reference(tiny):
     hf = load_hf(tiny)
     prompt, draft = _tokens(5, 301, 1), _tokens(24, 301, 2)
     params = SamplingParams(max_tokens=24, max_denoising_steps=10, draft=draft, stability_threshold=0, ignore_eos=True, **GREEDY)
-    with LLM(tiny) as llm:
+    with LLM(tiny, device=str(DEVICE)) as llm:
         out = llm.generate(prompt, params)[0]
     want, passes = _hf_run(hf, prompt, draft, 24, 10, stability_threshold=0)
     assert out.token_ids[: len(want)] == want

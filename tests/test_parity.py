@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Harness, load_hf, rel_err
+from helpers import DEVICE, Harness, load_hf, rel_err
 from transformers.cache_utils import DynamicCache
 
 from blockdiff.diffusion.self_conditioning import soft_embedding
@@ -31,15 +31,15 @@ class Oracle:
 
     @torch.no_grad()
     def encode(self, ids: list[int]) -> None:
-        pos = torch.arange(self.length, self.length + len(ids))[None]
-        self.hf.model.encoder(input_ids=torch.tensor([ids]), past_key_values=self.cache, position_ids=pos)
+        pos = torch.arange(self.length, self.length + len(ids), device=DEVICE)[None]
+        self.hf.model.encoder(input_ids=torch.tensor([ids], device=DEVICE), past_key_values=self.cache, position_ids=pos)
         self.length += len(ids)
 
     @torch.no_grad()
     def decode(self, canvas: list[int], sc_logits: torch.Tensor | None = None) -> torch.Tensor:
-        pos = torch.arange(self.length, self.length + len(canvas))[None]
+        pos = torch.arange(self.length, self.length + len(canvas), device=DEVICE)[None]
         out = self.hf(
-            decoder_input_ids=torch.tensor([canvas]),
+            decoder_input_ids=torch.tensor([canvas], device=DEVICE),
             past_key_values=self.cache,
             decoder_position_ids=pos,
             self_conditioning_logits=None if sc_logits is None else sc_logits[None],
@@ -48,7 +48,7 @@ class Oracle:
 
 
 def _pair(path: str, dtype=torch.float32):
-    return Harness(load_model(path, dtype=dtype)), Oracle(load_hf(path, dtype))
+    return Harness(load_model(path, dtype=dtype, device=DEVICE)), Oracle(load_hf(path, dtype))
 
 
 def test_parity_prefill_then_step(tiny):
@@ -64,7 +64,7 @@ def test_parity_self_conditioning_step(tiny):
     prompt, canvas = _tokens(5, 301, 2), _tokens(8, 301, 3)
     ours.encode(prompt)
     ref.encode(prompt)
-    sc_logits = torch.randn(8, 301, generator=torch.Generator().manual_seed(4)) * 3
+    sc_logits = (torch.randn(8, 301, generator=torch.Generator().manual_seed(4)) * 3).to(DEVICE)
     model = ours.model
     soft = soft_embedding(sc_logits.softmax(-1), model.embed.weight, model.embed_scale)
     got, want = ours.decode(canvas, soft), ref.decode(canvas, sc_logits)
@@ -106,7 +106,7 @@ def test_parity_long_prompt_sliding_window_gqa(checkpoints, chunks):
 def test_parity_bfloat16(tiny):
     """bfloat16 rounding makes the tiny random model drift by a few percent whatever the op order;
     we must be as close to transformers' default (SDPA) path as its own eager path is."""
-    sc_logits = (torch.randn(8, 301, generator=torch.Generator().manual_seed(13)) * 3).to(torch.bfloat16)
+    sc_logits = (torch.randn(8, 301, generator=torch.Generator().manual_seed(13)) * 3).to(DEVICE, torch.bfloat16)
     prompt, canvas = _tokens(9, 301, 11), _tokens(8, 301, 12)
     ours, ref = _pair(tiny, torch.bfloat16)
     eager = Oracle(load_hf(tiny, torch.bfloat16, attn_implementation="eager"))
@@ -119,7 +119,7 @@ def test_parity_bfloat16(tiny):
     reference_spread = rel_err(eager.decode(canvas, sc_logits), want)
     assert err <= min(BF16_TOL, reference_spread), (err, reference_spread)
     # bf16 is really in use: the float32 model is farther from the bf16 oracle
-    ours32 = Harness(load_model(tiny))
+    ours32 = Harness(load_model(tiny, device=DEVICE))
     ours32.encode(prompt)
     soft32 = soft_embedding(sc_logits.float().softmax(-1), ours32.model.embed.weight, ours32.model.embed_scale)
     assert rel_err(ours32.decode(canvas, soft32), want) > err

@@ -8,6 +8,7 @@ For each canvas, with n counting down from max_denoising_steps to 1:
   the canvas is done when the argmax canvas equals the previous `stability_threshold` ones and
   the mean entropy is below `confidence_threshold`, or when the steps run out.
 The distribution is computed once (`VocabParallel.distribution`) and everything else derives from it.
+top_k, top_p and min_p (vLLM's order: min-p, top-k, then top-p) restrict the candidate draw only.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from blockdiff.sampling_params import PER_CANVAS_FIELDS
 
 class _DenoiseParams:
     def to(self, device: torch.device | str) -> "DenoiseParams":
-        return DenoiseParams(**{k: v.to(device, non_blocking=True) for k, v in self.__dict__.items()})
+        return DenoiseParams(**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                                for k, v in self.__dict__.items()})
 
 
 # Per-canvas parameters and random draws, [canvases] or [canvases, canvas_length]: the step count
@@ -34,7 +36,10 @@ DenoiseParams = make_dataclass(
         ("uniform", torch.Tensor),  # [canvases, CL] float32 in [0, 1), for candidate sampling
         ("renoise", torch.Tensor),  # [canvases, CL] int64 uniform random tokens
     ]
-    + [(f.name, torch.Tensor) for f in PER_CANVAS_FIELDS],
+    + [(f.name, torch.Tensor) for f in PER_CANVAS_FIELDS]
+    # Whether any canvas sets top_k, top_p or min_p: decided on the host when the step is planned,
+    # so that a step without them never pays for their search.
+    + [("restrict", bool, False)],
     bases=(_DenoiseParams,),
     namespace={"__module__": __name__},
 )
@@ -44,7 +49,9 @@ def denoise_params(step: list[int], params: list, uniform: torch.Tensor, renoise
     """The sampler's inputs for canvases at steps `step` of requests with SamplingParams `params`."""
     per_canvas = {f.name: torch.tensor([getattr(p, f.name) for p in params], dtype=getattr(torch, f.dtype))
                   for f in PER_CANVAS_FIELDS}
-    return DenoiseParams(step=torch.tensor(step, dtype=torch.int32), uniform=uniform, renoise=renoise, **per_canvas)
+    restrict = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+    return DenoiseParams(step=torch.tensor(step, dtype=torch.int32), uniform=uniform, renoise=renoise, **per_canvas,
+                         restrict=restrict)
 
 
 @dataclass
@@ -80,7 +87,10 @@ def denoise_step(
     """logits [canvases, CL, local vocab] float32 (overwritten)."""
     t = temperature(params.step, params.max_denoising_steps, params.t_min, params.t_max)
     dist = vocab.distribution(logits.div_(t[:, None, None]))
-    argmax, candidates = vocab.argmax_and_sample(dist, params.uniform)
+    # top-k, top-p and min-p narrow the candidates only: the argmax, the entropies that accept
+    # candidates and stop the canvas, and the self-conditioning input keep the full distribution.
+    draw = vocab.restricted_draw(dist, params.top_k, params.top_p, params.min_p) if params.restrict else None
+    argmax, candidates = vocab.argmax_and_sample(dist, params.uniform, draw)
     accepted = entropy_bound_accept(dist.entropy, params.entropy_bound)
     canvas = torch.where(accepted, candidates, params.renoise)
     same = (argmax == last_argmax).all(dim=-1)

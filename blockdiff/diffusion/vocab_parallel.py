@@ -4,10 +4,16 @@ Every function works on this rank's logits [..., local_rows] and returns full-vo
 using collectives over [...]-sized statistics only: the max, Σexp and Σexp·(x - max) give log Z
 and the entropy; argmax and sampling reduce per-rank candidates. With one rank there is no
 collective and no masking: the same code is the plain single-device computation.
+
+Memory: the logits are shifted in place and are the only [..., vocabulary] tensor the sampler keeps.
+exp(x - max) exists only a tile of positions at a time (`workspace_bytes` bounds the tile), so the
+sampler's extra memory does not grow with the batch. The tile count is a Python int fixed by the
+shapes, every tile runs the same ops on its rows, and the results do not depend on the tiling.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +22,26 @@ from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
 _CHUNK = 128  # argmax and inverse-CDF sampling search per-chunk statistics first, then one chunk
+# Without a budget, the sampler's workspace is this share of the device's free memory at start...
+_FREE_MEMORY_SHARE = 8
+_MAX_DEFAULT_WORKSPACE = 2**30  # ...at most this: larger tiles no longer run faster
+
+
+def workspace_bytes(memory_gb: float | None, device: torch.device) -> int:
+    """The sampler's workspace: `memory_gb` (GB, 10^9 bytes), else a share of the free memory."""
+    if memory_gb is not None:
+        return int(memory_gb * 1e9)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(_MAX_DEFAULT_WORKSPACE, free // _FREE_MEMORY_SHARE)
 
 
 @dataclass
 class Distribution:
-    shifted: torch.Tensor  # [..., local_rows] x - max: log-probabilities up to log_z below
-    exp: torch.Tensor  # [..., local_rows] exp(shifted): unnormalised local probabilities
+    shifted: torch.Tensor  # [..., local_rows] x - max: log-probabilities up to log_z below; exp() of
+    # it are the unnormalised local probabilities, recomputed a tile at a time where needed
     chunk_max: torch.Tensor  # [..., chunks] maxima of `shifted` per chunk: 0 where the max is
     chunk_cumsum: torch.Tensor  # [..., chunks] cumulative sums of `exp` per chunk
     rank_bounds: torch.Tensor | None  # [ranks + 1, ...] Σ exp over the ranks before each (sharded)
@@ -38,13 +58,31 @@ class Distribution:
         return self.total.log()
 
 
+@dataclass
+class Draw:
+    """What the candidate draw runs over: the weights exp(shifted), cut to 0 below `threshold` where
+    top-k, top-p or min-p restrict it (None: the whole distribution), their cumulative sums per chunk,
+    the rank bounds and the total."""
+
+    threshold: torch.Tensor | None  # [...] on exp(shifted); a token is kept where its weight >= it
+    chunk_cumsum: torch.Tensor
+    rank_bounds: torch.Tensor | None
+    total: torch.Tensor
+
+
+_ONE_BITS = 0x3F800000  # float32 1.0 as an int32: weights exp(shifted) lie in [0, 1], their bits in [0, this]
+_BISECTIONS = 31  # halvings of [0, _ONE_BITS + 1): enough to land on one float32 exactly
+
+
 class VocabParallel:
     """The vocabulary layout of this rank and the collectives over it."""
 
-    def __init__(self, shard: VocabShard, group: TPGroup, device: torch.device | str = "cpu"):
+    def __init__(self, shard: VocabShard, group: TPGroup, device: torch.device | str = "cpu",
+                 workspace_bytes: int | None = None):
         self.shard = shard
         self.group = group
         self.sharded = group.size > 1
+        self.workspace_bytes = workspace_bytes  # the sampler's temporaries per tile; None: one tile
         valid = shard.valid_rows(device)
         self.padding = None if bool(valid.all()) else ~valid
         self.global_ids = shard.global_ids(device)
@@ -59,7 +97,7 @@ class VocabParallel:
         m = chunk_max.amax(dim=-1, keepdim=True)
         if self.sharded:
             self.group.all_reduce(m, op="max")
-        y, e, cum, dot = exp_statistics(x, m)
+        y, cum, dot = exp_statistics(x, m, self.tile_positions(x, 4))
         local_sum = cum[..., -1]
         bounds = None
         if self.sharded:
@@ -70,34 +108,130 @@ class VocabParallel:
             dot = dots.sum(0)
         total = local_sum if bounds is None else bounds[-1]
         entropy = total.log() - dot / total
-        return Distribution(y, e, chunk_max.sub_(m), cum, bounds, total, entropy)
+        return Distribution(y, chunk_max.sub_(m), cum, bounds, total, entropy)
 
-    def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tile_positions(self, x: torch.Tensor, bytes_per_value: int) -> int:
+        """Positions per tile such that a [tile, local vocab] temporary of `bytes_per_value` per
+        entry fits the workspace (at least one position): a Python int from the shapes alone."""
+        positions = x[..., 0].numel()
+        if self.workspace_bytes is None:
+            return max(1, positions)
+        return max(1, min(positions, self.workspace_bytes // (bytes_per_value * x.shape[-1])))
+
+    def argmax_and_sample(self, d: Distribution, u: torch.Tensor, draw: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Global token ids of the maxima (ties to the lowest id, like torch.argmax) and one token
-        per position drawn by inverse CDF for u ~ U[0, 1) [...]; sharded, in one collective."""
+        per position drawn by inverse CDF for u ~ U[0, 1) [...] from `draw` (None: the whole
+        distribution); sharded, in one collective."""
         argmax = first_argmax(d.shifted, d.chunk_max)
+        draw = draw or Draw(None, d.chunk_cumsum, d.rank_bounds, d.total)
         # The target is cut from the total of the very sums the search runs over: any other sum of
         # the same weights can round above them and send the search past the last token with mass.
         if not self.sharded:
-            return argmax, inverse_cdf(d.exp, d.chunk_cumsum, u.to(d.total.dtype) * d.total)
+            return argmax, inverse_cdf(d.shifted, draw.chunk_cumsum, u.to(draw.total.dtype) * draw.total, draw.threshold)
         # Shifted by the global max, the maximum is exactly 0 where it is: a rank's candidate is its
         # first such token, and the lowest candidate id wins.
         candidate = torch.where(d.chunk_max.amax(dim=-1) == 0, self.global_ids[argmax], torch.iinfo(torch.long).max)
         # Every rank cuts [0, total) at the same rank bounds, so exactly one rank owns each target.
-        bounds, r = d.rank_bounds, self.group.rank
+        bounds, r = draw.rank_bounds, self.group.rank
         target = u.to(bounds.dtype) * bounds[-1]
         mine = (target >= bounds[r]) & (target < bounds[r + 1])
         # A u just below 1 can round the target onto the total: the last rank with mass takes it.
         ranks = torch.arange(self.group.size, device=bounds.device).view(-1, *([1] * target.dim()))
         mine |= (target >= bounds[-1]) & (torch.where(bounds[1:] > bounds[:-1], ranks, -1).amax(0) == r)
-        local = inverse_cdf(d.exp, d.chunk_cumsum, target - bounds[r])
+        local = inverse_cdf(d.shifted, draw.chunk_cumsum, target - bounds[r], draw.threshold)
         sample = torch.where(mine, self.global_ids[local], -1)
         both = self.group.all_reduce(torch.stack((-candidate, sample)), op="max")
         return -both[0], both[1]
 
+    def restricted_draw(self, d: Distribution, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> Draw:
+        """The draw over the tokens that min-p, then top-k, then top-p (over what min-p and top-k
+        keep) leave, as vLLM applies them, for per-canvas top_k (<= 0: off), top_p (1: off) and
+        min_p (0: off) [canvases]. Each cut is a threshold on the weights e = exp(shifted) (the
+        most likely token has e = 1, so min-p is e >= min_p); top-k's and top-p's are found exactly
+        by bisection on the float32 bits of the threshold, each step counting tokens or adding
+        weights over the whole vocabulary (gathered from every rank and added in rank order, so all
+        ranks take the same branch). A fixed number of steps: no data-dependent control flow."""
+        v, cl = d.shifted.shape[-1], d.shifted.shape[1]
+        flat = d.shifted.view(-1, v)
+        per_position = [x.repeat_interleave(cl) for x in (top_k.float(), top_p, min_p)]
+        threshold = flat.new_empty(flat.shape[0])
+        cum = flat.new_empty(flat.shape[0], d.chunk_cumsum.shape[-1])
+        tile = self.tile_positions(d.shifted, 9)  # e, one float32 and one bool temporary
+        for a in range(0, flat.shape[0], tile):
+            k, p, lowest = (x[a : a + tile] for x in per_position)
+            e = flat[a : a + tile].exp()
+            t = torch.maximum(lowest, torch.where(k > 0, self._kth_largest(e, k), 0.0))
+            kept_total = self._global_sum(torch.where(e >= t.unsqueeze(-1), e, 0.0).sum(-1))
+            t = torch.where(p < 1, torch.maximum(t, self._top_p_threshold(e, t, p * kept_total)), t)
+            threshold[a : a + tile] = t
+            cum[a : a + tile] = per_chunk(torch.where(e >= t.unsqueeze(-1), e, 0.0), torch.sum).cumsum(-1)
+            del e  # before the next tile's exp
+        lead = d.shifted.shape[:-1]
+        cum = cum.view(*lead, -1)
+        local_sum, bounds = cum[..., -1], None
+        if self.sharded:
+            sums = self.group.all_gather(local_sum)
+            bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
+        return Draw(threshold.view(lead), cum, bounds, local_sum if bounds is None else bounds[-1])
+
+    def _global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks in rank order: the same bits on every rank."""
+        return self.group.all_gather(x).sum(0) if self.sharded else x
+
+    def _kth_largest(self, e: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """[positions] the k-th largest weight over the whole vocabulary: the largest t with
+        count(e >= t) >= k (0 when k exceeds the vocabulary)."""
+        lo = torch.zeros(e.shape[0], dtype=torch.int32, device=e.device)  # count(e >= 0) is everything
+        hi = torch.full_like(lo, _ONE_BITS + 1)  # count(e >= just above 1) is nothing
+        for _ in range(_BISECTIONS):
+            mid = (lo + hi) // 2
+            count = self._global_sum((e >= mid.view(torch.float32).unsqueeze(-1)).sum(-1, dtype=torch.float32))
+            ok = count >= k  # counts are exact integers in float32 (vocabularies under 2^24)
+            lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+        return lo.view(torch.float32)
+
+    def _top_p_threshold(self, e: torch.Tensor, floor: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """[positions] the smallest t with Σ{e > t, e >= floor} e < mass: a token is kept when the
+        weight of the kept tokens more likely than it is below top_p of their total (vLLM's rule)."""
+        lo = torch.full((e.shape[0],), -1, dtype=torch.int32, device=e.device)  # never evaluated
+        hi = torch.full_like(lo, _ONE_BITS)  # nothing lies above 1
+        kept = torch.where(e >= floor.unsqueeze(-1), e, 0.0)
+        for _ in range(_BISECTIONS):
+            mid = (lo + hi) // 2
+            above = self._global_sum(torch.where(e > mid.view(torch.float32).unsqueeze(-1), kept, 0.0).sum(-1))
+            ok = above < mass
+            lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
+        return hi.view(torch.float32)
+
+    def soft_embed(self, d: Distribution, rows: torch.Tensor | None, embed, dtype: torch.dtype) -> torch.Tensor:
+        """embed(probs, totals) [rows, CL, hidden] of canvases `rows` (int64 [rows]; None: all of
+        them): `embed` (the model's soft_embed) takes unnormalised probabilities exp(shifted)
+        [positions, local vocab], which exist a tile of positions at a time, in float32 and as
+        `dtype`, and their totals."""
+        canvases, cl = d.shifted.shape[:2]
+        flat, total = d.shifted.view(-1, d.shifted.shape[-1]), d.total.flatten()
+        tile = self.tile_positions(d.shifted, 4 + dtype.itemsize)
+        positions = None if rows is None else (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
+        n = flat.shape[0] if positions is None else positions.shape[0]
+        buffer = flat.new_empty(min(tile, n), flat.shape[1])  # one for every tile, as in exp_statistics
+        out = []
+        for a in range(0, n, tile):
+            probs = buffer[: min(tile, n - a)]
+            if positions is None:  # contiguous tiles: no gathered copy
+                torch.exp(flat[a : a + tile], out=probs)
+                tile_total = total[a : a + tile]
+            else:
+                torch.index_select(flat, 0, positions[a : a + tile], out=probs).exp_()
+                tile_total = total.index_select(0, positions[a : a + tile])
+            out.append(embed(probs, tile_total))
+        return torch.cat(out).view(canvases if rows is None else rows.shape[0], cl, -1)
+
     def top_logprobs(self, d: Distribution, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely tokens per position of canvases `rows`: (logprobs [rows, CL, k], ids)."""
-        value, ids = d.shifted[rows].topk(k, dim=-1)
+        # A tile of canvases at a time: shifted[rows] is a copy.
+        per_tile = max(1, self.tile_positions(d.shifted, 4) // d.shifted[0, ..., 0].numel())
+        tops = [d.shifted.index_select(0, rows[a : a + per_tile]).topk(k, dim=-1) for a in range(0, rows.shape[0], per_tile)]
+        value, ids = torch.cat([t.values for t in tops]), torch.cat([t.indices for t in tops])
         if self.sharded:
             ids = self.global_ids[ids]
             value = self.group.all_gather(value).movedim(0, -2).flatten(-2)
@@ -118,12 +252,23 @@ def per_chunk(x: torch.Tensor, reduce) -> torch.Tensor:
     return out
 
 
-def exp_statistics(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """x shifted by the max m in place (y), e = exp(y), e's cumulative sums per chunk, and Σ e·y."""
+def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x shifted by the max m in place (y), the cumulative sums per chunk of e = exp(y), and Σ e·y,
+    `tile` positions at a time: e exists for one tile only."""
     y = x.sub_(m)
-    e = y.exp()
-    # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
-    return y, e, per_chunk(e, torch.sum).cumsum(-1), (e * y).sum(dim=-1)
+    rows, lead = y.reshape(-1, y.shape[-1]), y.shape[:-1]
+    chunks = -(-y.shape[-1] // _CHUNK)
+    cum = y.new_empty(rows.shape[0], chunks)
+    dot = y.new_empty(rows.shape[0])
+    # One buffer for every tile: a heap that keeps freed memory (worker/cpu_heap.py) can split a
+    # freed tile for small allocations, and the next tile would then take fresh memory.
+    buffer = y.new_empty(min(tile, rows.shape[0]), rows.shape[1])
+    for a in range(0, rows.shape[0], tile):
+        e = torch.exp(rows[a : a + tile], out=buffer[: min(tile, rows.shape[0] - a)])
+        cum[a : a + tile] = per_chunk(e, torch.sum).cumsum(-1)
+        # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
+        dot[a : a + tile] = e.mul_(rows[a : a + tile]).sum(dim=-1)
+    return y, cum.view(*lead, chunks), dot.view(lead)
 
 
 def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
@@ -137,23 +282,26 @@ def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
     return (chunk * _CHUNK).squeeze(-1) + values.argmax(dim=-1)
 
 
-def inverse_cdf(weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The first index i with cumsum(weights)[i] > target, per row of [..., V] weights with
-    `cum` their cumulative sums per chunk, never one of weight 0 (a target at or past the total takes the
-    last index with weight).
+def inverse_cdf(log_weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor,
+                threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """The first index i with cumsum(weights)[i] > target, per row of weights = exp([..., V]
+    log_weights) (0 where below `threshold` [...], if given) with `cum` their cumulative sums per
+    chunk, never one of weight 0 (a target at or past the total takes the last index with weight).
 
-    The chunk sums locate the chunk, then one chunk is scanned, so the cost is one read of the
-    weights instead of a full cumulative sum.
+    The chunk sums locate the chunk, then one chunk is scanned (and exponentiated), so the cost is
+    one read of a chunk instead of a full cumulative sum.
     """
-    v = weights.shape[-1]
+    v = log_weights.shape[-1]
     mass = cum[..., -1:]
     # Strictly below the total, the chunk found holds mass...
     target = torch.minimum(target.unsqueeze(-1), mass.nextafter(torch.zeros_like(mass)))
     chunk = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[-1] - 1)
     before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
-    inside = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)
-    values = weights.gather(-1, inside.clamp(max=v - 1)) * (inside < v)
+    inside = chunk * _CHUNK + torch.arange(_CHUNK, device=log_weights.device)
+    values = log_weights.gather(-1, inside.clamp(max=v - 1)).exp_() * (inside < v)
+    if threshold is not None:
+        values = torch.where(values >= threshold.unsqueeze(-1), values, 0.0)
     pos = torch.searchsorted(values.cumsum(-1), target - before, right=True)
     # ...but the scan sums it in another order, which can run past its last index with weight.
-    last = torch.where(values > 0, torch.arange(_CHUNK, device=weights.device), 0).amax(-1, keepdim=True)
+    last = torch.where(values > 0, torch.arange(_CHUNK, device=log_weights.device), 0).amax(-1, keepdim=True)
     return (chunk * _CHUNK + torch.minimum(pos, last)).squeeze(-1)

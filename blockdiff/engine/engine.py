@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -38,10 +37,11 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
-        if not os.path.isdir(cfg.model):
-            raise ValueError(f"model {cfg.model!r} is not a checkpoint directory")
+        cfg.check_model()
         self.cfg = cfg
         self.model_config = load_config(cfg.model)
+        if cfg.num_layers_override is not None:
+            self.model_config = self.model_config.first_layers(cfg.num_layers_override)
         self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
         self.defaults = generation_defaults(cfg.model)
         self.canvas_length = self.model_config.canvas_length

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 
-from blockdiff.config import EngineConfig
+from blockdiff.config import LOAD_FORMATS, EngineConfig
 from blockdiff.hub import resolve_model
 from blockdiff.sampling_params import SAMPLER_FIELDS, SamplingParams
 
@@ -49,6 +49,19 @@ def positive_seconds(text: str) -> float:
 
 
 positive_seconds.__name__ = "seconds"
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+positive_float.__name__ = "number"
+
+
 def port(text: str) -> int:
     """argparse type: a TCP port number (0 picks a free one)."""
     value = int(text)
@@ -134,6 +147,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--worker-timeout", type=positive_seconds, default=EngineConfig.worker_timeout,
                    help="seconds a tensor-parallel worker may not answer before it counts as lost and the workers "
                         "restart")
+    p.add_argument("--sampler-memory-gb", type=positive_float, default=None,
+                   help="GB the sampler may use beside the logits; it tiles over positions to stay within it "
+                        "(default: an eighth of the free device memory, at most 1 GiB)")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default=EngineConfig.load_format,
+                   help="auto: the checkpoint's weights; dummy: random weights built from config.json alone")
+    p.add_argument("--num-layers-override", type=at_least(1), default=None,
+                   help="keep only the first N decoder layers (runs at real widths in less memory)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.enable_prefix_caching,
                    help="reuse the KV cache of full blocks of a prefix that an earlier request computed")
@@ -216,6 +236,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         allowed_local_media_path=args.allowed_local_media_path,
         compile=args.compile,
         enforce_eager=args.enforce_eager,
+        sampler_memory_gb=args.sampler_memory_gb,
+        load_format=args.load_format,
+        num_layers_override=args.num_layers_override,
         tune_cpu_heap=True,  # a process that only runs blockdiff: its heap is ours to tune
     )
 

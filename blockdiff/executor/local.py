@@ -14,9 +14,10 @@ from blockdiff.worker.model_runner import ModelRunner
 
 class LocalExecutor:
     def __init__(self, cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int):
-        model = load_model(cfg.model, dtype=dtype, device=device, group=TPGroup(), config=config)
+        model = load_model(cfg.model, dtype=dtype, device=device, group=TPGroup(), config=config, load_format=cfg.load_format)
         self.cache_config: CacheConfig = size_cache(model, cfg, max_model_len)
-        self.runner = ModelRunner(model, self.cache_config, device, cfg.tune_cpu_heap, *cfg.step_modes(device))
+        self.runner = ModelRunner(model, self.cache_config, device, cfg.tune_cpu_heap, cfg.sampler_memory_gb,
+                                  *cfg.step_modes(device))
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
         return self.runner.execute(plan)

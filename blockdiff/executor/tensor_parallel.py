@@ -43,11 +43,12 @@ class TPExecutor:
         ranks = RankProcesses(cfg.tensor_parallel_size, self._device, step_timeout=datetime.timedelta(seconds=self.worker_timeout),
                               env=env)
         try:
-            ranks.run(_load, cfg.model, self._config, self._dtype, gather=True)
+            ranks.run(_load, cfg.model, self._config, self._dtype, cfg.load_format, gather=True)
             if self.cache_config is None:
                 # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
                 self.cache_config = size_cache(ranks.context.state["model"], cfg, self._max_model_len)
-            ranks.run(_start_runner, self.cache_config, cfg.tune_cpu_heap, cfg.step_modes(self._device), gather=True)
+            ranks.run(_start_runner, self.cache_config, cfg.tune_cpu_heap, cfg.sampler_memory_gb, cfg.step_modes(self._device),
+                      gather=True)
         except BaseException:
             ranks.close(abort=True)
             raise
@@ -104,12 +105,14 @@ def check_splittable(config: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size={size}: {e}") from e
 
 
-def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype) -> None:
-    ctx.state["model"] = load_model(path, dtype=dtype, device=ctx.device, group=ctx.group, config=config)
+def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype, load_format: str) -> None:
+    ctx.state["model"] = load_model(path, dtype=dtype, device=ctx.device, group=ctx.group, config=config,
+                                    load_format=load_format)
 
 
-def _start_runner(ctx: RankContext, cache: CacheConfig, tune_cpu_heap: bool, step_modes: tuple[bool | None, bool]) -> None:
-    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, tune_cpu_heap, *step_modes)
+def _start_runner(ctx: RankContext, cache: CacheConfig, tune_cpu_heap: bool, sampler_memory_gb: float | None,
+                  step_modes: tuple[bool | None, bool]) -> None:
+    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, tune_cpu_heap, sampler_memory_gb, *step_modes)
 
 
 def _execute(ctx: RankContext, plan: StepPlan) -> StepOutput | None:

@@ -210,10 +210,33 @@ def load_model(
     device: torch.device | str = "cpu",
     group: TPGroup | None = None,
     config: ModelConfig | None = None,
+    load_format: str = "auto",
 ) -> DiffusionGemma:
+    """The model of checkpoint `path`; load_format "dummy" reads only its config.json and fills the
+    weights with small random values (timing and memory runs at real shapes without the file)."""
     config = config or load_config(path)
     cls = model_class(config)
     with torch.device(device):
         model = cls(config, group=group, dtype=dtype)
-    load_weights(model, path)
+    if load_format == "dummy":
+        dummy_weights(model)
+    else:
+        load_weights(model, path)
     return model.eval()
+
+
+DUMMY_RANGE = 1e-3  # vLLM's dummy weights: uniform in [-1e-3, 1e-3]
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every floating-point parameter uniform in ±DUMMY_RANGE, made on its own device in its own
+    dtype, in place (FP8 weights, which uniform_ does not fill, through a float32 copy)."""
+    for i, param in enumerate(model.parameters()):
+        if param.is_floating_point():
+            g = torch.Generator(param.device).manual_seed(seed + i)
+            direct = param.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            target = param if direct else torch.empty(param.shape, device=param.device)
+            target.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=g)
+            if not direct:
+                param.copy_(target)

@@ -83,7 +83,7 @@ def canvas_step(
     res = denoise_step(logits.view(rows, cl, -1), state.last_argmax.index_select(0, inputs.slots),
                        state.run.index_select(0, inputs.slots), inputs.params, vocab)
     # For every canvas, finished ones included: their slots are reset when the next canvas starts.
-    soft_next = model.soft_embed(res.dist.exp, res.dist.total).view(rows, cl, -1)
+    soft_next = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
     return CanvasOutputs(res.canvas, res.argmax, res.run, res.finished, soft_next, -res.dist.log_total)
 
 
@@ -111,7 +111,8 @@ def host_inputs(rows: list[Row], params: DenoiseParams, size: int, context: int,
             used = (r.sliding_blocks if sliding and r.sliding_blocks is not None else r.blocks)[:width]
             if used:
                 table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-    padded = {k: torch.cat((v, v[:1].expand(pad, *v.shape[1:]))) for k, v in params.__dict__.items()}
+    padded = {k: torch.cat((v, v[:1].expand(pad, *v.shape[1:]))) if isinstance(v, torch.Tensor) else v
+              for k, v in params.__dict__.items()}
     return CanvasInputs(slots, starts, tables, DenoiseParams(**padded))
 
 
@@ -121,7 +122,8 @@ def allocate_inputs(like: CanvasInputs, device: torch.device) -> CanvasInputs:
         return torch.empty_like(t, device=device)
 
     return CanvasInputs(empty(like.slots), empty(like.starts), {k: empty(v) for k, v in like.tables.items()},
-                        DenoiseParams(**{k: empty(v) for k, v in like.params.__dict__.items()}))
+                        DenoiseParams(**{k: empty(v) if isinstance(v, torch.Tensor) else v
+                                         for k, v in like.params.__dict__.items()}))
 
 
 def copy_inputs(dst: CanvasInputs, src: CanvasInputs) -> None:
@@ -130,7 +132,8 @@ def copy_inputs(dst: CanvasInputs, src: CanvasInputs) -> None:
     for k, v in src.tables.items():
         dst.tables[k].copy_(v, non_blocking=True)
     for k, v in src.params.__dict__.items():
-        getattr(dst.params, k).copy_(v, non_blocking=True)
+        if isinstance(v, torch.Tensor):
+            getattr(dst.params, k).copy_(v, non_blocking=True)
 
 
 class CanvasSteps:
@@ -148,7 +151,7 @@ class CanvasSteps:
         self.state, self.device = state, device
         self.fn = torch.compile(canvas_step, fullgraph=True) if compile else canvas_step
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
-        self.shapes: dict[tuple[int, int], tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
+        self.shapes: dict[tuple[int, int, bool], tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
 
     def __call__(self, rows: list[Row], params: DenoiseParams) -> tuple[CanvasInputs, CanvasOutputs]:
         """One step of the canvases `rows` (their state reset already where a canvas starts):
@@ -156,7 +159,7 @@ class CanvasSteps:
         context = context_of(rows, self.geometry.block_size)
         size = bucket(len(rows))
         host = host_inputs(rows, params, size, context, self.kinds, self.geometry.block_size, self.state.scratch)
-        key = (size, context)
+        key = (size, context, params.restrict)  # restrict (top-k/p, min-p) is a Python bool: its own graph
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]

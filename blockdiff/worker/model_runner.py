@@ -15,7 +15,7 @@ import torch
 
 from blockdiff.config import COMPILE_BY_DEFAULT
 from blockdiff.diffusion.sampler import denoise_step
-from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.diffusion.vocab_parallel import VocabParallel, workspace_bytes
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, StepOutput, StepPlan
@@ -26,10 +26,11 @@ from blockdiff.worker.kv_cache import allocate, geometry
 
 class ModelRunner:
     def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str, tune_cpu_heap: bool = False,
-                 compile: bool | None = False, cuda_graphs: bool = False):
-        """compile / cuda_graphs (EngineConfig.step_modes): run all-canvas steps as the static
-        step, compiled / replayed as CUDA graphs. Both need a model with static shapes
-        (`model.static_shapes`); compile None: the device's default where the model has them."""
+                 sampler_memory_gb: float | None = None, compile: bool | None = False, cuda_graphs: bool = False):
+        """sampler_memory_gb: the sampler's workspace (EngineConfig). compile / cuda_graphs
+        (EngineConfig.step_modes): run all-canvas steps as the static step, compiled / replayed as
+        CUDA graphs. Both need a model with static shapes (`model.static_shapes`); compile None:
+        the device's default where the model has them."""
         self.model = model
         self.device = torch.device(device)
         if tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
@@ -38,7 +39,7 @@ class ModelRunner:
         self.kv = allocate(model, cache, self.device)
         self.geometry = geometry(model, cache)
         self.kinds = layer_kinds(model)
-        self.vocab = VocabParallel(model.shard, model.group, self.device)
+        self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device))
         self.canvas_length = model.config.canvas_length
         s, cl, h = cache.num_slots, self.canvas_length, model.config.hidden_size
         with torch.device(self.device):
@@ -99,11 +100,9 @@ class ModelRunner:
         finished = res.finished.cpu()  # the only host sync the control flow below needs
         going = ~finished
         if bool(going.any()):
-            probs, total, keep = res.dist.exp, res.dist.total, slots
-            if not bool(going.all()):
-                rows = going.nonzero().squeeze(1).to(self.device)
-                probs, total, keep = probs[rows], total[rows], slots[rows]
-            self.state.soft[keep] = self.model.soft_embed(probs, total)
+            rows = None if bool(going.all()) else going.nonzero().squeeze(1).to(self.device)
+            keep = slots if rows is None else slots[rows]
+            self.state.soft[keep] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:
