@@ -117,7 +117,10 @@ class Experts(nn.Module):
     def grouped(self, x: torch.Tensor) -> bool:
         """Grouped products wherever torch has them: they need no host sync, and on this CPU they
         measured faster than per-expert oneDNN products in float32 as well (docs/benchmarks.md,
-        "MoE: grouped against per-expert products")."""
+        "MoE: grouped against per-expert products"). Training (the demo's) takes the per-expert
+        products: the grouped op has no backward."""
+        if torch.is_grad_enabled() and self.gate_up.requires_grad:
+            return False
         return self.groupable and (torch.compiler.is_compiling() or has_grouped_mm(x.device, x.dtype))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
