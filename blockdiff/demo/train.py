@@ -40,7 +40,7 @@ from blockdiff.model.interface import layer_kinds
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.loader import load_model
 from blockdiff.model.saver import save_weights
-from blockdiff.model.tiny import EOS, PAD, TinySpec, config_dict, generation_config_dict, vision_tensors
+from blockdiff.model.tiny import EOS, PAD, TinySpec, config_dict, generation_config_dict
 from blockdiff.tokenizer import Tokenizer
 
 
@@ -250,7 +250,7 @@ def save_checkpoint(model: DiffusionGemma, cfg: TrainConfig, out_dir: str, repor
         json.dump(config_dict(spec), f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(generation_config_dict(spec), f, indent=2)
-    save_weights(model, out_dir, vision_tensors(spec.hidden_size, seed=cfg.seed))
+    save_weights(model, out_dir)  # the model's own (untrained) vision tower included: transformers loads it
     save_char_tokenizer(out_dir)
     with open(os.path.join(out_dir, "blockdiff_demo.json"), "w") as f:
         json.dump({"train_config": asdict(cfg), **(report or {})}, f, indent=2)

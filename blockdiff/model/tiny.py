@@ -259,12 +259,6 @@ def _random_fns(g: torch.Generator):
     return normal, around_one
 
 
-def vision_tensors(text_hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random tensors of the small vision tower that `config_dict` declares. blockdiff ignores them;
-    they let transformers load a text-only checkpoint with no missing keys."""
-    return _vision_tensors(text_hidden, *_random_fns(torch.Generator().manual_seed(seed)))
-
-
 def _vision_tensors(text_hidden: int, normal, around_one, v: dict = VISION) -> dict[str, torch.Tensor]:
     vh, vi, hd = v["hidden_size"], v["intermediate_size"], v["head_dim"]
     heads, kv = v["num_attention_heads"], v["num_key_value_heads"]
