@@ -46,6 +46,18 @@ def test_tokenize_messages_gives_the_ids_the_chat_endpoint_prompts_with(server):
     assert text.startswith("<bos>") and "sort: 3 1 2" in text
 
 
+def test_tokenize_messages_with_tools_counts_what_the_chat_endpoint_prompts_with(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    count = _post(server, "/tokenize", {"messages": CHAT, "tools": tools}).json()["count"]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    answer = client.chat.completions.create(model="demo", messages=CHAT, tools=tools, max_tokens=8, seed=0)
+    assert answer.usage.prompt_tokens == count
+    r = _post(server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"no_such_variable": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    assert "no_such_variable" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/detokenize", {"tokens": [5, 100000]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
@@ -56,6 +68,7 @@ def test_tokenize_messages_gives_the_ids_the_chat_endpoint_prompts_with(server):
     ("/tokenize", {}, "messages"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"prompt": "a", "tools": []}, "tools"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("/tokenize", {"prompt": "a", "tokens": [1]}, "tokens"),
 ])

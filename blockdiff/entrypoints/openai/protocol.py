@@ -313,6 +313,8 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template writes BOS)
     add_generation_prompt: bool | None = None  # messages only; default true
     continue_final_message: bool | None = None  # messages only; default false
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # messages only, as the chat endpoint's
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only, as the chat endpoint's
     return_token_strs: bool | None = None
 
 

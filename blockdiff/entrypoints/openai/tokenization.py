@@ -7,7 +7,7 @@ from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.entrypoints.openai.serving import OpenAIServing
 
-_CHAT_ONLY = ("add_generation_prompt", "continue_final_message")
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")
 
 
 class OpenAIServingTokenization:
@@ -34,7 +34,8 @@ class OpenAIServingTokenization:
                 raise APIError(400, "continue_final_message is not supported: the chat template closes every message",
                                param="continue_final_message")
             generation = True if req.add_generation_prompt is None else req.add_generation_prompt
-            ids = self.serving._chat_prompt(req.messages, "tokenize", add_generation_prompt=generation)
+            ids = self.serving._chat_prompt(req.messages, "tokenize", add_generation_prompt=generation, tools=req.tools,
+                                            chat_template_kwargs=req.chat_template_kwargs)
             tok = self.tokenizer
             if req.add_special_tokens and tok.add_bos and ids[:1] != [tok.bos_token_id]:  # on top of the template's
                 ids = [tok.bos_token_id, *ids]
