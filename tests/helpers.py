@@ -24,6 +24,46 @@ def load_hf(path: str, dtype=torch.float32, **kwargs):
     return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, **kwargs).to(DEVICE).eval()
 
 
+class Oracle:
+    """transformers' encoder and decoder, driven the way its generate() drives them."""
+
+    def __init__(self, hf):
+        from transformers.cache_utils import DynamicCache
+
+        self.hf = hf
+        self.cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
+        self.length = 0
+
+    @torch.no_grad()
+    def encode(self, ids: list[int], pixels: dict | None = None, image_token_id: int | None = None) -> None:
+        """`pixels`: the image processor's output for the `image_token_id` placeholders among `ids`;
+        their tokens then attend to each other (the mask generate() builds from mm_token_type_ids)."""
+        n = len(ids)
+        pos = torch.arange(self.length, self.length + n, device=DEVICE)[None]
+        input_ids = torch.tensor([ids], device=DEVICE)
+        extra = {}
+        if pixels is not None:
+            extra = dict(pixel_values=pixels["pixel_values"].to(DEVICE), image_position_ids=pixels["image_position_ids"].to(DEVICE))
+            extra["attention_mask"] = self.hf.model.encoder.create_masks_for_generate(
+                config=self.hf.config, inputs_embeds=torch.empty(1, n, 0, device=DEVICE),
+                attention_mask=torch.ones(1, self.length + n, dtype=torch.bool, device=DEVICE), past_key_values=self.cache,
+                position_ids=pos, mm_token_type_ids=(input_ids == image_token_id).long(),
+            )
+        self.hf.model.encoder(input_ids=input_ids, past_key_values=self.cache, position_ids=pos, **extra)
+        self.length += n
+
+    @torch.no_grad()
+    def decode(self, canvas: list[int], sc_logits: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(self.length, self.length + len(canvas), device=DEVICE)[None]
+        out = self.hf(
+            decoder_input_ids=torch.tensor([canvas], device=DEVICE),
+            past_key_values=self.cache,
+            decoder_position_ids=pos,
+            self_conditioning_logits=None if sc_logits is None else sc_logits[None],
+        )
+        return out.logits[0]
+
+
 def hf_generate_with_draft(hf, prompt: list[int], draft: list[int], **kwargs) -> list[int]:
     """transformers' generate with canvas k seeded from draft[k*CL:(k+1)*CL] (noise past the draft)."""
     cl = hf.config.canvas_length

@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 from fp8_oracle import load_fp8_oracle
-from helpers import Harness, rel_err
+from helpers import Harness, Oracle, rel_err
 from safetensors.torch import load_file, save_file
-from test_parity import Oracle, _tokens
+from test_parity import _tokens
 
 from blockdiff.entrypoints.cli import main as cli
 from blockdiff.model.loader import load_model

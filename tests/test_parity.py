@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, Harness, load_hf, rel_err
-from transformers.cache_utils import DynamicCache
+from helpers import DEVICE, Harness, Oracle, load_hf, rel_err
 
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.model.loader import load_model
@@ -19,32 +18,6 @@ BF16_TOL = 1e-1
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-class Oracle:
-    """transformers driven the way its generate() drives it."""
-
-    def __init__(self, hf):
-        self.hf = hf
-        self.cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
-        self.length = 0
-
-    @torch.no_grad()
-    def encode(self, ids: list[int]) -> None:
-        pos = torch.arange(self.length, self.length + len(ids), device=DEVICE)[None]
-        self.hf.model.encoder(input_ids=torch.tensor([ids], device=DEVICE), past_key_values=self.cache, position_ids=pos)
-        self.length += len(ids)
-
-    @torch.no_grad()
-    def decode(self, canvas: list[int], sc_logits: torch.Tensor | None = None) -> torch.Tensor:
-        pos = torch.arange(self.length, self.length + len(canvas), device=DEVICE)[None]
-        out = self.hf(
-            decoder_input_ids=torch.tensor([canvas], device=DEVICE),
-            past_key_values=self.cache,
-            decoder_position_ids=pos,
-            self_conditioning_logits=None if sc_logits is None else sc_logits[None],
-        )
-        return out.logits[0]
 
 
 def _pair(path: str, dtype=torch.float32):

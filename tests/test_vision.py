@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import Harness, load_hf, rel_err
+from helpers import Harness, Oracle, load_hf, rel_err
 from PIL import Image
 from rank_checks import image_prompt_logits
 from transformers import AutoImageProcessor
-from transformers.cache_utils import DynamicCache
 
 from blockdiff.model.loader import load_model
 from blockdiff.model.tiny import BOI, EOI, IMAGE
@@ -76,35 +75,6 @@ def test_soft_tokens_equal_transformers(mm, size):
     assert rel_err(got, want) <= FP32_TOL
 
 
-class Oracle:
-    """transformers' encoder and decoder, called as its generate() calls them."""
-
-    def __init__(self, hf):
-        self.hf = hf
-        self.cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
-        self.length = 0
-
-    @torch.no_grad()
-    def encode(self, ids: list[int], pixels=None) -> None:
-        n = len(ids)
-        pos = torch.arange(self.length, self.length + n)[None]
-        extra, mm_types = {}, None
-        if pixels is not None:
-            extra = dict(pixel_values=pixels["pixel_values"], image_position_ids=pixels["image_position_ids"])
-            mm_types = (torch.tensor([ids]) == IMAGE).long()
-        masks = self.hf.model.encoder.create_masks_for_generate(
-            config=self.hf.config, inputs_embeds=torch.empty(1, n, 0), attention_mask=torch.ones(1, self.length + n, dtype=torch.bool),
-            past_key_values=self.cache, position_ids=pos, mm_token_type_ids=mm_types,
-        )
-        self.hf.model.encoder(input_ids=torch.tensor([ids]), attention_mask=masks, past_key_values=self.cache, position_ids=pos, **extra)
-        self.length += n
-
-    @torch.no_grad()
-    def decode(self, canvas: list[int]) -> torch.Tensor:
-        pos = torch.arange(self.length, self.length + len(canvas))[None]
-        return self.hf(decoder_input_ids=torch.tensor([canvas]), past_key_values=self.cache, decoder_position_ids=pos).logits[0]
-
-
 def _canvas(seed: int) -> list[int]:
     return torch.randint(3, VISION_SPEC["vocab_size"], (8,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -116,7 +86,7 @@ def test_logits_of_a_prompt_with_two_images_equal_transformers(mm):
     first, second = _canvas(5), _canvas(6)
     ours, ref = Harness(load_model(mm)), Oracle(load_hf(mm))
     ours.encode(ids, image_inputs(per_image, ids), tuple(spans))
-    ref.encode(ids, out)
+    ref.encode(ids, out, IMAGE)
     assert rel_err(ours.decode(first), ref.decode(first)) <= FP32_TOL
     # a committed canvas is causal (transformers drops mm_token_type_ids after the prompt)
     ours.encode(first)

@@ -40,26 +40,21 @@ def at_least(minimum: int):
     return parse
 
 
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
+def positive(what: str):
+    """argparse type: a finite number > 0; `what` names it in errors and in argparse's own."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a {what} > 0, got {text}")
+        return value
+
+    parse.__name__ = what
+    return parse
 
 
-positive_seconds.__name__ = "seconds"
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
-
-
-positive_float.__name__ = "number"
+positive_seconds = positive("number of seconds")
+positive_float = positive("number")
 
 
 def port(text: str) -> int:
