@@ -113,8 +113,13 @@ GEMMA4_STYLE = """\
             {{- '<|tool_call>call:' + c['function']['name'] + arg(c['function']['arguments']) + '<tool_call|>' -}}
             {%- set ns.open = true -%}
         {%- endfor -%}
-        {%- set text = m['content'] or '' -%}
-        {{- (text.split('<channel|>') | last if role == 'model' else text) | trim -}}
+        {%- if m['content'] is string or not m['content'] -%}
+            {%- set text = m['content'] or '' -%}
+            {{- (text.split('<channel|>') | last if role == 'model' else text) | trim -}}
+        {%- else -%}{%- for part in m['content'] -%}
+            {%- if part['type'] == 'image' -%}{{- '\\n\\n<|image|>\\n\\n' -}}
+            {%- elif part['type'] == 'text' -%}{{- part['text'] | trim -}}{%- endif -%}
+        {%- endfor -%}{%- endif -%}
         {%- if not ns.open -%}{{- '<turn|>\\n' -}}{%- endif -%}
     {%- endif -%}
 {%- endfor -%}
@@ -178,3 +183,57 @@ def test_template_errors_are_value_errors(tokenizer_dir):
     tok = Tokenizer.from_pretrained(tokenizer_dir, chat_template=GEMMA4_STYLE)
     with pytest.raises(ValueError, match="system messages must come first"):
         tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
+
+
+PIXEL = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+# Conversations with images in OpenAI's format, as a client sends them.
+IMAGE_CONVERSATIONS = {
+    "one_image": [{"role": "user", "content": [{"type": "text", "text": "what is this? "}, {"type": "image_url", "image_url": {"url": PIXEL}}]}],
+    "two_images_two_turns": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": PIXEL}}, {"type": "text", "text": "and"},
+                                     {"type": "image_url", "image_url": PIXEL}]},
+        {"role": "assistant", "content": "two pixels"},
+        {"role": "user", "content": [{"type": "text", "text": " compare "}, {"type": "image_url", "image_url": {"url": PIXEL}}]},
+    ],
+    "image_only": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": PIXEL}}]}],
+}
+
+
+@pytest.fixture(scope="module", params=["gemma4_style", "tiny_vision"])
+def image_pair(request, tmp_path_factory, tokenizer_dir):
+    """(blockdiff's tokenizer, transformers' tokenizer) of a template that renders image parts: the
+    Gemma-4-style one on the demo tokenizer, and make-tiny-model --vision's with its image tokens."""
+    from transformers import AutoTokenizer
+
+    from blockdiff.model.tiny import write_tokenizer
+
+    if request.param == "gemma4_style":
+        path, template = tokenizer_dir, GEMMA4_STYLE
+    else:
+        path, template = str(tmp_path_factory.mktemp("vision-tokenizer")), None
+        write_tokenizer(path, 300, vision=True)
+    ours = Tokenizer.from_pretrained(path, chat_template=template)
+    theirs = AutoTokenizer.from_pretrained(path)
+    theirs.chat_template = ours.chat_template
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name", IMAGE_CONVERSATIONS)
+def test_image_conversations_match_transformers(image_pair, name):
+    """The messages blockdiff's chat path renders (image parts split off by split_chat_images, the one
+    the server and LLM.chat use) give the text and ids transformers renders from the same conversation."""
+    from blockdiff.engine.images import MediaPolicy, fetch_url, split_chat_images
+
+    ours, theirs = image_pair
+    messages = IMAGE_CONVERSATIONS[name]
+    rendered, images = split_chat_images(messages, lambda url, what: fetch_url(url, MediaPolicy(), 1 << 20, what))
+    assert len(images) == sum(isinstance(m["content"], list) and sum(p["type"] == "image_url" for p in m["content"]) for m in messages)
+    assert all(image.startswith(b"\x89PNG") for image in images)
+    # transformers' template reads an image part as {"type": "image"}, as Gemma 4's processor passes it
+    oracle = [{**m, "content": [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]}
+              if isinstance(m["content"], list) else m for m in messages]
+    text = ours.apply_chat_template(rendered)
+    assert text == theirs.apply_chat_template(oracle, tokenize=False, add_generation_prompt=True)
+    assert text.count("image") >= len(images)
+    ids = theirs.apply_chat_template(oracle, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ours.encode_chat(rendered) == list(ids)

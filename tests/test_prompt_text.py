@@ -58,3 +58,18 @@ def test_offline_api_warns_and_refuses_alike(caplog):
             with pytest.raises(ValueError, match="prompt is empty"):
                 llm.generate(empty, use_tqdm=False)
         assert not llm.engine.has_unfinished()  # nothing of a refused batch was left behind
+
+
+def test_chat_text_parts_read_as_one_string():
+    """OpenAI clients send content as a list of text parts; the demo template reads strings, so the
+    parts must reach it joined (they once rendered as an empty message) and other parts are refused."""
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    with LLM(max_model_len=64) as llm:
+        plain = llm.chat([{"role": "user", "content": "sort: 3 1 2"}], greedy, use_tqdm=False)[0]
+        parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "sort: "}, {"type": "text", "text": "3 1 2"}]}],
+                         greedy, use_tqdm=False)[0]
+        assert parts.prompt_token_ids == plain.prompt_token_ids
+        assert parts.token_ids == plain.token_ids
+        with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]: 'input_audio' parts are not supported"):
+            llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "input_audio"}]}], use_tqdm=False)
+        assert not llm.engine.has_unfinished()

@@ -176,6 +176,11 @@ def split_chat_images(messages: list[dict], fetch) -> tuple[list[dict], list]:
         if not isinstance(content, list):
             rendered.append(message)
             continue
+        if not any(isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES for part in content):
+            # Text parts read as one string, as the server and vLLM give them to templates that read
+            # strings (a template that loops over parts would otherwise be the only kind to see them).
+            rendered.append({**message, "content": _joined_text(i, content)})
+            continue
         parts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
@@ -194,3 +199,13 @@ def split_chat_images(messages: list[dict], fetch) -> tuple[list[dict], list]:
             parts.append({"type": "image"})
         rendered.append({**message, "content": parts})
     return rendered, images
+
+
+def _joined_text(i: int, parts: list) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"messages[{i}].content[{j}]: {kind!r} parts are not supported; this model reads text and images")
+        texts.append(part["text"])
+    return "".join(texts)
