@@ -2,7 +2,7 @@
 
 On x86 CPUs PyTorch sends float32 `F.linear` to MKL's sgemm, which takes an AVX2 path on AMD
 processors; oneDNN's float32 kernel uses AVX-512 where the CPU has it and runs the same products
-about twice as fast (docs/benchmarks.md). It is full float32 arithmetic, like sgemm. Like sgemm it
+about twice as fast (docs/benchmarks.md), so it is used where the CPU has AVX-512. It is full float32 arithmetic, like sgemm. Like sgemm it
 computes a row the same way wherever it sits in a product whose row count is a multiple of 8, which
 keeps requests batch-invariant (see ROW_ALIGN in model/attention.py).
 Everything else (GPUs, reduced precision, where oneDNN is missing, training, and code traced by
@@ -20,11 +20,14 @@ import platform
 import torch
 import torch.nn.functional as F
 
-_ONEDNN_FP32 = (
+_ONEDNN_AVAILABLE = (
     torch.backends.mkldnn.is_available()
     and platform.machine().lower() in ("x86_64", "amd64")
     and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 )
+# Only with AVX-512 is oneDNN the faster kernel: on an AVX2-only CPU whole generations took 0.95x the
+# time with MKL and SDPA instead (benchmarks/onednn_products.py, docs/benchmarks.md).
+_ONEDNN_FP32 = _ONEDNN_AVAILABLE and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def onednn_float32(x: torch.Tensor) -> bool:
