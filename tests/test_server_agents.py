@@ -1,9 +1,7 @@
-"""Tool calls and thinking through the real server and the official `openai` client.
-
-Two real models: the bundled demo model, once it has been taught the weather tool and thinking
-(blockdiff/demo/tasks.py, docs/demo.md), whose calls and thoughts the Gemma 4 parsers read; and the
-demo model's weights with the Gemma 4 tokenizer and template but never taught the tool (grown by
-`train-demo --init-from` without training), which does not comply with a forced tool_choice.
+"""Tool calls and thinking through the real server and the official `openai` client, from the bundled
+demo model, which was taught the weather tool and thinking (blockdiff/demo/tasks.py, docs/demo.md):
+the Gemma 4 parsers read its calls and thoughts; asked a question that needs no tool, it answers in
+text, which a forced tool_choice refuses.
 """
 
 from __future__ import annotations
@@ -14,19 +12,11 @@ import openai
 import pytest
 from server_process import ServerProcess
 
-from blockdiff.demo import demo_checkpoint
 from blockdiff.demo.tasks import WEATHER_TOOL
-from blockdiff.demo.train import TrainConfig, grown_from, save_checkpoint
-from blockdiff.tokenizer import Tokenizer
 
 GREEDY = dict(temperature=0, seed=0, max_tokens=48)
 WEATHER = [{"role": "user", "content": "weather in Paris"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-TAUGHT = Tokenizer.from_pretrained(demo_checkpoint()).token_to_id("<|tool_call>") is not None
-taught = pytest.mark.skipif(not TAUGHT, reason="the bundled demo checkpoint has not been taught the tool task yet "
-                                               "(its tokenizer has no Gemma 4 tokens; docs/demo.md)")
 
 
 def _client(proc: ServerProcess) -> openai.OpenAI:
@@ -36,17 +26,6 @@ def _client(proc: ServerProcess) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     proc = ServerProcess(None, "--max-model-len", "512", log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
-    yield _client(proc)
-    proc.close()
-
-
-@pytest.fixture(scope="module")
-def untaught(tmp_path_factory):
-    """The demo weights with the Gemma 4 tokenizer and template, the new tokens' embeddings random."""
-    cfg = TrainConfig(init_from=demo_checkpoint())
-    path = save_checkpoint(grown_from(cfg.init_from, cfg.spec, cfg.seed), cfg, str(tmp_path_factory.mktemp("untaught")))
-    proc = ServerProcess(path, "--served-model-name", "demo", "--max-model-len", "512",
-                         log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
     yield _client(proc)
     proc.close()
 
@@ -67,7 +46,6 @@ def assert_weather_call(call, city: str) -> None:
     assert json.loads(call.function.arguments) == {"city": city}
 
 
-@taught
 @pytest.mark.parametrize("tool_choice", [None, "auto", "required", NAMED], ids=["default", "auto", "required", "named"])
 def test_tool_call(client, tool_choice):
     kw = {} if tool_choice is None else {"tool_choice": tool_choice}
@@ -78,7 +56,6 @@ def test_tool_call(client, tool_choice):
     assert_weather_call(choice.message.tool_calls[0], "Paris")
 
 
-@taught
 def test_tool_call_streaming(client):
     deltas, reasons = stream(client, [{"role": "user", "content": "weather in Lima"}], tools=[WEATHER_TOOL])
     calls = [c for d in deltas for c in d.tool_calls or []]
@@ -88,14 +65,12 @@ def test_tool_call_streaming(client):
     assert reasons[-1] == "tool_calls" and reasons[:-1] == [None] * (len(reasons) - 1)
 
 
-@taught
 def test_tool_choice_none_reads_no_calls(client):
     r = chat(client, WEATHER, tools=[WEATHER_TOOL], tool_choice="none")
     assert r.choices[0].message.tool_calls == [] and r.choices[0].finish_reason == "stop"
     assert "call:get_weather{" in r.choices[0].message.content  # the call, left as text
 
 
-@taught
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole", "stream"])
 def test_tool_result_is_answered(client, streaming):
     first = chat(client, WEATHER, tools=[WEATHER_TOOL]).choices[0].message
@@ -111,35 +86,36 @@ def test_tool_result_is_answered(client, streaming):
 
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
-def test_forced_tool_choice_errors_when_the_model_answers_in_text(untaught, tool_choice):
-    """The untaught model answers in text, so a forced tool_choice cannot be met: a 422 quoting the
-    text (greedy: the same text as without the forced choice), never the text passed off as an
-    answer; streamed, no text is sent and an error event ends the stream."""
-    question = [{"role": "user", "content": "weather in Paris"}]
-    free = chat(untaught, question, tools=[WEATHER_TOOL]).choices[0]
+def test_forced_tool_choice_errors_when_the_model_answers_in_text(client, tool_choice):
+    """A question that needs no tool is answered in text, so a forced tool_choice cannot be met: a
+    422 quoting the text (greedy: the same text as without the forced choice), never the text passed
+    off as an answer; streamed, no text is sent and an error event ends the stream."""
+    question = [{"role": "user", "content": "sort: 3 1 2"}]
+    free = chat(client, question, tools=[WEATHER_TOOL]).choices[0]
     assert free.message.tool_calls == [] and free.message.content.strip()
     with pytest.raises(openai.UnprocessableEntityError) as e:
-        chat(untaught, question, tools=[WEATHER_TOOL], tool_choice=tool_choice)
+        chat(client, question, tools=[WEATHER_TOOL], tool_choice=tool_choice)
     assert e.value.body["code"] == "tool_choice_not_followed" and e.value.body["param"] == "tool_choice"
     assert repr(free.message.content.strip()[:80])[:-1] in e.value.body["message"]
     deltas = []
     with pytest.raises(openai.APIError, match="tool_choice requires a call to 'get_weather'"):
-        for chunk in chat(untaught, question, tools=[WEATHER_TOOL], tool_choice=tool_choice, stream=True):
+        for chunk in chat(client, question, tools=[WEATHER_TOOL], tool_choice=tool_choice, stream=True):
             deltas += [c.delta for c in chunk.choices]
     assert not "".join(d.content or "" for d in deltas)
 
 
-@taught
-def test_forced_tool_choice_refuses_a_call_to_another_tool(client):
-    """The model only knows get_weather; named get_time is asked for, so its call breaks the rule."""
+def test_named_choice_of_a_tool_the_model_never_learned_is_refused(client):
+    """The model only knows get_weather; named get_time is asked for, so what it writes breaks the rule:
+    a 422, never passed on. (It writes a get_weather call, garbled: a second declared tool is new to
+    it, so the test does not depend on which of the two refusals, a call to another tool or text, it is.)"""
     time_tool = {"type": "function", "function": {"name": "get_time", "description": "Time of a city",
                                                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
     tool_choice = {"type": "function", "function": {"name": "get_time"}}
-    with pytest.raises(openai.UnprocessableEntityError, match="called 'get_weather'"):
+    with pytest.raises(openai.UnprocessableEntityError, match=r"requires a call to 'get_time', but the model ") as e:
         chat(client, WEATHER, tools=[WEATHER_TOOL, time_tool], tool_choice=tool_choice)
+    assert e.value.body["code"] == "tool_choice_not_followed"
 
 
-@taught
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole", "stream"])
 def test_thinking_on_and_off(client, streaming):
     question = [{"role": "user", "content": "reverse: block"}]
@@ -157,8 +133,7 @@ def test_thinking_on_and_off(client, streaming):
         assert (text, thought) == ("kcolb", reasoning)
 
 
-def test_bad_tool_requests_are_400(untaught):
-    client = untaught
+def test_bad_tool_requests_are_400(client):
     cases = [
         (dict(extra_body={"chat_template_kwargs": {"enable_thinking": True, "thinking_budget": 5}}), "does not read thinking_budget"),
         (dict(extra_body={"chat_template_kwargs": {"tools": []}}), "may not set tools"),

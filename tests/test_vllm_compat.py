@@ -15,7 +15,7 @@ CHAT = [{"role": "user", "content": "sort: 3 1 2"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "96", log_path=str(tmp_path_factory.mktemp("vllm") / "server.log"))
+    proc = ServerProcess(None, "--max-model-len", "256", log_path=str(tmp_path_factory.mktemp("vllm") / "server.log"))
     yield proc
     proc.close()
 
@@ -27,7 +27,7 @@ def _post(server, path: str, body: dict, **kw) -> httpx.Response:
 def test_tokenize_and_detokenize_round_trip_a_prompt(server):
     plain = _post(server, "/tokenize", {"model": "demo", "prompt": "reverse: block", "add_special_tokens": False,
                                         "return_token_strs": True}).json()
-    assert plain["count"] == len(plain["tokens"]) > 0 and plain["max_model_len"] == 96
+    assert plain["count"] == len(plain["tokens"]) > 0 and plain["max_model_len"] == 256
     assert "".join(plain["token_strs"]) == "reverse: block"  # the demo's vocabulary is one character a token
     assert _post(server, "/detokenize", {"model": "demo", "tokens": plain["tokens"]}).json() == {"prompt": "reverse: block"}
     special = _post(server, "/tokenize", {"prompt": "reverse: block"}).json()  # add_special_tokens defaults to true

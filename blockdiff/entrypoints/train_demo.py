@@ -27,18 +27,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", default=None, metavar="CHECKPOINT",
                    help="start from this demo checkpoint's weights (tokens added since keep random embeddings) "
                         "instead of random weights: a fine-tune")
+    p.add_argument("--tasks", default=",".join(d.tasks), metavar="TASK,...",
+                   help="the tasks to draw, in equal shares; name a task twice to draw it twice as often")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from blockdiff.demo.tasks import AGENT_TASKS, TASKS
     from blockdiff.demo.train import TrainConfig, train_and_save
 
     if not args.lr > 0:
         raise ValueError(f"lr must be > 0, got {args.lr}")
     if args.init_from is not None and not os.path.isfile(os.path.join(args.init_from, "config.json")):
         raise ValueError(f"--init-from {args.init_from!r} is not a checkpoint directory (no config.json)")
+    tasks = tuple(t.strip() for t in args.tasks.split(","))
+    unknown = sorted(set(tasks) - set(TASKS + AGENT_TASKS))
+    if unknown:
+        raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)}; the tasks are {', '.join(TASKS + AGENT_TASKS)}")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, warmup=args.warmup,
-                      init_from=args.init_from)
+                      init_from=args.init_from, tasks=tasks)
     report = train_and_save(cfg, args.out)
     print(json.dumps(report, indent=2))
     print(f"wrote {os.path.abspath(args.out)}")
