@@ -117,3 +117,14 @@ def test_checkpoint_files_get_the_umask_mode(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(os.path.join(path, "model.safetensors")).st_mode) == 0o644
+
+
+def test_train_demo_tasks_flag(tmp_path):
+    """--tasks reaches the training record, a repeated name weights its task, an unknown one is an error."""
+    out = tmp_path / "ckpt"
+    done = _blockdiff("train-demo", "--steps", "1", "--batch-size", "2", "--tasks", "think,think,sort", "--out", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "blockdiff_demo.json").read_text())["train_config"]["tasks"] == ["think", "think", "sort"]
+    bad = _blockdiff("train-demo", "--steps", "1", "--tasks", "sort,nope", "--out", str(out), timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: --tasks: unknown task(s) nope; the tasks are sort, ")
