@@ -93,7 +93,10 @@ def test_ctrl_c_during_generate_is_one_line():
     proc = subprocess.Popen([sys.executable, "-m", "blockdiff", "generate", "--chat", "--max-tokens", "512",
                              "--ignore-eos", "--max-num-seqs", "64", *prompts],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            # As a command typed in a terminal: a pytest started in the background
+                            # ignores SIGINT, and its children would inherit that.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = ""
     while "Generating" not in seen:  # the progress bar: the model is loaded and requests run
         chunk = proc.stderr.read(1)
