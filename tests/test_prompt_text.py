@@ -72,4 +72,7 @@ def test_chat_text_parts_read_as_one_string():
         assert parts.token_ids == plain.token_ids
         with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]: 'input_audio' parts are not supported"):
             llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "input_audio"}]}], use_tqdm=False)
+        with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]: 'input_audio' parts are not supported"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "input_audio"}]}],
+                     use_tqdm=False)
         assert not llm.engine.has_unfinished()

@@ -99,6 +99,13 @@ def test_bad_images_are_400s_naming_the_problem_and_the_server_stays_up(mm, serv
         ("local", server, _messages(f"file://{tmp_path}/a.png"), "--allowed-local-media-path"),
         ("not-an-image", server, _messages("data:text/plain;base64," + base64.b64encode(b"hello").decode()),
          "type 'text/plain' is not an image"),
+        ("audio", server, [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "input_audio"}]}],
+         "messages[0].content[1]: 'input_audio' parts are not supported"),
+        ("audio-beside-an-image", server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ok}},
+                                                                         {"type": "input_audio"}]}],
+         "messages[0].content[1]: 'input_audio' parts are not supported"),
+        ("text-part-without-text", server, [{"role": "user", "content": [{"type": "text"}]}],
+         "messages[0].content[0]: a 'text' part needs a string 'text' field"),
     ]
     text_server = ServerProcess(str(text_only), "--served-model-name", MODEL, log_path=str(tmp_path / "text.log"))
     try:

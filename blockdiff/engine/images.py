@@ -168,24 +168,18 @@ IMAGE_PART_TYPES = ("image_url", "image", "image_pil")
 
 
 def split_chat_images(messages: list[dict], fetch) -> tuple[list[dict], list]:
-    """Messages in vLLM's / OpenAI's format -> (the messages for the chat template, each image part
-    as {"type": "image"}; the images in order). `fetch(url, what)` turns an image URL into bytes."""
+    """Messages in vLLM's / OpenAI's format -> (the messages for the chat template, content as
+    `template_content` gives it; the images in order). `fetch(url, what)` turns an image URL into bytes."""
     rendered, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
             rendered.append(message)
             continue
-        if not any(isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES for part in content):
-            # Text parts read as one string, as the server and vLLM give them to templates that read
-            # strings (a template that loops over parts would otherwise be the only kind to see them).
-            rendered.append({**message, "content": _joined_text(i, content)})
-            continue
-        parts = []
+        rendered.append({**message, "content": template_content(i, content)})
         for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
+            kind = part["type"]
             if kind not in IMAGE_PART_TYPES:
-                parts.append(part)
                 continue
             what = f"messages[{i}].content[{j}]"
             value = part.get(kind)
@@ -196,16 +190,25 @@ def split_chat_images(messages: list[dict], fetch) -> tuple[list[dict], list]:
                 raise ImageError(f"{what}: an {kind!r} part needs its {kind!r} field")
             else:
                 images.append(value)
-            parts.append({"type": "image"})
-        rendered.append({**message, "content": parts})
     return rendered, images
 
 
-def _joined_text(i: int, parts: list) -> str:
-    texts = []
+def template_content(i: int, parts: list) -> str | list[dict]:
+    """Message i's content parts as the chat template reads them. Without images, the text parts
+    joined into one string, as vLLM gives them to templates that read strings (a template that loops
+    over parts would otherwise be the only kind to see them); with images, the text parts as they
+    are and each image as {"type": "image"}. Any other part is a ValueError naming it."""
+    out = []
     for j, part in enumerate(parts):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in IMAGE_PART_TYPES:
+            out.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "text":
+            raise ValueError(f"messages[{i}].content[{j}]: a 'text' part needs a string 'text' field")
+        else:
             raise ValueError(f"messages[{i}].content[{j}]: {kind!r} parts are not supported; this model reads text and images")
-        texts.append(part["text"])
-    return "".join(texts)
+    if any(part["type"] == "image" for part in out):
+        return out
+    return "".join(part["text"] for part in out)

@@ -14,7 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
-from blockdiff.engine.images import IMAGE_PART_TYPES, split_chat_images
+from blockdiff.engine.images import IMAGE_PART_TYPES, split_chat_images, template_content
 from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
@@ -436,6 +436,8 @@ class OpenAIServing:
             return await asyncio.to_thread(load)
         except ImageError as e:
             raise APIError(400, str(e), param="messages", code="invalid_image") from None
+        except ValueError as e:  # a part that is neither text nor an image
+            raise APIError(400, str(e), param="messages") from None
 
     def _with_images(self, ids: list[int], images: list) -> tuple[list[int] | dict, list[list[int]]]:
         """-> (the engine's prompt, the prompt ids that usage counts: placeholders expanded)."""
@@ -457,14 +459,11 @@ class OpenAIServing:
         """A message as the chat template reads it: text parts joined, and the arguments of earlier
         tool calls as objects (vLLM decodes their JSON too, so templates can format each argument)."""
         message = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list) and any(part.type in IMAGE_PART_TYPES for part in m.content):
-            message["content"] = _template_parts(i, m.content)
-        elif isinstance(m.content, list):
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model "
-                                        "reads text", param="messages")
-            message["content"] = "".join(part.text for part in m.content)
+        if isinstance(message.get("content"), list):
+            try:
+                message["content"] = template_content(i, message["content"])
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
         message.setdefault("content", "")
         for k, call in enumerate(message.get("tool_calls", [])):
             try:
@@ -578,17 +577,3 @@ class OpenAIServing:
             p.ChatTokenLogprob(**entry(lp.token_id, lp.logprob), top_logprobs=[p.TopLogprob(**entry(t, v)) for t, v in lp.top.items()])
             for lp in lps
         ])
-
-
-def _template_parts(i: int, parts: list[p.ContentPart]) -> list[dict]:
-    """Message i's content parts for the chat template: text as it is, each image as {"type": "image"}."""
-    out = []
-    for part in parts:
-        if part.type in IMAGE_PART_TYPES:
-            out.append({"type": "image"})
-        elif part.type == "text" and part.text is not None:
-            out.append({"type": "text", "text": part.text})
-        else:
-            raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model reads text "
-                                "and images", param="messages")
-    return out
