@@ -456,8 +456,9 @@ class OpenAIServing:
         return len(prompt)
 
     def _template_message(self, i: int, m: p.ChatMessage) -> dict:
-        """A message as the chat template reads it: text parts joined, and the arguments of earlier
-        tool calls as objects (vLLM decodes their JSON too, so templates can format each argument)."""
+        """A message as the chat template reads it: content parts as `template_content` renders them,
+        and the arguments of earlier tool calls as objects (vLLM decodes their JSON too, so templates
+        can format each argument)."""
         message = m.model_dump(exclude_none=True)
         if isinstance(message.get("content"), list):
             try:
