@@ -26,6 +26,10 @@ class RequestOutput:
     metrics: dict
     logprobs: list[TokenLogprob] | None = None
     draft_token_ids: list[int] | None = None  # latest argmax canvas, when drafts are streamed
+    # With draft_details: that step's entropy per position (nats, of the temperature-scaled
+    # distribution) and whether it kept the sampled token there (False: renoised for the next step).
+    draft_entropy: list[float] | None = None
+    draft_accepted: list[bool] | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 

@@ -101,9 +101,11 @@ class _Params:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         _token_list(self, "stop_token_ids")
         _token_list(self, "draft")
-        for name in ("ignore_eos", "stream_drafts", "skip_special_tokens"):
+        for name in ("ignore_eos", "stream_drafts", "draft_details", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.draft_details and not self.stream_drafts:
+            raise ValueError("draft_details needs stream_drafts: true")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         _int(self, "logprobs", minimum=0)
@@ -160,6 +162,7 @@ SamplingParams = make_dataclass(
         ("draft", list[int] | None, None),  # token ids the canvases start from, canvas after canvas
         ("logprobs", int | None, None),  # top logprobs per token; 0 returns only the chosen token's logprob
         ("stream_drafts", bool, False),  # report the argmax canvas after every denoising step
+        ("draft_details", bool, False),  # with each draft, the step's entropy and accepted positions
         ("skip_special_tokens", bool, True),  # leave special tokens out of the text (vLLM's option)
         ("output_kind", str, "cumulative"),  # "cumulative", "delta" or "final_only" (see blockdiff.outputs)
         ("temperature", float | None, None),  # scales the t_min .. t_max schedule; 0: greedy

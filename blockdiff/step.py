@@ -33,6 +33,7 @@ class StepPlan:
     new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64
     denoise: DenoiseParams | None
     top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
+    draft_details: bool = False  # some canvas asks for its step's entropy and accepted positions
     images: ImageInputs | None = None  # the images of this step's prompt chunks (every rank encodes them)
 
 
@@ -43,3 +44,7 @@ class StepOutput:
     logprob: torch.Tensor | None  # [decoder rows, CL] logprob of each argmax token
     top_logprobs: torch.Tensor | None  # [decoder rows, CL, k]
     top_ids: torch.Tensor | None
+    # With plan.draft_details only: [decoder rows, CL] the step's entropy per position, and whether
+    # the step kept its sampled token there (False: renoised).
+    entropy: torch.Tensor | None = None
+    accepted: torch.Tensor | None = None

@@ -164,6 +164,7 @@ class LLMEngine:
             new_canvases=torch.stack(new_canvases) if new_canvases else torch.empty(0, cl, dtype=torch.long),
             denoise=denoise,
             top_logprobs=max((r.params.logprobs for r in sched.decoder if r.params.logprobs is not None), default=-1),
+            draft_details=any(r.params.draft_details for r in sched.decoder),
             images=images.inputs(),
         )
 

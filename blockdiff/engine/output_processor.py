@@ -21,6 +21,8 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     finished = out.finished.tolist()
     for i, req in enumerate(sched.decoder):
         req.denoised(out.argmax[i].tolist() if req.params.stream_drafts else None)
+        if req.params.draft_details:
+            req.draft_entropy, req.draft_accepted = out.entropy[i].tolist(), out.accepted[i].tolist()
         if not finished[i]:
             if req.params.stream_drafts:
                 news.append(req)
@@ -74,6 +76,8 @@ def make_output(req: Request) -> RequestOutput | None:
         metrics=req.metrics.as_dict(),
         logprobs=logprobs,
         draft_token_ids=req.draft_token_ids,
+        draft_entropy=req.draft_entropy,
+        draft_accepted=req.draft_accepted,
         error=req.error,
         num_cached_tokens=req.num_cached_prompt_tokens,
     )

@@ -104,6 +104,8 @@ class Request:
     steps_left: int = 0  # n of the canvas being denoised
     new_canvas: torch.Tensor | None = None  # the first input of a canvas not yet sent to the workers
     draft_token_ids: list[int] | None = None
+    draft_entropy: list[float] | None = None  # of the step that made the draft (params.draft_details)
+    draft_accepted: list[bool] | None = None
     finish_reason: str | None = None
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

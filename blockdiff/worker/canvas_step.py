@@ -60,6 +60,8 @@ class CanvasOutputs:
     finished: torch.Tensor  # [B] bool
     soft: torch.Tensor  # [B, CL, hidden] the next step's self-conditioning input
     logprob: torch.Tensor  # [B, CL] of each argmax token
+    entropy: torch.Tensor  # [B, CL] computed anyway; read back only for drafts that ask (draft_details)
+    accepted: torch.Tensor  # [B, CL] bool
 
 
 def canvas_step(
@@ -84,7 +86,8 @@ def canvas_step(
                        state.run.index_select(0, inputs.slots), inputs.params, vocab)
     # For every canvas, finished ones included: their slots are reset when the next canvas starts.
     soft_next = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
-    return CanvasOutputs(res.canvas, res.argmax, res.run, res.finished, soft_next, -res.dist.log_total)
+    return CanvasOutputs(res.canvas, res.argmax, res.run, res.finished, soft_next, -res.dist.log_total, res.entropy,
+                         res.accepted)
 
 
 def all_canvases(rows: list[Row]) -> bool:

@@ -119,6 +119,8 @@ class ModelRunner:
             logprob=None if logprob is None else logprob.cpu(),
             top_logprobs=None if top_lp is None else top_lp.cpu(),
             top_ids=None if top_ids is None else top_ids.cpu(),
+            entropy=res.entropy.cpu() if plan.draft_details else None,
+            accepted=res.accepted.cpu() if plan.draft_details else None,
         )
 
     def _canvas_step(self, plan: StepPlan) -> StepOutput:
@@ -136,4 +138,6 @@ class ModelRunner:
             logprob=out.logprob[:n].cpu() if plan.top_logprobs == 0 else None,
             top_logprobs=None,
             top_ids=None,
+            entropy=out.entropy[:n].cpu() if plan.draft_details else None,
+            accepted=out.accepted[:n].cpu() if plan.draft_details else None,
         )
