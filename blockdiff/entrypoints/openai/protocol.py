@@ -36,7 +36,8 @@ class StreamOptions(_Request):
 
 # Sampler fields a request may set directly (the diffusion extensions), typed as in SamplingParams:
 # every per-canvas field of the sampler-field table, and a few more.
-SAMPLER_EXTENSIONS = (*(f.name for f in PER_CANVAS_FIELDS), "ignore_eos", "draft", "stop_token_ids", "stream_drafts")
+SAMPLER_EXTENSIONS = (*(f.name for f in PER_CANVAS_FIELDS), "ignore_eos", "draft", "stop_token_ids", "stream_drafts",
+                      "draft_details")
 # OpenAI/vLLM sampling fields, passed to SamplingParams, which says what it supports.
 VLLM_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty")
 _hints = get_type_hints(SamplingParams)
@@ -276,6 +277,11 @@ class DraftChoice(BaseModel):
     denoising_steps: int  # steps of this request so far
     token_ids: list[int]  # the argmax canvas after the latest step
     text: str | None
+    # With draft_details: each token decoded alone, and per position the step's entropy (nats) and
+    # whether the step kept its sampled token (false: renoised).
+    tokens: list[str] | None = None
+    entropy: list[float] | None = None
+    accepted: list[bool] | None = None
 
 
 class DraftEvent(BaseModel):
@@ -295,6 +301,9 @@ class ModelCard(BaseModel):
     owned_by: str = "blockdiff"
     root: str
     max_model_len: int
+    canvas_length: int  # tokens denoised together
+    # Sampler fields as a request that leaves them unset gets them (max_tokens None: what fits)
+    sampling_defaults: dict[str, int | float | None]
 
 
 class ModelList(BaseModel):

@@ -18,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.config import EngineConfig
 from blockdiff.engine.engine import LLMEngine
-from blockdiff.entrypoints.openai import body, errors
+from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
@@ -27,6 +27,7 @@ from blockdiff.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                                    TokenizeResponse, now)
 from blockdiff.entrypoints.openai.serving import OpenAIServing
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
+from blockdiff.sampling_params import SAMPLER_FIELDS
 from blockdiff.startup import start_engine
 
 log = logging.getLogger(__name__)
@@ -135,12 +136,13 @@ class LimitClients(_Middleware):
 
 
 class RequireAPIKey(_Middleware):
-    """Bearer-token check on every path but /health (which probes call without credentials):
+    """Bearer-token check on every path but /health (which probes call without credentials) and the
+    playground's page and files (which hold nothing of the server's; the page sends the key):
     /metrics, /docs and /openapi.json describe the server and need the key too. Two Authorization
     headers are a 400, not "the last one wins"."""
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] != "/health" and scope["path"] not in playground.PUBLIC_PATHS:
             given = [value for name, value in scope["headers"] if name == b"authorization"]
             if len(given) > 1:
                 return await self.reject(send, 400, "more than one Authorization header", code="invalid_api_key")
@@ -157,6 +159,8 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
                             cfg.reasoning_parser)
     tokenization = OpenAIServingTokenization(serving)
+    # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
+    sampling_defaults = {f.name: engine.inputs.defaults[f.name] for f in SAMPLER_FIELDS}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -186,7 +190,8 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> ModelList:
         created = now()
-        return ModelList(data=[ModelCard(id=name, created=created, root=engine.cfg.model, max_model_len=engine.max_model_len)
+        return ModelList(data=[ModelCard(id=name, created=created, root=engine.cfg.model, max_model_len=engine.max_model_len,
+                                         canvas_length=engine.canvas_length, sampling_defaults=sampling_defaults)
                                for name in cfg.served_model_names])
 
     # Bodies are parsed by `body.BodyParser` (bounded, off the loop when large), not by FastAPI; the
@@ -206,6 +211,8 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
     async def detokenize(request: Request) -> DetokenizeResponse:
         return tokenization.detokenize(await parse(await request.body(), DetokenizeRequest))
+
+    playground.install(app, api_key_required=bool(cfg.api_key))
 
     # The last added runs first: check the key before reading any body. CountResponses wraps them all.
     app.add_middleware(LimitBody, limit=cfg.max_request_bytes, timeout=cfg.body_timeout)

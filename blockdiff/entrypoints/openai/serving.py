@@ -532,6 +532,9 @@ class OpenAIServing:
         ids = out.draft_token_ids or []
         choice = p.DraftChoice(index=index, canvas=out.metrics["canvases"], denoising_steps=out.metrics["denoising_steps"],
                                token_ids=ids, text=None if self.tokenizer is None else self.tokenizer.decode(ids))
+        if out.draft_entropy is not None:
+            choice.tokens = [self.token_text(t) for t in ids]
+            choice.entropy, choice.accepted = out.draft_entropy, out.draft_accepted
         return p.DraftEvent(id=fmt.id, object=fmt.draft_object, created=fmt.created, model=fmt.model, choices=[choice])
 
     async def _collect(self, stream: RequestStream, raw: Request) -> dict[int, RequestOutput] | None:
