@@ -8,10 +8,11 @@ import os
 _DOWNLOAD_HINT = "download it first with `hf download {repo}{dir_flag}`"
 
 
-def resolve_model(model: str | None, download_dir: str | None = None) -> str:
+def resolve_model(model: str | None, download_dir: str | None = None, what: str = "model") -> str:
     """-> a checkpoint directory. Hub ids are looked up in the cache only (`download_dir`, else
     HF_HUB_CACHE, else HF_HOME/hub): a server must not stall on a multi-GB download at startup.
-    Raises ValueError for what is neither a directory nor a cached hub id, saying how to get it."""
+    Raises ValueError for what is neither a directory nor a cached hub id, saying how to get it;
+    `what` names the argument in it."""
     if model is None:
         from blockdiff.demo import demo_checkpoint
 
@@ -19,7 +20,7 @@ def resolve_model(model: str | None, download_dir: str | None = None) -> str:
     if os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".json")):  # a config alone: dummy weights
         return model
     if not _looks_like_repo_id(model):
-        raise ValueError(f"model {model!r} is not a checkpoint directory, nor a Hugging Face id (org/name)")
+        raise ValueError(f"{what} {model!r} is not a checkpoint directory, nor a Hugging Face id (org/name)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -27,8 +28,17 @@ def resolve_model(model: str | None, download_dir: str | None = None) -> str:
         return snapshot_download(model, cache_dir=download_dir, local_files_only=True)
     except LocalEntryNotFoundError:
         hint = _DOWNLOAD_HINT.format(repo=model, dir_flag=f" --cache-dir {download_dir}" if download_dir else "")
-        raise ValueError(f"model {model!r} is not a local directory and not in the Hugging Face cache "
+        raise ValueError(f"{what} {model!r} is not a local directory and not in the Hugging Face cache "
                          f"({download_dir or _default_cache()}); {hint}") from None
+
+
+def resolve_tokenizer(tokenizer: str, download_dir: str | None = None) -> str:
+    """-> the directory of a tokenizer given apart from the model: as resolve_model finds it, and
+    holding the tokenizer.json that blockdiff reads."""
+    path = resolve_model(tokenizer, download_dir, what="tokenizer")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ValueError(f"tokenizer {tokenizer!r} has no tokenizer.json")
+    return path
 
 
 def _looks_like_repo_id(model: str) -> bool:

@@ -113,6 +113,7 @@ class LLM:
 
             bar = tqdm(total=len(requests), desc="Generating", unit="req")
         wanted = {r.request_id for r in requests}
+        committed = 0
         try:
             while len(results) < len(wanted):
                 for out in self.engine.step():
@@ -122,6 +123,12 @@ class LLM:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                # Requests end only after many canvases: the bar also moves with each committed one.
+                if bar is not None and committed != (now := sum(r.metrics.committed_tokens for r in requests)):
+                    committed = now
+                    rate = committed / max(bar.format_dict["elapsed"], 1e-3)
+                    bar.set_postfix_str(f"{committed} tokens committed, {rate:.1f} tok/s", refresh=False)
+                    bar.update(0)  # redraws at tqdm's own pace, not at every step
         except BaseException:
             for req in requests:
                 self.engine.abort(req.request_id)

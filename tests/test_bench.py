@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,7 +140,9 @@ def test_bench_serve(serve_run):
     saved = json.loads(result.read_text())
     assert saved["completed"] == 6 and saved["failed"] == 0
     assert saved["total_input_tokens"] == 6 * 6 and saved["total_output_tokens"] == 6 * 16
-    assert saved["output_lens"] == [16] * 6 and all(len(itl) == 1 for itl in saved["itls"])  # 2 canvases, 2 chunks
+    # Without --save-detailed, vLLM's per-request lists are left out (its latencies and queue times stay).
+    assert not {"input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts", "errors"} & set(saved)
+    assert len(saved["latencies"]) == len(saved["queue_times"]) == 6
     d = saved["diffusion"]
     # ignore_eos and a stability threshold no canvas reaches: 2 canvases per request, 3 steps each
     assert d["canvases"] == 12 and d["denoising_steps"] == 36 and d["denoising_steps_per_canvas"] == 3
@@ -153,33 +156,189 @@ def test_bench_plot(serve_run, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def _serve_args(*argv: str):
-    import argparse
-
+def _parse_serve_args(*argv: str):
     from blockdiff.bench.serve import add_arguments
+    from blockdiff.entrypoints.cli import Parser
 
-    p = argparse.ArgumentParser()
+    p = Parser()
     add_arguments(p)
-    return p.parse_args(["--dataset-name", "prefix-repetition", "--num-prompts", "6", "--prefix-repetition-prefix-len",
-                         "10", "--prefix-repetition-suffix-len", "4", "--prefix-repetition-num-prefixes", "2",
-                         "--prefix-repetition-output-len", "24", *argv])
+    return p.parse_args(list(argv))
+
+
+def _serve_args(*argv: str):
+    return _parse_serve_args("--dataset-name", "prefix-repetition", "--num-prompts", "6", "--prefix-repetition-prefix-len",
+                             "10", "--prefix-repetition-suffix-len", "4", "--prefix-repetition-num-prefixes", "2",
+                             "--prefix-repetition-output-len", "24", *argv)
 
 
 def test_prefix_repetition_prompts_share_prefixes_and_not_suffixes(tiny):
     from blockdiff.bench.datasets import special_token_ids
-    from blockdiff.bench.serve import make_prompts, output_len
+    from blockdiff.bench.serve import make_samples
 
-    args = _serve_args("--model", tiny)
-    prompts, lens = make_prompts(args)
-    assert lens == [14] * 6 and [len(p) for p in prompts] == lens and output_len(args) == 24
+    samples = make_samples(_serve_args("--model", tiny), chat=False)
+    prompts = [s.prompt for s in samples]
+    assert [s.prompt_len for s in samples] == [14] * 6 and [len(p) for p in prompts] == [14] * 6
+    assert [s.output_len for s in samples] == [24] * 6
     prefixes = [tuple(p[:10]) for p in prompts]
     assert prefixes[0] != prefixes[1] and prefixes == [prefixes[0], prefixes[1]] * 3
     assert len({tuple(p[10:]) for p in prompts}) == 6
     special = special_token_ids(ModelConfig.from_pretrained(tiny))
     assert not special & {t for p in prompts for t in p}
-    # Without a checkpoint to draw token ids from, prompts are words, shared and unique the same way.
-    words = [p.split() for p in make_prompts(_serve_args())[0]]
+    # Without any tokenizer (a server with no /tokenize), prompts are words, shared and unique the same way.
+    words = [s.prompt.split() for s in make_samples(_serve_args(), chat=False)]
     assert [len(w) for w in words] == [14] * 6
     assert len({tuple(w[:10]) for w in words}) == 2 and len({tuple(w[10:]) for w in words}) == 6
     with pytest.raises(ValueError, match="--prefix-repetition-num-prefixes"):
-        make_prompts(_serve_args("--prefix-repetition-num-prefixes", "7"))
+        make_samples(_serve_args("--prefix-repetition-num-prefixes", "7"), chat=False)
+
+
+def test_text_prompts_have_exactly_the_asked_tokens_of_the_tokenizer(tiny):
+    """For a chat endpoint, prompts are text; sized with the checkpoint's tokenizer they encode to
+    exactly the drawn length (a completion prompt: one token fewer, for the BOS the server adds)."""
+    from blockdiff.bench.prompt_tokens import LocalTokenizer
+    from blockdiff.bench.serve import make_samples
+    from blockdiff.tokenizer import Tokenizer
+
+    tok = LocalTokenizer(Tokenizer.from_pretrained(tiny))
+    args = _parse_serve_args("--tokenizer", tiny, "--random-input-len", "40", "--random-output-len", "10",
+                             "--random-range-ratio", "0.5", "--num-prompts", "12")
+    chat = make_samples(args, chat=True)
+    assert all(isinstance(s.prompt, str) and len(tok.encode(s.prompt)) == s.prompt_len for s in chat)
+    assert all(20 <= s.prompt_len <= 60 and 5 <= s.output_len <= 15 for s in chat)
+    assert len({s.prompt_len for s in chat}) > 3 and len({s.output_len for s in chat}) > 3  # spread, not fixed
+    fixed = make_samples(_parse_serve_args("--tokenizer", tiny, "--random-input-len", "40", "--num-prompts", "3"), chat=True)
+    assert [s.prompt_len for s in fixed] == [40] * 3 and [s.output_len for s in fixed] == [128] * 3
+    with pytest.raises(ValueError, match="--random-range-ratio must be in"):
+        make_samples(_parse_serve_args("--tokenizer", tiny, "--random-range-ratio", "1"), chat=True)
+
+
+def test_arrivals_follow_the_rate_and_the_burstiness():
+    """vLLM's arrivals: gamma-distributed gaps of mean 1/rate, rescaled to end at n/rate; a lower
+    burstiness makes the gaps more uneven (a gamma of shape k has a coefficient of variation 1/sqrt k)."""
+    from blockdiff.bench.serve import arrival_delays
+
+    def spread(burstiness: float) -> float:
+        gaps = np.diff([0.0, *arrival_delays(4000, 10.0, burstiness, seed=3)])
+        return float(gaps.std() / gaps.mean())
+
+    for b in (0.25, 1.0, 4.0):
+        assert arrival_delays(4000, 10.0, b, seed=3)[-1] == pytest.approx(400.0)
+    assert spread(0.25) == pytest.approx(2.0, rel=0.15) and spread(1.0) == pytest.approx(1.0, rel=0.1)
+    assert spread(4.0) == pytest.approx(0.5, rel=0.1)
+    assert arrival_delays(4, 2.0, float("inf"), seed=0) == [0.5, 1.0, 1.5, 2.0]
+    assert arrival_delays(3, float("inf"), 0.5, seed=0) == [0.0] * 3
+
+
+@pytest.mark.parametrize("argv, path, chat", [
+    ([], "/v1/completions", False),
+    (["--backend", "vllm"], "/v1/completions", False),
+    (["--backend", "openai-chat"], "/v1/chat/completions", True),
+    (["--endpoint", "/v1/chat/completions"], "/v1/chat/completions", True),
+    (["--backend", "openai-chat", "--endpoint", "/v1/chat/completions"], "/v1/chat/completions", True),
+])
+def test_backend_and_endpoint_choose_the_body(argv, path, chat):
+    from blockdiff.bench.serve import endpoint
+
+    assert endpoint(_parse_serve_args(*argv)) == (path, chat)
+
+
+@pytest.mark.parametrize("argv", [["--backend", "openai", "--endpoint", "/v1/chat/completions"],
+                                  ["--backend", "openai-chat", "--endpoint", "/v1/completions"]])
+def test_a_backend_that_contradicts_the_endpoint_is_refused(argv):
+    from blockdiff.bench.serve import endpoint
+
+    with pytest.raises(ValueError, match="does not send the bodies of --endpoint"):
+        endpoint(_parse_serve_args(*argv))
+
+
+def test_an_unwritable_result_path_is_refused_before_the_run(server, tiny, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    before = server.metrics()["blockdiff_prompt_tokens_total"]
+    argv = ["bench", "serve", "--base-url", server.url, "--model", tiny, "--random-input-len", "4",
+            "--random-output-len", "8", "--num-prompts", "2", "--save-result", "--result-filename", str(blocker / "r.json")]
+    assert main(argv) == 1
+    assert "error: cannot make the folder of the result file" in capsys.readouterr().err
+    assert server.metrics()["blockdiff_prompt_tokens_total"] == before  # no request was sent
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    from server_process import ServerProcess
+
+    proc = ServerProcess(None, "--max-num-seqs", "4", log_path=str(tmp_path_factory.mktemp("bench-demo") / "server.log"))
+    yield proc
+    proc.close()
+
+
+def test_the_seeds_bench_command_runs_as_written(demo_server, tmp_path):
+    """vLLM's command from the seed, only the model and lengths adapted: the served name (no local
+    tokenizer), a relative result path whose folder does not exist yet; prompts of exactly 64 tokens of
+    the served tokenizer, and the per-request records vLLM's --save-detailed writes."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "blockdiff", "bench", "serve", "--backend", "vllm", "--base-url",
+           f"http://localhost:{demo_server.port}", "--model", "demo", "--dataset-name", "random", "--random-input-len",
+           "64", "--random-output-len", "64", "--ignore-eos", "--num-prompts", "4", "--max-concurrency", "1",
+           "--save-result", "--save-detailed", "--result-filename", "results/diffusion.json"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Serving Benchmark Result" in done.stdout and "results saved to results/diffusion.json" in done.stdout
+    saved = json.loads((tmp_path / "results" / "diffusion.json").read_text())
+    assert (saved["backend"], saved["model_id"], saved["completed"], saved["failed"]) == ("vllm", "demo", 4, 0)
+    assert saved["input_lens"] == [64] * 4 and saved["total_input_tokens"] == 256  # the server's own count
+    assert saved["output_lens"] == [64] * 4 and saved["total_output_tokens"] == 256
+    assert all(t > 0 for t in saved["ttfts"]) and [len(i) for i in saved["itls"]] == [7] * 4  # 8 canvases of 8
+    assert all(lat > t for lat, t in zip(saved["latencies"], saved["ttfts"]))
+    starts = saved["start_times"]
+    assert starts == sorted(starts) and all(b - a >= lat for a, b, lat in zip(starts, starts[1:], saved["latencies"]))
+    assert len(saved["generated_texts"]) == 4 and all(isinstance(t, str) and t for t in saved["generated_texts"])
+    assert saved["errors"] == [""] * 4 and saved["max_concurrent_requests"] == 1
+    assert saved["diffusion_committed_tokens"] == 256 and saved["diffusion_denoising_steps"] > 0
+    assert saved["mean_ttft_ms"] > 0 and saved["p99_itl_ms"] >= saved["median_itl_ms"] > 0
+
+
+def test_chat_endpoint_with_a_sharegpt_file_sends_chat_bodies(demo_server, tmp_path, capsys):
+    """`--endpoint /v1/chat/completions` sends chat bodies: the demo answers its chat tasks right
+    (a completion body would give it a raw prompt, and noise back). The ShareGPT file's second turns
+    set max_tokens; a conversation of one turn is skipped."""
+    data = [{"conversations": [{"from": "human", "value": "sort: 3 1 2"}, {"from": "gpt", "value": "1 2 3"}]},
+            {"conversations": [{"from": "human", "value": "reverse: block"}, {"from": "gpt", "value": "kcolb"}]},
+            {"conversations": [{"from": "human", "value": "upper: x"}]},
+            {"conversations": [{"from": "human", "value": "upper: diffusion"}, {"from": "gpt", "value": "DIFFUSION"}]}]
+    (tmp_path / "sharegpt.json").write_text(json.dumps(data))
+    result = tmp_path / "chat.json"
+    argv = ["bench", "serve", "--base-url", demo_server.url, "--endpoint", "/v1/chat/completions", "--dataset-name",
+            "sharegpt", "--dataset-path", str(tmp_path / "sharegpt.json"), "--num-prompts", "3", "--temperature", "0",
+            "--disable-tqdm", "--save-result", "--save-detailed", "--result-filename", str(result)]
+    assert main(argv) == 0
+    saved = json.loads(result.read_text())
+    assert saved["backend"] == "openai-chat" and saved["completed"] == 3
+    answers = {"1 2 3", "kcolb", "DIFFUSION"}
+    assert set(saved["generated_texts"]) == answers
+    # One arrival per committed canvas: the opening chunk (the role, no text) is not a token.
+    assert sum(map(len, saved["itls"])) == saved["diffusion"]["canvases"] - 3
+
+
+def test_sharegpt_samples_take_the_first_two_turns(tiny, tmp_path):
+    from blockdiff.bench.datasets import sharegpt_samples
+    from blockdiff.bench.prompt_tokens import LocalTokenizer
+    from blockdiff.tokenizer import Tokenizer
+
+    tok = LocalTokenizer(Tokenizer.from_pretrained(tiny))
+    data = [{"conversations": [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "general kenobi"},
+                               {"from": "human", "value": "a third turn is not read"}]},
+            {"conversations": [{"from": "human", "value": "only one turn"}]},
+            {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "too short a prompt"}]},
+            {"id": "no conversations"}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    samples = sharegpt_samples(str(path), 3, 0, tok, tok.special_tokens, None)
+    want = (1 + len(tok.encode("hello there")), len(tok.encode("general kenobi")))
+    assert [(s.prompt, s.prompt_len, s.output_len) for s in samples] == [("hello there", *want)] * 3  # repeated to 3
+    assert [s.output_len for s in sharegpt_samples(str(path), 1, 0, tok, 0, 7)] == [7]
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        sharegpt_samples(str(path), 1, 0, tok, 0, None)

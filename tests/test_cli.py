@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -128,3 +129,88 @@ def test_train_demo_tasks_flag(tmp_path):
     bad = _blockdiff("train-demo", "--steps", "1", "--tasks", "sort,nope", "--out", str(out), timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("error: --tasks: unknown task(s) nope; the tasks are sort, ")
+
+
+def _all_parsers(parser):
+    import argparse
+
+    stack, seen = [parser], []
+    while stack:
+        p = stack.pop()
+        seen.append(p)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack += action.choices.values()
+    return seen
+
+
+def test_no_parser_takes_a_prefix_of_a_flag():
+    """`--max-num-seq 4` must not silently mean `--max-num-seqs 4`: every command's parser wants long
+    flags spelled out, and an abbreviation is refused."""
+    from blockdiff.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    parsers = _all_parsers(parser)
+    assert len(parsers) > 10  # blockdiff, its commands, bench's
+    assert [p.prog for p in parsers if p.allow_abbrev] == []
+    for argv in (["serve", "--max-num-seq", "4"], ["bench", "serve", "--num-prompt", "4"], ["generate", "--max-tok", "4", "x"]):
+        with pytest.raises(SystemExit) as refused:
+            parser.parse_args(argv)
+        assert refused.value.code == 2
+
+
+def test_make_tiny_model_does_not_overwrite_a_checkpoint_unless_asked(tmp_path, capsys):
+    from blockdiff.entrypoints.cli import main
+
+    path = str(tmp_path / "tiny")
+    small = ["make-tiny-model", path, "--vocab-size", "64", "--num-layers", "1"]
+    assert main([*small, "--seed", "1"]) == 0
+    weights = tmp_path / "tiny" / "model.safetensors"
+    first = weights.read_bytes()
+    assert main([*small, "--seed", "2"]) == 2
+    assert f"error: {path} holds a checkpoint; pass --overwrite" in capsys.readouterr().err
+    assert weights.read_bytes() == first
+    assert main([*small, "--seed", "2", "--overwrite"]) == 0 and weights.read_bytes() != first
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert main(["make-tiny-model", str(tmp_path / "other"), "--vocab-size", "64", "--num-layers", "1"]) == 2
+    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["make-tiny-model", str(tmp_path / "empty"), "--vocab-size", "64", "--num-layers", "1"]) == 0
+
+
+def test_generate_progress_moves_with_each_committed_canvas(tmp_path):
+    """Two requests of 8 canvases each end together: the bar must show tokens being committed while
+    it still reads 0/2 (tqdm set to redraw at every update, so each draw can be seen)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_MININTERVAL": "0"}
+    done = subprocess.run([sys.executable, "-m", "blockdiff", "generate", "--chat", "--max-tokens", "64", "--ignore-eos",
+                           "--max-denoising-steps", "2", "sort: 3 1 2", "sort: 2 1 3"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    draws = [d for d in done.stderr.replace("\r", "\n").splitlines() if d.startswith("Generating")]
+    moving = [int(m.group(1)) for d in draws if " 0/2 " in d and (m := re.search(r"(\d+) tokens committed", d))]
+    assert len(set(moving)) >= 3 and max(moving) < 128, draws
+
+
+def test_setup_script_says_what_each_stage_does(tmp_path):
+    """scripts/setup.sh, run in a copy of the repository with a stand-in `python3` (whose venv's
+    python records its arguments instead of installing): a line names each stage before it runs."""
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "scripts", "setup.sh"), root / "scripts" / "setup.sh")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/sh\n# python3 -m venv DIR: a venv whose python echoes what it was asked\n'
+                                  'mkdir -p "$3/bin"\nprintf \'#!/bin/sh\\necho "ran python $*"\\n\' > "$3/bin/python"\n'
+                                  'chmod +x "$3/bin/python"\n')
+    (fake / "python3").chmod(0o755)
+    done = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    # venv, pip, torch, blockdiff: each said before it runs; then done
+    assert ["said" if ln.startswith("setup.sh [") else ln.split(" -q ")[-1] for ln in lines] == [
+        "said", "said", "--upgrade pip", "said", "torch==2.13.0", "said", "-e .[test]", "said"], lines
+    assert "torch" in lines[3] and "test extra" in lines[5] and "done" in lines[7]

@@ -64,6 +64,16 @@ CASES = [
     ("bench-without-server", ["bench", "serve", "--port", "{free_port}", "--num-prompts", "2"], 1,
      "cannot reach http://127.0.0.1:{free_port}: is blockdiff serve running?"),
     ("port-taken", ["serve", "--port", "{taken_port}"], 1, "cannot listen on 127.0.0.1:{taken_port}: Address already in use"),
+    # The tokenizer, not the model, is what is missing.
+    ("missing-tokenizer", ["serve", "--tokenizer", "/nonexistent", "--port", "0"], 2,
+     "tokenizer '/nonexistent' is not a checkpoint directory"),
+    ("tokenizer-without-tokenizer-json", ["serve", "--tokenizer", "{no_tok}", "--port", "0"], 2, "has no tokenizer.json"),
+    ("chat-without-server", ["chat", "--url", "http://127.0.0.1:{free_port}/v1"], 1,
+     "cannot connect to http://127.0.0.1:{free_port}/v1: "),
+    ("make-tiny-model-over-a-checkpoint", ["make-tiny-model", "{no_tok}"], 2, "holds a checkpoint; pass --overwrite"),
+    ("abbreviated-flag", ["serve", "--max-num-seq", "4"], 2, "unrecognized arguments: --max-num-seq"),
+    ("bench-backend-against-its-endpoint", ["bench", "serve", "--backend", "openai", "--endpoint", "/v1/chat/completions"],
+     2, "use --backend openai-chat"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-on-cpu-build", ["generate", "--device", "cuda", "hi"], 2, "use the cpu device (--device cpu)"))

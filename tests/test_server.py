@@ -87,6 +87,18 @@ def test_health_models_and_metrics(server):
         assert "blockdiff_" + name in m
 
 
+def test_vllm_ping_and_version(server):
+    """vLLM's /ping is /health under another name (GET and POST, open without the key, for probes);
+    /version answers vLLM's shape and, like the other paths, wants the key."""
+    from blockdiff import __version__
+
+    for method in ("GET", "POST"):
+        r = httpx.request(method, server.url + "/ping", timeout=10)
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    assert httpx.get(server.url + "/version", timeout=10).status_code == 401
+    assert httpx.get(server.url + "/version", headers=_auth(), timeout=10).json() == {"version": __version__}
+
+
 def test_completion_matches_offline(client, offline):
     prompt = "The quick brown fox"
     [want] = offline.generate(prompt, _params(max_tokens=20, seed=11), use_tqdm=False)

@@ -172,7 +172,7 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
     rows = []
     specials = special_token_ids(config)
     for batch in batch_sizes:
-        prompts = random_token_prompts(batch, args.input_len, config.vocab_size, specials, seed=args.seed + batch)
+        prompts = random_token_prompts([args.input_len] * batch, config.vocab_size, specials, seed=args.seed + batch)
         # stability_threshold = steps: a canvas never counts as stable, so each takes every step.
         params = [
             SamplingParams(max_tokens=args.output_len, max_denoising_steps=steps, stability_threshold=steps,

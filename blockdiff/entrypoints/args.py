@@ -8,7 +8,7 @@ import logging
 import os
 
 from blockdiff.config import LOAD_FORMATS, EngineConfig
-from blockdiff.hub import resolve_model
+from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.sampling_params import SAMPLER_FIELDS, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             log.warning("%s is ignored: %s", flag, reason)
     return EngineConfig(
         model=resolve_model(given_model(args), args.download_dir),
-        tokenizer=None if args.tokenizer is None else resolve_model(args.tokenizer, args.download_dir),
+        tokenizer=None if args.tokenizer is None else resolve_tokenizer(args.tokenizer, args.download_dir),
         chat_template=read_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None,
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,

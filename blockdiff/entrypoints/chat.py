@@ -56,20 +56,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _server_reply(url: str, api_key: str | None, model: str | None, sampling: dict) -> Reply:
+    """Talks to the server at `url`, which must answer now: /v1/models is asked before the first
+    turn (for the served model, when none is given), and a server that is not there ends the chat
+    at once with the URL in the error."""
     import openai
 
     client = openai.OpenAI(base_url=url, api_key=api_key or "unused")
     max_tokens = sampling.pop("max_tokens", None)
-    served = [model]  # the server's first model, asked for at the first turn when none was given
+
+    def unreachable(e: openai.APIConnectionError) -> ConnectionError:
+        return ConnectionError(f"cannot connect to {url}: {e.__cause__ or e}")
+
+    try:
+        models = client.models.list()
+    except openai.APIConnectionError as e:
+        raise unreachable(e) from None
+    served = model or models.data[0].id
 
     def reply(messages: list[dict]) -> Iterator[str]:
-        if served[0] is None:
-            served[0] = client.models.list().data[0].id
-        stream = client.chat.completions.create(model=served[0], messages=messages, stream=True, max_tokens=max_tokens,
-                                                extra_body=sampling or None)
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                yield chunk.choices[0].delta.content
+        try:
+            stream = client.chat.completions.create(model=served, messages=messages, stream=True,
+                                                    max_tokens=max_tokens, extra_body=sampling or None)
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    yield chunk.choices[0].delta.content
+        except openai.APIConnectionError as e:  # the server went away during the chat
+            raise unreachable(e) from None
 
     return reply
 

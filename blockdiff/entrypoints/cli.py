@@ -36,10 +36,12 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage errors as one `error:` line pointing to --help (subcommands inherit this class)."""
+    """Usage errors as one `error:` line pointing to --help (subcommands inherit this class). Long
+    flags must be spelled out: a prefix such as `--max-num-seq` would silently take `--max-num-seqs`."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import fields
 
 from blockdiff.model.tiny import TinySpec, make_tiny_model
@@ -28,7 +29,7 @@ _FLAGS = {
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint in Hugging Face layout")
-    p.add_argument("dir")
+    p.add_argument("dir", help="where to write it: a new or empty directory (see --overwrite)")
     defaults = TinySpec()
     for name, text in _FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name), help=text)
@@ -36,10 +37,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-denoising-steps", type=int, default=None, help="written to generation_config.json")
     p.add_argument("--vision", action="store_true",
                    help="a multimodal checkpoint: a vision tower for image tests, image tokens, preprocessor_config.json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into DIR even if it is not empty, replacing the files of a checkpoint there")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if os.path.isfile(args.dir):
+        raise ValueError(f"{args.dir} is a file, not a directory")
+    if os.path.isdir(args.dir) and os.listdir(args.dir) and not args.overwrite:
+        what = "holds a checkpoint" if os.path.exists(os.path.join(args.dir, "config.json")) else "is not empty"
+        raise ValueError(f"{args.dir} {what}; pass --overwrite to write the new checkpoint over it")
     spec = TinySpec(**{f.name: getattr(args, f.name) for f in fields(TinySpec) if f.name in _FLAGS}, dtype=args.dtype,
                     vision=args.vision)
     if args.max_denoising_steps is not None:

@@ -75,15 +75,23 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(parts), param
 
 
+def _refused(request: Request, status: int, message: str, param: str | None = None,
+             code: str | None = None) -> JSONResponse:
+    """A client error's response, its reason logged at info: uvicorn's access log says only the status."""
+    log.info("%s %s -> %d: %s%s", request.method, request.url.path, status, message,
+             f" (param: {param})" if param else "")
+    return error_response(status, message, param, code)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param, e.code)
+        return _refused(request, e.status, e.message, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(list(e.errors()))
-        return error_response(400, message, param)
+        return _refused(request, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:

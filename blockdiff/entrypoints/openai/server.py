@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic.json_schema import models_json_schema
 
+from blockdiff import __version__
 from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.config import EngineConfig
 from blockdiff.engine.engine import LLMEngine
@@ -135,14 +136,17 @@ class LimitClients(_Middleware):
                 del self.running[client]
 
 
+_OPEN_PATHS = frozenset({"/health", "/ping", *playground.PUBLIC_PATHS})
+
+
 class RequireAPIKey(_Middleware):
-    """Bearer-token check on every path but /health (which probes call without credentials) and the
-    playground's page and files (which hold nothing of the server's; the page sends the key):
+    """Bearer-token check on every path but /health and /ping (which probes call without credentials)
+    and the playground's page and files (which hold nothing of the server's; the page sends the key):
     /metrics, /docs and /openapi.json describe the server and need the key too. Two Authorization
     headers are a 400, not "the last one wins"."""
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health" and scope["path"] not in playground.PUBLIC_PATHS:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             given = [value for name, value in scope["headers"] if name == b"authorization"]
             if len(given) > 1:
                 return await self.reject(send, 400, "more than one Authorization header", code="invalid_api_key")
@@ -182,6 +186,15 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         if not async_engine.available:
             return errors.error_response(503, async_engine.unavailable_reason(), code="engine_unavailable")
         return JSONResponse({"status": "ok"})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) name for the health check."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
