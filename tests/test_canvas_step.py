@@ -14,7 +14,7 @@ import torch
 from helpers import hf_generate_with_draft, load_hf
 
 from blockdiff import LLM, SamplingParams
-from blockdiff.entrypoints.args import add_engine_args, engine_config
+from blockdiff.arg_utils import add_engine_args, engine_config
 from blockdiff.matmul import has_grouped_mm
 from blockdiff.model.attention import canvas_metadata
 from blockdiff.model.loader import load_model

@@ -19,7 +19,7 @@ from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.request import IllegalTransition, Request, State
 from blockdiff.engine.scheduler import Scheduler
-from blockdiff.entrypoints.args import add_sampling_args, sampling_overrides
+from blockdiff.arg_utils import add_sampling_args, sampling_overrides
 from blockdiff.entrypoints.openai.protocol import CompletionRequest
 from blockdiff.sampling_params import PER_CANVAS_FIELDS, REFERENCE_DEFAULTS, SAMPLER_FIELDS, SamplingParams
 from blockdiff.tokenizer import Tokenizer

@@ -18,7 +18,7 @@ from blockdiff.bench.datasets import random_token_prompts, special_token_ids
 from blockdiff.config import parse_dtype
 from blockdiff.bench.roofline import Cost, measure_peak, parameter_count, plan_cost
 from blockdiff.engine.request import State
-from blockdiff.entrypoints.args import add_engine_args, at_least, engine_config
+from blockdiff.arg_utils import add_engine_args, at_least, engine_config
 from blockdiff.sampling_params import SamplingParams
 
 

@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 
 from blockdiff.bench.datasets import prefix_repetition_prompts, random_token_prompts, special_token_ids
-from blockdiff.entrypoints.args import at_least, port
+from blockdiff.arg_utils import at_least, port
 
 # Words for text prompts when no local checkpoint tells the vocabulary (any OpenAI server).
 _WORDS = (

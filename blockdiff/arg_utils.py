@@ -1,4 +1,5 @@
-"""Command-line flags shared by the commands that run a model: engine flags and sampler flags."""
+"""Command-line flags shared by the commands that run a model (the `blockdiff` subcommands and the
+benchmarks): engine flags, sampler flags and argparse types."""
 
 from __future__ import annotations
 
