@@ -171,7 +171,7 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
             canvas_targets += chunk + [PAD] * (cl - len(chunk))
     enc_meta = build_metadata(enc_rows, geo, layer_kinds(model), "cpu")
     hidden = model.backbone(_padded(enc_ids, enc_meta.num_tokens), enc_meta, kv)
-    ar_logits = model.logits(model.norm(hidden[: len(ar_targets)]))
+    ar_logits = _logits(model, hidden[: len(ar_targets)])
     ar_loss = F.cross_entropy(ar_logits, torch.tensor(ar_targets), ignore_index=IGNORE)
 
     # 2. corruption
@@ -191,10 +191,19 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
         soft = soft * keep.repeat_interleave(cl).to(soft.dtype)[:, None]
 
     # 4. the second pass, with gradients
-    logits = model(dec_ids, dec_meta, kv, soft)
+    logits = _logits(model, model.backbone(dec_ids, dec_meta, kv, soft)[: dec_meta.num_decoder_tokens])
     canvas_loss = F.cross_entropy(logits, target.view(-1))
     loss = canvas_loss + cfg.ar_weight * ar_loss
     return loss, {"loss": loss.item(), "canvas": canvas_loss.item(), "ar": ar_loss.item()}
+
+
+def _logits(model: DiffusionGemma, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits with autograd: the final norm, the tied LM head and the soft-cap as
+    `softcap * tanh(x / softcap)` (the inference model computes the cap in place, which autograd
+    cannot go through)."""
+    logits = model.embed.logits(model.norm(hidden)).float()
+    c = model.softcap
+    return c * torch.tanh(logits / c) if c else logits
 
 
 def _padded(ids: list[int], num_tokens: int) -> torch.Tensor:

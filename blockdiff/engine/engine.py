@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -73,8 +72,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_time = 0.0
-        # Profiler hook: called with each executed plan and its seconds (`blockdiff bench offline`).
-        self.on_step: Callable[[StepPlan, float], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
@@ -129,8 +126,6 @@ class LLMEngine:
             return self._outputs(ran)
         finally:
             self.last_step_time = time.perf_counter() - t0
-        if self.on_step is not None:
-            self.on_step(plan, self.last_step_time)
         return self._outputs(update_from_output(self.scheduler, sched, out))
 
     def _plan(self, sched: SchedulerOutput) -> StepPlan:

@@ -161,8 +161,7 @@ class DiffusionGemma(nn.Module):
         soft_embeds: torch.Tensor | None = None,
         images: ImageInputs | None = None,
     ) -> torch.Tensor:
-        """Last-layer hidden states of every token, before the final norm (training reads the
-        encoder tokens' too, for the autoregressive loss)."""
+        """Last-layer hidden states of every token, before the final norm."""
         x = self.embed(input_ids)
         if images is not None:
             x[images.token_index] = self.vision.soft_tokens(images).to(x.dtype)
@@ -185,7 +184,5 @@ class DiffusionGemma(nn.Module):
             # sits in the tensor, which batch invariance needs (sigmoid's vector and scalar-tail
             # kernels round differently).
             c = self.softcap
-            if logits.requires_grad:  # training (the demo trainer): autograd cannot go through in-place ops
-                return c * torch.tanh(logits / c)
             logits = logits.div_(c / 2).exp_().add_(1).reciprocal_().mul_(-2 * c).add_(c)
         return logits
