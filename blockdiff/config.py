@@ -281,57 +281,109 @@ def _layer_spec(idx: int, kind: str, head_dim: int, kv_heads: int, rope: dict, w
 COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
 
 LOAD_FORMATS = ("auto", "dummy")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an EngineConfig field is spelled on the command line (blockdiff/arg_utils.py builds the
+    flags from these): its help, and where `--field-name` with the field's type is not enough, its
+    other names, its lower bound, how its text is read or a second flag that sets it to None."""
+
+    help: str
+    names: tuple[str, ...] = ()  # the flag's spellings, the first shown in errors; default: --field-name
+    minimum: int | None = None  # integers: the smallest accepted
+    parse: str | None = None  # "size" (512MiB), "positive" (a number > 0), "seconds", "device", "images" ('{"image": N}')
+    choices: tuple[str, ...] | None = None
+    off: tuple[str, str] | None = None  # (flag, help) of a flag that sets the field to None
+    metavar: str | None = None
+    group: str | None = None  # a titled group of flags in --help
+
+
+def flag(default, help: str, **kwargs):
+    """A field with its command-line flag (`Flag`)."""
+    factory = {"default_factory": default} if callable(default) else {"default": default}
+    return field(**factory, metadata={"flag": Flag(help, **kwargs)})
+
+
+_IMAGES = "images (docs/images.md)"
 
 
 @dataclass
 class EngineConfig:
     """How the engine runs a model: read once at the edge (CLI, `LLM(...)`) and passed down. Each
-    engine default is written here and nowhere else."""
+    engine default is written here and nowhere else, and so is each engine flag (`Flag`)."""
 
     model: str
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 16
-    max_model_len: int | None = None  # None: min(8192, the model's max_position_embeddings)
-    kv_cache_memory: int | None = None  # bytes for full-attention blocks; None: enough for max_num_seqs at max_model_len
-    block_size: int = 16
-    max_prefill_tokens: int = 2048
-    seed: int = 0
+    tensor_parallel_size: int = flag(1, "processes the model is split over (gloo on CPU, one GPU each on CUDA)",
+                                     names=("--tensor-parallel-size", "-tp"), minimum=1)
+    dtype: str = flag("auto", "weights and activations; auto takes the checkpoint's", choices=DTYPE_CHOICES)
+    device: str = flag("auto", "auto (cuda if available), cpu, cuda or cuda:N", parse="device")
+    max_num_seqs: int = flag(16, "requests that run at once", minimum=1)
+    max_model_len: int | None = flag(None, "prompt + max_tokens limit (default: min(8192, the model's "
+                                           "max_position_embeddings))", minimum=1)
+    # bytes for full-attention blocks; None: enough for max_num_seqs at max_model_len
+    kv_cache_memory: int | None = flag(None, "KV cache budget, e.g. 512MiB (default: enough for max-num-seqs at "
+                                             "max-model-len)", parse="size")
+    block_size: int = flag(16, "tokens per KV cache block", minimum=1)
+    max_prefill_tokens: int = flag(2048, "prompt tokens prefilled per step",
+                                   names=("--max-num-batched-tokens", "--max-prefill-tokens"), minimum=1)
+    seed: int = flag(0, "engine seed: requests without a seed draw theirs from it")
     tokenizer: str | None = None  # tokenizer directory; None: the model's
     chat_template: str | None = None  # overrides the tokenizer's
-    max_denoising_steps_limit: int | None = None  # None: 4 x the canvas length (at least the checkpoint's default)
-    # A running request that has committed this many canvases since it was admitted gives its slot
-    # to a waiting request at its next canvas boundary (and is recomputed later); None: never.
-    preempt_after_canvases: int | None = 4
+    max_denoising_steps_limit: int | None = flag(
+        None, "largest max_denoising_steps (and stability_threshold) a request may ask for (default: 4 x the canvas "
+              "length, at least the checkpoint's default steps)", minimum=1)
+    # A running request that has committed this many canvases since it was admitted gives its slot to
+    # a waiting request at its next canvas boundary (and is recomputed later); None: never.
+    preempt_after_canvases: int | None = flag(
+        4, "a running request that has committed this many canvases gives its slot to a waiting request at its next "
+           "canvas boundary, and is recomputed later", minimum=1,
+        off=("--no-preemption", "never preempt: requests wait first-come first-served"))
     # Full blocks of committed tokens stay cached and are reused by requests that share the prefix
     # (engine/kv_cache_manager.py).
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = flag(True, "reuse the KV cache of full blocks of a prefix that an earlier request "
+                                             "computed")
     tune_cpu_heap: bool = False  # see worker/cpu_heap.py: a process-wide glibc setting
     # Steps whose rows are all canvases being denoised run as one static step compiled with
     # torch.compile(fullgraph=True) (worker/canvas_step.py); None: COMPILE_BY_DEFAULT of the device.
-    compile: bool | None = None
+    compile: bool | None = flag(None, "run steps of canvases only as one static step compiled with torch.compile "
+                                      "(default: the faster per device as measured: off on CPU, on on CUDA)")
     # On CUDA the static steps are replayed as CUDA graphs, one per shape, unless this is set (and
     # then they are compiled only when compile=True), as vLLM's --enforce-eager.
-    enforce_eager: bool = False
+    enforce_eager: bool = flag(False, "CUDA: no CUDA graphs for the static denoising steps (and no compile unless "
+                                      "--compile)")
     num_threads: int | None = None  # tensor-parallel workers' intra-op threads; None: from their environment
-    worker_timeout: float = 60.0  # seconds a tensor-parallel worker may stay silent before it counts as lost
+    # seconds a tensor-parallel worker may stay silent before it counts as lost
+    worker_timeout: float = flag(60.0, "seconds a tensor-parallel worker may not answer before it counts as lost and "
+                                       "the workers restart", parse="seconds")
     # GB the sampler's temporaries may take beside the logits (tiles of positions, identical results);
     # None: an eighth of the device's free memory when the worker starts, at most 1 GiB.
-    sampler_memory_gb: float | None = None
-    load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights from config.json
-    num_layers_override: int | None = None  # keep the first N layers (memory-limited runs at real widths)
+    sampler_memory_gb: float | None = flag(None, "GB the sampler may use beside the logits; it tiles over positions "
+                                                 "to stay within it (default: an eighth of the free device memory, at "
+                                                 "most 1 GiB)", parse="positive")
+    # "auto": the checkpoint's safetensors; "dummy": random weights from config.json
+    load_format: str = flag("auto", "auto: the checkpoint's weights; dummy: random weights built from config.json "
+                                    "alone", choices=LOAD_FORMATS)
+    num_layers_override: int | None = flag(None, "keep only the first N decoder layers (runs at real widths in less "
+                                                 "memory)", minimum=1)
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as SamplingParams fields.
     sampling_defaults: dict = field(default_factory=dict)
     # Images one prompt may hold (vLLM's --limit-mm-per-prompt '{"image": N}'); 0 takes none.
-    limit_images_per_prompt: int = 4
-    max_image_bytes: int = 20 * 1024 * 1024  # an encoded image, before decoding
-    max_image_pixels: int = 40_000_000  # width x height of a decoded image (~120 MB of RGB)
+    limit_images_per_prompt: int = flag(4, 'images one prompt may hold, as JSON: \'{"image": N}\'',
+                                        names=("--limit-mm-per-prompt",), parse="images", group=_IMAGES)
+    max_image_bytes: int = flag(20 * 1024 * 1024, "largest encoded image in bytes, e.g. 8MiB", parse="size",
+                                group=_IMAGES)  # an encoded image, before decoding
+    # width x height of a decoded image (~120 MB of RGB)
+    max_image_pixels: int = flag(40_000_000, "largest width x height of an image", minimum=1, group=_IMAGES)
     # Image URLs besides data: URLs (vLLM's names): http(s) hosts that may be fetched, and the
     # directory whose files file:// URLs may name. Both off by default.
-    allowed_media_domains: tuple[str, ...] = ()
-    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = flag(
+        (), "hosts whose http(s) image URLs may be fetched (default: none; data: URLs always work)", metavar="DOMAIN",
+        group=_IMAGES)
+    allowed_local_media_path: str | None = flag(None, "directory whose files file:// image URLs may name (default: "
+                                                      "none)", metavar="DIR", group=_IMAGES)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",

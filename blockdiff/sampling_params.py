@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, make_dataclass, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -80,8 +80,36 @@ PER_CANVAS_FIELDS = tuple(f for f in SAMPLER_FIELDS if f.per_canvas)
 REFERENCE_DEFAULTS = {f.name: f.default for f in SAMPLER_FIELDS}
 
 
-class _Params:
-    """The fields that are not the sampler's (`SamplingParams` adds those from the table)."""
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request; unset sampler fields are filled by `with_defaults`. Its
+    first fields are those of `SAMPLER_FIELDS`, in the table's order (tests/test_engine_core.py
+    checks it)."""
+
+    max_tokens: int | None = None
+    max_denoising_steps: int | None = None
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    draft: list[int] | None = None  # token ids the canvases start from, canvas after canvas
+    logprobs: int | None = None  # top logprobs per token; 0 returns only the chosen token's logprob
+    stream_drafts: bool = False  # report the argmax canvas after every denoising step
+    skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's option)
+    output_kind: str = "cumulative"  # "cumulative", "delta" or "final_only" (see blockdiff.outputs)
+    temperature: float | None = None  # scales the t_min .. t_max schedule; 0: greedy
+    # vLLM's knobs, accepted at their neutral values only
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def __post_init__(self) -> None:
         for f in SAMPLER_FIELDS:
@@ -147,31 +175,6 @@ def min_temperature(t_min: float, t_max: float, steps: int) -> float:
     """The schedule's lowest temperature (its last step, n = 1), in the sampler's float32."""
     f = np.float32
     return float(f(t_min) + (f(t_max) - f(t_min)) * (f(1) / f(steps)))
-
-
-SamplingParams = make_dataclass(
-    "SamplingParams",
-    [(f.name, f.type | None, None) for f in SAMPLER_FIELDS]
-    + [
-        ("seed", int | None, None),
-        ("stop", str | list[str] | None, None),
-        ("stop_token_ids", list[int] | None, None),
-        ("ignore_eos", bool, False),
-        ("draft", list[int] | None, None),  # token ids the canvases start from, canvas after canvas
-        ("logprobs", int | None, None),  # top logprobs per token; 0 returns only the chosen token's logprob
-        ("stream_drafts", bool, False),  # report the argmax canvas after every denoising step
-        ("skip_special_tokens", bool, True),  # leave special tokens out of the text (vLLM's option)
-        ("output_kind", str, "cumulative"),  # "cumulative", "delta" or "final_only" (see blockdiff.outputs)
-        ("temperature", float | None, None),  # scales the t_min .. t_max schedule; 0: greedy
-        # vLLM's knobs, accepted at their neutral values only
-        ("n", int | None, None),
-        ("presence_penalty", float | None, None),
-        ("frequency_penalty", float | None, None),
-    ],
-    bases=(_Params,),
-    namespace={"__module__": __name__},
-)
-SamplingParams.__doc__ = "Sampling parameters of one request; unset sampler fields are filled by `with_defaults`."
 
 
 def generation_defaults(model_dir: str | None) -> dict:

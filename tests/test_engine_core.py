@@ -5,7 +5,9 @@ incremental detokenizer and stop checker, and the sampler-field table."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
+import typing
 
 import pytest
 import torch
@@ -394,6 +396,19 @@ def test_max_tokens_cuts_a_canvas():
 
 
 # ---- one table of sampler fields ----------------------------------------------------------------
+def test_the_plain_dataclasses_follow_the_sampler_field_table():
+    """SamplingParams and DenoiseParams are written out (for type checkers and IDEs); their sampler
+    fields are the table's, in its order, with its types."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields = dataclasses.fields(SamplingParams)[: len(SAMPLER_FIELDS)]
+    assert [f.name for f in fields] == [f.name for f in SAMPLER_FIELDS]
+    for f, table in zip(fields, SAMPLER_FIELDS):
+        assert hints[f.name] == (table.type | None) and f.default is None, f.name
+    denoise = dataclasses.fields(DenoiseParams)
+    assert [f.name for f in denoise] == ["step", "uniform", "renoise", *(f.name for f in PER_CANVAS_FIELDS), "restrict"]
+    assert all(typing.get_type_hints(DenoiseParams)[f.name] is torch.Tensor for f in denoise[:-1])
+
+
 def test_every_surface_is_built_from_the_sampler_field_table():
     """SamplingParams, the OpenAI extra body, the CLI flags and DenoiseParams all carry every
     per-canvas field of SAMPLER_FIELDS: adding a field there adds it everywhere."""

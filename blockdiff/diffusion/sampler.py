@@ -13,7 +13,7 @@ top_k, top_p and min_p (vLLM's order: min-p, top-k, then top-p) restrict the can
 
 from __future__ import annotations
 
-from dataclasses import dataclass, make_dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -21,31 +21,34 @@ from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.sampling_params import PER_CANVAS_FIELDS
 
 
-class _DenoiseParams:
+@dataclass
+class DenoiseParams:
+    """Per-canvas parameters and random draws of one step, [canvases] or [canvases, canvas_length]:
+    the step count n, the draws, and one tensor per per-canvas field of the sampler-field table, by
+    its name and in its order (tests/test_engine_core.py checks it)."""
+
+    step: torch.Tensor  # int32, steps remaining including this one (n)
+    uniform: torch.Tensor  # [canvases, CL] float32 in [0, 1), for candidate sampling
+    renoise: torch.Tensor  # [canvases, CL] int64 uniform random tokens
+    max_denoising_steps: torch.Tensor  # int32
+    entropy_bound: torch.Tensor
+    t_min: torch.Tensor
+    t_max: torch.Tensor
+    stability_threshold: torch.Tensor  # int32
+    confidence_threshold: torch.Tensor
+    top_k: torch.Tensor  # int32
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    # Whether any canvas sets top_k, top_p or min_p: decided on the host when the step is planned,
+    # so that a step without them never pays for their search.
+    restrict: bool = False
+
     def to(self, device: torch.device | str) -> "DenoiseParams":
         return DenoiseParams(**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                                 for k, v in self.__dict__.items()})
 
 
-# Per-canvas parameters and random draws, [canvases] or [canvases, canvas_length]: the step count
-# n, the draws, and one tensor per per-canvas field of the sampler-field table, by its name.
-DenoiseParams = make_dataclass(
-    "DenoiseParams",
-    [
-        ("step", torch.Tensor),  # int32, steps remaining including this one (n)
-        ("uniform", torch.Tensor),  # [canvases, CL] float32 in [0, 1), for candidate sampling
-        ("renoise", torch.Tensor),  # [canvases, CL] int64 uniform random tokens
-    ]
-    + [(f.name, torch.Tensor) for f in PER_CANVAS_FIELDS]
-    # Whether any canvas sets top_k, top_p or min_p: decided on the host when the step is planned,
-    # so that a step without them never pays for their search.
-    + [("restrict", bool, False)],
-    bases=(_DenoiseParams,),
-    namespace={"__module__": __name__},
-)
-
-
-def denoise_params(step: list[int], params: list, uniform: torch.Tensor, renoise: torch.Tensor) -> "DenoiseParams":
+def denoise_params(step: list[int], params: list, uniform: torch.Tensor, renoise: torch.Tensor) -> DenoiseParams:
     """The sampler's inputs for canvases at steps `step` of requests with SamplingParams `params`."""
     per_canvas = {f.name: torch.tensor([getattr(p, f.name) for p in params], dtype=getattr(torch, f.dtype))
                   for f in PER_CANVAS_FIELDS}
