@@ -117,7 +117,7 @@ def test_vocab_parallel_statistics_equal_one_rank(tp_ranks):
     assert want["argmax"][0, :2].tolist() == [5, 7] and want["argmax"][1, 2] == VOCAB - 2  # ties: lowest id
     for got in results:
         assert (got["entropy"] - want["entropy"]).abs().max() < 1e-5
-        assert torch.equal(got["argmax"], want["argmax"])
+        assert torch.equal(got["argmax"], want["argmax"]) and torch.equal(got["argmax_alone"], want["argmax"])
         assert torch.equal(got["sample"], want["sample"])
         # torch.topk orders tied values either way: compare (logprob, id) sorted
         assert torch.equal(got["top_ids"].sort(-1).values, want["top_ids"].sort(-1).values)
