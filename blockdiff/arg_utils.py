@@ -10,8 +10,9 @@ import logging
 import os
 
 from blockdiff.config import EngineConfig
+from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.hub import resolve_model
-from blockdiff.sampling_params import SAMPLER_FIELDS, SamplingParams
+from blockdiff.sampling_params import ENGINE_FIELDS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
             continue
         group = groups.get(spec.group) or groups.setdefault(spec.group, p.add_argument_group(spec.group))
         group.add_argument(*(spec.names or ("--" + f.name.replace("_", "-"),)), dest=f.name, default=f.default,
-                           help=spec.help, **_flag_kind(f, spec))
+                           help=spec.help.replace("{samplers}", ", ".join(SAMPLERS)), **_flag_kind(f, spec))
         if spec.off is not None:
             group.add_argument(spec.off[0], dest=f.name, action="store_const", const=None, help=spec.off[1])
     vllm = p.add_argument_group("vLLM flags without meaning here (docs/server.md, 'vLLM flags')")
@@ -151,7 +152,13 @@ def limit_mm(text: str) -> int:
     return value.get("image", EngineConfig.limit_images_per_prompt)
 
 
-_PARSERS = {"size": parse_size, "positive": positive_float, "seconds": positive_seconds, "device": device, "images": limit_mm}
+def sampler_name(text: str) -> str:
+    """argparse type: the name of a registered diffusion sampler."""
+    if text not in SAMPLERS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(SAMPLERS)}, got {text!r}")
+    return text
+
+_PARSERS = {"sampler": sampler_name, "size": parse_size, "positive": positive_float, "seconds": positive_seconds, "device": device, "images": limit_mm}
 
 
 def _flag_kind(f: dataclasses.Field, spec) -> dict:
@@ -214,18 +221,30 @@ def read_chat_template(value: str) -> str:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """Sampler defaults, one flag per field of the sampler-field table; unset ones come from the
-    checkpoint's generation_config.json."""
-    for f in SAMPLER_FIELDS:
-        default = ("what fits in --max-model-len" if f.default is None else
-                   f"generation_config.json, else {f.default}" if f.generation_config else str(f.default))
-        p.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None, help=f"{f.help} (default: {default})")
+    """Sampler defaults, one flag per field of each registered sampler's table (a group per sampler,
+    the fields every sampler has first); unset ones come from the checkpoint's generation_config.json.
+    The engine refuses the flags of a sampler its model does not run."""
+    seen = set()
+    for name, sampler in [("every sampler", None), *SAMPLERS.items()]:
+        group = p.add_argument_group(f"sampler flags: {name}" + (" (--diffusion-sampler)" if sampler else ""))
+        for f in (ENGINE_FIELDS if sampler is None else sampler.fields):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            default = ("what fits in --max-model-len" if f.default is None else
+                       f"generation_config.json, else {f.default}" if f.generation_config else str(f.default))
+            group.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None,
+                               help=f"{f.help} (default: {default})")
+
+
+def _sampler_field_names() -> list[str]:
+    return list(dict.fromkeys(f.name for s in SAMPLERS.values() for f in s.fields))
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
-    """The sampler flags the user set, as SamplingParams fields."""
-    return {f.name: getattr(args, f.name) for f in SAMPLER_FIELDS if getattr(args, f.name) is not None}
+    """The sampler flags the user set, as fields of the samplers' tables."""
+    return {name: getattr(args, name) for name in _sampler_field_names() if getattr(args, name) is not None}
 
 
 def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:
-    return SamplingParams(**sampling_overrides(args), **extra)
+    return SamplingParams.of(**sampling_overrides(args), **extra)

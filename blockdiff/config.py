@@ -293,7 +293,9 @@ class Flag:
     help: str
     names: tuple[str, ...] = ()  # the flag's spellings, the first shown in errors; default: --field-name
     minimum: int | None = None  # integers: the smallest accepted
-    parse: str | None = None  # "size" (512MiB), "positive" (a number > 0), "seconds", "device", "images" ('{"image": N}')
+    # "size" (512MiB), "positive" (a number > 0), "seconds", "device", "images" ('{"image": N}'),
+    # "sampler" (a registered sampler's name, which the help's {samplers} lists)
+    parse: str | None = None
     choices: tuple[str, ...] | None = None
     off: tuple[str, str] | None = None  # (flag, help) of a flag that sets the field to None
     metavar: str | None = None
@@ -367,8 +369,12 @@ class EngineConfig:
                                     "alone", choices=LOAD_FORMATS)
     num_layers_override: int | None = flag(None, "keep only the first N decoder layers (runs at real widths in less "
                                                  "memory)", minimum=1)
+    # The sampler that denoises the canvases (blockdiff/diffusion/registry.py); None: the
+    # architecture's own (model/registry.py), for DiffusionGemma the entropy-bound sampler.
+    diffusion_sampler: str | None = flag(None, "the sampler that denoises canvases, by name: one of {samplers} (default: "
+                                               "the architecture's own)", parse="sampler")
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
-    # as SamplingParams fields.
+    # as fields of the sampler's table.
     sampling_defaults: dict = field(default_factory=dict)
     # Images one prompt may hold (vLLM's --limit-mm-per-prompt '{"image": N}'); 0 takes none.
     limit_images_per_prompt: int = flag(4, 'images one prompt may hold, as JSON: \'{"image": N}\'',

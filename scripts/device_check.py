@@ -41,7 +41,7 @@ from blockdiff import LLM, SamplingParams  # noqa: E402
 from blockdiff.bench.roofline import measure_peak, plan_cost  # noqa: E402
 from blockdiff.config import ModelConfig  # noqa: E402
 from blockdiff.demo import demo_checkpoint  # noqa: E402
-from blockdiff.diffusion.sampler import denoise_params  # noqa: E402
+from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params  # noqa: E402
 from blockdiff.model.attention import Row  # noqa: E402
 from blockdiff.sampling_params import REFERENCE_DEFAULTS  # noqa: E402
 from blockdiff.step import StepPlan  # noqa: E402
@@ -135,7 +135,7 @@ def roofline(config: ModelConfig, batch: int, prompt_len: int, steps: int, peak,
     and the time they take at the measured copy bandwidth (`peak`) and the nominal one."""
     cl = config.canvas_length
     rows = [Row(i, prompt_len + cl, cl, True) for i in range(batch)]
-    params = SamplingParams().with_defaults(REFERENCE_DEFAULTS)
+    params = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
     plan = StepPlan(rows, torch.zeros(0, dtype=torch.long), [], torch.zeros(0, cl, dtype=torch.long),
                     denoise_params([steps // 2] * batch, [params] * batch, torch.zeros(batch, cl),
                                    torch.zeros(batch, cl, dtype=torch.long)))

@@ -11,7 +11,7 @@ import torch
 from blockdiff.bench.offline import parse_batch_sizes
 from blockdiff.bench.roofline import _keys_seen, parameter_count, plan_cost
 from blockdiff.config import ModelConfig
-from blockdiff.diffusion.sampler import denoise_params
+from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
 from blockdiff.step import StepPlan
 from blockdiff.entrypoints.cli import main
@@ -85,7 +85,7 @@ def test_roofline_counts_per_canvas_work_once_per_canvas(tiny):
     config = ModelConfig.from_pretrained(tiny)
 
     def plan(rows: int, step: int) -> StepPlan:
-        denoise = denoise_params([step] * rows, [SamplingParams().with_defaults({**REFERENCE_DEFAULTS, "max_denoising_steps": 4})] * rows,
+        denoise = denoise_params([step] * rows, [EntropyBound().resolve(SamplingParams(), {**REFERENCE_DEFAULTS, "max_denoising_steps": 4})] * rows,
                                  uniform=torch.zeros(rows, CANVAS), renoise=torch.zeros(rows, CANVAS, dtype=torch.long))
         return StepPlan([Row(i, 12, CANVAS, True, (0,)) for i in range(rows)], torch.empty(0), [], torch.empty(0), denoise)
 

@@ -130,6 +130,12 @@ def test_inductor_compiled_engine_greedy_parity(tiny):
     assert got == _reference(tiny, prompts)
 
 
+def _tensors(out) -> dict[str, torch.Tensor]:
+    """A static step's outputs by name."""
+    return {**{f"updates.{k}": v for k, v in out.updates.items()}, "tokens": out.tokens, "finished": out.finished,
+            "logprob": out.logprob}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("compile", [False, True], ids=["eager-graphs", "compiled-graphs"])
 def test_cuda_graph_replay_equals_eager(tiny, compile):
@@ -145,12 +151,12 @@ def test_cuda_graph_replay_equals_eager(tiny, compile):
         got = _generate(llm, prompts[:1]) + _generate(llm, prompts)
         steps = llm.engine.executor.runner.canvas_steps
         assert steps.shapes and all(graph is not None for _, graph, _ in steps.shapes.values())
-        for (_, context), (inputs, graph, outputs) in steps.shapes.items():
+        for (_, context, _), (inputs, graph, outputs) in steps.shapes.items():
             graph.replay()
-            replayed = {k: v.clone() for k, v in outputs.__dict__.items()}
+            replayed = {k: v.clone() for k, v in _tensors(outputs).items()}
             with torch.inference_mode():  # as the runner calls it
-                direct = steps.fn(steps.model, steps.vocab, steps.kv, steps.geometry, context, steps.state, inputs)
-            for name, value in direct.__dict__.items():
+                direct = steps.fn(*steps.step_args(context, inputs))
+            for name, value in _tensors(direct).items():
                 assert torch.equal(value, replayed[name]), name
     if compile:
         with LLM(tiny, device="cuda", dtype="bfloat16", compile=True, enforce_eager=True) as llm:

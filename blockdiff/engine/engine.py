@@ -13,7 +13,7 @@ import time
 import torch
 
 from blockdiff.config import EngineConfig, parse_dtype
-from blockdiff.diffusion.sampler import denoise_params
+from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.block_allocator import BlockPool
 from blockdiff.engine.images import ImageIntake, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
@@ -24,7 +24,7 @@ from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
 from blockdiff.executor import make_executor
 from blockdiff.model.attention import Row
 from blockdiff.model.vision import ImageInputs
-from blockdiff.model.registry import load_config
+from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
 from blockdiff.sampling_params import SamplingParams, generation_defaults
@@ -42,7 +42,8 @@ class LLMEngine:
         if cfg.num_layers_override is not None:
             self.model_config = self.model_config.first_layers(cfg.num_layers_override)
         self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
-        self.defaults = generation_defaults(cfg.model)
+        self.sampler = make_sampler(cfg.diffusion_sampler or default_sampler(self.model_config))
+        self.defaults = generation_defaults(cfg.model, self.sampler.fields)
         self.canvas_length = self.model_config.canvas_length
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = cfg.max_model_len if cfg.max_model_len is not None else min(self.model_config.max_position_embeddings, 8192)
@@ -55,7 +56,7 @@ class LLMEngine:
         self.max_denoising_steps = cfg.max_denoising_steps_limit or max(4 * self.canvas_length,
                                                                         self.defaults["max_denoising_steps"])
         self.executor = make_executor(cfg, self.model_config, parse_dtype(cfg.dtype, self.model_config),
-                                      cfg.resolved_device(), self.max_model_len)
+                                      cfg.resolved_device(), self.max_model_len, self.sampler.name)
         cache = self.executor.cache_config
         # A non-causal encoder's K/V of a token depend on the tokens after it in its chunk: nothing to share.
         caching = cfg.enable_prefix_caching and self.model_config.encoder_causal
@@ -64,7 +65,7 @@ class LLMEngine:
                                  self.model_config.window_past(self.max_model_len))
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
         self.inputs = InputProcessor(
-            self.tokenizer, {**self.defaults, **cfg.sampling_defaults},
+            self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
             tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids)),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
             cache.num_blocks * cache.block_size, cfg.seed, ImageIntake.from_pretrained(cfg, self.model_config),
@@ -138,20 +139,18 @@ class LLMEngine:
             ids.extend(req.tokens(req.num_cached, req.num_cached + n))
             rows.append(Row(req.slot, req.num_cached, n, False, tuple(req.blocks), tuple(req.sliding_blocks),
                             bidirectional=bidirectional))
-        new_rows, new_canvases, uniform, renoise = [], [], [], []
+        new_rows, new_canvases, randoms = [], [], []
         for i, req in enumerate(sched.decoder):
             rows.append(Row(req.slot, req.num_cached, cl, True, tuple(req.blocks), tuple(req.sliding_blocks)))
             if req.new_canvas is not None:
                 new_rows.append(i)
                 new_canvases.append(req.new_canvas)
                 req.new_canvas = None
-            u, r = req.draw_step()
-            uniform.append(u)
-            renoise.append(r)
+            randoms.append(self.sampler.step_randoms(req.generator, cl, self.vocab_size))
         denoise = None
         if sched.decoder:
-            denoise = denoise_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
-                                     torch.stack(uniform), torch.stack(renoise))
+            denoise = self.sampler.step_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
+                                               randoms)
         return StepPlan(
             rows=rows,
             encoder_ids=torch.tensor(ids, dtype=torch.long),

@@ -10,6 +10,11 @@ MODELS: dict[str, type[BlockDiffusionModel]] = {
     "DiffusionGemmaForBlockDiffusion": DiffusionGemma,
 }
 _MODEL_TYPES = {"diffusion_gemma": "DiffusionGemmaForBlockDiffusion"}  # configs that name no architecture
+# The sampler each architecture denoises with unless EngineConfig.diffusion_sampler names another
+# (blockdiff/diffusion/registry.py).
+SAMPLERS: dict[str, str] = {
+    "DiffusionGemmaForBlockDiffusion": "entropy_bound",
+}
 
 
 def architecture(raw: dict) -> str:
@@ -29,3 +34,7 @@ def load_config(path: str) -> ModelConfig:
 
 def model_class(config: ModelConfig) -> type[BlockDiffusionModel]:
     return MODELS[architecture(config.raw)]
+
+
+def default_sampler(config: ModelConfig) -> str:
+    return SAMPLERS[architecture(config.raw)]
