@@ -184,6 +184,21 @@ class SamplingParams:
 _DECLARED = {f.name for f in fields(SamplingParams)}
 
 
+@dataclass
+class ResolvedParams(SamplingParams):
+    """SamplingParams as an engine resolved them (`EngineClient.resolve`): every field of its
+    sampler's table set and every bound checked, for a prompt of `prompt_len` tokens. An engine
+    given these takes them as they are, instead of resolving the request's parameters again."""
+
+    prompt_len: int = 0
+    sampler: str = ""  # the name of the sampler that resolved them
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_len: int, sampler: str) -> "ResolvedParams":
+        return cls(**{f.name: getattr(params, f.name) for f in fields(SamplingParams)}, prompt_len=prompt_len,
+                   sampler=sampler)
+
+
 def field_value(params: SamplingParams, name: str):
     """A sampler field's value in `params`: declared, or in extra_args; None when unset."""
     if name in _DECLARED:

@@ -15,6 +15,7 @@ import torch
 from blockdiff.config import EngineConfig, parse_dtype
 from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.block_allocator import BlockPool
+from blockdiff.engine.client import EngineLimits, EngineStats
 from blockdiff.engine.images import ImageIntake, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
@@ -27,7 +28,7 @@ from blockdiff.model.vision import ImageInputs
 from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
-from blockdiff.sampling_params import SamplingParams, generation_defaults
+from blockdiff.sampling_params import ResolvedParams, SamplingParams, generation_defaults
 from blockdiff.step import StepPlan
 from blockdiff.tokenizer import Tokenizer
 
@@ -75,10 +76,11 @@ class LLMEngine:
         self.last_step_time = 0.0
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | ResolvedParams | None = None,
                     request_id: str | None = None) -> Request:
         """`prompt`: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data":
-        {"image": ...}} with PIL images, encoded bytes or file paths, one per image placeholder."""
+        {"image": ...}} with PIL images, encoded bytes or file paths, one per image placeholder.
+        `params`: as the user gave them, or resolved for this prompt (`self.inputs.resolve`)."""
         prompt, images = split_prompt(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
@@ -172,6 +174,15 @@ class LLMEngine:
         return outputs
 
     # ---- introspection ---------------------------------------------------------------------
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.cfg.model, self.max_model_len, self.cfg.max_num_seqs,
+                            self.max_denoising_steps, self.canvas_length, self.vocab_size)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.num_running, self.num_waiting, self.num_free_slots, self.kv_cache_usage,
+                           self.kv.full.num_blocks, self.kv.queries, self.kv.hits, self.scheduler.num_preemptions)
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

@@ -9,7 +9,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.engine.images import ImageIntake
 from blockdiff.engine.request import Request
-from blockdiff.sampling_params import InvalidParam, SamplingParams
+from blockdiff.sampling_params import InvalidParam, ResolvedParams, SamplingParams
 from blockdiff.tokenizer import Tokenizer
 
 
@@ -41,9 +41,10 @@ class InputProcessor:
         except ValueError as e:
             raise ValueError(f"invalid sampler flags (over the checkpoint's generation_config.json): {e}") from None
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | ResolvedParams | None,
                 images: list | None = None) -> Request:
-        """`images`: PIL images, encoded bytes or file paths, one per image placeholder of the prompt."""
+        """`images`: PIL images, encoded bytes or file paths, one per image placeholder of the prompt.
+        `params` already resolved (`resolve`, for this prompt's length) are taken as they are."""
         if images and self.images is None:
             raise ValueError("this engine takes no images")
         if self.images is not None:
@@ -64,7 +65,13 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise InvalidParam("prompt", f"prompt of {len(ids)} tokens leaves no room for output in "
                                          f"max_model_len={self.max_model_len}")
-        params = self.resolve(params, len(ids))
+        if isinstance(params, ResolvedParams):
+            if (params.prompt_len, params.sampler) != (len(ids), self.sampler.name):
+                raise ValueError(f"the parameters were resolved for a prompt of {params.prompt_len} tokens by the "
+                                 f"{params.sampler!r} sampler; this prompt has {len(ids)} and this engine runs "
+                                 f"{self.sampler.name!r}")
+        else:
+            params = self.resolve(params, len(ids))
         need = len(ids) + params.max_tokens
         if need > self.max_model_len:  # before the per-token checks, which a huge list would make slow
             raise InvalidParam(
@@ -91,15 +98,16 @@ class InputProcessor:
                              f"({self.cache_tokens})")
         return req
 
-    def resolve(self, params: SamplingParams | None, prompt_len: int) -> SamplingParams:
-        """`params` with every default filled in, for a prompt of `prompt_len` tokens."""
+    def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
+        """`params` with every default filled in, for a prompt of `prompt_len` tokens: the one place
+        a request's parameters are resolved."""
         params = params or SamplingParams()
         defaults = self.defaults
         if params.max_tokens is None:  # as much as fits, up to the server's --max-tokens if it set one
             room = max(1, self.max_model_len - prompt_len)
             given = defaults["max_tokens"]
             defaults = {**defaults, "max_tokens": room if given is None else max(1, min(given, room))}
-        return self.sampler.resolve(params, defaults, self.max_steps)
+        return ResolvedParams.of(self.sampler.resolve(params, defaults, self.max_steps), prompt_len, self.sampler.name)
 
     def cost(self, params: SamplingParams) -> int:
         """Canvas positions the decoder evaluates for a request at most (resolved params)."""
