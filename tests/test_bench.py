@@ -10,7 +10,7 @@ import torch
 
 from blockdiff.bench.offline import parse_batch_sizes
 from blockdiff.bench.roofline import _keys_seen, parameter_count, plan_cost
-from blockdiff.config import ModelConfig
+from blockdiff.model.registry import load_config
 from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
 from blockdiff.step import StepPlan
@@ -78,11 +78,11 @@ def test_parameter_count_matches_the_model(checkpoints, tiny):
     for path in (tiny, other):
         model = load_model(path)
         text = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("vision."))
-        assert parameter_count(ModelConfig.from_pretrained(path)) == text
+        assert parameter_count(load_config(path)) == text
 
 
 def test_roofline_counts_per_canvas_work_once_per_canvas(tiny):
-    config = ModelConfig.from_pretrained(tiny)
+    config = load_config(tiny)
 
     def plan(rows: int, step: int) -> StepPlan:
         denoise = denoise_params([step] * rows, [EntropyBound().resolve(SamplingParams(), {**REFERENCE_DEFAULTS, "max_denoising_steps": 4})] * rows,
@@ -175,7 +175,7 @@ def test_prefix_repetition_prompts_share_prefixes_and_not_suffixes(tiny):
     prefixes = [tuple(p[:10]) for p in prompts]
     assert prefixes[0] != prefixes[1] and prefixes == [prefixes[0], prefixes[1]] * 3
     assert len({tuple(p[10:]) for p in prompts}) == 6
-    special = special_token_ids(ModelConfig.from_pretrained(tiny))
+    special = special_token_ids(load_config(tiny))
     assert not special & {t for p in prompts for t in p}
     # Without a checkpoint to draw token ids from, prompts are words, shared and unique the same way.
     words = [p.split() for p in make_prompts(_serve_args())[0]]

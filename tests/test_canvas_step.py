@@ -88,7 +88,7 @@ def test_moe_and_attention_trace_without_host_sync(tiny):
     `.item()` or data-dependent shape inside either is a graph break, which fullgraph refuses."""
     model = load_model(tiny)
     layer = model.layers[0]
-    n, k = 24, model.config.top_k_experts
+    n, k = 24, model.config.arch.top_k_experts
     x = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     weights, index = layer.router(x)
     with torch.inference_mode():
@@ -106,7 +106,7 @@ def test_moe_and_attention_trace_without_host_sync(tiny):
     cl = model.config.canvas_length
     starts = torch.tensor([0, 5, 13])
     tables = {s: torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]) for s in (True, False)}
-    spec = model.config.layers[0]
+    spec = model.config.arch.layers[0]
 
     def attend(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         meta = canvas_metadata(starts, tables, cl, 16, geo)

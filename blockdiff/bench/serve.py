@@ -135,9 +135,9 @@ def make_prompts(args: argparse.Namespace) -> tuple[list, list[int]]:
     else random words (their token counts come from the server's usage)."""
     source = args.tokenizer or (args.model if args.model and os.path.isdir(args.model) else None)
     if source is not None:
-        from blockdiff.config import ModelConfig
+        from blockdiff.model.registry import load_config
 
-        config = ModelConfig.from_pretrained(source)
+        config = load_config(source)
         special = special_token_ids(config)
 
         def draw(num: int, length: int, seed: int) -> list[list[int]]:

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from blockdiff.config import ModelConfig
 from blockdiff.demo.tasks import AGENT_TASKS, TASKS, Problem, training_problems
 from blockdiff.demo.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_DEMO, VOCAB, build_char_tokenizer, save_char_tokenizer
 from blockdiff.diffusion.self_conditioning import soft_embedding
@@ -39,6 +38,7 @@ from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.interface import layer_kinds
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.loader import load_model
+from blockdiff.model.registry import parse_config
 from blockdiff.model.saver import save_weights
 from blockdiff.model.tiny import EOS, PAD, TinySpec, config_dict, generation_config_dict
 from blockdiff.tokenizer import Tokenizer
@@ -111,7 +111,7 @@ def encode(tokenizer: Tokenizer, problem: Problem) -> Example:
 def build_model(spec: TinySpec, seed: int) -> DiffusionGemma:
     """A float32 model of `spec` with fresh trainable weights: matrices N(0, 1/fan_in), the embedding
     N(0, 1/hidden) (it is scaled by sqrt(hidden) on input and is the LM head), every scale 1."""
-    model = DiffusionGemma(ModelConfig.from_dict(config_dict(spec)), dtype=torch.float32)
+    model = DiffusionGemma(parse_config(config_dict(spec)), dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
