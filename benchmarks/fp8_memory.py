@@ -91,9 +91,9 @@ def total_bytes(parts: dict[str, int]) -> int:
 def projected_bytes(model: DiffusionGemma, parts: dict[str, int]) -> int:
     """Bytes of the model with REAL_LAYERS layers, each the size of this model's layer of its kind."""
     per_kind = {}
-    for i, spec in enumerate(model.config.layers):
+    for i, spec in enumerate(model.config.arch.layers):
         per_kind.setdefault("sliding" if spec.sliding else "full", parts[f"layers.{i}"])
-    layers = sum(parts[f"layers.{i}"] for i in range(len(model.config.layers)))
+    layers = sum(parts[f"layers.{i}"] for i in range(model.config.num_layers))
     return total_bytes(parts) - layers + sum(n * per_kind[k] for k, n in REAL_LAYERS.items())
 
 

@@ -30,14 +30,15 @@ import time
 
 import torch
 
-from blockdiff.config import ModelConfig
+from blockdiff.model.gemma_config import GemmaConfig
+from blockdiff.model.registry import parse_config
 from blockdiff.matmul import linear
 from blockdiff.model.moe import Experts
 from blockdiff.model.tiny import TinySpec, config_dict
 from blockdiff.parallel.group import TPGroup
 
 
-def experts(config: ModelConfig, num_experts: int, width: int, ranks: int) -> Experts:
+def experts(config: GemmaConfig, num_experts: int, width: int, ranks: int) -> Experts:
     """One rank's experts: `num_experts` of them, `width` wide once split over `ranks`."""
     config = dataclasses.replace(config, num_experts=num_experts, moe_intermediate_size=width)
     module = Experts(config, TPGroup(rank=0, size=1), torch.float32)
@@ -99,7 +100,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = TinySpec(hidden_size=args.hidden, num_experts=args.experts, top_k_experts=args.top_k, moe_intermediate_size=args.width)
-    config = ModelConfig.from_dict(config_dict(spec))
+    config = parse_config(config_dict(spec))
     e, k, h, t = args.experts, args.top_k, args.hidden, args.tokens
     x = torch.randn(t, h)
     kernel = (lambda m, *a: m(*a)) if args.kernel == "padded" else grouped

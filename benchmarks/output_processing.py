@@ -21,6 +21,7 @@ from blockdiff.demo import demo_checkpoint
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.engine.output_processor import make_output
 from blockdiff.engine.request import Request, State
+from blockdiff.diffusion.entropy_bound import EntropyBound
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
 from blockdiff.tokenizer import Tokenizer
 
@@ -29,10 +30,10 @@ CANVAS, CANVASES = 256, 64
 
 def one_run(tok: Tokenizer, seed: int) -> list[float]:
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=CANVAS * CANVASES, stop=["<never>", "\x00\x00"], output_kind="delta",
-                            ignore_eos=True).with_defaults(REFERENCE_DEFAULTS)
+    params = EntropyBound().resolve(SamplingParams(max_tokens=CANVAS * CANVASES, stop=["<never>", "\x00\x00"],
+                                                   output_kind="delta", ignore_eos=True), REFERENCE_DEFAULTS)
     out = IncrementalDetokenizer(tok, params.max_tokens, set(), params.stop, False)
-    req = Request("bench", None, [1, 2, 3], params, CANVAS, tok.vocab_size, seed, out)
+    req = Request("bench", None, [1, 2, 3], params, CANVAS, tok.vocab_size, seed, out, EntropyBound())
     req.admit(0, 0)
     req.cached(3)
     times, full = [], []

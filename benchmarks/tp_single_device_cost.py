@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import blockdiff.model.diffusion_gemma as diffusion_gemma
-from blockdiff.diffusion.sampler import DenoiseParams, denoise_params
+from blockdiff.diffusion.entropy_bound import DenoiseParams, EntropyBound, denoise_params
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.diffusion.vocab_parallel import Distribution, exp_statistics, first_argmax, inverse_cdf, per_chunk
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
@@ -146,7 +146,7 @@ def step_plans(prompt: int, vocab: int, blocks: tuple[int, ...]) -> tuple[StepPl
     empty = torch.empty(0, CANVAS, dtype=torch.long)
 
     def denoise() -> DenoiseParams:
-        params = SamplingParams(max_denoising_steps=16).with_defaults(REFERENCE_DEFAULTS)
+        params = EntropyBound().resolve(SamplingParams(max_denoising_steps=16), REFERENCE_DEFAULTS)
         return denoise_params([8], [params], torch.rand(1, CANVAS, generator=g),
                               torch.randint(0, vocab, (1, CANVAS), generator=g))
 
@@ -162,7 +162,7 @@ def whole_step(spec: TinySpec, prompt: int, reps: int) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         model = load_model(make_tiny_model(tmp, spec))
     cache = CacheConfig(num_slots=1, num_blocks=-(-(prompt + CANVAS) // 16), block_size=16, max_model_len=prompt + CANVAS)
-    ours, twin, plain = (ModelRunner(m, cache, "cpu") for m in (model, model, plain_model(model)))
+    ours, twin, plain = (ModelRunner(m, cache, "cpu", EntropyBound()) for m in (model, model, plain_model(model)))
     plain.vocab = PlainSampler()
     prefill, first, later = step_plans(prompt, spec.vocab_size, tuple(range(cache.num_blocks)))
 

@@ -6,6 +6,17 @@ from __future__ import annotations
 import os
 
 _DOWNLOAD_HINT = "download it first with `hf download {repo}{dir_flag}`"
+# The bundled demo model's checkpoint (blockdiff/demo/, `blockdiff train-demo`): the default model.
+DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "checkpoint")
+
+
+def demo_checkpoint() -> str:
+    """The bundled demo checkpoint's directory."""
+    if not os.path.isfile(os.path.join(DEMO_CHECKPOINT, "model.safetensors")):
+        raise FileNotFoundError(
+            f"the demo checkpoint is missing from {DEMO_CHECKPOINT}; recreate it with `blockdiff train-demo`"
+        )
+    return DEMO_CHECKPOINT
 
 
 def resolve_model(model: str | None, download_dir: str | None = None, what: str = "model") -> str:
@@ -14,8 +25,6 @@ def resolve_model(model: str | None, download_dir: str | None = None, what: str 
     Raises ValueError for what is neither a directory nor a cached hub id, saying how to get it;
     `what` names the argument in it."""
     if model is None:
-        from blockdiff.demo import demo_checkpoint
-
         return demo_checkpoint()
     if os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".json")):  # a config alone: dummy weights
         return model

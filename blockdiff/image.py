@@ -91,10 +91,6 @@ class ProcessedImage:
     num_soft_tokens: int
     digest: bytes  # of the pixels and positions: equal images share prefix-cache blocks
 
-    @property
-    def nbytes(self) -> int:
-        return self.pixel_values.numel() * 4 + self.position_ids.numel() * 8
-
 
 def fit_size(height: int, width: int, patch_size: int, max_patches: int, pooling: int) -> tuple[int, int]:
     """The reference's aspect-ratio-preserving target size (see the module docstring)."""

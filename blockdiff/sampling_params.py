@@ -1,16 +1,20 @@
-"""Sampling parameters of one request: one table of the sampler's fields, validation, defaults.
+"""Sampling parameters of one request: the sampler-field tables, validation, defaults.
 
-`SAMPLER_FIELDS` is the only place a sampler field is described: its type, reference default,
-bounds, help text and generation_config.json key. `SamplingParams`, the OpenAI protocol's extra
-body fields, the command line's flags and the sampler's per-canvas `DenoiseParams` are all built
-from it, so adding a field is one entry here plus its use in the sampler.
+A `SamplerField` describes one sampler field once: its type, reference default, bounds, help text
+and generation_config.json key. Each sampler (blockdiff/diffusion/) has its table of them; the
+OpenAI protocol's extra body fields, the command line's sampler flags and the sampler's per-canvas
+step inputs are built from the table of the sampler a model runs. `SAMPLER_FIELDS` is the table of
+the reference sampler (entropy-bound, DiffusionGemma's own), whose fields SamplingParams declares;
+another sampler's fields travel in `SamplingParams.extra_args` (vLLM's field for the arguments of
+other samplers; `SamplingParams.of` puts them there).
 
 Bounds are those of the dtype a value is used in: per-canvas fields travel to the sampler as
 int32 or float32 tensors, so an accepted value is always representable there, and temperatures
 stay normal float32 numbers at every step of the schedule (no NaN from an accepted value).
 
-Defaults are merged once, in `with_defaults`: the request's value, else the server's flag, else
-generation_config.json, else the reference default.
+Defaults are merged once, by the sampler's `resolve`: the request's value, else the server's flag,
+else generation_config.json, else the reference default. A bad value raises `InvalidParam`, a
+ValueError that names the field.
 """
 
 from __future__ import annotations
@@ -18,9 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, make_dataclass, replace
-
-import numpy as np
+from dataclasses import dataclass, fields, replace
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
@@ -28,11 +30,17 @@ FLOAT32_MAX = 3.4028234663852886e38
 # float32 range (and from the -1e30 that marks padded vocabulary rows), so nothing overflows.
 MIN_TEMPERATURE = 1e-20
 MAX_TEMPERATURE = 1e4
-# Request temperature 0 asks for greedy decoding: the schedule is scaled by this instead, since the
-# sampler divides by the temperature.
-GREEDY_SCALE = 1e-6
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+class InvalidParam(ValueError):
+    """A request parameter that cannot be served: `field` names it (the API's `param`), the message
+    says why and starts with the field's name."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,10 @@ class SamplerField:
     generation_config: str | None = None  # key in generation_config.json ("a.b": nested); None: not read
     per_canvas: bool = True  # sent to the sampler as a [canvases] tensor
     dtype: str = "float32"  # of that tensor
+    steps: bool = False  # a number of denoising steps: at most the engine's steps limit
+    # Values that change nothing: a model whose sampler lacks the field accepts it at these (clients
+    # send vLLM's truncation knobs at their neutral values whatever the model).
+    neutral: tuple = ()
 
 
 SAMPLER_FIELDS: tuple[SamplerField, ...] = (
@@ -55,7 +67,7 @@ SAMPLER_FIELDS: tuple[SamplerField, ...] = (
     # the released checkpoint, which would cut answers (thinking ones above all) short.
     SamplerField("max_tokens", int, None, "tokens to generate at most", 1, INT32_MAX, per_canvas=False),
     SamplerField("max_denoising_steps", int, 48, "denoising steps per canvas at most", 1, INT32_MAX,
-                 generation_config="max_denoising_steps", dtype="int32"),
+                 generation_config="max_denoising_steps", dtype="int32", steps=True),
     SamplerField("entropy_bound", float, 0.1, "accept tokens while Σentropy - max entropy stays below this",
                  0, FLOAT32_MAX, exclusive_minimum=True, generation_config="sampler_config.entropy_bound"),
     SamplerField("t_min", float, 0.4, "temperature at the last denoising step", 0, MAX_TEMPERATURE,
@@ -63,54 +75,102 @@ SAMPLER_FIELDS: tuple[SamplerField, ...] = (
     SamplerField("t_max", float, 0.8, "temperature at the first denoising step", 0, MAX_TEMPERATURE,
                  exclusive_minimum=True, generation_config="t_max"),
     SamplerField("stability_threshold", int, 1, "previous argmax canvases that must match to stop early", 0,
-                 INT32_MAX, generation_config="stability_threshold", dtype="int32"),
+                 INT32_MAX, generation_config="stability_threshold", dtype="int32", steps=True),
     SamplerField("confidence_threshold", float, 0.005, "mean entropy under which a stable canvas stops", 0,
                  FLOAT32_MAX, exclusive_minimum=True, generation_config="confidence_threshold"),
     # vLLM's truncation knobs restrict the candidate draw only (docs/architecture.md, "Sampler"). The
     # reference sampler has none, so a checkpoint's generation_config.json values are not applied.
     SamplerField("top_k", int, -1, "draw candidates from the k most likely tokens only; -1 or 0: all", -1,
-                 INT32_MAX, dtype="int32"),
+                 INT32_MAX, dtype="int32", neutral=(-1, 0)),
     SamplerField("top_p", float, 1.0, "draw candidates from the smallest set of most likely tokens holding this "
-                 "much probability", 0, 1, exclusive_minimum=True),
+                 "much probability", 0, 1, exclusive_minimum=True, neutral=(1,)),
     SamplerField("min_p", float, 0.0, "draw candidates only among tokens at least this fraction as likely as "
-                 "the most likely one", 0, 1),
+                 "the most likely one", 0, 1, neutral=(0,)),
 )
+# The fields of every sampler's table: how much a request generates, how long a canvas may take.
+ENGINE_FIELDS = SAMPLER_FIELDS[:2]
 FIELDS_BY_NAME = {f.name: f for f in SAMPLER_FIELDS}
 PER_CANVAS_FIELDS = tuple(f for f in SAMPLER_FIELDS if f.per_canvas)
 REFERENCE_DEFAULTS = {f.name: f.default for f in SAMPLER_FIELDS}
 
 
-class _Params:
-    """The fields that are not the sampler's (`SamplingParams` adds those from the table)."""
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request; the engine's sampler fills the unset fields of its table
+    (`DiffusionSampler.resolve`). The first fields are those of `SAMPLER_FIELDS`, in the table's
+    order (tests/test_engine_core.py checks it); other samplers' fields go in `extra_args`."""
+
+    max_tokens: int | None = None
+    max_denoising_steps: int | None = None
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    draft: list[int] | None = None  # token ids the canvases start from, canvas after canvas
+    logprobs: int | None = None  # top logprobs per token; 0 returns only the chosen token's logprob
+    stream_drafts: bool = False  # report the argmax canvas after every denoising step
+    draft_details: bool = False  # with each draft, the step's entropy and accepted positions
+    skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's option)
+    output_kind: str = "cumulative"  # "cumulative", "delta" or "final_only" (see blockdiff.outputs)
+    temperature: float | None = None  # scales the t_min .. t_max schedule; 0: greedy
+    # vLLM's knobs, accepted at their neutral values only
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # The fields of samplers other than the reference one, by name (their tables check them when the
+    # engine resolves the request).
+    extra_args: dict[str, int | float] | None = None
+
+    @classmethod
+    def of(cls, **values) -> "SamplingParams":
+        """SamplingParams from fields of any sampler: the ones it declares as themselves, the others
+        in extra_args."""
+        extra = {k: values.pop(k) for k in [k for k in values if k not in _DECLARED]}
+        given = values.pop("extra_args", None) or {}
+        return cls(**values, extra_args={**given, **extra} or None)
 
     def __post_init__(self) -> None:
         for f in SAMPLER_FIELDS:
-            _check_field(f, getattr(self, f.name))
+            check_field(f, getattr(self, f.name))
         if self.t_min is not None and self.t_max is not None and self.t_max < self.t_min:
-            raise ValueError(f"t_max must be >= t_min, got t_max={self.t_max} < t_min={self.t_min}")
+            raise InvalidParam("t_max", f"t_max must be >= t_min, got t_max={self.t_max} < t_min={self.t_min}")
         if self.temperature is not None and not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidParam("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict) or not all(isinstance(k, str) for k in self.extra_args):
+                raise InvalidParam("extra_args", f"extra_args must be a dict of sampler fields, got {self.extra_args!r}")
+            declared = sorted(set(self.extra_args) & _DECLARED)
+            if declared:
+                raise InvalidParam(declared[0], f"{declared[0]} is a SamplingParams field: set it directly, not in extra_args")
         self._check_unsupported()
         _int(self, "seed", minimum=None)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+            raise InvalidParam("seed", f"seed must fit in 64 bits, got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+                raise InvalidParam("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         _token_list(self, "stop_token_ids")
         _token_list(self, "draft")
         for name in ("ignore_eos", "stream_drafts", "draft_details", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidParam(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.draft_details and not self.stream_drafts:
-            raise ValueError("draft_details needs stream_drafts: true")
+            raise InvalidParam("draft_details", "draft_details needs stream_drafts: true")
         if self.output_kind not in OUTPUT_KINDS:
-            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
+            raise InvalidParam("output_kind", f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         _int(self, "logprobs", minimum=0)
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+            raise InvalidParam("logprobs", f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
 
     def _check_unsupported(self) -> None:
         """vLLM's sampling knobs that have no diffusion meaning (yet): only their neutral values."""
@@ -118,79 +178,59 @@ class _Params:
         for name, values in neutral.items():
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or v not in values):
-                raise ValueError(
-                    f"{name} is not supported: the diffusion sampler has no use for it "
+                raise InvalidParam(
+                    name, f"{name} is not supported: the diffusion sampler has no use for it "
                     f"(got {v!r}; allowed: {values[0]})"
                 )
 
-    def with_defaults(self, defaults: dict) -> "SamplingParams":
-        """Every unset sampler field from `defaults` (server flags over `generation_defaults`), the
-        request temperature applied to the schedule, and the schedule checked as a whole."""
-        filled = {f.name: defaults[f.name] for f in SAMPLER_FIELDS if getattr(self, f.name) is None}
-        out = replace(self, **filled)
-        if out.temperature is not None:
-            # The request temperature scales the denoising schedule (t_min .. t_max); 0 is greedy.
-            scale = out.temperature or GREEDY_SCALE
-            scaled = {"t_min": out.t_min * scale, "t_max": out.t_max * scale}
-            for name, value in scaled.items():
-                if not _within(FIELDS_BY_NAME[name], value):
-                    raise ValueError(f"temperature {self.temperature} scales {name} to {value!r}, outside "
-                                     f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
-            out = replace(out, **scaled, temperature=None)
-        lowest = min_temperature(out.t_min, out.t_max, out.max_denoising_steps)
-        if not lowest >= MIN_TEMPERATURE:
-            who = "temperature" if self.temperature is not None else "t_min"
-            raise ValueError(f"{who}: the denoising temperature falls to {lowest:.3g} at the last step (t_min={out.t_min}, "
-                             f"t_max={out.t_max}, {out.max_denoising_steps} steps); it must stay >= {MIN_TEMPERATURE}")
-        return out
+
+_DECLARED = {f.name for f in fields(SamplingParams)}
 
 
-def min_temperature(t_min: float, t_max: float, steps: int) -> float:
-    """The schedule's lowest temperature (its last step, n = 1), in the sampler's float32."""
-    f = np.float32
-    return float(f(t_min) + (f(t_max) - f(t_min)) * (f(1) / f(steps)))
+@dataclass
+class ResolvedParams(SamplingParams):
+    """SamplingParams as an engine resolved them (`EngineClient.resolve`): every field of its
+    sampler's table set and every bound checked, for a prompt of `prompt_len` tokens. An engine
+    given these takes them as they are, instead of resolving the request's parameters again."""
+
+    prompt_len: int = 0
+    sampler: str = ""  # the name of the sampler that resolved them
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_len: int, sampler: str) -> "ResolvedParams":
+        return cls(**{f.name: getattr(params, f.name) for f in fields(SamplingParams)}, prompt_len=prompt_len,
+                   sampler=sampler)
 
 
-SamplingParams = make_dataclass(
-    "SamplingParams",
-    [(f.name, f.type | None, None) for f in SAMPLER_FIELDS]
-    + [
-        ("seed", int | None, None),
-        ("stop", str | list[str] | None, None),
-        ("stop_token_ids", list[int] | None, None),
-        ("ignore_eos", bool, False),
-        ("draft", list[int] | None, None),  # token ids the canvases start from, canvas after canvas
-        ("logprobs", int | None, None),  # top logprobs per token; 0 returns only the chosen token's logprob
-        ("stream_drafts", bool, False),  # report the argmax canvas after every denoising step
-        ("draft_details", bool, False),  # with each draft, the step's entropy and accepted positions
-        ("skip_special_tokens", bool, True),  # leave special tokens out of the text (vLLM's option)
-        ("output_kind", str, "cumulative"),  # "cumulative", "delta" or "final_only" (see blockdiff.outputs)
-        ("temperature", float | None, None),  # scales the t_min .. t_max schedule; 0: greedy
-        # vLLM's knobs, accepted at their neutral values only
-        ("n", int | None, None),
-        ("presence_penalty", float | None, None),
-        ("frequency_penalty", float | None, None),
-    ],
-    bases=(_Params,),
-    namespace={"__module__": __name__},
-)
-SamplingParams.__doc__ = "Sampling parameters of one request; unset sampler fields are filled by `with_defaults`."
+def field_value(params: SamplingParams, name: str):
+    """A sampler field's value in `params`: declared, or in extra_args; None when unset."""
+    if name in _DECLARED:
+        return getattr(params, name)
+    return (params.extra_args or {}).get(name)
 
 
-def generation_defaults(model_dir: str | None) -> dict:
-    """Reference defaults overridden by the checkpoint's generation_config.json (plus its EOS ids)."""
-    out = dict(REFERENCE_DEFAULTS)
+def with_field_values(params: SamplingParams, values: dict) -> SamplingParams:
+    """`params` with sampler fields set to `values` (declared ones as themselves, others in extra_args)."""
+    extra = {k: v for k, v in values.items() if k not in _DECLARED}
+    return replace(params, **{k: v for k, v in values.items() if k in _DECLARED},
+                   extra_args={**(params.extra_args or {}), **extra} or None)
+
+
+def generation_defaults(model_dir: str | None, table: tuple[SamplerField, ...] = SAMPLER_FIELDS) -> dict:
+    """The reference defaults of a sampler's fields (`table`) overridden by the checkpoint's
+    generation_config.json (plus its EOS ids)."""
+    out = {f.name: f.default for f in table}
     path = os.path.join(model_dir, "generation_config.json") if model_dir else None
     if not path or not os.path.isfile(path):
         return out
     with open(path) as fh:
         gen = json.load(fh)
-    for f in (f for f in SAMPLER_FIELDS if f.generation_config):
+    for f in (f for f in table if f.generation_config):
         value = gen
         for key in f.generation_config.split("."):
             value = value.get(key) if isinstance(value, dict) else None
         if value is not None:
-            _check_field(f, value, where=f"{path}: ")
+            check_field(f, value, where=f"{path}: ")
             out[f.name] = value
     if gen.get("eos_token_id") is not None:
         eos = gen["eos_token_id"]
@@ -198,7 +238,8 @@ def generation_defaults(model_dir: str | None) -> dict:
     return out
 
 
-def _within(f: SamplerField, v) -> bool:
+def within(f: SamplerField, v) -> bool:
+    """Whether `v` is a value of field `f`: of its type, within its bounds."""
     if f.type is int:
         if not _is_int(v):
             return False
@@ -208,12 +249,13 @@ def _within(f: SamplerField, v) -> bool:
     return low_ok and v <= f.maximum
 
 
-def _check_field(f: SamplerField, v, where: str = "") -> None:
-    if v is None or _within(f, v):
+def check_field(f: SamplerField, v, where: str = "") -> None:
+    """InvalidParam unless `v` is None or a value of field `f`."""
+    if v is None or within(f, v):
         return
     kind = "an integer" if f.type is int else "a finite number"
     low = ">" if f.exclusive_minimum else ">="
-    raise ValueError(f"{where}{f.name} must be {kind} {low} {f.minimum:g} and <= {f.maximum:g}, got {v!r}")
+    raise InvalidParam(f.name, f"{where}{f.name} must be {kind} {low} {f.minimum:g} and <= {f.maximum:g}, got {v!r}")
 
 
 def _is_int(v) -> bool:
@@ -230,7 +272,7 @@ def _int(p, name: str, minimum: int | None) -> None:
         return
     if not _is_int(v) or (minimum is not None and v < minimum):
         bound = "an integer" if minimum is None else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {bound}, got {v!r}")
+        raise InvalidParam(name, f"{name} must be {bound}, got {v!r}")
 
 
 def _token_list(p, name: str) -> None:
@@ -238,5 +280,5 @@ def _token_list(p, name: str) -> None:
     if v is None:
         return
     if not isinstance(v, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in v):
-        raise ValueError(f"{name} must be a list of non-negative token ids, got {v!r}")
+        raise InvalidParam(name, f"{name} must be a list of non-negative token ids, got {v!r}")
     setattr(p, name, list(v))

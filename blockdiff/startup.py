@@ -12,6 +12,7 @@ import torch
 
 from blockdiff.config import EngineConfig, ModelConfig, parse_dtype
 from blockdiff.engine.engine import LLMEngine
+from blockdiff.model.registry import load_config
 
 log = logging.getLogger("blockdiff")
 
@@ -52,7 +53,7 @@ def start_engine(cfg: EngineConfig) -> LLMEngine:
     check_device(cfg.device)
     cfg.check_model()
     global _chosen
-    threads, why = choose_threads(cfg, ModelConfig.from_pretrained(cfg.model))
+    threads, why = choose_threads(cfg, load_config(cfg.model))
     torch.set_num_threads(threads)
     _chosen = threads
     engine = LLMEngine(replace(cfg, num_threads=threads))  # the workers get the same count

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.diffusion.sampler import DenoiseParams
+from blockdiff.diffusion.strategy import StepParams
 from blockdiff.model.attention import Row
 from blockdiff.model.vision import ImageInputs
 
@@ -31,7 +31,7 @@ class StepPlan:
     encoder_ids: torch.Tensor  # [encoder tokens] int64
     new_canvas_rows: list[int]  # decoder rows (0-based among decoder rows) that start a canvas
     new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64
-    denoise: DenoiseParams | None
+    denoise: StepParams | None  # the sampler's inputs of the step's canvases
     top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
     draft_details: bool = False  # some canvas asks for its step's entropy and accepted positions
     images: ImageInputs | None = None  # the images of this step's prompt chunks (every rank encodes them)
@@ -40,8 +40,9 @@ class StepPlan:
 @dataclass
 class StepOutput:
     finished: torch.Tensor  # [decoder rows] bool
-    argmax: torch.Tensor  # [decoder rows, CL]
-    logprob: torch.Tensor | None  # [decoder rows, CL] logprob of each argmax token
+    tokens: torch.Tensor  # [decoder rows, CL] what each canvas commits if finished (the argmax canvas,
+    # for the entropy-bound sampler; its draft while it goes on)
+    logprob: torch.Tensor | None  # [decoder rows, CL] logprob of each token
     top_logprobs: torch.Tensor | None  # [decoder rows, CL, k]
     top_ids: torch.Tensor | None
     # With plan.draft_details only: [decoder rows, CL] the step's entropy per position, and whether

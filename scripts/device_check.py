@@ -40,8 +40,9 @@ sys.path.insert(0, ROOT)
 from blockdiff import LLM, SamplingParams  # noqa: E402
 from blockdiff.bench.roofline import measure_peak, plan_cost  # noqa: E402
 from blockdiff.config import ModelConfig  # noqa: E402
+from blockdiff.model.registry import load_config, parse_config  # noqa: E402
 from blockdiff.demo import demo_checkpoint  # noqa: E402
-from blockdiff.diffusion.sampler import denoise_params  # noqa: E402
+from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params  # noqa: E402
 from blockdiff.model.attention import Row  # noqa: E402
 from blockdiff.sampling_params import REFERENCE_DEFAULTS  # noqa: E402
 from blockdiff.step import StepPlan  # noqa: E402
@@ -113,7 +114,7 @@ def _timed(fn, device: str) -> float:
 
 
 def time_blockdiff(config_path: str, device: str, batches: list[int], prompt_len: int, layers: int | None, steps: int) -> dict:
-    config = ModelConfig.from_pretrained(config_path)
+    config = load_config(config_path)
     canvas = config.canvas_length
     out = {}
     with LLM(config_path, load_format="dummy", dtype="bfloat16", device=device, tokenizer=demo_checkpoint(),
@@ -135,7 +136,7 @@ def roofline(config: ModelConfig, batch: int, prompt_len: int, steps: int, peak,
     and the time they take at the measured copy bandwidth (`peak`) and the nominal one."""
     cl = config.canvas_length
     rows = [Row(i, prompt_len + cl, cl, True) for i in range(batch)]
-    params = SamplingParams().with_defaults(REFERENCE_DEFAULTS)
+    params = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
     plan = StepPlan(rows, torch.zeros(0, dtype=torch.long), [], torch.zeros(0, cl, dtype=torch.long),
                     denoise_params([steps // 2] * batch, [params] * batch, torch.zeros(batch, cl),
                                    torch.zeros(batch, cl, dtype=torch.long)))
@@ -195,7 +196,7 @@ def main() -> None:
     config_path = os.path.join(tempfile.mkdtemp(), "config.json")
     with open(config_path, "w") as f:
         json.dump(raw, f)
-    config = ModelConfig.from_dict(raw)
+    config = parse_config(raw)
     if args.layers is not None:
         config = config.first_layers(args.layers)
 

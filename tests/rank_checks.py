@@ -37,7 +37,9 @@ def vocab_statistics(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, k:
     argmax, sample = vocab.argmax_and_sample(d, u)
     step = (ctx.group.counter.calls, ctx.group.counter.bytes)  # what the sampler's step moves
     top_lp, top_ids = vocab.top_logprobs(d, k, torch.arange(logits.shape[0]))
+    alone = vocab.argmax(d)  # what a sampler that only takes the argmax reduces (confidence-threshold)
     return {
+        "argmax_alone": alone,
         "entropy": d.entropy,
         "argmax": argmax,
         "sample": sample,

@@ -11,8 +11,8 @@ import torch
 
 from blockdiff.bench.offline import parse_batch_sizes
 from blockdiff.bench.roofline import _keys_seen, parameter_count, plan_cost
-from blockdiff.config import ModelConfig
-from blockdiff.diffusion.sampler import denoise_params
+from blockdiff.model.registry import load_config
+from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
 from blockdiff.step import StepPlan
 from blockdiff.entrypoints.cli import main
@@ -79,14 +79,14 @@ def test_parameter_count_matches_the_model(checkpoints, tiny):
     for path in (tiny, other):
         model = load_model(path)
         text = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("vision."))
-        assert parameter_count(ModelConfig.from_pretrained(path)) == text
+        assert parameter_count(load_config(path)) == text
 
 
 def test_roofline_counts_per_canvas_work_once_per_canvas(tiny):
-    config = ModelConfig.from_pretrained(tiny)
+    config = load_config(tiny)
 
     def plan(rows: int, step: int) -> StepPlan:
-        denoise = denoise_params([step] * rows, [SamplingParams().with_defaults({**REFERENCE_DEFAULTS, "max_denoising_steps": 4})] * rows,
+        denoise = denoise_params([step] * rows, [EntropyBound().resolve(SamplingParams(), {**REFERENCE_DEFAULTS, "max_denoising_steps": 4})] * rows,
                                  uniform=torch.zeros(rows, CANVAS), renoise=torch.zeros(rows, CANVAS, dtype=torch.long))
         return StepPlan([Row(i, 12, CANVAS, True, (0,)) for i in range(rows)], torch.empty(0), [], torch.empty(0), denoise)
 
@@ -182,7 +182,7 @@ def test_prefix_repetition_prompts_share_prefixes_and_not_suffixes(tiny):
     prefixes = [tuple(p[:10]) for p in prompts]
     assert prefixes[0] != prefixes[1] and prefixes == [prefixes[0], prefixes[1]] * 3
     assert len({tuple(p[10:]) for p in prompts}) == 6
-    special = special_token_ids(ModelConfig.from_pretrained(tiny))
+    special = special_token_ids(load_config(tiny))
     assert not special & {t for p in prompts for t in p}
     # Without any tokenizer (a server with no /tokenize), prompts are words, shared and unique the same way.
     words = [s.prompt.split() for s in make_samples(_serve_args(), chat=False)]

@@ -14,7 +14,7 @@ import torch
 from helpers import hf_generate_with_draft, load_hf
 
 from blockdiff import LLM, SamplingParams
-from blockdiff.entrypoints.args import add_engine_args, engine_config
+from blockdiff.arg_utils import add_engine_args, engine_config
 from blockdiff.matmul import has_grouped_mm
 from blockdiff.model.attention import canvas_metadata
 from blockdiff.model.loader import load_model
@@ -88,7 +88,7 @@ def test_moe_and_attention_trace_without_host_sync(tiny):
     `.item()` or data-dependent shape inside either is a graph break, which fullgraph refuses."""
     model = load_model(tiny)
     layer = model.layers[0]
-    n, k = 24, model.config.top_k_experts
+    n, k = 24, model.config.arch.top_k_experts
     x = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     weights, index = layer.router(x)
     with torch.inference_mode():
@@ -106,7 +106,7 @@ def test_moe_and_attention_trace_without_host_sync(tiny):
     cl = model.config.canvas_length
     starts = torch.tensor([0, 5, 13])
     tables = {s: torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]) for s in (True, False)}
-    spec = model.config.layers[0]
+    spec = model.config.arch.layers[0]
 
     def attend(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         meta = canvas_metadata(starts, tables, cl, 16, geo)
@@ -130,6 +130,12 @@ def test_inductor_compiled_engine_greedy_parity(tiny):
     assert got == _reference(tiny, prompts)
 
 
+def _tensors(out) -> dict[str, torch.Tensor]:
+    """A static step's outputs by name."""
+    return {**{f"updates.{k}": v for k, v in out.updates.items()}, "tokens": out.tokens, "finished": out.finished,
+            "logprob": out.logprob}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("compile", [False, True], ids=["eager-graphs", "compiled-graphs"])
 def test_cuda_graph_replay_equals_eager(tiny, compile):
@@ -145,12 +151,12 @@ def test_cuda_graph_replay_equals_eager(tiny, compile):
         got = _generate(llm, prompts[:1]) + _generate(llm, prompts)
         steps = llm.engine.executor.runner.canvas_steps
         assert steps.shapes and all(graph is not None for _, graph, _ in steps.shapes.values())
-        for (_, context), (inputs, graph, outputs) in steps.shapes.items():
+        for (_, context, _), (inputs, graph, outputs) in steps.shapes.items():
             graph.replay()
-            replayed = {k: v.clone() for k, v in outputs.__dict__.items()}
+            replayed = {k: v.clone() for k, v in _tensors(outputs).items()}
             with torch.inference_mode():  # as the runner calls it
-                direct = steps.fn(steps.model, steps.vocab, steps.kv, steps.geometry, context, steps.state, inputs)
-            for name, value in direct.__dict__.items():
+                direct = steps.fn(*steps.step_args(context, inputs))
+            for name, value in _tensors(direct).items():
                 assert torch.equal(value, replayed[name]), name
     if compile:
         with LLM(tiny, device="cuda", dtype="bfloat16", compile=True, enforce_eager=True) as llm:

@@ -11,7 +11,9 @@ import torch
 from helpers import Harness, load_hf, rel_err
 from safetensors.torch import load_file, save_file
 
-from blockdiff.config import ConfigError, ModelConfig
+from blockdiff.config import ConfigError
+from blockdiff.model.gemma_config import GemmaConfig
+from blockdiff.model.registry import load_config, parse_config
 from blockdiff.model.loader import CheckpointError, load_model
 from blockdiff.model.tiny import TinySpec, make_tiny_model
 from blockdiff.parallel.layers import ShapeMismatch
@@ -139,7 +141,7 @@ def test_unsupported_architecture(tiny, tmp_path):
 def test_missing_required_config_field(tiny, tmp_path):
     path = _edited_config(tiny, tmp_path / "c", lambda c: c["text_config"].pop("num_experts"))
     with pytest.raises(ConfigError, match="missing required fields: num_experts"):
-        ModelConfig.from_pretrained(path)
+        load_config(path)
 
 
 def test_pickle_only_checkpoint_is_refused(tiny, tmp_path):
@@ -160,11 +162,25 @@ def test_config_reads_every_computation_field():
         "use_bidirectional_attention": "all", "eos_token_id": [1, 7], "rms_norm_eps": 1e-5,
         "final_logit_softcapping": 20.0,
     }
-    cfg = ModelConfig.from_dict({"architectures": ["DiffusionGemmaForBlockDiffusion"], "text_config": text, "canvas_length": 32, "dtype": "bfloat16"})
-    assert [layer.sliding for layer in cfg.layers] == [True, False, False]  # last layer forced to full
-    assert [layer.head_dim for layer in cfg.layers] == [8, 16, 16]
-    assert [layer.num_kv_heads for layer in cfg.layers] == [2, 1, 1]
-    assert cfg.layers[0].window == 9 // 2 + 1 and not cfg.encoder_causal
-    assert cfg.layers[1].rotary_dim == 4 and cfg.layers[1].rope_theta == 1e6 and cfg.layers[0].rotary_dim == 8
+    raw = {"architectures": ["DiffusionGemmaForBlockDiffusion"], "text_config": text, "canvas_length": 32, "dtype": "bfloat16"}
+    cfg = parse_config(raw)
+    # The engine's part: what any architecture gives it.
+    assert cfg.architecture == "DiffusionGemmaForBlockDiffusion" and cfg.vocab_size == 100 and cfg.hidden_size == 32
+    assert cfg.windows == (9 // 2 + 1, None, None) and cfg.sliding_window == 5 and not cfg.encoder_causal  # last layer: full
     assert cfg.eos_token_ids == (1, 7) and cfg.canvas_length == 32 and cfg.dtype == torch.bfloat16
-    assert cfg.rms_norm_eps == 1e-5 and cfg.final_logit_softcapping == 20.0
+    assert not hasattr(cfg, "num_experts") and not hasattr(cfg, "layers")  # the rest is the architecture's
+    # The architecture's own, which only its model reads.
+    gemma = cfg.arch
+    assert isinstance(gemma, GemmaConfig)
+    assert [layer.sliding for layer in gemma.layers] == [True, False, False]
+    assert [layer.head_dim for layer in gemma.layers] == [8, 16, 16]
+    assert [layer.num_kv_heads for layer in gemma.layers] == [2, 1, 1]
+    assert gemma.layers[1].rotary_dim == 4 and gemma.layers[1].rope_theta == 1e6 and gemma.layers[0].rotary_dim == 8
+    assert gemma.rms_norm_eps == 1e-5 and gemma.final_logit_softcapping == 20.0 and gemma.num_experts == 4
+    # --num-layers-override cuts both
+    two = cfg.first_layers(2)
+    assert two.windows == (5, None) and len(two.arch.layers) == 2
+    with pytest.raises(ConfigError, match="unsupported architecture"):
+        parse_config({**raw, "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ConfigError, match="missing required fields: num_experts"):
+        parse_config({**raw, "text_config": {k: v for k, v in text.items() if k != "num_experts"}})

@@ -214,3 +214,28 @@ def test_setup_script_says_what_each_stage_does(tmp_path):
     assert ["said" if ln.startswith("setup.sh [") else ln.split(" -q ")[-1] for ln in lines] == [
         "said", "said", "--upgrade pip", "said", "torch==2.13.0", "said", "-e .[test]", "said"], lines
     assert "torch" in lines[3] and "test extra" in lines[5] and "done" in lines[7]
+
+
+def test_engine_flags_are_the_engine_config_fields():
+    """Every EngineConfig field with a Flag is a flag whose default is the field's, and what a flag
+    reads lands in its field: the fields are spelled once."""
+    import argparse
+    import dataclasses
+
+    from blockdiff.arg_utils import add_engine_args, engine_config
+    from blockdiff.config import EngineConfig
+    from blockdiff.hub import demo_checkpoint
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    flagged = [f.name for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata]
+    assert {"tensor_parallel_size", "max_prefill_tokens", "compile", "allowed_media_domains"} <= set(flagged)
+    assert dataclasses.replace(engine_config(p.parse_args([])), tune_cpu_heap=False) == EngineConfig(demo_checkpoint())
+    cfg = engine_config(p.parse_args([
+        "-tp", "2", "--max-num-batched-tokens", "64", "--kv-cache-memory", "1MiB", "--no-preemption",
+        "--no-enable-prefix-caching", "--compile", "--allowed-media-domains", "a.org", "b.org", "--worker-timeout", "5",
+        "--limit-mm-per-prompt", '{"image": 2}', "--dtype", "bfloat16", "--sampler-memory-gb", "0.5",
+    ]))
+    assert (cfg.tensor_parallel_size, cfg.max_prefill_tokens, cfg.kv_cache_memory, cfg.preempt_after_canvases) == (2, 64, 2**20, None)
+    assert (cfg.enable_prefix_caching, cfg.compile, cfg.allowed_media_domains, cfg.worker_timeout) == (False, True, ("a.org", "b.org"), 5.0)
+    assert (cfg.limit_images_per_prompt, cfg.dtype, cfg.sampler_memory_gb) == (2, "bfloat16", 0.5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockdiff import LLM, SamplingParams
-from blockdiff.diffusion.sampler import entropy_bound_accept
+from blockdiff.diffusion.entropy_bound import entropy_bound_accept
 from blockdiff.worker.canvas_step import canvas_step
 
 CANVAS = 8  # the tiny checkpoint's canvas length
@@ -74,7 +74,7 @@ def test_details_come_back_only_for_steps_that_ask(llm):
     assert all(o.draft_entropy is None and o.draft_accepted is None for o in outputs["drafts"])
     assert any(o.draft_token_ids for o in outputs["drafts"])
     asked = [out for details, out in steps if details]
-    assert asked and all(out.entropy is not None and out.entropy.shape == out.accepted.shape == out.argmax.shape
+    assert asked and all(out.entropy is not None and out.entropy.shape == out.accepted.shape == out.tokens.shape
                          for out in asked)
     # Once the asking request is gone, the longer one's steps return none.
     alone = [out for details, out in steps if not details and out is not None]

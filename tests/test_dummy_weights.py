@@ -11,24 +11,24 @@ import pytest
 import torch
 
 from blockdiff import LLM, SamplingParams
-from blockdiff.config import ModelConfig
 from blockdiff.demo import demo_checkpoint
 from blockdiff.model.loader import DUMMY_RANGE
-from blockdiff.model.registry import model_class
+from blockdiff.model.registry import model_class, parse_config
 
 BIG = os.path.join(os.path.dirname(__file__), "..", "configs", "diffusiongemma-26b-a4b.json")
 
 
 def test_the_26b_config_has_the_released_shapes_and_size():
-    config = ModelConfig.from_dict(json.load(open(BIG)))
+    config = parse_config(json.load(open(BIG)))
     with torch.device("meta"):  # shapes only: nothing allocated
         model = model_class(config)(config, dtype=torch.bfloat16)
-    full = [i for i, spec in enumerate(config.layers) if not spec.sliding]
+    gemma = config.arch
+    full = [i for i, spec in enumerate(gemma.layers) if not spec.sliding]
     assert config.num_layers == 30 and full == [5, 11, 17, 23, 29]
-    assert {(s.head_dim, s.num_kv_heads, s.window) for s in config.layers if s.sliding} == {(256, 8, 1024)}
-    assert {(s.head_dim, s.num_kv_heads) for s in config.layers if not s.sliding} == {(512, 2)}
-    assert (config.hidden_size, config.num_heads, config.intermediate_size) == (2816, 16, 2112)
-    assert (config.num_experts, config.top_k_experts, config.moe_intermediate_size) == (128, 8, 704)
+    assert {(s.head_dim, s.num_kv_heads, s.window) for s in gemma.layers if s.sliding} == {(256, 8, 1024)}
+    assert {(s.head_dim, s.num_kv_heads) for s in gemma.layers if not s.sliding} == {(512, 2)}
+    assert (config.hidden_size, gemma.num_heads, gemma.intermediate_size) == (2816, 16, 2112)
+    assert (gemma.num_experts, gemma.top_k_experts, gemma.moe_intermediate_size) == (128, 8, 704)
     assert (config.vocab_size, config.canvas_length, config.dtype) == (262_144, 256, torch.bfloat16)
     sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
     experts = sum(v for k, v in sizes.items() if ".experts." in k)

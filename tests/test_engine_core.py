@@ -5,7 +5,9 @@ incremental detokenizer and stop checker, and the sampler-field table."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
+import typing
 
 import pytest
 import torch
@@ -13,14 +15,15 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from blockdiff.demo import demo_checkpoint
-from blockdiff.diffusion.sampler import DenoiseParams, denoise_params, entropy_bound_accept
+from blockdiff.diffusion.entropy_bound import DenoiseParams, EntropyBound, denoise_params, entropy_bound_accept
 from blockdiff.engine.block_allocator import BlockPool, block_keys
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.request import IllegalTransition, Request, State
 from blockdiff.engine.scheduler import Scheduler
-from blockdiff.entrypoints.args import add_sampling_args, sampling_overrides
-from blockdiff.entrypoints.openai.protocol import CompletionRequest
+from blockdiff.arg_utils import add_sampling_args, sampling_overrides
+from blockdiff.diffusion.registry import SAMPLERS
+from blockdiff.entrypoints.openai.protocol import request_types
 from blockdiff.sampling_params import PER_CANVAS_FIELDS, REFERENCE_DEFAULTS, SAMPLER_FIELDS, SamplingParams
 from blockdiff.tokenizer import Tokenizer
 
@@ -28,9 +31,9 @@ CL = 4
 
 
 def _request(rid: str, prompt: int = 3, max_tokens: int = 8, tokenizer=None, **params) -> Request:
-    p = SamplingParams(max_tokens=max_tokens, **params).with_defaults(REFERENCE_DEFAULTS)
+    p = EntropyBound().resolve(SamplingParams(max_tokens=max_tokens, **params), REFERENCE_DEFAULTS)
     out = IncrementalDetokenizer(tokenizer, p.max_tokens, {0}, p.stop, False)
-    return Request(rid, None, list(range(1, prompt + 1)), p, CL, 50, 0, out)
+    return Request(rid, None, list(range(1, prompt + 1)), p, CL, 50, 0, out, EntropyBound())
 
 
 # ---- the request state machine ------------------------------------------------------------------
@@ -394,19 +397,35 @@ def test_max_tokens_cuts_a_canvas():
 
 
 # ---- one table of sampler fields ----------------------------------------------------------------
+def test_the_plain_dataclasses_follow_the_sampler_field_table():
+    """SamplingParams and DenoiseParams are written out (for type checkers and IDEs); their sampler
+    fields are the table's, in its order, with its types."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields = dataclasses.fields(SamplingParams)[: len(SAMPLER_FIELDS)]
+    assert [f.name for f in fields] == [f.name for f in SAMPLER_FIELDS]
+    for f, table in zip(fields, SAMPLER_FIELDS):
+        assert hints[f.name] == (table.type | None) and f.default is None, f.name
+    denoise = dataclasses.fields(DenoiseParams)
+    assert [f.name for f in denoise] == ["step", "uniform", "renoise", *(f.name for f in PER_CANVAS_FIELDS), "restrict"]
+    assert all(typing.get_type_hints(DenoiseParams)[f.name] is torch.Tensor for f in denoise[:-1])
+
+
 def test_every_surface_is_built_from_the_sampler_field_table():
-    """SamplingParams, the OpenAI extra body, the CLI flags and DenoiseParams all carry every
-    per-canvas field of SAMPLER_FIELDS: adding a field there adds it everywhere."""
+    """SamplingParams, the OpenAI extra body of a model with each sampler, the CLI flags and the
+    step inputs all carry every field of the sampler's table: adding a field there adds it everywhere."""
     names = {f.name for f in SAMPLER_FIELDS}
     assert names <= set(SamplingParams.__dataclass_fields__)
-    assert {f.name for f in PER_CANVAS_FIELDS} <= set(CompletionRequest.model_fields)
     assert {f.name for f in PER_CANVAS_FIELDS} <= set(DenoiseParams.__dataclass_fields__)
     parser = argparse.ArgumentParser()
     add_sampling_args(parser)
-    given = {f.name: f.default for f in SAMPLER_FIELDS if f.default is not None}  # max_tokens: none, what fits
-    args = parser.parse_args([arg for name, v in given.items() for arg in ("--" + name.replace("_", "-"), str(v))])
-    assert sampling_overrides(args) == given
-    params = SamplingParams().with_defaults(REFERENCE_DEFAULTS)
+    for sampler in SAMPLERS.values():
+        completion, chat = request_types(sampler.fields)
+        per_canvas = {f.name for f in sampler.fields if f.per_canvas}
+        assert per_canvas <= set(completion.model_fields) and per_canvas <= set(chat.model_fields)
+        given = {f.name: f.default for f in sampler.fields if f.default is not None}  # max_tokens: none, what fits
+        args = parser.parse_args([arg for name, v in given.items() for arg in ("--" + name.replace("_", "-"), str(v))])
+        assert sampling_overrides(args) == given
+    params = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
     d = denoise_params([3], [params], torch.zeros(1, CL), torch.zeros(1, CL, dtype=torch.long))
     for f in PER_CANVAS_FIELDS:
         assert getattr(d, f.name).dtype == getattr(torch, f.dtype) and getattr(d, f.name).item() == pytest.approx(f.default)
@@ -432,17 +451,17 @@ def test_values_outside_their_dtype_are_refused(values, field):
 ])
 def test_schedules_that_would_divide_by_a_subnormal_are_refused(values, field):
     with pytest.raises(ValueError, match=f"^{field}"):
-        SamplingParams(**values).with_defaults(REFERENCE_DEFAULTS)
+        EntropyBound().resolve(SamplingParams(**values), REFERENCE_DEFAULTS)
 
 
 def test_the_lowest_accepted_temperature_gives_finite_sampler_output():
     """At the floor the sampler still yields finite entropies and valid tokens (no NaN)."""
-    from blockdiff.diffusion.sampler import denoise_step
+    from blockdiff.diffusion.entropy_bound import denoise_step
     from blockdiff.diffusion.vocab_parallel import VocabParallel
     from blockdiff.parallel.group import TPGroup
     from blockdiff.parallel.vocab import VocabShard
 
-    params = SamplingParams(t_min=0.0, t_max=2e-20 * 48 * 1.01, max_denoising_steps=48).with_defaults(REFERENCE_DEFAULTS)
+    params = EntropyBound().resolve(SamplingParams(t_min=0.0, t_max=2e-20 * 48 * 1.01, max_denoising_steps=48), REFERENCE_DEFAULTS)
     logits = (torch.rand(2, CL, 37) * 60 - 30)
     d = denoise_params([1, 1], [params, params], torch.rand(2, CL), torch.zeros(2, CL, dtype=torch.long))
     res = denoise_step(logits.clone(), torch.full((2, CL), -1), torch.zeros(2, dtype=torch.long), d,

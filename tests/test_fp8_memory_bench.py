@@ -30,7 +30,7 @@ def test_fp8_bytes_are_half_plus_scales(checkpoints, tmp_path):
     a, b = bench.weight_bytes(full), bench.weight_bytes(q)
     embedding, experts, layers, rest = bench.PARTS
     assert b[embedding] == a[embedding] and b[rest] == a[rest]  # on the ignore list: unquantized
-    scale_rows = sum(layer.experts.gate_up.shape[1] + layer.experts.down.shape[1] for layer in q.layers) * q.config.num_experts
+    scale_rows = sum(layer.experts.gate_up.shape[1] + layer.experts.down.shape[1] for layer in q.layers) * q.config.arch.num_experts
     assert b[experts] == a[experts] // 2 + 4 * scale_rows
     assert b[layers] < 0.6 * a[layers]
     assert bench.total_bytes(b) < bench.total_bytes(a)

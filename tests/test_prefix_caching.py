@@ -9,7 +9,7 @@ import argparse
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.config import EngineConfig
-from blockdiff.entrypoints.args import add_engine_args
+from blockdiff.arg_utils import add_engine_args
 from blockdiff.model.loader import load_model
 from blockdiff.worker.kv_cache import cache_bytes_per_block, sliding_blocks_needed, sliding_bytes_per_block
 

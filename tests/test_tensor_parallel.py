@@ -85,7 +85,7 @@ def one_rank(tp_ckpt):
 @pytest.mark.parametrize("tp", [2, 3])
 def test_greedy_generation_equals_one_rank_and_transformers(tp_ckpt, one_rank, tp):
     with LLM(tp_ckpt, tensor_parallel_size=tp) as llm:
-        workers = llm.engine.executor.ranks.pids
+        workers = llm.engine.executor.ranks.run(pid, gather=True)[1:]
         outs = llm.generate(PROMPTS, [_greedy(d, logprobs=3) for d in DRAFTS], use_tqdm=False)
     assert len(workers) == tp - 1 and not _wait_gone(workers, 0)  # shutdown() leaves nothing behind
     for ours, ref in zip(outs, one_rank):
@@ -117,7 +117,7 @@ def test_vocab_parallel_statistics_equal_one_rank(tp_ranks):
     assert want["argmax"][0, :2].tolist() == [5, 7] and want["argmax"][1, 2] == VOCAB - 2  # ties: lowest id
     for got in results:
         assert (got["entropy"] - want["entropy"]).abs().max() < 1e-5
-        assert torch.equal(got["argmax"], want["argmax"])
+        assert torch.equal(got["argmax"], want["argmax"]) and torch.equal(got["argmax_alone"], want["argmax"])
         assert torch.equal(got["sample"], want["sample"])
         # torch.topk orders tied values either way: compare (logprob, id) sorted
         assert torch.equal(got["top_ids"].sort(-1).values, want["top_ids"].sort(-1).values)
@@ -174,9 +174,10 @@ def test_bytes_per_denoising_step_do_not_grow_with_the_vocabulary(tp_ckpt, check
 def test_a_failing_worker_names_its_rank():
     with RankProcesses(2, "cpu") as ranks:
         assert ranks.run(fail_on_rank, -1, gather=True) == [0, 1]
+        workers = ranks.run(pid, gather=True)[1:]
         with pytest.raises(WorkerError, match=r"rank 1 failed:(.|\n)*ArithmeticError: deliberate failure on rank 1"):
             ranks.run(fail_on_rank, 1)
-        assert not _wait_gone(ranks.pids, 0)
+        assert not _wait_gone(workers, 0)
         with pytest.raises(WorkerError, match="closed"):
             ranks.run(fail_on_rank, -1)
 
@@ -191,7 +192,7 @@ def test_a_worker_killed_in_a_collective_names_its_rank():
 
 def test_a_dead_worker_fails_generation_naming_its_rank(tp_ckpt):
     with LLM(tp_ckpt, tensor_parallel_size=2) as llm:
-        (worker,) = llm.engine.executor.ranks.pids
+        (worker,) = llm.engine.executor.ranks.run(pid, gather=True)[1:]
         os.kill(worker, signal.SIGKILL)
         with pytest.raises(WorkerError, match=rf"rank 1 \(pid {worker}\) was killed by SIGKILL"):
             llm.generate(PROMPTS[0], _greedy(DRAFTS[0]))
@@ -202,6 +203,7 @@ def test_a_dead_worker_fails_generation_naming_its_rank(tp_ckpt):
 _PARENT = """
 import json, sys, threading
 from blockdiff import LLM, SamplingParams
+from rank_checks import pid  # on sys.path: tests/, which the workers get too
 
 def main(path, how):
     box = []
@@ -213,7 +215,7 @@ def main(path, how):
     else:
         start()
     llm = box[0]
-    print(json.dumps(llm.engine.executor.ranks.pids), flush=True)
+    print(json.dumps(llm.engine.executor.ranks.run(pid, gather=True)[1:]), flush=True)
     for _ in range(1000 if how != "exit" else 1):
         llm.generate([5, 6, 7], SamplingParams(max_tokens=16, max_denoising_steps=4, ignore_eos=True))
     # "exit": the interpreter exits without shutdown()
@@ -224,10 +226,11 @@ if __name__ == "__main__":
 
 
 def _env() -> dict:
-    """This environment, with this checkout of blockdiff importable."""
+    """This environment, with this checkout of blockdiff and the tests' helpers importable."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(blockdiff.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, tests, env.get("PYTHONPATH")]))
     return env
 
 

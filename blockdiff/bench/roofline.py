@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.config import LayerSpec, ModelConfig
+from blockdiff.config import ModelConfig
+from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.step import StepPlan
 from blockdiff.matmul import linear
 
@@ -36,7 +37,7 @@ class Cost:
         return self.flops / self.bytes if self.bytes else 0.0
 
 
-def _token_weights(config: ModelConfig, spec: LayerSpec) -> tuple[int, int]:
+def _token_weights(config: GemmaConfig, spec: LayerSpec) -> tuple[int, int]:
     """(dense weight elements every token multiplies, expert weight elements of one expert)."""
     h, heads, hd, kv = config.hidden_size, config.num_heads, spec.head_dim, spec.num_kv_heads
     attention = h * (heads * hd + kv * hd * (2 if spec.has_v_proj else 1)) + heads * hd * h
@@ -46,12 +47,13 @@ def _token_weights(config: ModelConfig, spec: LayerSpec) -> tuple[int, int]:
 
 def parameter_count(config: ModelConfig) -> int:
     """Parameters of the text model (the tied embedding once), from the config alone."""
-    h = config.hidden_size
-    total = config.vocab_size * h + h + h + 3 * h * config.intermediate_size  # embedding, final norm, self-conditioning
-    for spec in config.layers:
-        dense, expert = _token_weights(config, spec)
-        total += dense + config.num_experts * expert  # projections, dense MLP, router, experts
-        total += 2 * spec.head_dim + 7 * h + h + config.num_experts + 2  # q/k norms, block norms, router scales, layer scalars
+    g = config.arch
+    h = g.hidden_size
+    total = config.vocab_size * h + h + h + 3 * h * g.intermediate_size  # embedding, final norm, self-conditioning
+    for spec in g.layers:
+        dense, expert = _token_weights(g, spec)
+        total += dense + g.num_experts * expert  # projections, dense MLP, router, experts
+        total += 2 * spec.head_dim + 7 * h + h + g.num_experts + 2  # q/k norms, block norms, router scales, layer scalars
     return total
 
 
@@ -68,27 +70,28 @@ def _keys_seen(start: int, length: int, decoder: bool, window: int | None) -> in
     return total
 
 
-def _expected_experts(tokens: int, config: ModelConfig) -> float:
+def _expected_experts(tokens: int, config: GemmaConfig) -> float:
     """Experts a batch of `tokens` touches on average under uniform routing."""
     e, k = config.num_experts, config.top_k_experts
     return e * (1.0 - (1.0 - k / e) ** tokens)
 
 
 def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int) -> Cost:
-    """FLOPs and compulsory bytes of one engine step."""
-    h, v, b = config.hidden_size, config.vocab_size, dtype_bytes
+    """FLOPs and compulsory bytes of one engine step (of DiffusionGemma: `config.arch` is its GemmaConfig)."""
+    g = config.arch
+    h, v, b = g.hidden_size, config.vocab_size, dtype_bytes
     tokens = sum(r.length for r in plan.rows)
     dec_rows = [r for r in plan.rows if r.decoder]
     dec_tokens = sum(r.length for r in dec_rows)
     cost = Cost()
-    for spec in config.layers:
-        dense, expert = _token_weights(config, spec)
+    for spec in g.layers:
+        dense, expert = _token_weights(g, spec)
         kv_width = spec.num_kv_heads * spec.head_dim
-        cost.flops += 2 * tokens * (dense + config.top_k_experts * expert)
-        cost.bytes += b * (dense + _expected_experts(tokens, config) * expert)
+        cost.flops += 2 * tokens * (dense + g.top_k_experts * expert)
+        cost.bytes += b * (dense + _expected_experts(tokens, g) * expert)
         window = spec.window if spec.sliding else None
         for r in plan.rows:
-            cost.flops += 4 * config.num_heads * spec.head_dim * _keys_seen(r.start, r.length, r.decoder, window)
+            cost.flops += 4 * g.num_heads * spec.head_dim * _keys_seen(r.start, r.length, r.decoder, window)
             cached = r.start if window is None else min(r.start, window - 1)
             cost.bytes += 2 * b * kv_width * cached
             if not r.decoder:
@@ -100,8 +103,8 @@ def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int) -> Cost:
         if len(plan.new_canvas_rows) < len(dec_rows):
             # The self-conditioning MLP runs over every canvas of the step once any has a previous
             # step (a new canvas feeds zeros, whose MLP output is zero).
-            cost.flops += 2 * dec_tokens * 3 * h * config.intermediate_size
-            cost.bytes += b * 3 * h * config.intermediate_size
+            cost.flops += 2 * dec_tokens * 3 * h * g.intermediate_size
+            cost.bytes += b * 3 * h * g.intermediate_size
         # Canvases with steps left compute soft embeddings for the next one. Exact when no canvas
         # ends early, as in `bench offline` (its stability threshold is never reached).
         continuing = sum(r.length for r, n in zip(dec_rows, plan.denoise.step.tolist()) if n > 1)

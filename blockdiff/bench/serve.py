@@ -28,11 +28,11 @@ from datetime import datetime
 import httpx
 import numpy as np
 
+from blockdiff.arg_utils import at_least, port
 from blockdiff.bench.datasets import (Sample, fit_text, prefix_repetition_prompts, random_token_prompts,
                                       sharegpt_samples, special_token_ids, spread_lengths, tokenized_word_prompts,
                                       word_prompts)
 from blockdiff.bench.prompt_tokens import LocalTokenizer, PromptTokenizer, ServerTokenizer
-from blockdiff.entrypoints.args import at_least, port
 
 BACKENDS = {"vllm": "/v1/completions", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 DATASETS = ["random", "prefix-repetition", "sharegpt"]
@@ -210,13 +210,13 @@ def make_samples(args: argparse.Namespace, chat: bool, server: ServerTokenizer |
     tok: PromptTokenizer | None = server
     vocab = None
     if source is not None:
-        from blockdiff.config import ModelConfig
+        from blockdiff.model.registry import load_config
         from blockdiff.tokenizer import Tokenizer
 
         local = Tokenizer.from_pretrained(source)
         tok = LocalTokenizer(local) if local is not None else None
         if os.path.isfile(os.path.join(source, "config.json")):  # a checkpoint, not a tokenizer alone
-            config = ModelConfig.from_pretrained(source)
+            config = load_config(source)
             vocab = (config.vocab_size, special_token_ids(config))
         if tok is None and (vocab is None or chat or args.dataset_name == "sharegpt"):
             raise ValueError(f"{source} has no tokenizer.json: text prompts need one (pass --tokenizer)")

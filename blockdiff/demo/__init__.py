@@ -3,15 +3,7 @@
 
 from __future__ import annotations
 
-import os
+# Where the checkpoint lives is the hub's to know (it is the default model); the demo's code sits above it.
+from blockdiff.hub import DEMO_CHECKPOINT as CHECKPOINT_DIR, demo_checkpoint
 
-CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint")
-
-
-def demo_checkpoint() -> str:
-    """The bundled demo checkpoint's directory."""
-    if not os.path.isfile(os.path.join(CHECKPOINT_DIR, "model.safetensors")):
-        raise FileNotFoundError(
-            f"the demo checkpoint is missing from {CHECKPOINT_DIR}; recreate it with `blockdiff train-demo`"
-        )
-    return CHECKPOINT_DIR
+__all__ = ["CHECKPOINT_DIR", "demo_checkpoint"]

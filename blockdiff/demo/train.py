@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from blockdiff.config import ModelConfig
 from blockdiff.demo.tasks import AGENT_TASKS, TASKS, Problem, training_problems
 from blockdiff.demo.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_DEMO, VOCAB, build_char_tokenizer, save_char_tokenizer
 from blockdiff.diffusion.self_conditioning import soft_embedding
@@ -39,6 +38,7 @@ from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.interface import layer_kinds
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.loader import load_model
+from blockdiff.model.registry import parse_config
 from blockdiff.model.saver import save_weights
 from blockdiff.model.tiny import EOS, PAD, TinySpec, config_dict, generation_config_dict
 from blockdiff.tokenizer import Tokenizer
@@ -111,7 +111,7 @@ def encode(tokenizer: Tokenizer, problem: Problem) -> Example:
 def build_model(spec: TinySpec, seed: int) -> DiffusionGemma:
     """A float32 model of `spec` with fresh trainable weights: matrices N(0, 1/fan_in), the embedding
     N(0, 1/hidden) (it is scaled by sqrt(hidden) on input and is the LM head), every scale 1."""
-    model = DiffusionGemma(ModelConfig.from_dict(config_dict(spec)), dtype=torch.float32)
+    model = DiffusionGemma(parse_config(config_dict(spec)), dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -171,7 +171,7 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
             canvas_targets += chunk + [PAD] * (cl - len(chunk))
     enc_meta = build_metadata(enc_rows, geo, layer_kinds(model), "cpu")
     hidden = model.backbone(_padded(enc_ids, enc_meta.num_tokens), enc_meta, kv)
-    ar_logits = model.logits(model.norm(hidden[: len(ar_targets)]))
+    ar_logits = _logits(model, hidden[: len(ar_targets)])
     ar_loss = F.cross_entropy(ar_logits, torch.tensor(ar_targets), ignore_index=IGNORE)
 
     # 2. corruption
@@ -191,10 +191,19 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
         soft = soft * keep.repeat_interleave(cl).to(soft.dtype)[:, None]
 
     # 4. the second pass, with gradients
-    logits = model(dec_ids, dec_meta, kv, soft)
+    logits = _logits(model, model.backbone(dec_ids, dec_meta, kv, soft)[: dec_meta.num_decoder_tokens])
     canvas_loss = F.cross_entropy(logits, target.view(-1))
     loss = canvas_loss + cfg.ar_weight * ar_loss
     return loss, {"loss": loss.item(), "canvas": canvas_loss.item(), "ar": ar_loss.item()}
+
+
+def _logits(model: DiffusionGemma, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits with autograd: the final norm, the tied LM head and the soft-cap as
+    `softcap * tanh(x / softcap)` (the inference model computes the cap in place, which autograd
+    cannot go through)."""
+    logits = model.embed.logits(model.norm(hidden)).float()
+    c = model.softcap
+    return c * torch.tanh(logits / c) if c else logits
 
 
 def _padded(ids: list[int], num_tokens: int) -> torch.Tensor:

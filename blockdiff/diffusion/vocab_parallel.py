@@ -118,19 +118,29 @@ class VocabParallel:
             return max(1, positions)
         return max(1, min(positions, self.workspace_bytes // (bytes_per_value * x.shape[-1])))
 
+    def argmax(self, d: Distribution) -> torch.Tensor:
+        """Global token ids of the maxima (ties to the lowest id, like torch.argmax); sharded, in
+        one collective."""
+        argmax = first_argmax(d.shifted, d.chunk_max)
+        if not self.sharded:
+            return argmax
+        return -self.group.all_reduce(-self._argmax_candidate(d, argmax), op="max")
+
+    def _argmax_candidate(self, d: Distribution, argmax: torch.Tensor) -> torch.Tensor:
+        # Shifted by the global max, the maximum is exactly 0 where it is: a rank's candidate is its
+        # first such token, and the lowest candidate id wins.
+        return torch.where(d.chunk_max.amax(dim=-1) == 0, self.global_ids[argmax], torch.iinfo(torch.long).max)
+
     def argmax_and_sample(self, d: Distribution, u: torch.Tensor, draw: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global token ids of the maxima (ties to the lowest id, like torch.argmax) and one token
-        per position drawn by inverse CDF for u ~ U[0, 1) [...] from `draw` (None: the whole
-        distribution); sharded, in one collective."""
+        """`argmax(d)` and one token per position drawn by inverse CDF for u ~ U[0, 1) [...] from
+        `draw` (None: the whole distribution); sharded, in one collective for both."""
         argmax = first_argmax(d.shifted, d.chunk_max)
         draw = draw or Draw(None, d.chunk_cumsum, d.rank_bounds, d.total)
         # The target is cut from the total of the very sums the search runs over: any other sum of
         # the same weights can round above them and send the search past the last token with mass.
         if not self.sharded:
             return argmax, inverse_cdf(d.shifted, draw.chunk_cumsum, u.to(draw.total.dtype) * draw.total, draw.threshold)
-        # Shifted by the global max, the maximum is exactly 0 where it is: a rank's candidate is its
-        # first such token, and the lowest candidate id wins.
-        candidate = torch.where(d.chunk_max.amax(dim=-1) == 0, self.global_ids[argmax], torch.iinfo(torch.long).max)
+        candidate = self._argmax_candidate(d, argmax)
         # Every rank cuts [0, total) at the same rank bounds, so exactly one rank owns each target.
         bounds, r = draw.rank_bounds, self.group.rank
         target = u.to(bounds.dtype) * bounds[-1]

@@ -1,4 +1,5 @@
-"""Drives an LLMEngine from asyncio: one task steps the engine while requests come and go.
+"""Drives an LLMEngine from asyncio: one task steps the engine while requests come and go. It is
+the `EngineClient` of one local engine (engine/client.py).
 
 The blocking `engine.step()` runs on a dedicated worker thread, so the event loop keeps answering
 HTTP while the model computes. Every change to the engine's set of requests (add, abort) is applied
@@ -18,10 +19,11 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from blockdiff.engine.client import EngineClient, EngineStats, EngineStream, Prompt
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerLost
-from blockdiff.sampling_params import SamplingParams
+from blockdiff.sampling_params import ResolvedParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,6 @@ RESTART_TRIES = 3
 # under it (a hung worker would hold that step for the whole worker timeout).
 STOP_WAIT_S = 2.0
 WORKER_LOST = "a tensor-parallel worker was lost"
-
-Prompt = str | list[int]
 
 
 class EngineUnavailable(RuntimeError):
@@ -46,7 +46,7 @@ class QueueFull(RuntimeError):
     """More requests are waiting than the configured limit allows."""
 
 
-class RequestStream:
+class RequestStream(EngineStream):
     """The engine requests of one API call. Iterate for (index, RequestOutput) in the order the
     engine produces them; iteration ends once every request has finished."""
 
@@ -77,11 +77,11 @@ class RequestStream:
     def abort(self) -> None:
         """Abort whatever has not finished (a no-op once everything has)."""
         if self._unfinished:
-            self._engine._abort([rid for rid in self.request_ids if rid in self._unfinished])
+            self._engine.abort([rid for rid in self.request_ids if rid in self._unfinished])
             self._unfinished.clear()
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     """Owns `engine` from `start()` on: `stop()` shuts it down.
 
     on_step(seconds) is called after every engine step; on_finish(finish_reason, prompt_tokens,
@@ -96,6 +96,10 @@ class AsyncEngine:
         on_finish: Callable[[str, int, int, dict], None] | None = None,
     ):
         self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.limits = engine.limits
+        self.sampler = engine.sampler
+        self.images = engine.inputs.images
         self.max_queued_requests = max_queued_requests
         self._on_step = on_step or (lambda seconds: None)
         self._on_finish = on_finish or (lambda finish_reason, prompt_tokens, generated_tokens, metrics: None)
@@ -112,7 +116,21 @@ class AsyncEngine:
         self._stopped = False
         self._restarting = False
         self.error: BaseException | None = None
-        self.dead = False  # the workers could not be restarted: the process should exit non-zero
+        self._dead = False  # the workers could not be restarted
+
+    # ---- EngineClient: what the engine offers -------------------------------------------------
+    def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
+        return self.engine.inputs.resolve(params, prompt_len)
+
+    def cost(self, params: ResolvedParams) -> int:
+        return self.engine.inputs.cost(params)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def dead(self) -> bool:
+        return self._dead
 
     @property
     def available(self) -> bool:
@@ -149,9 +167,9 @@ class AsyncEngine:
         self._aborts.extend(self._streams)
         self._streams.clear()
 
-    async def add(self, requests: list[tuple[Prompt, SamplingParams]]) -> RequestStream:
+    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]]) -> RequestStream:
         """Queue the requests of one API call; -> their stream. Raises ValueError (bad input, nothing
-        is queued then), QueueFull or EngineUnavailable."""
+        is queued then), QueueFull or EngineUnavailable. Resolved parameters are taken as they are."""
         if not self.available:
             raise EngineUnavailable(self.unavailable_reason())
         if self.max_queued_requests is not None:
@@ -175,7 +193,8 @@ class AsyncEngine:
             raise
         return stream
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str]) -> None:
+        """Applied on the event loop between two steps."""
         self._aborts.extend(request_ids)
         self._wake.set()
 
@@ -267,7 +286,7 @@ class AsyncEngine:
             self._restarting = False
             return
         self.error = lost
-        self.dead = True
+        self._dead = True
         self._restarting = False
         self._fail_all(EngineUnavailable(self.unavailable_reason()))
 

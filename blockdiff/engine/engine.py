@@ -9,13 +9,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
 from blockdiff.config import EngineConfig, parse_dtype
-from blockdiff.diffusion.sampler import denoise_params
+from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.block_allocator import BlockPool
+from blockdiff.engine.client import EngineLimits, EngineStats
 from blockdiff.engine.images import ImageIntake, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
@@ -25,10 +25,10 @@ from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
 from blockdiff.executor import make_executor
 from blockdiff.model.attention import Row
 from blockdiff.model.vision import ImageInputs
-from blockdiff.model.registry import load_config
+from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
-from blockdiff.sampling_params import SamplingParams, generation_defaults
+from blockdiff.sampling_params import ResolvedParams, SamplingParams, generation_defaults
 from blockdiff.step import StepPlan
 from blockdiff.tokenizer import Tokenizer
 
@@ -43,7 +43,8 @@ class LLMEngine:
         if cfg.num_layers_override is not None:
             self.model_config = self.model_config.first_layers(cfg.num_layers_override)
         self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
-        self.defaults = generation_defaults(cfg.model)
+        self.sampler = make_sampler(cfg.diffusion_sampler or default_sampler(self.model_config))
+        self.defaults = generation_defaults(cfg.model, self.sampler.fields)
         self.canvas_length = self.model_config.canvas_length
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = cfg.max_model_len if cfg.max_model_len is not None else min(self.model_config.max_position_embeddings, 8192)
@@ -56,7 +57,7 @@ class LLMEngine:
         self.max_denoising_steps = cfg.max_denoising_steps_limit or max(4 * self.canvas_length,
                                                                         self.defaults["max_denoising_steps"])
         self.executor = make_executor(cfg, self.model_config, parse_dtype(cfg.dtype, self.model_config),
-                                      cfg.resolved_device(), self.max_model_len)
+                                      cfg.resolved_device(), self.max_model_len, self.sampler.name)
         cache = self.executor.cache_config
         # A non-causal encoder's K/V of a token depend on the tokens after it in its chunk: nothing to share.
         caching = cfg.enable_prefix_caching and self.model_config.encoder_causal
@@ -65,7 +66,7 @@ class LLMEngine:
                                  self.model_config.window_past(self.max_model_len))
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
         self.inputs = InputProcessor(
-            self.tokenizer, {**self.defaults, **cfg.sampling_defaults},
+            self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
             tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids)),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
             cache.num_blocks * cache.block_size, cfg.seed, ImageIntake.from_pretrained(cfg, self.model_config),
@@ -73,14 +74,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_time = 0.0
-        # Profiler hook: called with each executed plan and its seconds (`blockdiff bench offline`).
-        self.on_step: Callable[[StepPlan, float], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | ResolvedParams | None = None,
                     request_id: str | None = None) -> Request:
         """`prompt`: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data":
-        {"image": ...}} with PIL images, encoded bytes or file paths, one per image placeholder."""
+        {"image": ...}} with PIL images, encoded bytes or file paths, one per image placeholder.
+        `params`: as the user gave them, or resolved for this prompt (`self.inputs.resolve`)."""
         prompt, images = split_prompt(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
@@ -129,8 +129,6 @@ class LLMEngine:
             return self._outputs(ran)
         finally:
             self.last_step_time = time.perf_counter() - t0
-        if self.on_step is not None:
-            self.on_step(plan, self.last_step_time)
         return self._outputs(update_from_output(self.scheduler, sched, out))
 
     def _plan(self, sched: SchedulerOutput) -> StepPlan:
@@ -143,20 +141,18 @@ class LLMEngine:
             ids.extend(req.tokens(req.num_cached, req.num_cached + n))
             rows.append(Row(req.slot, req.num_cached, n, False, tuple(req.blocks), tuple(req.sliding_blocks),
                             bidirectional=bidirectional))
-        new_rows, new_canvases, uniform, renoise = [], [], [], []
+        new_rows, new_canvases, randoms = [], [], []
         for i, req in enumerate(sched.decoder):
             rows.append(Row(req.slot, req.num_cached, cl, True, tuple(req.blocks), tuple(req.sliding_blocks)))
             if req.new_canvas is not None:
                 new_rows.append(i)
                 new_canvases.append(req.new_canvas)
                 req.new_canvas = None
-            u, r = req.draw_step()
-            uniform.append(u)
-            renoise.append(r)
+            randoms.append(self.sampler.step_randoms(req.generator, cl, self.vocab_size))
         denoise = None
         if sched.decoder:
-            denoise = denoise_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
-                                     torch.stack(uniform), torch.stack(renoise))
+            denoise = self.sampler.step_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
+                                               randoms)
         return StepPlan(
             rows=rows,
             encoder_ids=torch.tensor(ids, dtype=torch.long),
@@ -179,6 +175,15 @@ class LLMEngine:
         return outputs
 
     # ---- introspection ---------------------------------------------------------------------
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.cfg.model, self.max_model_len, self.cfg.max_num_seqs,
+                            self.max_denoising_steps, self.canvas_length, self.vocab_size)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.num_running, self.num_waiting, self.num_free_slots, self.kv_cache_usage,
+                           self.kv.full.num_blocks, self.kv.queries, self.kv.hits, self.scheduler.num_preemptions)
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

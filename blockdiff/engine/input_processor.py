@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import random
 
+from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.engine.images import ImageIntake
 from blockdiff.engine.request import Request
-from blockdiff.sampling_params import SamplingParams
+from blockdiff.sampling_params import InvalidParam, ResolvedParams, SamplingParams
 from blockdiff.tokenizer import Tokenizer
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, defaults: dict, eos_token_ids: tuple[int, ...], vocab_size: int,
-                 canvas_length: int, max_model_len: int, max_steps: int, cache_tokens: int, seed: int,
-                 images: ImageIntake | None = None):
+    def __init__(self, tokenizer: Tokenizer | None, sampler: DiffusionSampler, defaults: dict,
+                 eos_token_ids: tuple[int, ...], vocab_size: int, canvas_length: int, max_model_len: int,
+                 max_steps: int, cache_tokens: int, seed: int, images: ImageIntake | None = None):
+        """defaults: the values of the sampler's fields that a request leaves unset (server flags over
+        generation_config.json over the table's defaults)."""
         self.tokenizer = tokenizer
+        self.sampler = sampler
         self.images = images
         self.defaults = defaults
         self.eos_token_ids = eos_token_ids
@@ -27,14 +31,20 @@ class InputProcessor:
         self.cache_tokens = cache_tokens  # what the whole KV cache holds
         # Seeds of requests that bring none: reproducible from the engine seed, in arrival order.
         self._seeds = random.Random(seed)
+        mine = {f.name for f in sampler.fields}
+        foreign = sorted(k for k in defaults if k not in mine and k != "eos_token_ids")
+        if foreign:
+            raise ValueError(f"--{foreign[0].replace('_', '-')} is not a flag of this model's sampler, {sampler.name}, "
+                             f"which takes {', '.join(sorted(mine))}")
         try:
-            SamplingParams().with_defaults(defaults)
+            self.resolve(SamplingParams(), 1)
         except ValueError as e:
             raise ValueError(f"invalid sampler flags (over the checkpoint's generation_config.json): {e}") from None
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | ResolvedParams | None,
                 images: list | None = None) -> Request:
-        """`images`: PIL images, encoded bytes or file paths, one per image placeholder of the prompt."""
+        """`images`: PIL images, encoded bytes or file paths, one per image placeholder of the prompt.
+        `params` already resolved (`resolve`, for this prompt's length) are taken as they are."""
         if images and self.images is None:
             raise ValueError("this engine takes no images")
         if self.images is not None:
@@ -46,33 +56,41 @@ class InputProcessor:
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidParam("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
-            raise ValueError("prompt is empty")
+            raise InvalidParam("prompt", "prompt is empty")
         mm = self.images.expand(ids, self.images.load(images or [])) if self.images is not None else None
         if mm is not None:
             ids = mm.token_ids
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room for output in max_model_len={self.max_model_len}")
-        params = self.resolve(params, len(ids))
+            raise InvalidParam("prompt", f"prompt of {len(ids)} tokens leaves no room for output in "
+                                         f"max_model_len={self.max_model_len}")
+        if isinstance(params, ResolvedParams):
+            if (params.prompt_len, params.sampler) != (len(ids), self.sampler.name):
+                raise ValueError(f"the parameters were resolved for a prompt of {params.prompt_len} tokens by the "
+                                 f"{params.sampler!r} sampler; this prompt has {len(ids)} and this engine runs "
+                                 f"{self.sampler.name!r}")
+        else:
+            params = self.resolve(params, len(ids))
         need = len(ids) + params.max_tokens
         if need > self.max_model_len:  # before the per-token checks, which a huge list would make slow
-            raise ValueError(
-                f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) = {need} exceeds "
+            raise InvalidParam(
+                "max_tokens", f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) = {need} exceeds "
                 f"max_model_len={self.max_model_len}: ask for at most {self.max_model_len - len(ids)}"
             )
         self._check_tokens("prompt", ids)
         for name in ("draft", "stop_token_ids"):
             self._check_tokens(name, getattr(params, name) or [])
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this checkpoint has none: use stop_token_ids")
+            raise InvalidParam("stop", f"stop strings {params.stop!r} need a tokenizer, and this checkpoint has none: "
+                                       "use stop_token_ids")
         stops = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
                                         params.skip_special_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output)
+        req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output, self.sampler)
         if mm is not None:
             req.images, req.image_spans = mm.images, mm.spans
         if req.max_cached_tokens > self.cache_tokens:
@@ -80,20 +98,16 @@ class InputProcessor:
                              f"({self.cache_tokens})")
         return req
 
-    def resolve(self, params: SamplingParams | None, prompt_len: int) -> SamplingParams:
-        """`params` with every default filled in, for a prompt of `prompt_len` tokens."""
+    def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
+        """`params` with every default filled in, for a prompt of `prompt_len` tokens: the one place
+        a request's parameters are resolved."""
         params = params or SamplingParams()
         defaults = self.defaults
         if params.max_tokens is None:  # as much as fits, up to the server's --max-tokens if it set one
             room = max(1, self.max_model_len - prompt_len)
             given = defaults["max_tokens"]
             defaults = {**defaults, "max_tokens": room if given is None else max(1, min(given, room))}
-        params = params.with_defaults(defaults)
-        for name in ("max_denoising_steps", "stability_threshold"):
-            if getattr(params, name) > self.max_steps:
-                raise ValueError(f"{name} must be at most {self.max_steps} (this engine's denoising-steps limit), "
-                                 f"got {getattr(params, name)}")
-        return params
+        return ResolvedParams.of(self.sampler.resolve(params, defaults, self.max_steps), prompt_len, self.sampler.name)
 
     def cost(self, params: SamplingParams) -> int:
         """Canvas positions the decoder evaluates for a request at most (resolved params)."""
@@ -103,4 +117,4 @@ class InputProcessor:
     def _check_tokens(self, name: str, ids: list) -> None:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+            raise InvalidParam(name, f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")

@@ -20,14 +20,14 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
         return news
     finished = out.finished.tolist()
     for i, req in enumerate(sched.decoder):
-        req.denoised(out.argmax[i].tolist() if req.params.stream_drafts else None)
+        req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None)
         if req.params.draft_details:
             req.draft_entropy, req.draft_accepted = out.entropy[i].tolist(), out.accepted[i].tolist()
         if not finished[i]:
             if req.params.stream_drafts:
                 news.append(req)
             continue
-        reason = req.commit(out.argmax[i].tolist(), _logprobs(req, out, i))
+        reason = req.commit(out.tokens[i].tolist(), _logprobs(req, out, i))
         if reason is not None:
             req.finish(reason)
             scheduler.release(req)
@@ -39,7 +39,7 @@ def _logprobs(req: Request, out: StepOutput, row: int) -> list[TokenLogprob] | N
     k = req.params.logprobs
     if k is None:
         return None
-    ids, lps = out.argmax[row].tolist(), out.logprob[row].tolist()
+    ids, lps = out.tokens[row].tolist(), out.logprob[row].tolist()
     if not k or out.top_ids is None:
         return [TokenLogprob(t, lp) for t, lp in zip(ids, lps)]
     tops = zip(out.top_ids[row, :, :k].tolist(), out.top_logprobs[row, :, :k].tolist())

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.image import ProcessedImage
 from blockdiff.sampling_params import SamplingParams
@@ -89,6 +90,7 @@ class Request:
     vocab_size: int
     seed: int  # params.seed, or one drawn by the engine
     output: IncrementalDetokenizer
+    sampler: DiffusionSampler  # the engine's: how this request's canvases start and what they draw
     state: State = State.WAITING
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)  # full-layer block table (engine/kv_cache_manager.py)
@@ -199,20 +201,13 @@ class Request:
         """Canvas k starts from draft[k*CL:(k+1)*CL], noise where the draft runs out."""
         cl = self.canvas_length
         self.canvas_rng_state = self.generator.get_state()
-        canvas = torch.randint(0, self.vocab_size, (cl,), generator=self.generator)
+        canvas = self.sampler.start_canvas(self.generator, cl, self.vocab_size)
         draft = self.params.draft or []
         chunk = draft[self.metrics.canvases * cl : (self.metrics.canvases + 1) * cl]
         if chunk:
             canvas[: len(chunk)] = torch.tensor(chunk)
         self.new_canvas = canvas
         self.steps_left = self.params.max_denoising_steps
-
-    def draw_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random numbers of one denoising step: candidate-sampling uniforms and renoise tokens."""
-        cl = self.canvas_length
-        uniform = torch.rand(cl, generator=self.generator)
-        renoise = torch.randint(0, self.vocab_size, (cl,), generator=self.generator)
-        return uniform, renoise
 
     def denoised(self, argmax: list[int] | None) -> None:
         """One denoising step ran; `argmax` is its argmax canvas when drafts are streamed."""

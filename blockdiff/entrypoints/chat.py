@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
-from blockdiff.entrypoints.args import (add_chat_template_arg, add_engine_args, add_sampling_args, engine_config,
+from blockdiff.arg_utils import (add_chat_template_arg, add_engine_args, add_sampling_args, engine_config,
                                         given_model, sampling_overrides)
 
 EXIT = "/exit"

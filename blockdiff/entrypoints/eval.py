@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from blockdiff.entrypoints.args import add_chat_template_arg, add_engine_args, add_sampling_args, engine_config, sampling_params
+from blockdiff.arg_utils import add_chat_template_arg, add_engine_args, add_sampling_args, engine_config, sampling_params
 
 TASK_SETS = ("demo", "demo-agent")
 

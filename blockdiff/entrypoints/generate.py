@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 
-from blockdiff.entrypoints.args import add_chat_template_arg, add_engine_args, add_sampling_args, engine_config, sampling_params
+from blockdiff.arg_utils import add_chat_template_arg, add_engine_args, add_sampling_args, engine_config, sampling_params
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -21,10 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockdiff.config import ModelConfig
+    from blockdiff.model.registry import load_config
     from blockdiff.model.quantize import quantize_checkpoint
 
-    ModelConfig.from_pretrained(args.src)  # refuse what blockdiff cannot run before writing anything
+    load_config(args.src)  # refuse what blockdiff cannot run before writing anything
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
         raise ValueError("dst must differ from src")
     print(f"wrote {quantize_checkpoint(args.src, args.dst)}")

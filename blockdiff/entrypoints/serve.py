@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 
-from blockdiff.entrypoints.args import (add_chat_template_arg, add_engine_args, add_sampling_args, at_least, engine_config,
+from blockdiff.arg_utils import (add_chat_template_arg, add_engine_args, add_sampling_args, at_least, engine_config,
                                        given_model, parse_size, port, positive_seconds, sampling_overrides)
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.reasoning import REASONING_PARSERS

@@ -7,7 +7,7 @@ import json
 import os
 
 from blockdiff.demo import CHECKPOINT_DIR
-from blockdiff.entrypoints.args import at_least
+from blockdiff.arg_utils import at_least
 
 
 def register(sub: argparse._SubParsersAction) -> None:

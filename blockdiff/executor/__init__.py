@@ -8,11 +8,13 @@ import torch
 from blockdiff.config import EngineConfig, ModelConfig
 
 
-def make_executor(cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int):
+def make_executor(cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int,
+                  sampler: str):
+    """sampler: the name of the diffusion sampler every rank runs."""
     if cfg.tensor_parallel_size == 1:
         from blockdiff.executor.local import LocalExecutor
 
-        return LocalExecutor(cfg, config, dtype, device, max_model_len)
+        return LocalExecutor(cfg, config, dtype, device, max_model_len, sampler)
     from blockdiff.executor.tensor_parallel import TPExecutor
 
-    return TPExecutor(cfg, config, dtype, device, max_model_len)
+    return TPExecutor(cfg, config, dtype, device, max_model_len, sampler)

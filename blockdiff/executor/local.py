@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from blockdiff.config import EngineConfig, ModelConfig
+from blockdiff.diffusion.registry import make_sampler
 from blockdiff.model.loader import load_model
 from blockdiff.parallel.group import TPGroup
 from blockdiff.step import CacheConfig, StepOutput, StepPlan
@@ -13,11 +14,12 @@ from blockdiff.worker.model_runner import ModelRunner
 
 
 class LocalExecutor:
-    def __init__(self, cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int):
+    def __init__(self, cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int,
+                 sampler: str):
         model = load_model(cfg.model, dtype=dtype, device=device, group=TPGroup(), config=config, load_format=cfg.load_format)
         self.cache_config: CacheConfig = size_cache(model, cfg, max_model_len)
-        self.runner = ModelRunner(model, self.cache_config, device, cfg.tune_cpu_heap, cfg.sampler_memory_gb,
-                                  *cfg.step_modes(device))
+        self.runner = ModelRunner(model, self.cache_config, device, make_sampler(sampler), cfg.tune_cpu_heap,
+                                  cfg.sampler_memory_gb, *cfg.step_modes(device))
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
         return self.runner.execute(plan)

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from blockdiff.config import EngineConfig, ModelConfig
+from blockdiff.diffusion.registry import make_sampler
 from blockdiff.model.loader import load_model
 from blockdiff.model.registry import model_class
 from blockdiff.parallel.group import TPGroup
@@ -27,9 +28,11 @@ from blockdiff.worker.model_runner import ModelRunner
 
 
 class TPExecutor:
-    def __init__(self, cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int):
+    def __init__(self, cfg: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: str, max_model_len: int,
+                 sampler: str):
         check_splittable(config, cfg.tensor_parallel_size)
         self._cfg, self._config, self._dtype, self._device, self._max_model_len = cfg, config, dtype, device, max_model_len
+        self._sampler = sampler
         self.worker_timeout: float = cfg.worker_timeout
         self.cache_config: CacheConfig | None = None
         self._shut = False
@@ -47,8 +50,8 @@ class TPExecutor:
             if self.cache_config is None:
                 # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
                 self.cache_config = size_cache(ranks.context.state["model"], cfg, self._max_model_len)
-            ranks.run(_start_runner, self.cache_config, cfg.tune_cpu_heap, cfg.sampler_memory_gb, cfg.step_modes(self._device),
-                      gather=True)
+            ranks.run(_start_runner, self.cache_config, self._sampler, cfg.tune_cpu_heap, cfg.sampler_memory_gb,
+                      cfg.step_modes(self._device), gather=True)
         except BaseException:
             ranks.close(abort=True)
             raise
@@ -110,9 +113,10 @@ def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype, 
                                     load_format=load_format)
 
 
-def _start_runner(ctx: RankContext, cache: CacheConfig, tune_cpu_heap: bool, sampler_memory_gb: float | None,
+def _start_runner(ctx: RankContext, cache: CacheConfig, sampler: str, tune_cpu_heap: bool, sampler_memory_gb: float | None,
                   step_modes: tuple[bool | None, bool]) -> None:
-    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, tune_cpu_heap, sampler_memory_gb, *step_modes)
+    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, make_sampler(sampler), tune_cpu_heap,
+                                      sampler_memory_gb, *step_modes)
 
 
 def _execute(ctx: RankContext, plan: StepPlan) -> StepOutput | None:

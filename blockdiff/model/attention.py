@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdiff.config import LayerSpec, ModelConfig
+from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.matmul import linear, onednn_float32
 from blockdiff.model.layers import RMSNorm, apply_rotary
 from blockdiff.parallel.group import TPGroup
@@ -124,7 +124,7 @@ class AttentionMetadata:
         return self.sliding if sliding else self.full
 
 
-def qkv_parts(config: ModelConfig, spec: LayerSpec, group: TPGroup) -> list[tuple[int, int, int]]:
+def qkv_parts(config: GemmaConfig, spec: LayerSpec, group: TPGroup) -> list[tuple[int, int, int]]:
     """Row ranges of q, k (and v) owned by this rank. KV heads are split when there are at least as
     many as ranks, else each rank holds the one KV head its query heads use."""
     heads, kv, hd = config.num_heads, spec.num_kv_heads, spec.head_dim
@@ -143,7 +143,7 @@ def qkv_parts(config: ModelConfig, spec: LayerSpec, group: TPGroup) -> list[tupl
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype, prefix: str):
+    def __init__(self, config: GemmaConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype, prefix: str):
         """`prefix`: the checkpoint's name of this module, which the quantization_config's patterns match."""
         super().__init__()
         self.spec = spec

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockdiff.config import LayerSpec, ModelConfig
+from blockdiff.config import ModelConfig
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.matmul import has_grouped_mm
 from blockdiff.model.attention import Attention, AttentionMetadata
+from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.interface import LayerCacheSpec
 from blockdiff.model.layers import RMSNorm, Rotary
 from blockdiff.model.moe import GatedMLP, Router, make_experts
@@ -39,7 +40,7 @@ NORMS = (
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype, prefix: str):
+    def __init__(self, config: GemmaConfig, spec: LayerSpec, group: TPGroup, dtype: torch.dtype, prefix: str):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.attn = Attention(config, spec, group, dtype, f"{prefix}.self_attn")
@@ -75,7 +76,7 @@ class Block(nn.Module):
 class SelfConditioning(nn.Module):
     """post_norm(canvas embeddings + MLP(pre_norm(soft embeddings of the previous step)))."""
 
-    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype):
+    def __init__(self, config: GemmaConfig, group: TPGroup, dtype: torch.dtype):
         super().__init__()
         h = config.hidden_size
         self.pre_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
@@ -93,36 +94,38 @@ class SelfConditioning(nn.Module):
 
 class DiffusionGemma(nn.Module):
     def __init__(self, config: ModelConfig, group: TPGroup | None = None, dtype: torch.dtype | None = None):
+        """config: the engine's, whose `arch` is this model's GemmaConfig (model/gemma_checkpoint.py)."""
         super().__init__()
         group = group or TPGroup()
         dtype = dtype or config.dtype
         self.config = config
+        gemma: GemmaConfig = config.arch
         self.group = group
         self.dtype = dtype
         self.shard = VocabShard.make(group.rank, group.size, config.vocab_size)
         # The reference rounds sqrt(hidden) to the weight dtype before scaling.
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, device="cpu").to(dtype))
         self.embed = VocabParallelEmbedding(self.shard, config.hidden_size, group, self.embed_scale, dtype=dtype)
-        if covering(config.quantization, "lm_head"):
+        if covering(gemma.quantization, "lm_head"):
             raise QuantizationError("quantization_config quantizes lm_head; blockdiff runs the (tied) LM head unquantized")
         self.layers = nn.ModuleList(
-            Block(config, spec, group, dtype, f"{PREFIX}.layers.{i}") for i, spec in enumerate(config.layers)
+            Block(gemma, spec, group, dtype, f"{PREFIX}.layers.{i}") for i, spec in enumerate(gemma.layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_conditioning = SelfConditioning(config, group, dtype)
+        self.norm = RMSNorm(gemma.hidden_size, gemma.rms_norm_eps, dtype=dtype)
+        self.self_conditioning = SelfConditioning(gemma, group, dtype)
         self.rotary = nn.ModuleDict()
-        for spec in config.layers:
+        for spec in gemma.layers:
             key = "sliding" if spec.sliding else "full"
             if key not in self.rotary:
                 self.rotary[key] = Rotary(spec)
-        self.softcap = config.final_logit_softcapping
+        self.softcap = gemma.final_logit_softcapping
         # Replicated on every rank (blockdiff.model.vision); None for a text-only checkpoint.
-        self.vision = VisionEncoder(config.vision, config.hidden_size, config.rms_norm_eps, dtype) if config.vision else None
+        self.vision = VisionEncoder(config.vision, gemma.hidden_size, gemma.rms_norm_eps, dtype) if config.vision else None
 
     # ---- the engine's interface (blockdiff.model.interface.BlockDiffusionModel) ------------------
     def kv_cache_spec(self) -> list[LayerCacheSpec]:
         return [LayerCacheSpec(spec.sliding, layer.attn.local_kv_heads, layer.attn.head_dim)
-                for layer, spec in zip(self.layers, self.config.layers)]
+                for layer, spec in zip(self.layers, self.config.arch.layers)]
 
     def static_shapes(self, device: torch.device) -> bool:
         """Whether a step can run with static shapes and no host sync on `device`: every MoE block
@@ -161,8 +164,7 @@ class DiffusionGemma(nn.Module):
         soft_embeds: torch.Tensor | None = None,
         images: ImageInputs | None = None,
     ) -> torch.Tensor:
-        """Last-layer hidden states of every token, before the final norm (training reads the
-        encoder tokens' too, for the autoregressive loss)."""
+        """Last-layer hidden states of every token, before the final norm."""
         x = self.embed(input_ids)
         if images is not None:
             x[images.token_index] = self.vision.soft_tokens(images).to(x.dtype)
@@ -185,7 +187,5 @@ class DiffusionGemma(nn.Module):
             # sits in the tensor, which batch invariance needs (sigmoid's vector and scalar-tail
             # kernels round differently).
             c = self.softcap
-            if logits.requires_grad:  # training (the demo trainer): autograd cannot go through in-place ops
-                return c * torch.tanh(logits / c)
             logits = logits.div_(c / 2).exp_().add_(1).reciprocal_().mul_(-2 * c).add_(c)
         return logits

@@ -1,15 +1,17 @@
 """What the engine needs of a model, and nothing more.
 
-The worker (model runner, KV cache) talks to a model only through `BlockDiffusionModel`; a second
-block-diffusion architecture implements it in a new file and adds a line to `registry.py`.
+The worker (model runner, KV cache) talks to a model only through `BlockDiffusionModel`, and the
+loader reads its checkpoints through its architecture's `CheckpointFormat`. A second block-diffusion
+architecture implements both in new files and adds an entry to `registry.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from blockdiff.config import ModelConfig
 from blockdiff.model.attention import AttentionMetadata
@@ -49,10 +51,41 @@ class BlockDiffusionModel(Protocol):
         (compiled, or captured as a CUDA graph)."""
         ...
 
+
+class SelfConditionedModel(BlockDiffusionModel, Protocol):
+    """A model whose decoder takes the previous step's soft embeddings (`forward`'s soft_embeds), as
+    a self-conditioning sampler feeds them (diffusion/strategy.py)."""
+
     def soft_embed(self, probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """The next step's self-conditioning input [rows * CL, hidden] from this rank's unnormalised
         probabilities [rows, CL, local vocab] and their full-vocabulary sums [rows, CL]."""
         ...
+
+
+class CheckpointFormat:
+    """How an architecture's checkpoints are read: its config.json parsed, and its tensor names
+    mapped to its model's parameters (model/loader.py loads by them)."""
+
+    def parse_config(self, raw: dict[str, Any]) -> ModelConfig:
+        """config.json -> the engine's ModelConfig, with the architecture's own config as `arch`;
+        ConfigError for what the architecture cannot run."""
+        raise NotImplementedError
+
+    def map_name(self, name: str) -> tuple[str, int | None] | None:
+        """A checkpoint tensor -> (parameter name, part of a fused parameter or None), or None when
+        it is not a weight of this architecture."""
+        raise NotImplementedError
+
+    def secondary(self, name: str, target: str) -> bool:
+        """Whether `name` is a second spelling of `target`, loaded only where the first is absent."""
+        return False
+
+    def ignored(self, model: nn.Module, name: str) -> bool:
+        """Whether the tensor is not loaded into `model` (a tied head, a part the model lacks)."""
+        return False
+
+    def prepare(self, model: nn.Module, files: list[str]) -> None:
+        """Before loading: adapt `model` to what the checkpoint's files hold."""
 
 
 def layer_kinds(model: BlockDiffusionModel) -> set[bool]:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdiff.config import LayerSpec
+from blockdiff.model.gemma_config import LayerSpec
 
 
 class RMSNorm(nn.Module):

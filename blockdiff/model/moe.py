@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdiff.config import ModelConfig
+from blockdiff.model.gemma_config import GemmaConfig
 from blockdiff.fp8 import FP8, fp8_linear, sharded_token_scales
 from blockdiff.matmul import grouped_linear, has_grouped_mm, linear
 from blockdiff.model.attention import ROW_ALIGN
@@ -59,7 +59,7 @@ class GatedMLP(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, prefix: str):
+    def __init__(self, config: GemmaConfig, dtype: torch.dtype, prefix: str):
         super().__init__()
         if covering(config.quantization, f"{prefix}.proj"):
             raise QuantizationError(f"quantization_config quantizes the router {prefix}.proj; blockdiff runs routers unquantized")
@@ -83,7 +83,7 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Experts stored as 3-D tensors like the checkpoint: gate_up [E, 2I, H], down [E, H, I]."""
 
-    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype):
+    def __init__(self, config: GemmaConfig, group: TPGroup, dtype: torch.dtype):
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         if i % group.size:
@@ -178,7 +178,7 @@ class Fp8Experts(Experts):
 
     groupable = False
 
-    def __init__(self, config: ModelConfig, group: TPGroup, quant: Fp8Config):
+    def __init__(self, config: GemmaConfig, group: TPGroup, quant: Fp8Config):
         super().__init__(config, group, FP8)
         e, h = self.num_experts, self.hidden
         self.activations = quant.activations
@@ -231,7 +231,7 @@ class Fp8Experts(Experts):
         return fp8_linear(x, self.down[e], self.down_scale[e], self.activations, self.down_input_scale, scales)
 
 
-def make_experts(config: ModelConfig, group: TPGroup, dtype: torch.dtype, prefix: str) -> Experts:
+def make_experts(config: GemmaConfig, group: TPGroup, dtype: torch.dtype, prefix: str) -> Experts:
     names = [f"{prefix}.{e}.{p}" for e in range(config.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
     quant = covering(config.quantization, *names)
     return Experts(config, group, dtype) if quant is None else Fp8Experts(config, group, quant)

@@ -23,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from blockdiff.fp8 import quantize_rows
-from blockdiff.model.loader import DECODER, ENCODER, checkpoint_files
+from blockdiff.model.gemma_checkpoint import DECODER, ENCODER
+from blockdiff.model.loader import checkpoint_files
 from blockdiff.quantization import Fp8Config
 
 # The ignore list of the published DiffusionGemma FP8-dynamic checkpoint.

@@ -1,13 +1,27 @@
-"""The architectures blockdiff runs, by the `architectures` name in a checkpoint's config.json."""
+"""The architectures blockdiff runs, by the `architectures` name in a checkpoint's config.json:
+each brings its model class, its checkpoint format (config.json parsing, tensor names) and the
+diffusion sampler it denoises with unless EngineConfig.diffusion_sampler names another
+(blockdiff/diffusion/registry.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from blockdiff.config import ConfigError, ModelConfig, read_config_json
 from blockdiff.model.diffusion_gemma import DiffusionGemma
-from blockdiff.model.interface import BlockDiffusionModel
+from blockdiff.model.gemma_checkpoint import GemmaCheckpoint
+from blockdiff.model.interface import BlockDiffusionModel, CheckpointFormat
 
-MODELS: dict[str, type[BlockDiffusionModel]] = {
-    "DiffusionGemmaForBlockDiffusion": DiffusionGemma,
+
+@dataclass(frozen=True)
+class Architecture:
+    model: type[BlockDiffusionModel]
+    checkpoint: CheckpointFormat
+    sampler: str  # the diffusion sampler's name
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "DiffusionGemmaForBlockDiffusion": Architecture(DiffusionGemma, GemmaCheckpoint(), "entropy_bound"),
 }
 _MODEL_TYPES = {"diffusion_gemma": "DiffusionGemmaForBlockDiffusion"}  # configs that name no architecture
 
@@ -15,17 +29,29 @@ _MODEL_TYPES = {"diffusion_gemma": "DiffusionGemmaForBlockDiffusion"}  # configs
 def architecture(raw: dict) -> str:
     names = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type"), raw.get("model_type"))]
     for name in names:
-        if name in MODELS:
+        if name in ARCHITECTURES:
             return name
-    raise ConfigError(f"unsupported architecture {names!r}: blockdiff runs {', '.join(MODELS)}")
+    raise ConfigError(f"unsupported architecture {names!r}: blockdiff runs {', '.join(ARCHITECTURES)}")
+
+
+def parse_config(raw: dict) -> ModelConfig:
+    """config.json's contents, parsed by their architecture."""
+    return ARCHITECTURES[architecture(raw)].checkpoint.parse_config(raw)
 
 
 def load_config(path: str) -> ModelConfig:
-    """The checkpoint's config, checked to be of an architecture blockdiff runs."""
-    raw = read_config_json(path)
-    architecture(raw)
-    return ModelConfig.from_dict(raw)
+    """The checkpoint's config (a directory, or a config.json file alone), of an architecture
+    blockdiff runs."""
+    return parse_config(read_config_json(path))
+
+
+def architecture_of(config: ModelConfig) -> Architecture:
+    return ARCHITECTURES[config.architecture]
 
 
 def model_class(config: ModelConfig) -> type[BlockDiffusionModel]:
-    return MODELS[architecture(config.raw)]
+    return architecture_of(config).model
+
+
+def default_sampler(config: ModelConfig) -> str:
+    return architecture_of(config).sampler

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from blockdiff.model.diffusion_gemma import DiffusionGemma
-from blockdiff.model.loader import DECODER, ENCODER, map_name
+from blockdiff.model.gemma_checkpoint import DECODER, ENCODER, map_name
 from blockdiff.model.vision import export_vision
 
 # our parameter name below "layers.N." -> checkpoint names of its parts, below "model.decoder.layers.N."

@@ -61,9 +61,6 @@ class TPGroup:
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
-SINGLE = TPGroup()
-
-
 def connect(rank: int, size: int, store: dist.Store, device: torch.device, timeout: datetime.timedelta) -> TPGroup:
     """Join the group of `size` ranks that meet at `store`: gloo for CPU tensors, NCCL for CUDA.
     Blocks until every rank has called it."""

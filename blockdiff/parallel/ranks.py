@@ -189,11 +189,6 @@ class RankProcesses:
         """Whether the group was closed (by close(), or for good after a failure)."""
         return self._closed
 
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of ranks 1..N-1."""
-        return [w.pid for w in self._workers]
-
     def run(self, fn: Callable, *args, gather: bool = False, timeout: float | None = None):
         """fn(context, *args) on every rank; -> rank 0's result, or every rank's with `gather`, each
         awaited for at most `timeout` seconds. `fn` must be importable by name from a module (the

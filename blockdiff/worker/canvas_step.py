@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.diffusion.sampler import DenoiseParams, denoise_step
+from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.model.attention import CacheGeometry, Row, canvas_metadata
 from blockdiff.model.interface import BlockDiffusionModel
@@ -29,43 +29,28 @@ def bucket(n: int) -> int:
 
 
 @dataclass
-class SlotState:
-    """Per-slot denoising state; one extra slot at the end takes the padded canvases' writes."""
-
-    canvas: torch.Tensor  # [slots + 1, CL] int64
-    last_argmax: torch.Tensor  # [slots + 1, CL] int64
-    run: torch.Tensor  # [slots + 1] int64
-    soft: torch.Tensor  # [slots + 1, CL, hidden]
-
-    @property
-    def scratch(self) -> int:
-        return self.canvas.shape[0] - 1
-
-
-@dataclass
 class CanvasInputs:
     """Persistent device buffers of one shape: what a step of canvases reads besides the state."""
 
     slots: torch.Tensor  # [B] int64; padding: the scratch slot
     starts: torch.Tensor  # [B] int64 cached positions before each canvas; padding: 0
     tables: dict[bool, torch.Tensor]  # layer kind (True: sliding) -> [B, context / block size] int64
-    params: DenoiseParams  # [B, ...]; padding rows repeat the first canvas's
+    params: StepParams  # [B, ...]; padding rows repeat the first canvas's
 
 
 @dataclass
 class CanvasOutputs:
-    canvas: torch.Tensor  # [B, CL]
-    argmax: torch.Tensor  # [B, CL]
-    run: torch.Tensor  # [B]
+    updates: dict[str, torch.Tensor]  # [B, ...] the canvases' new state rows, self-conditioning included
+    tokens: torch.Tensor  # [B, CL] what each canvas commits if this step finished it
     finished: torch.Tensor  # [B] bool
-    soft: torch.Tensor  # [B, CL, hidden] the next step's self-conditioning input
-    logprob: torch.Tensor  # [B, CL] of each argmax token
+    logprob: torch.Tensor  # [B, CL] of each token
     entropy: torch.Tensor  # [B, CL] computed anyway; read back only for drafts that ask (draft_details)
     accepted: torch.Tensor  # [B, CL] bool
 
 
 def canvas_step(
     model: BlockDiffusionModel,
+    sampler: DiffusionSampler,
     vocab: VocabParallel,
     kv: list[tuple[torch.Tensor, torch.Tensor]],
     geometry: CacheGeometry,
@@ -80,13 +65,14 @@ def canvas_step(
     ids = state.canvas.index_select(0, inputs.slots).reshape(-1)
     # A canvas's first step reads the zeros its slot was reset to: the self-conditioning MLP of
     # zeros is exactly zero, so that equals the reference's step without a previous one.
-    soft = state.soft.index_select(0, inputs.slots).reshape(rows * cl, -1)
+    soft = state.soft.index_select(0, inputs.slots).reshape(rows * cl, -1) if sampler.self_conditioning else None
     logits = model(ids, meta, kv, soft)
-    res = denoise_step(logits.view(rows, cl, -1), state.last_argmax.index_select(0, inputs.slots),
-                       state.run.index_select(0, inputs.slots), inputs.params, vocab)
-    # For every canvas, finished ones included: their slots are reset when the next canvas starts.
-    soft_next = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
-    return CanvasOutputs(res.canvas, res.argmax, res.run, res.finished, soft_next, -res.dist.log_total, res.entropy,
+    res = sampler.step(logits.view(rows, cl, -1), state, inputs.slots, inputs.params, vocab)
+    updates = dict(res.updates)
+    if sampler.self_conditioning:
+        # For every canvas, finished ones included: their slots are reset when the next canvas starts.
+        updates["soft"] = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
+    return CanvasOutputs(updates, sampler.commit(res, inputs.params), res.finished, res.logprob, res.dist.entropy,
                          res.accepted)
 
 
@@ -100,7 +86,7 @@ def context_of(rows: list[Row], block_size: int) -> int:
     return 0 if blocks == 0 else (1 << (blocks - 1).bit_length()) * block_size
 
 
-def host_inputs(rows: list[Row], params: DenoiseParams, size: int, context: int, kinds: tuple[bool, ...],
+def host_inputs(rows: list[Row], params: StepParams, size: int, context: int, kinds: tuple[bool, ...],
                 block_size: int, scratch: int) -> CanvasInputs:
     """The step's inputs on the host, padded to `size` canvases and `context` prefix positions."""
     pad = size - len(rows)
@@ -114,9 +100,7 @@ def host_inputs(rows: list[Row], params: DenoiseParams, size: int, context: int,
             used = (r.sliding_blocks if sliding and r.sliding_blocks is not None else r.blocks)[:width]
             if used:
                 table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-    padded = {k: torch.cat((v, v[:1].expand(pad, *v.shape[1:]))) if isinstance(v, torch.Tensor) else v
-              for k, v in params.__dict__.items()}
-    return CanvasInputs(slots, starts, tables, DenoiseParams(**padded))
+    return CanvasInputs(slots, starts, tables, params.padded(size))
 
 
 def allocate_inputs(like: CanvasInputs, device: torch.device) -> CanvasInputs:
@@ -125,8 +109,7 @@ def allocate_inputs(like: CanvasInputs, device: torch.device) -> CanvasInputs:
         return torch.empty_like(t, device=device)
 
     return CanvasInputs(empty(like.slots), empty(like.starts), {k: empty(v) for k, v in like.tables.items()},
-                        DenoiseParams(**{k: empty(v) if isinstance(v, torch.Tensor) else v
-                                         for k, v in like.params.__dict__.items()}))
+                        like.params.empty_like(device))
 
 
 def copy_inputs(dst: CanvasInputs, src: CanvasInputs) -> None:
@@ -134,9 +117,7 @@ def copy_inputs(dst: CanvasInputs, src: CanvasInputs) -> None:
     dst.starts.copy_(src.starts, non_blocking=True)
     for k, v in src.tables.items():
         dst.tables[k].copy_(v, non_blocking=True)
-    for k, v in src.params.__dict__.items():
-        if isinstance(v, torch.Tensor):
-            getattr(dst.params, k).copy_(v, non_blocking=True)
+    dst.params.copy_(src.params)
 
 
 class CanvasSteps:
@@ -145,38 +126,42 @@ class CanvasSteps:
     graph and replayed. Each shape keeps its input buffers, so a graph reads them where it was
     captured."""
 
-    def __init__(self, model: BlockDiffusionModel, vocab: VocabParallel, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                 geometry: CacheGeometry, kinds: tuple[bool, ...], state: SlotState, device: torch.device,
-                 compile: bool, cuda_graphs: bool):
+    def __init__(self, model: BlockDiffusionModel, sampler: DiffusionSampler, vocab: VocabParallel,
+                 kv: list[tuple[torch.Tensor, torch.Tensor]], geometry: CacheGeometry, kinds: tuple[bool, ...],
+                 state: SlotState, device: torch.device, compile: bool, cuda_graphs: bool):
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
-        self.model, self.vocab, self.kv, self.geometry, self.kinds = model, vocab, kv, geometry, kinds
+        self.model, self.sampler, self.vocab, self.kv, self.geometry, self.kinds = model, sampler, vocab, kv, geometry, kinds
         self.state, self.device = state, device
         self.fn = torch.compile(canvas_step, fullgraph=True) if compile else canvas_step
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         self.shapes: dict[tuple[int, int, bool], tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
 
-    def __call__(self, rows: list[Row], params: DenoiseParams) -> tuple[CanvasInputs, CanvasOutputs]:
+    def __call__(self, rows: list[Row], params: StepParams) -> tuple[CanvasInputs, CanvasOutputs]:
         """One step of the canvases `rows` (their state reset already where a canvas starts):
         the inputs used (padded) and the outputs, whose first len(rows) rows are the canvases'."""
         context = context_of(rows, self.geometry.block_size)
         size = bucket(len(rows))
         host = host_inputs(rows, params, size, context, self.kinds, self.geometry.block_size, self.state.scratch)
-        key = (size, context, params.restrict)  # restrict (top-k/p, min-p) is a Python bool: its own graph
+        key = (size, context, params.key())  # the params' Python values (e.g. restrict: top-k/p, min-p): a graph each
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
-            return inputs, self.fn(self.model, self.vocab, self.kv, self.geometry, context, self.state, inputs)
+            return inputs, self.fn(*self.step_args(context, inputs))
         if graph is None:
             graph, outputs = self._capture(context, inputs)
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs
 
+    def step_args(self, context: int, inputs: CanvasInputs) -> tuple:
+        """canvas_step's arguments for a step of `inputs` reading `context` prefix positions."""
+        return self.model, self.sampler, self.vocab, self.kv, self.geometry, context, self.state, inputs
+
     def _capture(self, context: int, inputs: CanvasInputs) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
-        args = (self.model, self.vocab, self.kv, self.geometry, context, self.state, inputs)
+        args = self.step_args(context, inputs)
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

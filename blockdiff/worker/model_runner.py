@@ -1,8 +1,9 @@
 """Runs one engine step on one rank: a forward over the step's rows, then the sampler.
 
-Per-slot denoising state (canvas, last argmax canvas, its run length, self-conditioning input)
-lives in preallocated device tensors indexed by the request's slot (one more, a scratch slot, takes
-the writes of padded canvases). A step whose rows are all canvases being denoised can run as the
+Per-slot denoising state (the canvas, and the sampler's own: for the entropy-bound sampler the last
+argmax canvas, its run length and the self-conditioning input) lives in preallocated device tensors
+indexed by the request's slot, made by the sampler (one more, a scratch slot, takes the writes of
+padded canvases). A step whose rows are all canvases being denoised can run as the
 static step of worker/canvas_step.py (compiled, or replayed as a CUDA graph); every other step
 (prompt chunks, committed canvases beside canvases) runs eagerly over rows grouped by shape. Every
 rank runs the same `execute` on the same `StepPlan`; with tensor parallelism the collectives inside
@@ -14,25 +15,30 @@ from __future__ import annotations
 import torch
 
 from blockdiff.config import COMPILE_BY_DEFAULT
-from blockdiff.diffusion.sampler import denoise_step
+from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.vocab_parallel import VocabParallel, workspace_bytes
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, StepOutput, StepPlan
-from blockdiff.worker.canvas_step import CanvasSteps, SlotState, all_canvases
+from blockdiff.worker.canvas_step import CanvasSteps, all_canvases
 from blockdiff.worker.cpu_heap import keep_freed_memory
 from blockdiff.worker.kv_cache import allocate, geometry
 
 
 class ModelRunner:
-    def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str, tune_cpu_heap: bool = False,
-                 sampler_memory_gb: float | None = None, compile: bool | None = False, cuda_graphs: bool = False):
-        """sampler_memory_gb: the sampler's workspace (EngineConfig). compile / cuda_graphs
+    def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str,
+                 sampler: DiffusionSampler, tune_cpu_heap: bool = False, sampler_memory_gb: float | None = None,
+                 compile: bool | None = False, cuda_graphs: bool = False):
+        """sampler: how canvases are denoised (the engine's, `diffusion/registry.py`).
+        sampler_memory_gb: the sampler's workspace (EngineConfig). compile / cuda_graphs
         (EngineConfig.step_modes): run all-canvas steps as the static step, compiled / replayed as
         CUDA graphs. Both need a model with static shapes (`model.static_shapes`); compile None:
         the device's default where the model has them."""
         self.model = model
+        self.sampler = sampler
         self.device = torch.device(device)
+        if sampler.self_conditioning and not hasattr(model, "soft_embed"):
+            raise ValueError(f"the {sampler.name} sampler self-conditions, which {type(model).__name__} cannot")
         if tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
             keep_freed_memory()
         self.cache_config = cache
@@ -41,14 +47,8 @@ class ModelRunner:
         self.kinds = layer_kinds(model)
         self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device))
         self.canvas_length = model.config.canvas_length
-        s, cl, h = cache.num_slots, self.canvas_length, model.config.hidden_size
-        with torch.device(self.device):
-            self.state = SlotState(
-                canvas=torch.zeros(s + 1, cl, dtype=torch.long),
-                last_argmax=torch.full((s + 1, cl), -1, dtype=torch.long),
-                run=torch.zeros(s + 1, dtype=torch.long),
-                soft=torch.zeros(s + 1, cl, h, dtype=model.dtype),
-            )
+        self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
+                                       self.device)
         self.canvas_steps = None
         static = model.static_shapes(self.device)
         if compile is None:
@@ -58,7 +58,7 @@ class ModelRunner:
                              f"{self.device} (FP8 experts, or no torch._grouped_mm in this torch)")
         cuda_graphs = cuda_graphs and static  # the default on CUDA: models without static shapes run eagerly
         if compile or cuda_graphs:
-            self.canvas_steps = CanvasSteps(model, self.vocab, self.kv, self.geometry, tuple(sorted(self.kinds)),
+            self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, tuple(sorted(self.kinds)),
                                             self.state, self.device, compile, cuda_graphs)
 
     @torch.inference_mode()
@@ -67,10 +67,7 @@ class ModelRunner:
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
             starting = slots[torch.tensor(plan.new_canvas_rows, device=self.device)]
-            self.state.canvas[starting] = plan.new_canvases.to(self.device)
-            self.state.last_argmax[starting] = -1
-            self.state.run[starting] = 0
-            self.state.soft[starting] = 0
+            self.state.start(starting, plan.new_canvases.to(self.device))
         if self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0:
             return self._canvas_step(plan)
 
@@ -80,7 +77,7 @@ class ModelRunner:
             ids = torch.cat((ids, self.state.canvas[slots].reshape(-1)))
             # Every canvas that is not starting went on from the previous step, which computed its
             # soft embeddings (a finished one starts a new canvas next: the scheduler's steps_left).
-            if len(plan.new_canvas_rows) < len(dec_rows):
+            if self.sampler.self_conditioning and len(plan.new_canvas_rows) < len(dec_rows):
                 soft = self.state.soft[slots].reshape(-1, self.state.soft.shape[-1])
         meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device)
         if meta.num_tokens > ids.shape[0]:
@@ -91,50 +88,47 @@ class ModelRunner:
             return None
 
         params = plan.denoise.to(self.device)
-        res = denoise_step(logits.view(len(dec_rows), self.canvas_length, -1), self.state.last_argmax[slots], self.state.run[slots], params, self.vocab)
-        self.state.canvas[slots] = res.canvas
-        self.state.last_argmax[slots] = res.argmax
-        self.state.run[slots] = res.run
-        # A finished canvas is committed and the next one starts without self-conditioning, so only
-        # the canvases that go on need their soft embeddings (the product is as big as the LM head).
+        res = self.sampler.step(logits.view(len(dec_rows), self.canvas_length, -1), self.state, slots, params, self.vocab)
+        tokens = self.sampler.commit(res, params)
+        self.state.put(slots, res.updates)
         finished = res.finished.cpu()  # the only host sync the control flow below needs
-        going = ~finished
-        if bool(going.any()):
-            rows = None if bool(going.all()) else going.nonzero().squeeze(1).to(self.device)
-            keep = slots if rows is None else slots[rows]
-            self.state.soft[keep] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
+        if self.sampler.self_conditioning:
+            # A finished canvas is committed and the next one starts without self-conditioning, so
+            # only the canvases that go on need their soft embeddings (the product is as big as the
+            # LM head).
+            going = ~finished
+            if bool(going.any()):
+                rows = None if bool(going.all()) else going.nonzero().squeeze(1).to(self.device)
+                keep = slots if rows is None else slots[rows]
+                self.state.soft[keep] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:
-            logprob = -res.dist.log_total
+            logprob = res.logprob
             if plan.top_logprobs > 0 and bool(finished.any()):
                 # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
                 done = finished.nonzero().squeeze(1).to(self.device)
                 done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
-                top_lp = done_lp.new_zeros(*res.argmax.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
-                top_ids = done_ids.new_zeros(*res.argmax.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
+                top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
+                top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
         return StepOutput(
             finished=finished,
-            argmax=res.argmax.cpu(),
+            tokens=tokens.cpu(),
             logprob=None if logprob is None else logprob.cpu(),
             top_logprobs=None if top_lp is None else top_lp.cpu(),
             top_ids=None if top_ids is None else top_ids.cpu(),
-            entropy=res.entropy.cpu() if plan.draft_details else None,
+            entropy=res.dist.entropy.cpu() if plan.draft_details else None,
             accepted=res.accepted.cpu() if plan.draft_details else None,
         )
 
     def _canvas_step(self, plan: StepPlan) -> StepOutput:
-        """The static step; only the finished flags and argmax canvases (and logprobs) come back."""
+        """The static step; only the finished flags and committed tokens (and logprobs) come back."""
         n = len(plan.rows)
         inputs, out = self.canvas_steps(plan.rows, plan.denoise)
-        slots = inputs.slots[:n]
-        self.state.canvas.index_copy_(0, slots, out.canvas[:n])
-        self.state.last_argmax.index_copy_(0, slots, out.argmax[:n])
-        self.state.run.index_copy_(0, slots, out.run[:n])
-        self.state.soft.index_copy_(0, slots, out.soft[:n])
+        self.state.put(inputs.slots[:n], {name: value[:n] for name, value in out.updates.items()})
         return StepOutput(
             finished=out.finished[:n].cpu(),
-            argmax=out.argmax[:n].cpu(),
+            tokens=out.tokens[:n].cpu(),
             logprob=out.logprob[:n].cpu() if plan.top_logprobs == 0 else None,
             top_logprobs=None,
             top_ids=None,

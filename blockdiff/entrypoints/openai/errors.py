@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockdiff.engine.async_engine import EngineUnavailable, QueueFull, RequestFailed
+from blockdiff.sampling_params import InvalidParam
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +47,14 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def bad_value(e: ValueError, fields: set[str], renames: dict[str, str]) -> APIError:
-    """A ValueError from the engine or SamplingParams -> 400. Their messages start with the name of
-    the offending field, which becomes `param` when it is a request field, under the name this
-    request sent it as (`renames`: engine name -> request field)."""
+    """A ValueError from the engine or SamplingParams -> 400. An `InvalidParam` names its field,
+    which becomes `param` when it is a request field, under the name this request sent it as
+    (`renames`: engine name -> request field)."""
     message = str(e)
-    first = message.split(" ", 1)[0].strip(":,")
-    if first in renames:  # the message speaks of the field as this request sent it
-        message = renames[first] + message[len(first):]
-    return APIError(400, message, param=renames.get(first, first) if first in fields else None)
+    field = e.field if isinstance(e, InvalidParam) else None
+    if field in renames and message.startswith(field):  # the message speaks of the field as this request sent it
+        message = renames[field] + message[len(field):]
+    return APIError(400, message, param=renames.get(field, field) if field in fields else None)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from blockdiff.sampling_params import PER_CANVAS_FIELDS, SamplingParams
+from blockdiff.sampling_params import ENGINE_FIELDS, SamplerField, SamplingParams
 
 
 # Bounds on the lists a request may hold, so validation time and memory stay bounded (see body.py
@@ -34,10 +34,11 @@ class StreamOptions(_Request):
     include_usage: bool | None = None
 
 
-# Sampler fields a request may set directly (the diffusion extensions), typed as in SamplingParams:
-# every per-canvas field of the sampler-field table, and a few more.
-SAMPLER_EXTENSIONS = (*(f.name for f in PER_CANVAS_FIELDS), "ignore_eos", "draft", "stop_token_ids", "stream_drafts",
-                      "draft_details")
+# Fields a request may set directly for any model (diffusion extensions), typed as in SamplingParams:
+# the per-canvas fields every sampler has, and a few more. The fields of the model's sampler's
+# table come on top (`request_types`).
+SAMPLER_EXTENSIONS = (*(f.name for f in ENGINE_FIELDS if f.per_canvas), "ignore_eos", "draft", "stop_token_ids",
+                      "stream_drafts", "draft_details")
 # OpenAI/vLLM sampling fields, passed to SamplingParams, which says what it supports.
 VLLM_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty")
 _hints = get_type_hints(SamplingParams)
@@ -138,6 +139,20 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # variables the chat template reads (enable_thinking)
+
+
+def sampler_extensions(table: tuple[SamplerField, ...]) -> tuple[str, ...]:
+    """The extension fields a sampler's table adds to the generation bodies: its per-canvas fields
+    that they do not have already."""
+    return tuple(f.name for f in table if f.per_canvas and f.name not in CompletionRequest.model_fields)
+
+
+def request_types(table: tuple[SamplerField, ...]) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
+    """The two generation bodies of a server whose model runs the sampler of field table `table`:
+    its fields are accepted (and documented) there, another sampler's are unknown fields."""
+    extra = {f.name: (f.type | None, None) for f in table if f.name in sampler_extensions(table)}
+    return (create_model("CompletionRequest", __base__=CompletionRequest, **extra),
+            create_model("ChatCompletionRequest", __base__=ChatCompletionRequest, **extra))
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -23,12 +23,10 @@ from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
-from blockdiff.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                   DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                                   TokenizeResponse, now)
+from blockdiff.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                                   TokenizeRequest, TokenizeResponse, now, request_types)
 from blockdiff.entrypoints.openai.serving import OpenAIServing
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
-from blockdiff.sampling_params import SAMPLER_FIELDS
 from blockdiff.startup import start_engine
 
 log = logging.getLogger(__name__)
@@ -164,7 +162,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                             cfg.reasoning_parser)
     tokenization = OpenAIServingTokenization(serving)
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
-    sampling_defaults = {f.name: engine.inputs.defaults[f.name] for f in SAMPLER_FIELDS}
+    sampling_defaults = {f.name: engine.inputs.defaults[f.name] for f in engine.sampler.fields}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -176,7 +174,10 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         finally:
             await async_engine.stop()
 
-    app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics))
+    # The generation bodies take the fields of the model's sampler (protocol.request_types).
+    CompletionRequest, ChatCompletionRequest = request_types(engine.sampler.fields)
+    app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics),
+               bodies=(CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
     app.state.async_engine = async_engine
     errors.install(app)
     parse = body.BodyParser()
@@ -236,9 +237,6 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     return app
 
 
-_BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
-
-
 def _body_schema(model) -> dict:
     return {"requestBody": {"required": True, "content": {
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
@@ -248,9 +246,9 @@ class _App(FastAPI):
     """FastAPI with `count` (a CountResponses) around its whole middleware stack, Starlette's error
     layer included, and the request bodies' schemas in /openapi.json."""
 
-    def __init__(self, count: CountResponses, **kwargs):
+    def __init__(self, count: CountResponses, bodies: tuple, **kwargs):
         super().__init__(**kwargs)
-        self._count = count
+        self._count, self._bodies = count, bodies
 
     def build_middleware_stack(self):
         self._count.app = super().build_middleware_stack()
@@ -259,7 +257,7 @@ class _App(FastAPI):
     def openapi(self) -> dict:
         if self.openapi_schema is None:
             schema = get_openapi(title=self.title, version=self.version, routes=self.routes)
-            _, defs = models_json_schema([(m, "validation") for m in _BODIES], ref_template="#/components/schemas/{model}")
+            _, defs = models_json_schema([(m, "validation") for m in self._bodies], ref_template="#/components/schemas/{model}")
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
             self.openapi_schema = schema
         return self.openapi_schema

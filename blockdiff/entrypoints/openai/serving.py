@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
 from blockdiff.engine.images import IMAGE_PART_TYPES, split_chat_images, template_content
 from blockdiff.image import ImageError
@@ -26,7 +27,7 @@ from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
     f.name for f in fields(SamplingParams)
-}
+} | {f.name for sampler in SAMPLERS.values() for f in sampler.fields}
 
 
 @dataclass
@@ -226,6 +227,7 @@ class OpenAIServing:
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_names = served_model_names
+        self.sampler_extensions = p.sampler_extensions(self.llm.sampler.fields)  # what the bodies add
         self.tool_parser = self._parser("tool-call", tool_call_parser, tool_parsers.tool_call_parser,
                                         tool_parsers.Gemma4ToolParser)
         self.reasoning_parser = self._parser("reasoning", reasoning_parser, reasoning.reasoning_parser,
@@ -343,9 +345,10 @@ class OpenAIServing:
 
     def _params(self, req: p._GenerationRequest, choice: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's sampler fields; the engine fills the rest (server flags, then the checkpoint)."""
-        values = {k: getattr(req, k) for k in (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING) if getattr(req, k) is not None}
+        names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
+        values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
         try:
-            return SamplingParams(
+            return SamplingParams.of(
                 **values,
                 max_tokens=max_tokens,
                 seed=None if req.seed is None else req.seed + choice,

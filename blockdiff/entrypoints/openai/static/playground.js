@@ -135,12 +135,21 @@
     }
   }
 
+  // Whether this server's sampler takes a control's field: its defaults name the sampler's fields
+  // (a confidence-threshold server has no entropy bound and no temperature schedule).
+  function offered(name) {
+    const d = card?.sampling_defaults;
+    if (!d || name === "seed" || name === "max_tokens") return true;
+    return name === "temperature" ? "t_min" in d : name in d;
+  }
+
   function fillDefaults(all) {
     if (!card) return;
     const d = card.sampling_defaults;
     const values = { max_denoising_steps: d.max_denoising_steps, entropy_bound: d.entropy_bound, temperature: 1,
                      seed: "", max_tokens: d.max_tokens ?? "" };
     for (const name of FIELDS) {
+      control(name).closest("label").hidden = !offered(name);
       if (all || !userSet.has(name)) control(name).value = values[name];
     }
     if (all) userSet.clear();
@@ -154,6 +163,8 @@
   function showSchedule() {
     if (!card) return;
     const d = card.sampling_defaults;
+    $("schedule").hidden = !offered("temperature");
+    if (!offered("temperature")) return;
     const raw = control("temperature").value.trim();
     const t = raw === "" ? 1 : Number(raw) || 1e-6; // temperature 0 is greedy: the schedule scaled by 1e-6
     $("schedule").textContent = `denoising temperature ${fmt(d.t_max * t)} at the first step, falling to ${fmt(d.t_min * t)}`;
@@ -165,7 +176,7 @@
 
   function controlValues() {
     const out = {};
-    for (const name of FIELDS) {
+    for (const name of FIELDS.filter(offered)) {
       const raw = control(name).value.trim();
       if (raw !== "" && !Number.isNaN(Number(raw))) out[name] = Number(raw);
     }

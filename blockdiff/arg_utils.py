@@ -1,15 +1,18 @@
-"""Command-line flags shared by the commands that run a model: engine flags and sampler flags."""
+"""Command-line flags shared by the commands that run a model (the `blockdiff` subcommands and the
+benchmarks): engine flags, sampler flags and argparse types."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 
-from blockdiff.config import LOAD_FORMATS, EngineConfig
+from blockdiff.config import EngineConfig
+from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.hub import resolve_model, resolve_tokenizer
-from blockdiff.sampling_params import SAMPLER_FIELDS, SamplingParams
+from blockdiff.sampling_params import ENGINE_FIELDS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -117,47 +120,16 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="directory or Hugging Face id of the tokenizer (default: the model's own)")
     p.add_argument("--download-dir", default=None,
                    help="Hugging Face cache to look up model ids in (default: $HF_HUB_CACHE, else $HF_HOME/hub)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=at_least(1), default=EngineConfig.tensor_parallel_size,
-                   help="processes the model is split over (gloo on CPU, one GPU each on CUDA)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations; auto takes the checkpoint's")
-    p.add_argument("--device", type=device, default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
-    p.add_argument("--max-num-seqs", type=at_least(1), default=EngineConfig.max_num_seqs, help="requests that run at once")
-    p.add_argument("--max-model-len", type=at_least(1), default=None,
-                   help="prompt + max_tokens limit (default: min(8192, the model's max_position_embeddings))")
-    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="KV cache budget, e.g. 512MiB (default: enough for max-num-seqs at max-model-len)")
-    p.add_argument("--block-size", type=at_least(1), default=EngineConfig.block_size, help="tokens per KV cache block")
-    p.add_argument("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_prefill_tokens", type=at_least(1),
-                   default=EngineConfig.max_prefill_tokens, help="prompt tokens prefilled per step")
-    p.add_argument("--seed", type=int, default=EngineConfig.seed, help="engine seed: requests without a seed draw theirs from it")
-    p.add_argument("--max-denoising-steps-limit", type=at_least(1), default=None,
-                   help="largest max_denoising_steps (and stability_threshold) a request may ask for "
-                        "(default: 4 x the canvas length, at least the checkpoint's default steps)")
-    p.add_argument("--preempt-after-canvases", type=at_least(1), default=EngineConfig.preempt_after_canvases,
-                   help="a running request that has committed this many canvases gives its slot to a waiting "
-                        "request at its next canvas boundary, and is recomputed later")
-    p.add_argument("--no-preemption", dest="preempt_after_canvases", action="store_const", const=None,
-                   help="never preempt: requests wait first-come first-served")
-    p.add_argument("--worker-timeout", type=positive_seconds, default=EngineConfig.worker_timeout,
-                   help="seconds a tensor-parallel worker may not answer before it counts as lost and the workers "
-                        "restart")
-    p.add_argument("--sampler-memory-gb", type=positive_float, default=None,
-                   help="GB the sampler may use beside the logits; it tiles over positions to stay within it "
-                        "(default: an eighth of the free device memory, at most 1 GiB)")
-    p.add_argument("--load-format", choices=LOAD_FORMATS, default=EngineConfig.load_format,
-                   help="auto: the checkpoint's weights; dummy: random weights built from config.json alone")
-    p.add_argument("--num-layers-override", type=at_least(1), default=None,
-                   help="keep only the first N decoder layers (runs at real widths in less memory)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.enable_prefix_caching,
-                   help="reuse the KV cache of full blocks of a prefix that an earlier request computed")
-    add_image_args(p)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="run steps of canvases only as one static step compiled with torch.compile "
-                        "(default: the faster per device as measured: off on CPU, on on CUDA)")
-    p.add_argument("--enforce-eager", action="store_true", default=EngineConfig.enforce_eager,
-                   help="CUDA: no CUDA graphs for the static denoising steps (and no compile unless --compile)")
+    groups: dict[str | None, argparse._ActionsContainer] = {None: p}
+    for f in dataclasses.fields(EngineConfig):
+        spec = f.metadata.get("flag")
+        if spec is None:
+            continue
+        group = groups.get(spec.group) or groups.setdefault(spec.group, p.add_argument_group(spec.group))
+        group.add_argument(*(spec.names or ("--" + f.name.replace("_", "-"),)), dest=f.name, default=f.default,
+                           help=spec.help.replace("{samplers}", ", ".join(SAMPLERS)), **_flag_kind(f, spec))
+        if spec.off is not None:
+            group.add_argument(spec.off[0], dest=f.name, action="store_const", const=None, help=spec.off[1])
     vllm = p.add_argument_group("vLLM flags without meaning here (docs/server.md, 'vLLM flags')")
     for flag, kind, reason in _ACCEPTED_VLLM_FLAGS:
         if kind is None:
@@ -180,19 +152,34 @@ def limit_mm(text: str) -> int:
     return value.get("image", EngineConfig.limit_images_per_prompt)
 
 
-def add_image_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("images (docs/images.md)")
-    g.add_argument("--limit-mm-per-prompt", dest="limit_images_per_prompt", type=limit_mm,
-                   default=EngineConfig.limit_images_per_prompt,
-                   help=f'images one prompt may hold, as JSON: \'{{"image": N}}\' (default {EngineConfig.limit_images_per_prompt})')
-    g.add_argument("--max-image-bytes", type=parse_size, default=EngineConfig.max_image_bytes,
-                   help=f"largest encoded image, e.g. 8MiB (default {EngineConfig.max_image_bytes} bytes)")
-    g.add_argument("--max-image-pixels", type=at_least(1), default=EngineConfig.max_image_pixels,
-                   help=f"largest width x height of an image (default {EngineConfig.max_image_pixels})")
-    g.add_argument("--allowed-media-domains", nargs="+", default=list(EngineConfig.allowed_media_domains), metavar="DOMAIN",
-                   help="hosts whose http(s) image URLs may be fetched (default: none; data: URLs always work)")
-    g.add_argument("--allowed-local-media-path", default=EngineConfig.allowed_local_media_path, metavar="DIR",
-                   help="directory whose files file:// image URLs may name (default: none)")
+def sampler_name(text: str) -> str:
+    """argparse type: the name of a registered diffusion sampler."""
+    if text not in SAMPLERS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(SAMPLERS)}, got {text!r}")
+    return text
+
+_PARSERS = {"sampler": sampler_name, "size": parse_size, "positive": positive_float, "seconds": positive_seconds, "device": device, "images": limit_mm}
+
+
+def _flag_kind(f: dataclasses.Field, spec) -> dict:
+    """argparse's type, action, choices and metavar of an EngineConfig field, from its annotation
+    (a string under `from __future__ import annotations`) and its `Flag`."""
+    kind = {"metavar": spec.metavar} if spec.metavar else {}
+    if spec.choices:
+        kind["choices"] = spec.choices
+    if f.type == "bool":
+        return {"action": "store_true"} if f.default is False else {"action": argparse.BooleanOptionalAction}
+    if f.type == "bool | None":
+        return {"action": argparse.BooleanOptionalAction}
+    if f.type.startswith("tuple[str"):
+        return {**kind, "nargs": "+"}
+    if spec.parse is not None:
+        return {**kind, "type": _PARSERS[spec.parse]}
+    if f.type.startswith("int"):
+        return {**kind, "type": int if spec.minimum is None else at_least(spec.minimum)}
+    if f.type.startswith("float"):
+        return {**kind, "type": float}
+    return kind
 
 
 def given_model(args: argparse.Namespace) -> str | None:
@@ -207,34 +194,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     for flag, _, reason in _ACCEPTED_VLLM_FLAGS:
         if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
             log.warning("%s is ignored: %s", flag, reason)
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata}
+    flags["allowed_media_domains"] = tuple(flags["allowed_media_domains"])
     return EngineConfig(
         model=resolve_model(given_model(args), args.download_dir),
         tokenizer=None if args.tokenizer is None else resolve_tokenizer(args.tokenizer, args.download_dir),
         chat_template=read_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        max_prefill_tokens=args.max_prefill_tokens,
-        seed=args.seed,
-        worker_timeout=args.worker_timeout,
-        max_denoising_steps_limit=args.max_denoising_steps_limit,
-        preempt_after_canvases=args.preempt_after_canvases,
-        enable_prefix_caching=args.enable_prefix_caching,
-        limit_images_per_prompt=args.limit_images_per_prompt,
-        max_image_bytes=args.max_image_bytes,
-        max_image_pixels=args.max_image_pixels,
-        allowed_media_domains=tuple(args.allowed_media_domains),
-        allowed_local_media_path=args.allowed_local_media_path,
-        compile=args.compile,
-        enforce_eager=args.enforce_eager,
-        sampler_memory_gb=args.sampler_memory_gb,
-        load_format=args.load_format,
-        num_layers_override=args.num_layers_override,
         tune_cpu_heap=True,  # a process that only runs blockdiff: its heap is ours to tune
+        **flags,
     )
 
 
@@ -254,18 +221,30 @@ def read_chat_template(value: str) -> str:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """Sampler defaults, one flag per field of the sampler-field table; unset ones come from the
-    checkpoint's generation_config.json."""
-    for f in SAMPLER_FIELDS:
-        default = ("what fits in --max-model-len" if f.default is None else
-                   f"generation_config.json, else {f.default}" if f.generation_config else str(f.default))
-        p.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None, help=f"{f.help} (default: {default})")
+    """Sampler defaults, one flag per field of each registered sampler's table (a group per sampler,
+    the fields every sampler has first); unset ones come from the checkpoint's generation_config.json.
+    The engine refuses the flags of a sampler its model does not run."""
+    seen = set()
+    for name, sampler in [("every sampler", None), *SAMPLERS.items()]:
+        group = p.add_argument_group(f"sampler flags: {name}" + (" (--diffusion-sampler)" if sampler else ""))
+        for f in (ENGINE_FIELDS if sampler is None else sampler.fields):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            default = ("what fits in --max-model-len" if f.default is None else
+                       f"generation_config.json, else {f.default}" if f.generation_config else str(f.default))
+            group.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None,
+                               help=f"{f.help} (default: {default})")
+
+
+def _sampler_field_names() -> list[str]:
+    return list(dict.fromkeys(f.name for s in SAMPLERS.values() for f in s.fields))
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
-    """The sampler flags the user set, as SamplingParams fields."""
-    return {f.name: getattr(args, f.name) for f in SAMPLER_FIELDS if getattr(args, f.name) is not None}
+    """The sampler flags the user set, as fields of the samplers' tables."""
+    return {name: getattr(args, name) for name in _sampler_field_names() if getattr(args, name) is not None}
 
 
 def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:
-    return SamplingParams(**sampling_overrides(args), **extra)
+    return SamplingParams.of(**sampling_overrides(args), **extra)

@@ -1,0 +1,176 @@
+"""The entropy-bound sampler with self-conditioning: DiffusionGemma's own (the reference's).
+
+For each canvas, with n counting down from max_denoising_steps to 1:
+  temperature t = t_min + (t_max - t_min) * n / N; processed logits = logits / t;
+  candidates drawn from softmax(processed); the argmax canvas kept aside;
+  the lowest-entropy positions are accepted while Σentropy - entropy_of_last <= entropy_bound,
+  the others renoised to uniform random tokens;
+  the canvas is done when the argmax canvas equals the previous `stability_threshold` ones and
+  the mean entropy is below `confidence_threshold`, or when the steps run out;
+  a finished canvas commits its argmax canvas; the next step's self-conditioning input is the soft
+  embedding of this step's processed distribution.
+The distribution is computed once (`VocabParallel.distribution`) and everything else derives from it.
+top_k, top_p and min_p (vLLM's order: min-p, top-k, then top-p) restrict the candidate draw only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, per_canvas, start
+from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
+from blockdiff.sampling_params import (FIELDS_BY_NAME, MAX_TEMPERATURE, MIN_TEMPERATURE, SAMPLER_FIELDS, InvalidParam,
+                                       SamplingParams, within)
+
+# Request temperature 0 asks for greedy decoding: the schedule is scaled by this instead, since the
+# sampler divides by the temperature.
+GREEDY_SCALE = 1e-6
+
+
+@dataclass
+class DenoiseParams(StepParams):
+    """Per-canvas parameters and random draws of one step, [canvases] or [canvases, canvas_length]:
+    the step count n, the draws, and one tensor per per-canvas field of the sampler-field table, by
+    its name and in its order (tests/test_engine_core.py checks it)."""
+
+    step: torch.Tensor  # int32, steps remaining including this one (n)
+    uniform: torch.Tensor  # [canvases, CL] float32 in [0, 1), for candidate sampling
+    renoise: torch.Tensor  # [canvases, CL] int64 uniform random tokens
+    max_denoising_steps: torch.Tensor  # int32
+    entropy_bound: torch.Tensor
+    t_min: torch.Tensor
+    t_max: torch.Tensor
+    stability_threshold: torch.Tensor  # int32
+    confidence_threshold: torch.Tensor
+    top_k: torch.Tensor  # int32
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    # Whether any canvas sets top_k, top_p or min_p: decided on the host when the step is planned,
+    # so that a step without them never pays for their search.
+    restrict: bool = False
+
+
+@dataclass
+class EntropyBoundState(SlotState):
+    last_argmax: torch.Tensor = start(-1)  # [slots + 1, CL] int64: the previous step's argmax canvas
+    run: torch.Tensor = start(0)  # [slots + 1] int64: how many previous argmax canvases equal it
+    soft: torch.Tensor = start(0)  # [slots + 1, CL, hidden]: the self-conditioning input
+
+
+def denoise_params(step: list[int], params: list, uniform: torch.Tensor, renoise: torch.Tensor) -> DenoiseParams:
+    """The sampler's inputs for canvases at steps `step` of requests with SamplingParams `params`."""
+    restrict = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+    return DenoiseParams(step=torch.tensor(step, dtype=torch.int32), uniform=uniform, renoise=renoise,
+                         **per_canvas(SAMPLER_FIELDS, params), restrict=restrict)
+
+
+@dataclass
+class DenoiseResult:
+    canvas: torch.Tensor  # [canvases, CL] the next step's input
+    argmax: torch.Tensor  # [canvases, CL] the committed canvas if this step ends the canvas
+    entropy: torch.Tensor  # [canvases, CL]
+    accepted: torch.Tensor  # [canvases, CL] bool
+    run: torch.Tensor  # [canvases] how many previous argmax canvases equal this one
+    finished: torch.Tensor  # [canvases] bool
+    dist: Distribution
+
+
+def temperature(step: torch.Tensor, max_steps: torch.Tensor, t_min: torch.Tensor, t_max: torch.Tensor) -> torch.Tensor:
+    """The reference's float32 arithmetic: t_min + (t_max - t_min) * (n / N)."""
+    return t_min + (t_max - t_min) * (step.float() / max_steps.float())
+
+
+def min_temperature(t_min: float, t_max: float, steps: int) -> float:
+    """The schedule's lowest temperature (its last step, n = 1), in the sampler's float32."""
+    f = np.float32
+    return float(f(t_min) + (f(t_max) - f(t_min)) * (f(1) / f(steps)))
+
+
+def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Accept the longest lowest-entropy prefix with Σentropy - max entropy <= bound."""
+    sorted_entropy, order = torch.sort(entropy, dim=-1)
+    keep = (torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy) <= bound.unsqueeze(-1)
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def denoise_step(
+    logits: torch.Tensor,
+    last_argmax: torch.Tensor,
+    run: torch.Tensor,
+    params: DenoiseParams,
+    vocab: VocabParallel,
+) -> DenoiseResult:
+    """logits [canvases, CL, local vocab] float32 (overwritten)."""
+    t = temperature(params.step, params.max_denoising_steps, params.t_min, params.t_max)
+    dist = vocab.distribution(logits.div_(t[:, None, None]))
+    # top-k, top-p and min-p narrow the candidates only: the argmax, the entropies that accept
+    # candidates and stop the canvas, and the self-conditioning input keep the full distribution.
+    draw = vocab.restricted_draw(dist, params.top_k, params.top_p, params.min_p) if params.restrict else None
+    argmax, candidates = vocab.argmax_and_sample(dist, params.uniform, draw)
+    accepted = entropy_bound_accept(dist.entropy, params.entropy_bound)
+    canvas = torch.where(accepted, candidates, params.renoise)
+    same = (argmax == last_argmax).all(dim=-1)
+    run = torch.where(same, run + 1, torch.zeros_like(run))
+    stable = run >= params.stability_threshold
+    confident = dist.entropy.mean(dim=-1) < params.confidence_threshold
+    finished = (stable & confident) | (params.step <= 1)
+    return DenoiseResult(canvas, argmax, dist.entropy, accepted, run, finished, dist)
+
+
+class EntropyBound(DiffusionSampler):
+    """The entropy-bound sampler (module docstring) as the strategy the engine runs."""
+
+    name = "entropy_bound"
+    fields = SAMPLER_FIELDS
+    self_conditioning = True
+
+    def finish(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
+        """The request temperature applied to the schedule, and the schedule checked as a whole."""
+        out = resolved
+        if out.temperature is not None:
+            # The request temperature scales the denoising schedule (t_min .. t_max); 0 is greedy.
+            scale = out.temperature or GREEDY_SCALE
+            scaled = {"t_min": out.t_min * scale, "t_max": out.t_max * scale}
+            for name, value in scaled.items():
+                if not within(FIELDS_BY_NAME[name], value):
+                    raise InvalidParam("temperature", f"temperature {given.temperature} scales {name} to {value!r}, "
+                                                      f"outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+            out = replace(out, **scaled, temperature=None)
+        lowest = min_temperature(out.t_min, out.t_max, out.max_denoising_steps)
+        if not lowest >= MIN_TEMPERATURE:
+            who = "temperature" if given.temperature is not None else "t_min"
+            raise InvalidParam(who, f"{who}: the denoising temperature falls to {lowest:.3g} at the last step "
+                                    f"(t_min={out.t_min}, t_max={out.t_max}, {out.max_denoising_steps} steps); it must "
+                                    f"stay >= {MIN_TEMPERATURE}")
+        return out
+
+    def step_randoms(self, generator: torch.Generator, canvas_length: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
+        """Candidate-sampling uniforms and renoise tokens."""
+        uniform = torch.rand(canvas_length, generator=generator)
+        renoise = torch.randint(0, vocab_size, (canvas_length,), generator=generator)
+        return uniform, renoise
+
+    def step_params(self, steps: list[int], params: list[SamplingParams],
+                    randoms: list[tuple[torch.Tensor, ...]]) -> DenoiseParams:
+        uniform, renoise = zip(*randoms)
+        return denoise_params(steps, params, torch.stack(uniform), torch.stack(renoise))
+
+    def new_state(self, rows: int, canvas_length: int, hidden_size: int, dtype: torch.dtype,
+                  device: torch.device) -> EntropyBoundState:
+        with torch.device(device):
+            return EntropyBoundState(
+                canvas=torch.zeros(rows, canvas_length, dtype=torch.long),
+                last_argmax=torch.full((rows, canvas_length), -1, dtype=torch.long),
+                run=torch.zeros(rows, dtype=torch.long),
+                soft=torch.zeros(rows, canvas_length, hidden_size, dtype=dtype),
+            )
+
+    def step(self, logits: torch.Tensor, state: EntropyBoundState, slots: torch.Tensor, params: DenoiseParams,
+             vocab: VocabParallel) -> StepResult:
+        res = denoise_step(logits, state.last_argmax.index_select(0, slots), state.run.index_select(0, slots), params,
+                           vocab)
+        return StepResult(updates={"canvas": res.canvas, "last_argmax": res.argmax, "run": res.run}, tokens=res.argmax,
+                          logprob=-res.dist.log_total, accepted=res.accepted, finished=res.finished, dist=res.dist)

@@ -1,0 +1,182 @@
+"""A diffusion sampler: how a model's canvases are denoised, as one strategy object.
+
+An architecture brings its sampler (model/registry.py names it; `EngineConfig.diffusion_sampler`
+chooses another that the model can run), as vLLM's models bring their model state and SGLang's
+dLLMs their `DllmAlgorithm`. A sampler owns:
+
+- its field table (`fields`): what SamplingParams, the API's extra body and the CLI's sampler flags
+  offer for a model that runs it, and how a request's values are resolved (`resolve`);
+- how a canvas starts and the random numbers of each step (`start_canvas`, `step_randoms`), drawn
+  on the host from the request's generator today;
+- its per-step inputs (`StepParams`, built by `step_params` when the engine plans a step) and its
+  per-slot device state (`SlotState`, made by `new_state` on every rank);
+- `step()`: one denoising step of a batch of canvases on one rank, from their logits over this
+  rank's vocabulary rows, through `VocabParallel` (collectives under tensor parallelism, none on one
+  rank); and `commit()`, the hook that decides what a finished canvas commits.
+
+A sampler with `self_conditioning` reads its state's `soft` rows as the model's self-conditioning
+input; the runner fills them from the step's distribution through the model's `soft_embed`.
+The same `step()` runs in the eager runner and in the static canvas step (worker/canvas_step.py),
+where it is traced whole by torch.compile: no host sync, no data-dependent Python control flow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
+from blockdiff.sampling_params import (INT32_MAX, SAMPLER_FIELDS, InvalidParam, SamplerField, SamplingParams, check_field,
+                                       field_value, with_field_values)
+
+
+@dataclass
+class StepParams:
+    """A sampler's inputs of one step: tensors whose first dimension is the step's canvases, and
+    Python values decided on the host that choose a code path (a static step keeps one graph for
+    each distinct tuple of them, `key()`)."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+
+    def key(self) -> tuple:
+        return tuple(v for v in self.__dict__.values() if not isinstance(v, torch.Tensor))
+
+    def _map(self, fn) -> "StepParams":
+        return type(self)(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
+
+    def to(self, device: torch.device | str) -> "StepParams":
+        return self._map(lambda v: v.to(device, non_blocking=True))
+
+    def padded(self, size: int) -> "StepParams":
+        """Padded to `size` canvases by repeating the first one's rows."""
+        return self._map(lambda v: torch.cat((v, v[:1].expand(size - v.shape[0], *v.shape[1:]))))
+
+    def empty_like(self, device: torch.device) -> "StepParams":
+        return self._map(lambda v: torch.empty_like(v, device=device))
+
+    def copy_(self, src: "StepParams") -> None:
+        for k, v in src.tensors().items():
+            getattr(self, k).copy_(v, non_blocking=True)
+
+
+def start(value) -> dataclasses.Field:
+    """A SlotState field and the value its rows take when a canvas starts."""
+    return field(metadata={"start": value})
+
+
+@dataclass
+class SlotState:
+    """A sampler's per-slot device state: one row per slot and one more, the last (the scratch
+    slot), that takes the writes of padded canvases. `canvas` is the model's input; every other
+    field is the sampler's and is reset to its `start` value when a canvas starts."""
+
+    canvas: torch.Tensor  # [slots + 1, CL] int64
+
+    @property
+    def scratch(self) -> int:
+        return self.canvas.shape[0] - 1
+
+    def start(self, slots: torch.Tensor, canvases: torch.Tensor) -> None:
+        """Canvases start in `slots` from the tokens `canvases` [len(slots), CL]."""
+        self.canvas[slots] = canvases
+        for f in dataclasses.fields(self):
+            if "start" in f.metadata:
+                getattr(self, f.name)[slots] = f.metadata["start"]
+
+    def put(self, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+        """Write the rows of `slots` (the tensors of a step's `StepResult.updates`)."""
+        for name, value in rows.items():
+            getattr(self, name).index_copy_(0, slots, value)
+
+
+@dataclass
+class StepResult:
+    """What one denoising step of a batch of canvases produced, on every rank alike."""
+
+    updates: dict[str, torch.Tensor]  # the canvases' new rows of the state fields the step changes
+    tokens: torch.Tensor  # [canvases, CL] what each canvas commits if this step finishes it
+    logprob: torch.Tensor  # [canvases, CL] float32 log-probability of each token in `tokens`
+    accepted: torch.Tensor  # [canvases, CL] bool: where the next input keeps this step's token (else renoised)
+    finished: torch.Tensor  # [canvases] bool
+    dist: Distribution  # the step's distribution statistics (top logprobs, soft embeddings, commit)
+
+
+class DiffusionSampler:
+    """The base of every sampler: the field table's generic parts (resolving a request's values,
+    building per-canvas tensors), and the interface the engine and the workers call."""
+
+    name: ClassVar[str]
+    fields: ClassVar[tuple[SamplerField, ...]]  # the request fields this sampler reads (its table)
+    self_conditioning: ClassVar[bool] = False  # whether the model's soft_embed feeds the next step
+
+    # ---- one request, on the host (engine) -------------------------------------------------------
+    def resolve(self, params: SamplingParams, defaults: dict, max_steps: int = INT32_MAX) -> SamplingParams:
+        """`params` with every field of this sampler's table set (the request's value, else
+        `defaults`), checked against the steps limit `max_steps`. A field of another sampler that is
+        set to anything but a neutral value (`SamplerField.neutral`) is refused (InvalidParam naming it)."""
+        mine = {f.name for f in self.fields}
+        for f in SAMPLER_FIELDS:
+            value = getattr(params, f.name)
+            if f.name not in mine and value is not None and value not in f.neutral:
+                raise InvalidParam(f.name, f"{f.name} is not a parameter of this model's sampler, {self.name}, "
+                                           f"which takes {', '.join(sorted(mine))}")
+        for name in params.extra_args or {}:
+            if name not in mine:
+                raise InvalidParam(name, f"{name} is not a parameter of this model's sampler, {self.name}, which "
+                                         f"takes {', '.join(sorted(mine))}")
+        values = {}
+        for f in self.fields:
+            value = field_value(params, f.name)
+            values[f.name] = defaults[f.name] if value is None else value
+            check_field(f, values[f.name])
+        out = with_field_values(params, values)
+        for f in self.fields:
+            if f.steps and values[f.name] > max_steps:
+                raise InvalidParam(f.name, f"{f.name} must be at most {max_steps} (this engine's denoising-steps "
+                                           f"limit), got {values[f.name]}")
+        return self.finish(out, params)
+
+    def finish(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
+        """What the sampler does beyond filling its fields (`given`: the request's own values)."""
+        return resolved
+
+    def start_canvas(self, generator: torch.Generator, canvas_length: int, vocab_size: int) -> torch.Tensor:
+        """A canvas's first input [CL] int64: uniform random tokens (a uniform-noise diffusion model)."""
+        return torch.randint(0, vocab_size, (canvas_length,), generator=generator)
+
+    def step_randoms(self, generator: torch.Generator, canvas_length: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
+        """The random numbers one canvas draws for one step, in a fixed order."""
+        raise NotImplementedError
+
+    def step_params(self, steps: list[int], params: list[SamplingParams],
+                    randoms: list[tuple[torch.Tensor, ...]]) -> StepParams:
+        """The step's inputs for canvases at steps `steps` (n, counting down) of requests with
+        resolved `params`, which drew `randoms`."""
+        raise NotImplementedError
+
+    # ---- one rank (worker) --------------------------------------------------------------------
+    def new_state(self, rows: int, canvas_length: int, hidden_size: int, dtype: torch.dtype,
+                  device: torch.device) -> SlotState:
+        raise NotImplementedError
+
+    def step(self, logits: torch.Tensor, state: SlotState, slots: torch.Tensor, params: StepParams,
+             vocab: VocabParallel) -> StepResult:
+        """One step of the canvases in `slots` from their logits [canvases, CL, local vocab] float32
+        (overwritten); reads `state`, writes nothing."""
+        raise NotImplementedError
+
+    def commit(self, result: StepResult, params: StepParams) -> torch.Tensor:
+        """What each canvas commits if this step finishes it [canvases, CL]: the hook a constraint
+        on the committed text (structured output) replaces, with the step's distributions in
+        `result.dist`. By default the sampler's own tokens."""
+        return result.tokens
+
+
+def per_canvas(fields: tuple[SamplerField, ...], params: list[SamplingParams]) -> dict[str, torch.Tensor]:
+    """One tensor [canvases] per per-canvas field of `fields`, in the field's dtype."""
+    return {f.name: torch.tensor([field_value(p, f.name) for p in params], dtype=getattr(torch, f.dtype))
+            for f in fields if f.per_canvas}

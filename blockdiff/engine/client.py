@@ -1,0 +1,122 @@
+"""The seam between a server and the engines behind it: `EngineClient`.
+
+A server (entrypoints/openai) reads and calls only this: the tokenizer, the limits, the sampler's
+field table, parameter resolution and cost, statistics, and adding and aborting the requests of an
+API call. Losing a tensor-parallel worker and restarting it happen behind it. `AsyncEngine`
+(engine/async_engine.py) is the client of one local engine; a data-parallel router over several
+engines is one more class implementing it.
+
+Parameters are resolved once: `resolve` turns a request's SamplingParams into `ResolvedParams` for
+its prompt length (what a server needs anyway to check a request's cost), and `add` takes those as
+they are: the engine resolves only what comes unresolved.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from blockdiff.diffusion.strategy import DiffusionSampler
+from blockdiff.engine.images import ImageIntake
+from blockdiff.outputs import RequestOutput
+from blockdiff.sampling_params import ResolvedParams, SamplingParams
+from blockdiff.tokenizer import Tokenizer
+
+# A prompt: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data": {"image": [...]}}.
+Prompt = str | list[int] | dict
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What one request may ask of the engine."""
+
+    model: str  # the checkpoint the engine runs
+    max_model_len: int  # prompt + output tokens
+    max_num_seqs: int  # requests that run at once
+    max_denoising_steps: int  # the steps limit of max_denoising_steps (and of the sampler's other step counts)
+    canvas_length: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state when asked (gauges), and the totals it counts (counters)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_slots: int
+    kv_cache_usage: float  # of the full-attention blocks, 0..1
+    kv_cache_blocks: int  # full-attention blocks in all
+    prefix_cache_queries: int  # prompt tokens looked up at first admissions
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):
+    """The engine requests of one API call: iterate for (index, RequestOutput) in the order the
+    engine produces them, until every request has finished; `abort()` ends what has not."""
+
+    request_ids: list[str]
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+
+class EngineClient(abc.ABC):
+    """What a server uses of the engine(s) behind it. `add` raises ValueError (InvalidParam naming
+    the field, for bad parameters; nothing is added then), QueueFull or EngineUnavailable."""
+
+    tokenizer: Tokenizer | None
+    limits: EngineLimits
+    sampler: DiffusionSampler  # its field table is what the API offers for this model
+    images: ImageIntake | None  # None: the model takes no images
+
+    @abc.abstractmethod
+    def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
+        """`params` with every default merged and every bound checked, for a prompt of
+        `prompt_len` tokens (images expanded)."""
+
+    @abc.abstractmethod
+    def cost(self, params: ResolvedParams) -> int:
+        """Canvas positions the decoder evaluates for a request at most."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]]) -> EngineStream:
+        """Queue the requests of one API call; -> their stream."""
+
+    @abc.abstractmethod
+    def abort(self, request_ids: list[str]) -> None:
+        """End these requests, if they still run."""
+
+    # ---- lifetime: started and stopped by the server, on its event loop ----------------------------
+    @property
+    @abc.abstractmethod
+    def available(self) -> bool:
+        """Whether a request can be added now."""
+
+    @property
+    @abc.abstractmethod
+    def dead(self) -> bool:
+        """The engine failed for good: the process should exit non-zero."""
+
+    @abc.abstractmethod
+    def unavailable_reason(self) -> str:
+        """Why no request can be served now (for errors and /health)."""
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def drain_threadsafe(self, grace: float) -> None:
+        """Stop taking requests; those in flight get `grace` seconds. Callable from any thread."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """The synchronous part of stop(), also safe when the loop never ran."""
