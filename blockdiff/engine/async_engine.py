@@ -213,7 +213,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._wake.clear()
                 self._apply_aborts()
-                self._apply_adds()
+                await self._apply_adds()
                 try:
                     if not self.engine.has_unfinished():
                         await self._idle()
@@ -297,27 +297,44 @@ class AsyncEngine:
         """on_finish for a request that ends without an output (its text is never decoded)."""
         self._on_finish("abort", len(req.prompt_token_ids), len(req.output.token_ids), req.metrics.as_dict())
 
-    def _apply_adds(self) -> None:
-        adds, self._adds = self._adds, []
-        for stream, requests, future in adds:
-            if future.cancelled():
-                continue
-            if not self.available:
+    async def _apply_adds(self) -> None:
+        """Add the waiting calls' requests to the engine. The engine's thread does it, between two
+        steps as every change to its requests: a request's own work (its prompt and lists copied and
+        checked, a call of 2,048 of them) never runs on the event loop."""
+        adds, self._adds = [a for a in self._adds if not a[2].cancelled()], []
+        if not adds:
+            return
+        if not self.available:
+            for _, _, future in adds:
                 future.set_exception(EngineUnavailable(self.unavailable_reason()))
-                continue
+            return
+        results = await asyncio.get_running_loop().run_in_executor(self._worker, self._add_calls, adds)
+        for (stream, _, future), error in zip(adds, results):
+            if future.done():  # the caller went away meanwhile, or the engine is failing every call
+                if error is None:
+                    stream.abort()
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                for rid in stream.request_ids:
+                    self._streams[rid] = stream
+                future.set_result(None)
+
+    def _add_calls(self, adds) -> list[Exception | None]:
+        """(In the engine's thread) each call's requests, all or none of them; -> each call's error."""
+        errors = []
+        for stream, requests, _ in adds:
             added = []
             try:
                 for rid, (prompt, params) in zip(stream.request_ids, requests):
                     self.engine.add_request(prompt, params, rid)
                     added.append(rid)
+                errors.append(None)
             except Exception as e:
                 for rid in added:
                     self.engine.abort(rid)
-                future.set_exception(e)
-                continue
-            for rid in added:
-                self._streams[rid] = stream
-            future.set_result(None)
+                errors.append(e)
+        return errors
 
     def unavailable_reason(self) -> str:
         """Why no request can be served now (for errors and /health)."""

@@ -48,6 +48,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a request may take to send its body (default %(default)s)")
     p.add_argument("--keep-alive-timeout", type=positive_seconds, default=ServerConfig.keep_alive_timeout,
                    help="seconds an idle keep-alive connection stays open (default %(default)s)")
+    p.add_argument("--preprocess-threads", type=at_least(1), default=ServerConfig.preprocess_threads,
+                   help="threads that decode request bodies, render chat templates and tokenize (default %(default)s)")
+    p.add_argument("--preprocess-timeout", type=positive_seconds, default=ServerConfig.preprocess_timeout,
+                   help="seconds a request's preprocessing (body, chat template, tokenizer, images) may take before "
+                        "it is abandoned with a 413 (default %(default)s)")
+    p.add_argument("--image-decode-threads", type=at_least(1), default=ServerConfig.image_decode_threads,
+                   help="threads that decode images; each holds one image's memory at a time (default %(default)s)")
+    p.add_argument("--image-fetch-threads", type=at_least(1), default=ServerConfig.image_fetch_threads,
+                   help="image URLs fetched at once (default %(default)s)")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="format of tool calls in the output, read into message.tool_calls (default: the checkpoint's "
                         "own, gemma4, when its tokenizer has that format's tokens; else calls are not read)")
@@ -76,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         max_request_cost=args.max_request_cost,
+        preprocess_threads=args.preprocess_threads,
+        preprocess_timeout=args.preprocess_timeout,
+        image_decode_threads=args.image_decode_threads,
+        image_fetch_threads=args.image_fetch_threads,
         log_level=args.uvicorn_log_level or args.log_level,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

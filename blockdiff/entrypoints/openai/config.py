@@ -21,6 +21,10 @@ class ServerConfig:
     body_timeout: float = 60.0  # seconds a request may take to send its body
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     max_request_cost: int | None = None  # None: max_num_seqs requests of max_model_len tokens at the steps limit
+    preprocess_threads: int = 2  # threads that decode bodies, render chat templates and tokenize (preprocess.py)
+    preprocess_timeout: float = 10.0  # seconds a request's preprocessing may run in all before a 413
+    image_decode_threads: int = 1  # threads that decode images (media.py): each may hold one image's memory
+    image_fetch_threads: int = 8  # image URLs fetched at once
     log_level: str = "info"
     tool_call_parser: str | None = None  # None: the checkpoint's own format (Gemma 4's) if its tokenizer has it
     reasoning_parser: str | None = None  # the same
