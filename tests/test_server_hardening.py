@@ -1,5 +1,6 @@
-"""Issue 18's findings 3-6 and 9 as regression tests, against a real server: no request, no
-connection pattern and no text may take the server down, stall it, or hide from /metrics."""
+"""Issue 18's findings 3-6 and 9, and issue 25's finding 3, as regression tests against a real
+server: no request, no connection pattern and no text may take the server down, stall it, or hide
+from /metrics."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import HealthProbe, ServerProcess
 
 from blockdiff.config import EngineConfig
 from blockdiff.engine.engine import LLMEngine
@@ -27,7 +28,7 @@ HEADER_TIMEOUT = 2
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     proc = ServerProcess(tiny, "--api-key", KEY, "--max-model-len", "256", "--max-denoising-steps", "4",
-                         "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", "2",
+                         "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", "30", "--min-body-rate", "1000",
                          log_path=str(tmp_path_factory.mktemp("hardening") / "server.log"))
     yield proc
     proc.close()
@@ -147,15 +148,91 @@ def test_a_silent_connection_is_closed_after_the_header_timeout(server):
         assert HEADER_TIMEOUT - 0.5 < time.monotonic() - t0
 
 
+def _reply(s: socket.socket) -> tuple[bytes, dict]:
+    """The status line and the JSON body of the response on `s`, read until the server closes it."""
+    s.settimeout(30)
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head.split(b"\r\n", 1)[0], json.loads(body)
+
+
 def test_a_body_that_never_arrives_is_a_408(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
                   b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
-        s.settimeout(30)
-        reply = b""
-        while b"\r\n\r\n" not in reply:
-            reply += s.recv(4096)
-    assert reply.startswith(b"HTTP/1.1 408"), reply
+        status, error = _reply(s)  # the refused connection is closed
+    assert status == b"HTTP/1.1 408 Request Timeout", status
+    assert error["error"]["code"] == "request_timeout"
+
+
+def test_a_trickled_body_is_cut_off_at_the_minimum_rate(server):
+    """10 bytes a second of a 10 kB body: before, it held the connection for --body-timeout (60 s),
+    renewable; now it must average --min-body-rate once --header-timeout has passed."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: 10000\r\n\r\n")
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < 25:
+                s.sendall(b"          ")
+                time.sleep(1)
+        except OSError:  # closed by the server
+            pass
+        status, error = _reply(s)
+    assert HEADER_TIMEOUT <= time.monotonic() - t0 < 25
+    assert status == b"HTTP/1.1 408 Request Timeout", status
+    assert "--min-body-rate" in error["error"]["message"]
+
+
+def test_uvicorns_own_refusal_is_openai_shaped_and_counted(server):
+    before = server.metrics().get('blockdiff_http_refusals_total{reason="invalid_http"}', 0)
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+        status, error = _reply(s)
+    assert status.startswith(b"HTTP/1.1 400"), status
+    assert error["error"]["code"] == "invalid_http"
+    assert server.metrics()['blockdiff_http_refusals_total{reason="invalid_http"}'] == before + 1
+
+
+def test_unfinished_bodies_from_one_address_cannot_take_the_connections(tiny, tmp_path):
+    """Issue 25, finding 3: 1,100 connections, each sending the headers of a 100 kB body and then
+    only "{", under `ulimit -n 1024`. Before: every request, /health included, got uvicorn's plain
+    503 for as long as they were held. Now the address may hold --max-client-uploads of them; the
+    rest get a counted, OpenAI-shaped 429 and are closed, and everyone else is served."""
+    server = ServerProcess(tiny, "--max-model-len", "64", log_path=str(tmp_path / "server.log"), max_open_files=1024)
+    held, refused = [], 0
+    try:
+        with HealthProbe(server) as probe:
+            for _ in range(1100):
+                try:
+                    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 100000\r\n\r\n{")
+                    held.append(s)
+                except OSError:  # the server's descriptors ran out for a moment
+                    refused += 1
+                time.sleep(0.002)
+            # Another client (Linux answers on all of 127/8) is served; the attacker's address is not.
+            with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60) as other:
+                r = other.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            mine = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4}, timeout=60)
+            assert mine.status_code == 429 and mine.json()["error"]["code"] == "too_many_requests", mine.text
+        print(f"{len(held)} connections opened, {refused} failed to connect; {probe}")
+        probe.check()
+        m = server.metrics()
+        assert m['blockdiff_http_refusals_total{reason="too_many_uploads"}'] >= 1000
+        assert m['blockdiff_http_responses_total{status="429"}'] >= 1000
+    finally:
+        for s in held:
+            s.close()
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        server.close()
 
 
 def test_2000_silent_connections_under_ulimit_1024(tiny, tmp_path):

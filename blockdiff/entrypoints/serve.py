@@ -7,7 +7,8 @@ import dataclasses
 import os
 
 from blockdiff.entrypoints.args import (add_chat_template_arg, add_engine_args, add_sampling_args, at_least, engine_config,
-                                       given_model, parse_size, port, positive_seconds, sampling_overrides)
+                                       given_model, parse_size, port, positive, positive_seconds,
+                                       sampling_overrides)
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.reasoning import REASONING_PARSERS
 from blockdiff.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -46,6 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a connection may stay open without sending a request (default %(default)s)")
     p.add_argument("--body-timeout", type=positive_seconds, default=ServerConfig.body_timeout,
                    help="seconds a request may take to send its body (default %(default)s)")
+    p.add_argument("--min-body-rate", type=positive("number of bytes per second"), default=ServerConfig.min_body_rate,
+                   metavar="BYTES",
+                   help="bytes a second a request body must average once --header-timeout seconds have passed, or "
+                        "it gets 408 (default %(default)g)")
+    p.add_argument("--max-client-uploads", type=at_least(1), default=ServerConfig.max_client_uploads,
+                   help="connections of one client address that may be sending a request body at once; more get "
+                        "429 (default %(default)s)")
     p.add_argument("--keep-alive-timeout", type=positive_seconds, default=ServerConfig.keep_alive_timeout,
                    help="seconds an idle keep-alive connection stays open (default %(default)s)")
     p.add_argument("--preprocess-threads", type=at_least(1), default=ServerConfig.preprocess_threads,
@@ -83,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        min_body_rate=args.min_body_rate,
+        max_client_uploads=args.max_client_uploads,
         keep_alive_timeout=args.keep_alive_timeout,
         max_request_cost=args.max_request_cost,
         preprocess_threads=args.preprocess_threads,

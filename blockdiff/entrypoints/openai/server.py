@@ -21,7 +21,7 @@ from blockdiff.config import EngineConfig
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.entrypoints.openai import body, errors
 from blockdiff.entrypoints.openai.config import ServerConfig
-from blockdiff.entrypoints.openai.connections import AcceptErrorLog, connection_limit, guarded_protocol
+from blockdiff.entrypoints.openai.connections import AcceptErrorLog, BodyAdmission, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.media import ChatImages
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
 from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, ChatCompletionRequest, CompletionRequest,
@@ -53,15 +53,17 @@ class CountResponses(_Middleware):
     """The outermost layer: counts every response by status code for /metrics, 500s included.
     Starlette's error layer re-raises an exception after it has sent the 500 (for servers to log
     it; our handler already did), and uvicorn then drops the connection: a complete response ends
-    the exception here, so a keep-alive connection survives a 500."""
+    the exception here, so a keep-alive connection survives a 500. An exception before any
+    response (in a middleware) gets the OpenAI-shaped 500 here, not uvicorn's plain-text one."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        state = {"complete": False}
+        state = {"started": False, "complete": False}
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
+                state["started"] = True
                 self.metrics.response(message["status"])
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["complete"] = True
@@ -69,47 +71,12 @@ class CountResponses(_Middleware):
 
         try:
             await self.app(scope, receive, counting_send)
-        except Exception:
-            if not state["complete"]:
+        except Exception as e:
+            if state["started"] and not state["complete"]:
                 raise  # half a response: only closing the connection ends it
-
-
-class LimitBody(_Middleware):
-    """413 for bodies over `limit` bytes, declared or streamed; the body is read here and replayed."""
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self.reject(send, 413, f"request body of {int(declared)} bytes is over the {self.limit}-byte limit",
-                                     code="request_too_large")
-        chunks, size, more = [], 0, True
-        deadline = asyncio.get_running_loop().time() + self.timeout
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
-            except asyncio.TimeoutError:
-                return await self.reject(send, 408, f"the request body did not arrive within {self.timeout:g} s",
-                                         code="request_timeout")
-            if message["type"] != "http.request":  # disconnected while sending the body
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.limit:
-                return await self.reject(send, 413, f"request body is over the {self.limit}-byte limit",
-                                         code="request_too_large")
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+            if not state["started"]:
+                log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+                await self.reject(counting_send, 500, f"internal server error: {type(e).__name__}")
 
 
 class LimitClients(_Middleware):
@@ -178,6 +145,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
 
     app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics))
     app.state.async_engine = async_engine
+    app.state.metrics = metrics
     errors.install(app)
     # One item past the longest list a field takes: the field then says what its limit is.
     parse = body.BodyParser(pool, max(engine.max_model_len, MAX_CHOICES, MAX_MESSAGES) + 1)
@@ -219,7 +187,10 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         return await pool.run(client, tokenization.detokenize, await parse(await request.body(), DetokenizeRequest, client))
 
     # The last added runs first: check the key before reading any body. CountResponses wraps them all.
-    app.add_middleware(LimitBody, limit=cfg.max_request_bytes, timeout=cfg.body_timeout)
+    max_connections = connection_limit(cfg.max_connections)
+    app.add_middleware(BodyAdmission, max_bytes=cfg.max_request_bytes, timeout=cfg.body_timeout,
+                       min_rate=cfg.min_body_rate, grace=cfg.header_timeout, per_client=cfg.max_client_uploads,
+                       total=max(1, max_connections // 2), on_refused=metrics.refused)
     if cfg.max_client_concurrency is not None:
         app.add_middleware(LimitClients, limit=cfg.max_client_concurrency)
     if cfg.api_key:
@@ -299,11 +270,17 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
         gc.collect()
         gc.freeze()
         # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
-        max_connections = connection_limit(cfg.max_connections)
-        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        metrics = app.state.metrics
+
+        def refused(status: int, reason: str) -> None:
+            metrics.response(status)
+            metrics.refused(reason)
+
+        # No limit_concurrency: uvicorn would answer /health too with a plain 503 (connections.py).
+        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ws="none",
                                 timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=cfg.keep_alive_timeout,
-                                http=guarded_protocol(cfg.header_timeout, max_connections),
-                                limit_concurrency=max_connections + 1)
+                                http=guarded_protocol(cfg.header_timeout, connection_limit(cfg.max_connections),
+                                                      metrics.connection_closed, refused))
         try:
             _Server(config, app.state.async_engine, cfg.shutdown_timeout).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
