@@ -328,15 +328,17 @@ class EngineConfig:
     limit_images_per_prompt: int = 4
     max_image_bytes: int = 20 * 1024 * 1024  # an encoded image, before decoding
     max_image_pixels: int = 40_000_000  # width x height of a decoded image (~120 MB of RGB)
+    max_image_decoded_bytes: int = 64 * 1024 * 1024  # its pixels decoded, 4 bytes each, checked before decoding
     # Image URLs besides data: URLs (vLLM's names): http(s) hosts that may be fetched, and the
     # directory whose files file:// URLs may name. Both off by default.
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str | None = None
+    media_fetch_timeout: float = 10.0  # seconds an image URL's fetch may take in all
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
                      "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
-                     "num_layers_override"):
+                     "max_image_decoded_bytes", "num_layers_override"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
                                           "num_layers_override"):

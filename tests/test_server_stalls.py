@@ -159,3 +159,27 @@ def test_choices_share_their_checked_lists_and_draw_from_their_seeds(server):
     for i in (0, 3):
         alone = httpx.post(server.url + "/v1/completions", json={**body, "n": 1, "seed": 7 + i}, timeout=60).json()
         assert alone["choices"][0]["token_ids"] == together[i]["token_ids"]
+
+
+# ---- findings 7 and 8: client mistakes are 4xx, one log line each, no traceback ---------------------
+@pytest.mark.parametrize("what, body, says", [
+    # Finding 7: a RecursionError in the template's recursive format_argument, an 86 kB traceback each.
+    ("arguments nested 200 deep", _with_arguments("[" * 200 + "]" * 200), "more than 64 deep"),
+    ("arguments nested 60 deep", _with_arguments('{"a":' * 60 + "1" + "}" * 60), None),
+    # Finding 8: AttributeError and TypeError, answered 500.
+    ("properties not an object", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": [1, 2]}}}]},
+     "properties must be an object"),
+    ("a lone surrogate inside the arguments", _with_arguments('{"a":"\\ud800"}'), "lone UTF-16 surrogate"),
+])
+def test_client_mistakes_are_4xx_without_a_traceback(server, what, body, says):
+    log_before = len(server.log())
+    r = httpx.post(server.url + _CHAT, json=body, timeout=60)
+    if says is None:  # within the bounds: served
+        assert r.status_code == 200, (what, r.text)
+    else:
+        assert r.status_code == 400, (what, r.text)
+        assert says in r.json()["error"]["message"], (what, r.text)
+    written = server.log()[log_before:]
+    assert "Traceback" not in written and len(written.splitlines()) <= 1, written
+    _served_after(server)

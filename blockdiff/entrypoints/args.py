@@ -189,10 +189,15 @@ def add_image_args(p: argparse.ArgumentParser) -> None:
                    help=f"largest encoded image, e.g. 8MiB (default {EngineConfig.max_image_bytes} bytes)")
     g.add_argument("--max-image-pixels", type=at_least(1), default=EngineConfig.max_image_pixels,
                    help=f"largest width x height of an image (default {EngineConfig.max_image_pixels})")
+    g.add_argument("--max-image-decoded-bytes", type=parse_size, default=EngineConfig.max_image_decoded_bytes,
+                   help="largest image decoded, at 4 bytes a pixel, checked from its header before decoding "
+                        f"(default {EngineConfig.max_image_decoded_bytes} bytes)")
     g.add_argument("--allowed-media-domains", nargs="+", default=list(EngineConfig.allowed_media_domains), metavar="DOMAIN",
                    help="hosts whose http(s) image URLs may be fetched (default: none; data: URLs always work)")
     g.add_argument("--allowed-local-media-path", default=EngineConfig.allowed_local_media_path, metavar="DIR",
                    help="directory whose files file:// image URLs may name (default: none)")
+    g.add_argument("--media-fetch-timeout", type=positive_seconds, default=EngineConfig.media_fetch_timeout,
+                   help=f"seconds fetching an image URL may take in all (default {EngineConfig.media_fetch_timeout:g})")
 
 
 def given_model(args: argparse.Namespace) -> str | None:
@@ -227,8 +232,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         limit_images_per_prompt=args.limit_images_per_prompt,
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
+        max_image_decoded_bytes=args.max_image_decoded_bytes,
         allowed_media_domains=tuple(args.allowed_media_domains),
         allowed_local_media_path=args.allowed_local_media_path,
+        media_fetch_timeout=args.media_fetch_timeout,
         compile=args.compile,
         enforce_eager=args.enforce_eager,
         sampler_memory_gb=args.sampler_memory_gb,
