@@ -282,25 +282,31 @@ def test_a_500_is_counted_and_the_app_survives(tiny, monkeypatch):
     asyncio.run(main())
 
 
-# ---- item 4 (optional): per-client concurrency --------------------------------------------------------
+# ---- per-client concurrency, in engine requests (issue 25, finding 6) -----------------------------------
 def test_a_client_over_its_concurrency_limit_gets_429(tiny, tmp_path):
-    server = ServerProcess(tiny, "--max-model-len", "2048", "--max-client-concurrency", "1",
+    server = ServerProcess(tiny, "--max-model-len", "2048", "--max-client-concurrency", "3",
                            log_path=str(tmp_path / "server.log"))
-    long = {"prompt": "sort: 3 2 1", "max_tokens": 1500, "ignore_eos": True, "max_denoising_steps": 16, "stream": True}
+    long = {"prompt": "sort: 3 2 1", "max_tokens": 1500, "ignore_eos": True, "max_denoising_steps": 16, "stream": True,
+            "n": 2}
+    small = {"prompt": "sort: 2 1", "max_tokens": 4}
     try:
+        # A call's choices are engine requests: four of them are more than one client may ever run.
+        r = httpx.post(server.url + "/v1/completions", json={**small, "n": 4}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_requests", r.text
         with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60) as first:
             lines = first.iter_lines()  # kept: a collected iterator would close the stream
-            next(line for line in lines if line.startswith("data: "))  # it is running
-            r = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4}, timeout=30)
+            next(line for line in lines if line.startswith("data: "))  # it is running: 2 of 3 held
+            r = httpx.post(server.url + "/v1/completions", json={**small, "n": 2}, timeout=30)
             assert r.status_code == 429, r.text
             assert r.json()["error"]["code"] == "too_many_requests"
+            assert httpx.post(server.url + "/v1/completions", json=small, timeout=60).status_code == 200  # the third
             # Another client (another host: Linux answers on all of 127/8) is not held back.
             with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60) as other:
-                r = other.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4})
+                r = other.post(server.url + "/v1/completions", json={**small, "n": 3})
             assert r.status_code == 200, r.text
         # The first client's request ended (it hung up): its next one is served.
         deadline = time.monotonic() + 30
-        while (r := httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4},
+        while (r := httpx.post(server.url + "/v1/completions", json={**small, "n": 3},
                                timeout=60)).status_code == 429 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert r.status_code == 200, r.text

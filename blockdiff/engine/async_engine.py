@@ -50,9 +50,10 @@ class RequestStream:
     """The engine requests of one API call. Iterate for (index, RequestOutput) in the order the
     engine produces them; iteration ends once every request has finished."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], client: str | None = None):
         self._engine = engine
         self.request_ids = request_ids
+        self.client = client  # whose share of the engine its requests count against
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._unfinished = set(request_ids)
@@ -149,9 +150,10 @@ class AsyncEngine:
         self._aborts.extend(self._streams)
         self._streams.clear()
 
-    async def add(self, requests: list[tuple[Prompt, SamplingParams]]) -> RequestStream:
-        """Queue the requests of one API call; -> their stream. Raises ValueError (bad input, nothing
-        is queued then), QueueFull or EngineUnavailable."""
+    async def add(self, requests: list[tuple[Prompt, SamplingParams]], client: str | None = None) -> RequestStream:
+        """Queue the requests of one API call, of `client` (the scheduler shares the slots fairly
+        among clients, each request counting); -> their stream. Raises ValueError (bad input,
+        nothing is queued then), QueueFull or EngineUnavailable."""
         if not self.available:
             raise EngineUnavailable(self.unavailable_reason())
         if self.max_queued_requests is not None:
@@ -162,7 +164,7 @@ class AsyncEngine:
                 raise QueueFull(
                     f"{queued} requests would be waiting, more than --max-queued-requests={self.max_queued_requests}; retry later"
                 )
-        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests])
+        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests], client)
         future = asyncio.get_running_loop().create_future()
         self._adds.append((stream, requests, future))
         self._wake.set()
@@ -327,7 +329,8 @@ class AsyncEngine:
             added = []
             try:
                 for rid, (prompt, params) in zip(stream.request_ids, requests):
-                    self.engine.add_request(prompt, params, rid)
+                    # Before the next step, which is the first to schedule it.
+                    self.engine.add_request(prompt, params, rid).client = stream.client
                     added.append(rid)
                 errors.append(None)
             except Exception as e:

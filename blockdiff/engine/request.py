@@ -112,6 +112,7 @@ class Request:
     sent_pieces: int = 0
     images: list[ProcessedImage] = field(default_factory=list)  # of the prompt, in order
     image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each one's soft tokens
+    client: str | None = None  # whose share of the slots it counts against (engine/scheduler.py); None: nobody's
 
     def __post_init__(self) -> None:
         self.generator.manual_seed(self.seed % 2**64)

@@ -31,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued-requests", type=at_least(0), default=None,
                    help="answer 429 when more requests than this would wait (default: no limit)")
     p.add_argument("--max-client-concurrency", type=at_least(1), default=None,
-                   help="answer 429 to a client host with this many generation requests in progress "
-                        "(default: no limit)")
+                   help="engine requests (each choice and prompt of a call counts) one client host may have in "
+                        "progress; more get 429 (default: no limit)")
     p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
     p.add_argument("--max-request-cost", type=at_least(1), default=None,
                    help="most canvas positions one API request may ask the decoder for: choices x canvases x "

@@ -13,7 +13,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_queued_requests: int | None = None
-    max_client_concurrency: int | None = None  # generation requests in progress per client host
+    max_client_concurrency: int | None = None  # engine requests (choices x prompts) in progress per client host
     max_request_bytes: int = 16 * 2**20
     shutdown_timeout: int = 3  # seconds open requests get after SIGTERM before they are aborted
     max_connections: int = 1024  # open connections; fewer if the descriptor limit leaves less room

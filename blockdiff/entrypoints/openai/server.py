@@ -28,7 +28,8 @@ from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, Ch
                                                    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                                    TokenizeRequest, TokenizeResponse, now)
 from blockdiff.entrypoints.openai.preprocess import WorkPool
-from blockdiff.entrypoints.openai.serving import OpenAIServing, client_of
+from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
+from blockdiff.entrypoints.openai.serving import OpenAIServing
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
 from blockdiff.startup import start_engine
 
@@ -79,31 +80,6 @@ class CountResponses(_Middleware):
                 await self.reject(counting_send, 500, f"internal server error: {type(e).__name__}")
 
 
-class LimitClients(_Middleware):
-    """429 for a client's generation request while it already has `limit` in progress. A client is
-    its host: a bearer token would not do, since without --api-key any token is accepted, and with
-    it every client sends the same one."""
-
-    def __init__(self, app, limit: int):
-        super().__init__(app, limit=limit)
-        self.running: dict[str, int] = {}
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
-            return await self.app(scope, receive, send)
-        client = (scope.get("client") or ("",))[0]
-        if self.running.get(client, 0) >= self.limit:
-            return await self.reject(send, 429, f"this client already has {self.limit} requests in progress "
-                                                "(--max-client-concurrency); retry when one ends", code="too_many_requests")
-        self.running[client] = self.running.get(client, 0) + 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.running[client] -= 1
-            if not self.running[client]:
-                del self.running[client]
-
-
 class RequireAPIKey(_Middleware):
     """Bearer-token check on every path but /health (which probes call without credentials):
     /metrics, /docs and /openapi.json describe the server and need the key too. Two Authorization
@@ -128,7 +104,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     images = ChatImages(engine.inputs.images, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
     serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
-                            cfg.reasoning_parser, pool, images)
+                            cfg.reasoning_parser, pool, images, ClientLimit(cfg.max_client_concurrency))
     tokenization = OpenAIServingTokenization(serving)
 
     @asynccontextmanager
@@ -191,8 +167,6 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(BodyAdmission, max_bytes=cfg.max_request_bytes, timeout=cfg.body_timeout,
                        min_rate=cfg.min_body_rate, grace=cfg.header_timeout, per_client=cfg.max_client_uploads,
                        total=max(1, max_connections // 2), on_refused=metrics.refused)
-    if cfg.max_client_concurrency is not None:
-        app.add_middleware(LimitClients, limit=cfg.max_client_concurrency)
     if cfg.api_key:
         app.add_middleware(RequireAPIKey, key=cfg.api_key)
     return app

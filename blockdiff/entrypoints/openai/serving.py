@@ -20,6 +20,7 @@ from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import limits, protocol as p
 from blockdiff.entrypoints.openai.body import Budget, decode_json
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
+from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
 from blockdiff.entrypoints.openai.media import ChatImages
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
@@ -239,19 +240,16 @@ _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_g
                                         "eos_token", "unk_token"})
 
 
-def client_of(raw: Request) -> str:
-    """The client a request counts against (its host; behind a proxy, every client is the proxy)."""
-    return raw.client.host if raw.client else ""
-
-
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_request_cost: int | None,
-                 tool_call_parser: str | None, reasoning_parser: str | None, pool: WorkPool, images: ChatImages):
+                 tool_call_parser: str | None, reasoning_parser: str | None, pool: WorkPool, images: ChatImages,
+                 clients: ClientLimit):
         self.engine = engine
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
-        # (preprocess.py), its images in `images` (media.py).
+        # (preprocess.py), its images in `images` (media.py); `clients` counts its engine requests.
         self.pool = pool
         self.images = images
+        self.clients = clients
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_names = served_model_names
@@ -524,15 +522,28 @@ class OpenAIServing:
 
     # ---- engine outputs -> responses ----------------------------------------------------------
     async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
+        client = client_of(raw)
+        release = self.clients.hold(client, len(requests))  # until the response ends, however it ends
         try:
-            stream = await self.engine.add(requests)
-        except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
+            stream = await self.engine.add(requests, client)
+        except BaseException as e:
+            release()
+            if isinstance(e, ValueError):
+                raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
+            raise
         states = [ChoiceState() for _ in requests]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), stream.abort)
-        finals = await self._collect(stream, raw)
+
+            def close() -> None:
+                stream.abort()
+                release()
+
+            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), close)
+        try:
+            finals = await self._collect(stream, raw)
+        finally:
+            release()
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         pieces = {i: states[i].advance(out) for i, out in finals.items()}
