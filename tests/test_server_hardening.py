@@ -92,7 +92,8 @@ def test_two_authorization_headers_are_a_400(server):
 # ---- finding 4: large bodies --------------------------------------------------------------------------
 _SEND = """
 import sys, httpx
-r = httpx.post(sys.argv[1], content=open(sys.argv[2], "rb").read(), headers={"Authorization": sys.argv[3]}, timeout=120)
+r = httpx.post(sys.argv[1], content=open(sys.argv[2], "rb").read(), headers={"Authorization": sys.argv[3],
+               "Content-Type": "application/json"}, timeout=120)
 print(r.status_code, r.text)
 """
 

@@ -1,6 +1,6 @@
-"""Issue 25's findings 1, 2, 7 and 8 against one real server of the demo model: no request body,
-however it is built, stalls /health, keeps memory, or gets anything but a 4xx; a good request
-is served after each.
+"""Issue 25's findings 1, 2, 7, 8 and 9 against one real server of the demo model: no request
+body, however it is built, stalls /health, keeps memory, or gets anything but a 4xx; a good
+request is served after each.
 
 Each attack is sent from a thread while `HealthProbe` polls /health; it must answer within
 HealthProbe.RATIO times its idle latency (the issue's 1 s, scaled to this machine's load).
@@ -9,6 +9,7 @@ Before the work these stalled /health for 2 to 60 s and kept up to 2 GB."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -34,7 +35,7 @@ def server(tmp_path_factory):
     template = tmp / "template.jinja"
     template.write_text(STALL + Tokenizer.from_pretrained(demo_checkpoint()).chat_template)
     proc = ServerProcess(None, "--chat-template", str(template), "--preprocess-timeout", str(TIMEOUT),
-                         log_path=str(tmp / "server.log"))
+                         "--max-stream-buffer", "64KiB", log_path=str(tmp / "server.log"))
     yield proc
     proc.close()
 
@@ -182,4 +183,50 @@ def test_client_mistakes_are_4xx_without_a_traceback(server, what, body, says):
         assert says in r.json()["error"]["message"], (what, r.text)
     written = server.log()[log_before:]
     assert "Traceback" not in written and len(written.splitlines()) <= 1, written
+    _served_after(server)
+
+
+# ---- finding 9 ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_only_json_bodies_are_read(server, content_type):
+    """A web page can post these to any address without a CORS preflight."""
+    before = server.metrics().get('blockdiff_http_refusals_total{reason="unsupported_media_type"}', 0)
+    headers = {"Content-Type": content_type} if content_type else {}
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', headers=headers, timeout=30)
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert server.metrics()['blockdiff_http_refusals_total{reason="unsupported_media_type"}'] == before + 1
+
+
+def test_head_health(server):
+    r = httpx.head(server.url + "/health", timeout=30)
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_a_stream_left_unread_is_dropped_past_its_buffer(server):
+    """Before: a stream never read kept its output queued until the client hung up (1.5 MB per demo
+    stream with drafts and logprobs). Now the connection is dropped past --max-stream-buffer (64 KiB
+    here) and the call's engine requests end."""
+    closed = 'blockdiff_connections_closed_total{reason="unread_stream"}'
+    before = server.metrics().get(closed, 0)
+    body = json.dumps({"prompt": "sort: 1 2", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 16,
+                       "stream_drafts": True, "logprobs": 20, "max_denoising_steps": 2}).encode()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", server.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 120
+        while server.metrics().get(closed, 0) == before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert server.metrics().get(closed, 0) == before + 1
+        m = server.wait_idle(30)  # its 16 requests were aborted
+        assert m["blockdiff_requests_running"] == 0 and m["blockdiff_requests_waiting"] == 0
+        s.settimeout(30)
+        try:
+            while s.recv(65536):  # what was sent before the drop, then the end
+                pass
+        except ConnectionResetError:
+            pass
+    assert "dropping a stream" in server.log()
     _served_after(server)

@@ -46,6 +46,16 @@ class QueueFull(RuntimeError):
     """More requests are waiting than the configured limit allows."""
 
 
+class StreamOverflow(RuntimeError):
+    """The reader of a stream left more of its outputs unread than the stream's bound."""
+
+
+def _approx_bytes(out: RequestOutput) -> int:
+    """Roughly what an output takes queued, and then as JSON: its text, ids and logprob entries."""
+    entries = sum(1 + len(lp.top) for lp in out.logprobs) if out.logprobs else 0
+    return len(out.text or "") + 8 * (len(out.token_ids) + len(out.draft_token_ids or ())) + 64 * entries
+
+
 class RequestStream:
     """The engine requests of one API call. Iterate for (index, RequestOutput) in the order the
     engine produces them; iteration ends once every request has finished."""
@@ -55,11 +65,23 @@ class RequestStream:
         self.request_ids = request_ids
         self.client = client  # whose share of the engine its requests count against
         self._index = {rid: i for i, rid in enumerate(request_ids)}
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[RequestOutput | BaseException, int]] = asyncio.Queue()
         self._unfinished = set(request_ids)
+        self.unread = 0  # approximate bytes of the outputs queued and not read yet
+        self.max_unread: int | None = None  # past it, the call ends and `overflowed` is set
+        self.overflowed = asyncio.Event()
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        size = _approx_bytes(item) if isinstance(item, RequestOutput) else 0
+        self.unread += size
+        if self.max_unread is not None and self.unread > self.max_unread and not self.overflowed.is_set():
+            while not self._queue.empty():  # nobody will read these
+                self._queue.get_nowait()
+            self.unread, size = 0, 0
+            item = StreamOverflow(f"more than {self.max_unread} bytes of output were left unread")
+            self.overflowed.set()
+            self.abort()
+        self._queue.put_nowait((item, size))
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -67,7 +89,8 @@ class RequestStream:
     async def __anext__(self) -> tuple[int, RequestOutput]:
         if not self._unfinished and self._queue.empty():  # an error put before abort() is still read
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item, size = await self._queue.get()
+        self.unread -= size
         if isinstance(item, BaseException):
             self.abort()  # the call fails whole: its other requests stop too
             raise item

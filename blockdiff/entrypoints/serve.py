@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="engine requests (each choice and prompt of a call counts) one client host may have in "
                         "progress; more get 429 (default: no limit)")
     p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
+    p.add_argument("--max-stream-buffer", type=parse_size, default=ServerConfig.max_stream_buffer,
+                   help="output of a stream its client may leave unread before the connection is dropped, "
+                        "approximately (default 8MiB)")
     p.add_argument("--max-request-cost", type=at_least(1), default=None,
                    help="most canvas positions one API request may ask the decoder for: choices x canvases x "
                         "max_denoising_steps x canvas length (default: max-num-seqs requests of max-model-len tokens "
@@ -87,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_client_concurrency=args.max_client_concurrency,
         max_request_bytes=args.max_request_size,
+        max_stream_buffer=args.max_stream_buffer,
         shutdown_timeout=args.shutdown_timeout,
         max_connections=args.max_connections,
         header_timeout=args.header_timeout,

@@ -15,6 +15,7 @@ class ServerConfig:
     max_queued_requests: int | None = None
     max_client_concurrency: int | None = None  # engine requests (choices x prompts) in progress per client host
     max_request_bytes: int = 16 * 2**20
+    max_stream_buffer: int = 8 * 2**20  # bytes (approximately) of a stream its client may leave unread
     shutdown_timeout: int = 3  # seconds open requests get after SIGTERM before they are aborted
     max_connections: int = 1024  # open connections; fewer if the descriptor limit leaves less room
     header_timeout: float = 10.0  # seconds a connection may stay open without starting a request

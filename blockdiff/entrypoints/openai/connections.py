@@ -9,11 +9,13 @@ with a plain-text 503 once enough connections are open, whatever they are doing.
   for longest (no request in progress: silent, between requests, or still sending headers) to make
   room. Connections are never refused for their number: /health and the requests whose bodies
   have arrived always get in. uvicorn's own refusals (malformed HTTP) are OpenAI-shaped and counted.
-- `BodyAdmission` reads each request body before the app sees it: at most `max_bytes` (413), at
-  least `min_rate` bytes a second on average once `grace` seconds have passed and all of it within
-  `timeout` (408, so a trickle is cut off), and at most `per_client` connections of one client
-  address, and `total` in all, with a body still arriving (429, 503). The refused connection is
-  closed. Requests without a body are not held to any of it.
+  Each request's scope gets `extensions["blockdiff.drop_connection"]`, which a response calls to
+  drop its connection at once (a stream whose client left too much of it unread, serving.py).
+- `BodyAdmission` reads each request body before the app sees it: JSON only (415), at most
+  `max_bytes` (413), at least `min_rate` bytes a second on average once `grace` seconds have passed
+  and all of it within `timeout` (408, so a trickle is cut off), and at most `per_client`
+  connections of one client address, and `total` in all, with a body still arriving (429, 503).
+  The refused connection is closed. Requests without a body are not held to any of it.
 
 A burst can still run out of descriptors: asyncio accepts up to `backlog` connections in one go
 before any of them can make room (a small backlog avoids that, but makes connecting clients wait
@@ -64,6 +66,17 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         if not self.transport.is_closing():
             self._await_request()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not None and self.cycle is not cycle:  # a request began; its task has not run yet
+            self.scope.setdefault("extensions", {})["blockdiff.drop_connection"] = self._drop
+
+    def _drop(self) -> None:
+        """Close the connection at once, whatever is still buffered for it (a stream left unread)."""
+        self.transport.abort()
+        self.on_closed("unread_stream")
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_timer is not None:
@@ -139,6 +152,13 @@ class BodyAdmission:
         declared = headers.get(b"content-length")
         if (declared is None and b"transfer-encoding" not in headers) or declared == b"0":
             return await self.app(scope, receive, send)  # no body: nothing to admit
+        # JSON only: a web page may post text/plain, a form or an untyped blob to any address without
+        # asking first (CORS "simple requests"), and so reach a server that has no --api-key.
+        media_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if media_type != b"application/json":
+            return await self._refuse(send, 415, "unsupported_media_type", "request bodies must be JSON, sent with "
+                                      f"Content-Type: application/json (got {media_type.decode('latin-1') or 'none'!r})",
+                                      "unsupported_media_type")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(send, 413, "body_too_large", f"request body of {int(declared)} bytes is over the "
                                       f"{self.max_bytes}-byte limit (--max-request-size)", "request_too_large")

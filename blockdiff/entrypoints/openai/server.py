@@ -104,7 +104,8 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     images = ChatImages(engine.inputs.images, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
     serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
-                            cfg.reasoning_parser, pool, images, ClientLimit(cfg.max_client_concurrency))
+                            cfg.reasoning_parser, pool, images, ClientLimit(cfg.max_client_concurrency),
+                            cfg.max_stream_buffer)
     tokenization = OpenAIServingTokenization(serving)
 
     @asynccontextmanager
@@ -126,7 +127,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     # One item past the longest list a field takes: the field then says what its limit is.
     parse = body.BodyParser(pool, max(engine.max_model_len, MAX_CHOICES, MAX_MESSAGES) + 1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not async_engine.available:
             return errors.error_response(503, async_engine.unavailable_reason(), code="engine_unavailable")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, fields, replace
@@ -27,6 +28,8 @@ from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
 from blockdiff.entrypoints.openai import reasoning, tool_parsers
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
+
+log = logging.getLogger(__name__)
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
@@ -180,16 +183,33 @@ def _sse(model: BaseModel | dict, event: str | None = None) -> str:
 
 class _EventStream(StreamingResponse):
     """An SSE response that aborts its engine requests however it ends (finished, client gone,
-    cancelled before the first byte)."""
+    cancelled before the first byte), and drops its connection once the client has left more of
+    it unread than the stream's bound (`stream.overflowed`): a client that does not read would
+    otherwise have the outputs queued for it until it hangs up."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream, on_close: Callable[[], None]):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
+        self._stream, self._on_close = stream, on_close
 
     async def __call__(self, scope, receive, send) -> None:
+        response = asyncio.ensure_future(super().__call__(scope, receive, send))
+        overflowed = asyncio.ensure_future(self._stream.overflowed.wait())
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({response, overflowed}, return_when=asyncio.FIRST_COMPLETED)
+            if not self._stream.overflowed.is_set():
+                return response.result()
+            # The events end with StreamOverflow, or wait on a client that does not read: drop it.
+            log.warning("dropping a stream whose client left more than %d bytes of it unread (--max-stream-buffer)",
+                        self._stream.max_unread)
+            drop = scope.get("extensions", {}).get("blockdiff.drop_connection")  # connections.py's protocol
+            if drop is not None:
+                drop()
+                await asyncio.sleep(0)  # the connection is lost before the app returns: no complaint from uvicorn
         finally:
+            for task in (response, overflowed):
+                task.cancel()
+            if response.done() and not response.cancelled():
+                response.exception()  # retrieved: the overflow it may hold is handled above
             self._on_close()
 
 
@@ -243,13 +263,14 @@ _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_g
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_request_cost: int | None,
                  tool_call_parser: str | None, reasoning_parser: str | None, pool: WorkPool, images: ChatImages,
-                 clients: ClientLimit):
+                 clients: ClientLimit, max_stream_buffer: int):
         self.engine = engine
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
         # (preprocess.py), its images in `images` (media.py); `clients` counts its engine requests.
         self.pool = pool
         self.images = images
         self.clients = clients
+        self.max_stream_buffer = max_stream_buffer  # bytes a stream's client may leave unread
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_names = served_model_names
@@ -539,7 +560,8 @@ class OpenAIServing:
                 stream.abort()
                 release()
 
-            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), close)
+            stream.max_unread = self.max_stream_buffer
+            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), stream, close)
         try:
             finals = await self._collect(stream, raw)
         finally:
