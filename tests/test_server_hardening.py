@@ -201,7 +201,7 @@ def test_unfinished_bodies_from_one_address_cannot_take_the_connections(tiny, tm
     """Issue 25, finding 3: 1,100 connections, each sending the headers of a 100 kB body and then
     only "{", under `ulimit -n 1024`. Before: every request, /health included, got uvicorn's plain
     503 for as long as they were held. Now the address may hold --max-client-uploads of them; the
-    rest get a counted, OpenAI-shaped 429 and are closed, and everyone else is served."""
+    rest get a counted, OpenAI-shaped 429 and are closed, and every whole request is served."""
     server = ServerProcess(tiny, "--max-model-len", "64", log_path=str(tmp_path / "server.log"), max_open_files=1024)
     held, refused = [], 0
     try:
@@ -215,12 +215,13 @@ def test_unfinished_bodies_from_one_address_cannot_take_the_connections(tiny, tm
                 except OSError:  # the server's descriptors ran out for a moment
                     refused += 1
                 time.sleep(0.002)
-            # Another client (Linux answers on all of 127/8) is served; the attacker's address is not.
+            # Another client (Linux answers on all of 127/8) is served, and so is a whole request from the
+            # attacker's address: only bodies still arriving are capped.
             with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60) as other:
                 r = other.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4})
             assert r.status_code == 200, r.text
             mine = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4}, timeout=60)
-            assert mine.status_code == 429 and mine.json()["error"]["code"] == "too_many_requests", mine.text
+            assert mine.status_code == 200, mine.text
         print(f"{len(held)} connections opened, {refused} failed to connect; {probe}")
         probe.check()
         m = server.metrics()

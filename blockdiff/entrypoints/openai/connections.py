@@ -14,7 +14,8 @@ with a plain-text 503 once enough connections are open, whatever they are doing.
 - `BodyAdmission` reads each request body before the app sees it: JSON only (415), at most
   `max_bytes` (413), at least `min_rate` bytes a second on average once `grace` seconds have passed
   and all of it within `timeout` (408, so a trickle is cut off), and at most `per_client`
-  connections of one client address, and `total` in all, with a body still arriving (429, 503).
+  connections of one client address, and `total` in all, with a body seen to be still arriving
+  (429, 503).
   The refused connection is closed. Requests without a body are not held to any of it.
 
 A burst can still run out of descriptors: asyncio accepts up to `backlog` connections in one go
@@ -129,7 +130,12 @@ def guarded_protocol(header_timeout: float, max_connections: int, on_closed: Cal
 
 class BodyAdmission:
     """ASGI middleware: each request body read under the rules of the module docstring, then
-    replayed to the app. `on_refused(reason)` counts a refusal (the response is counted as any)."""
+    replayed to the app. A body counts against the caps on bodies still arriving only once it is
+    seen to be one: when the first part the server has of it does not complete it, or nothing of
+    it has come within QUICK seconds. A burst of small requests from one address (64 clients
+    behind one proxy) is not held to them. `on_refused(reason)` counts a refusal."""
+
+    QUICK = 0.1
 
     def __init__(self, app, max_bytes: int, timeout: float, min_rate: float, grace: float, per_client: int,
                  total: int, on_refused: Callable[[str], None]):
@@ -162,23 +168,7 @@ class BodyAdmission:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(send, 413, "body_too_large", f"request body of {int(declared)} bytes is over the "
                                       f"{self.max_bytes}-byte limit (--max-request-size)", "request_too_large")
-        client = (scope.get("client") or ("",))[0]
-        if self.arriving.get(client, 0) >= self.per_client:
-            return await self._refuse(send, 429, "too_many_uploads", f"this client already has {self.per_client} "
-                                      "connections sending a request body (--max-client-uploads); finish those first",
-                                      "too_many_requests")
-        if self.arriving_total >= self.total:
-            return await self._refuse(send, 503, "server_busy", f"{self.total} connections are sending request bodies, "
-                                      "the most the server reads at once; retry shortly", "server_busy")
-        self.arriving[client] = self.arriving.get(client, 0) + 1
-        self.arriving_total += 1
-        try:
-            body = await self._read(receive, send)
-        finally:
-            self.arriving_total -= 1
-            self.arriving[client] -= 1
-            if not self.arriving[client]:
-                del self.arriving[client]
+        body = await self._read((scope.get("client") or ("",))[0], receive, send)
         if body is None:  # refused, or the client hung up
             return
         replayed = False
@@ -192,33 +182,64 @@ class BodyAdmission:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, receive, send) -> bytes | None:
+    async def _admit(self, client: str, send) -> bool:
+        """Count a body still arriving, or refuse it (False) past the caps."""
+        if self.arriving.get(client, 0) >= self.per_client:
+            await self._refuse(send, 429, "too_many_uploads", f"this client already has {self.per_client} connections "
+                               "sending a request body (--max-client-uploads); finish those first", "too_many_requests")
+            return False
+        if self.arriving_total >= self.total:
+            await self._refuse(send, 503, "server_busy", f"{self.total} connections are sending request bodies, the "
+                               "most the server reads at once; retry shortly", "server_busy")
+            return False
+        self.arriving[client] = self.arriving.get(client, 0) + 1
+        self.arriving_total += 1
+        return True
+
+    async def _read(self, client: str, receive, send) -> bytes | None:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        chunks, size, more = [], 0, True
-        while more:
-            # The next bytes are due when the average since `start` would fall under min_rate.
-            due = min(start + self.timeout, start + self.grace + size / self.min_rate)
-            try:
-                message = await asyncio.wait_for(receive(), due - loop.time())
-            except asyncio.TimeoutError:
-                if loop.time() >= start + self.timeout:
-                    message = f"the request body did not arrive within {self.timeout:g} s (--body-timeout)"
-                else:
-                    message = (f"the request body arrived at less than {self.min_rate:g} bytes/s (--min-body-rate): "
-                               f"{size} bytes in {loop.time() - start:.0f} s")
-                await self._refuse(send, 408, "body_too_slow", message, "request_timeout")
-                return None
-            if message["type"] != "http.request":  # disconnected while sending the body
-                return None
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_bytes:
-                await self._refuse(send, 413, "body_too_large", f"request body is over the {self.max_bytes}-byte limit "
-                                   "(--max-request-size)", "request_too_large")
-                return None
-        return b"".join(chunks)
+        chunks, size, more, counted = [], 0, True, False
+        try:
+            while more:
+                # The next bytes are due when the average since `start` would fall under min_rate.
+                due = min(start + self.timeout, start + self.grace + size / self.min_rate)
+                quick = not counted and start + self.QUICK < due
+                try:
+                    message = await asyncio.wait_for(receive(), (start + self.QUICK if quick else due) - loop.time())
+                except asyncio.TimeoutError:
+                    if quick:  # nothing yet: a body still arriving
+                        if not await self._admit(client, send):
+                            return None
+                        counted = True
+                        continue
+                    if loop.time() >= start + self.timeout:
+                        message = f"the request body did not arrive within {self.timeout:g} s (--body-timeout)"
+                    else:
+                        message = (f"the request body arrived at less than {self.min_rate:g} bytes/s (--min-body-rate): "
+                                   f"{size} bytes in {loop.time() - start:.0f} s")
+                    await self._refuse(send, 408, "body_too_slow", message, "request_timeout")
+                    return None
+                if message["type"] != "http.request":  # disconnected while sending the body
+                    return None
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                more = message.get("more_body", False)
+                if size > self.max_bytes:
+                    await self._refuse(send, 413, "body_too_large", f"request body is over the {self.max_bytes}-byte "
+                                       "limit (--max-request-size)", "request_too_large")
+                    return None
+                if more and not counted:
+                    if not await self._admit(client, send):
+                        return None
+                    counted = True
+            return b"".join(chunks)
+        finally:
+            if counted:
+                self.arriving_total -= 1
+                self.arriving[client] -= 1
+                if not self.arriving[client]:
+                    del self.arriving[client]
 
 
 class AcceptErrorLog:
