@@ -146,6 +146,7 @@ class HealthProbe:
 
     def __init__(self, server: ServerProcess):
         self.server, self.worst, self.statuses = server, 0.0, {}
+        self.peak_rss = 0.0  # MiB, the server's, sampled with each probe
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._client = httpx.Client(timeout=120)
@@ -162,6 +163,7 @@ class HealthProbe:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.worst = max(self.worst, self._probe())
+            self.peak_rss = max(self.peak_rss, rss_mib(self.server.proc.pid))
             time.sleep(0.01)
 
     def __enter__(self) -> HealthProbe:
