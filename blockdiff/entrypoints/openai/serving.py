@@ -19,7 +19,7 @@ from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, Reques
 from blockdiff.engine.images import IMAGE_PART_TYPES, template_content
 from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import limits, protocol as p
-from blockdiff.entrypoints.openai.body import Budget, decode_json
+from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
@@ -243,7 +243,7 @@ def _decode_arguments(messages: list[dict]) -> None:
     """The arguments of earlier tool calls, JSON text as OpenAI clients send them, decoded in place
     into objects (vLLM decodes them too, so templates can format each argument): all of a request's
     within one budget of containers and nesting, their strings checked as the body's are."""
-    budget = Budget(max_items=p.MAX_MESSAGES)
+    budget = Budget(max_items=MAX_JSON_VALUES)  # no list of their own is too long: their text is bounded already
     for i, message in enumerate(messages):
         for k, call in enumerate(message.get("tool_calls", [])):
             what = f"messages[{i}].tool_calls[{k}].function.arguments"
