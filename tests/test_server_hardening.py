@@ -260,6 +260,29 @@ def test_2000_silent_connections_under_ulimit_1024(tiny, tmp_path):
         server.close()
 
 
+def test_accepted_connections_have_nagle_off():
+    """The listening socket is made so that asyncio sets TCP_NODELAY on what it accepts: with Nagle on,
+    a response written in two parts waited for the client's delayed ACK, 40 ms a keep-alive request."""
+    from blockdiff.entrypoints.openai.server import _bind
+
+    async def main() -> int:
+        accepted = asyncio.get_running_loop().create_future()
+
+        class Protocol(asyncio.Protocol):
+            def connection_made(self, transport):
+                accepted.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        sock = _bind("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Protocol, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        nodelay = await accepted
+        writer.close()
+        server.close()
+        return nodelay
+
+    assert asyncio.run(main()) == 1
+
+
 # ---- finding 6: every response is counted -------------------------------------------------------------
 def test_a_500_is_counted_and_the_app_survives(tiny, monkeypatch):
     """In-process: no request makes the real server fail any more, so the tokenizer is made to."""
