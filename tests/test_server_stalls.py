@@ -107,7 +107,9 @@ def test_template_work_past_the_deadline_is_a_413_and_is_abandoned(server):
     # Abandoned: the server is idle again, not rendering the remaining 16 million pairs.
     cpu = cpu_seconds(server.proc.pid)
     time.sleep(1.0)
-    assert cpu_seconds(server.proc.pid) - cpu < 0.5
+    used = cpu_seconds(server.proc.pid) - cpu
+    print(f"CPU the server used in the second after the 413: {used:.2f} s")
+    assert used < 0.5
 
 
 @pytest.mark.parametrize("what, body", [
