@@ -227,35 +227,13 @@ def test_unfinished_bodies_from_one_address_cannot_take_the_connections(tiny, tm
         m = server.metrics()
         assert m['blockdiff_http_refusals_total{reason="too_many_uploads"}'] >= 1000
         assert m['blockdiff_http_responses_total{status="429"}'] >= 1000
-    finally:
         for s in held:
             s.close()
-    try:
+        held.clear()
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
     finally:
-        server.close()
-
-
-def test_2000_silent_connections_under_ulimit_1024(tiny, tmp_path):
-    server = ServerProcess(tiny, "--max-model-len", "64", log_path=str(tmp_path / "server.log"), max_open_files=1024)
-    silent = []
-    started = time.monotonic()
-    try:
-        for _ in range(2000):
-            silent.append(socket.create_connection(("127.0.0.1", server.port)))
-        t0 = time.monotonic()
-        r = httpx.get(server.url + "/health", timeout=30)
-        print(f"/health with 2000 silent connections open: {r.status_code} in {(time.monotonic() - t0) * 1000:.0f} ms")
-        assert r.status_code == 200
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4}, timeout=60)
-        assert r.status_code == 200, r.text
-        # A burst may still run out of descriptors for a moment: one line per 10 s says so, no traceback.
-        seconds = time.monotonic() - started
-        log = server.log()
-        assert log.count("Too many open files") <= 1 + seconds / 10 and "Traceback" not in log, log[-3000:]
-    finally:
-        for s in silent:
+        for s in held:
             s.close()
         server.close()
 
