@@ -209,6 +209,10 @@ class EngineConfig:
                                 group=_IMAGES)  # an encoded image, before decoding
     # width x height of a decoded image (~120 MB of RGB)
     max_image_pixels: int = flag(40_000_000, "largest width x height of an image", minimum=1, group=_IMAGES)
+    # its pixels decoded, 4 bytes each, checked from the image's header before decoding
+    max_image_decoded_bytes: int = flag(64 * 1024 * 1024, "largest image decoded, at 4 bytes a pixel, checked from its "
+                                                          "header before decoding, e.g. 64MiB", parse="size",
+                                        group=_IMAGES)
     # Image URLs besides data: URLs (vLLM's names): http(s) hosts that may be fetched, and the
     # directory whose files file:// URLs may name. Both off by default.
     allowed_media_domains: tuple[str, ...] = flag(
@@ -216,11 +220,13 @@ class EngineConfig:
         group=_IMAGES)
     allowed_local_media_path: str | None = flag(None, "directory whose files file:// image URLs may name (default: "
                                                       "none)", metavar="DIR", group=_IMAGES)
+    media_fetch_timeout: float = flag(10.0, "seconds fetching an image URL may take in all", parse="seconds",
+                                      group=_IMAGES)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
                      "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
-                     "num_layers_override"):
+                     "max_image_decoded_bytes", "num_layers_override"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
                                           "num_layers_override"):

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,25 +37,35 @@ class ImageError(ValueError):
 class ImageLimits:
     max_bytes: int  # of an encoded image
     max_pixels: int  # width x height
+    max_decoded_bytes: int = 64 * 2**20  # width x height x 4: what Pillow holds of it decoded, and converted
+
+
+# What Pillow raises on data it cannot decode: truncated, corrupt, or a header it refuses outright.
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, Image.DecompressionBombError)
 
 
 def decode_image(data: bytes, limits: ImageLimits, what: str = "image") -> Image.Image:
-    """Encoded bytes -> a loaded PIL image, or ImageError saying why not."""
+    """Encoded bytes -> a loaded PIL image, or ImageError saying why not. The header's size is
+    checked against the limits before any pixel is decoded."""
     if len(data) > limits.max_bytes:
         raise ImageError(f"{what} is {len(data)} bytes, above the limit of {limits.max_bytes}")
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise ImageError(f"{what} is not an image in a known format (supported: {', '.join(FORMATS)})") from None
+    except Image.DecompressionBombError:  # Pillow's own bound (twice Image.MAX_IMAGE_PIXELS), at open
+        raise ImageError(f"{what} claims a size above the limit of {limits.max_pixels} pixels") from None
+    except _DECODE_ERRORS as e:
+        raise ImageError(f"{what} is corrupt: {e}") from None
     if image.format not in FORMATS:
         raise ImageError(f"{what} has the unsupported format {image.format}; supported: {', '.join(FORMATS)}")
     check_pixels(image, limits, what)
     try:
         image.load()
-    except (OSError, SyntaxError, ValueError) as e:  # Pillow's errors for truncated or broken data
+        # as transformers' and vLLM's loaders do: the orientation the camera recorded
+        return ImageOps.exif_transpose(image)
+    except _DECODE_ERRORS as e:  # Pillow's errors for truncated or broken data
         raise ImageError(f"{what} is corrupt: {e}") from None
-    # as transformers' and vLLM's loaders do: the orientation the camera recorded
-    return ImageOps.exif_transpose(image)
 
 
 def check_pixels(image: Image.Image, limits: ImageLimits, what: str = "image") -> None:
@@ -63,6 +74,11 @@ def check_pixels(image: Image.Image, limits: ImageLimits, what: str = "image") -
         raise ImageError(f"{what} has {w}x{h} = {w * h} pixels, above the limit of {limits.max_pixels}")
     if w < 1 or h < 1:
         raise ImageError(f"{what} is empty ({w}x{h})")
+    # Pillow keeps 4 bytes a pixel of RGB(A), and the processor converts every mode to them.
+    decoded = w * h * 4
+    if decoded > limits.max_decoded_bytes:
+        raise ImageError(f"{what} ({w}x{h}) decodes to {decoded} bytes, above the limit of {limits.max_decoded_bytes} "
+                         "(--max-image-decoded-bytes); send it smaller")
 
 
 def as_image(source, limits: ImageLimits, what: str = "image") -> Image.Image:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import logging
 import os
+from collections.abc import Callable
 from datetime import datetime
 
 import jinja2
@@ -119,25 +121,48 @@ class Tokenizer:
         return frozenset(jinja2.meta.find_undeclared_variables(ast) - stored - set(env.globals))
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+        guard: Callable[[], None] | None = None, max_chars: int | None = None, **kwargs
     ) -> str:
         """The conversation rendered as transformers' apply_chat_template renders it: the same
         environment and helpers, the same variables (tools, documents, the special tokens), and a
-        message's reasoning under each name templates read it by."""
+        message's reasoning under each name templates read it by.
+
+        `guard` is called on every item access, attribute access and call the template makes (a
+        deadline check may raise from it); rendering stops with a ValueError once the text passes
+        `max_chars`. Whatever the template raises on this input is a ValueError too, as is recursion
+        too deep for Python (a recursive macro over deeply nested arguments)."""
         template = self._compiled_template
+        variables = dict(
+            messages=[_alias_reasoning(m) for m in messages],
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            unk_token=self.unk_token or "",
+            **kwargs,
+        )
+        token = _guard.set(guard)
         try:
-            return template.render(
-                messages=[_alias_reasoning(m) for m in messages],
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                unk_token=self.unk_token or "",
-                **kwargs,
-            )
+            pieces, length = [], 0
+            for piece in template.generate(**variables):
+                length += len(piece)
+                if max_chars is not None and length > max_chars:
+                    raise ValueError(f"the chat template's text passed {max_chars} characters, more than the context "
+                                     "can hold")
+                pieces.append(piece)
+            return "".join(pieces)
+        except ValueError:
+            raise
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+        except RecursionError:
+            raise ValueError("chat template failed: the messages nest too deeply for it") from None
+        except Exception as e:  # the template's own code on input it was not written for
+            raise ValueError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
+        finally:
+            _guard.reset(token)
 
     def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
         """The prompt ids of a conversation; the template writes any BOS itself."""
@@ -194,10 +219,37 @@ class _Dict:
         return dict.fromkeys(*args, **kwargs)
 
 
+# The render's guard (apply_chat_template's `guard`), read by the environment's hooks below.
+_guard: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("chat_template_guard", default=None)
+
+
+class _GuardedEnvironment(ImmutableSandboxedEnvironment):
+    """Every subscript, attribute and call of a sandboxed template goes through these three: the
+    render's guard runs on each, so a long render can be stopped wherever it loops."""
+
+    def getitem(self, obj, argument):
+        guard = _guard.get()
+        if guard is not None:
+            guard()
+        return super().getitem(obj, argument)
+
+    def getattr(self, obj, attribute):
+        guard = _guard.get()
+        if guard is not None:
+            guard()
+        return super().getattr(obj, attribute)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        guard = _guard.get()
+        if guard is not None:
+            guard()
+        return super().call(__context, __obj, *args, **kwargs)
+
+
 @functools.cache
 def _template_env() -> ImmutableSandboxedEnvironment:
     """The environment Hugging Face chat templates are written for (transformers' own)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _GuardedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now

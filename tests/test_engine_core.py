@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import random
 import typing
+from array import array
 
 import pytest
 import torch
@@ -92,36 +94,40 @@ def test_block_pool_exhaustion_free_and_double_free():
 
 def test_block_hashes_chain_and_shared_blocks_are_counted():
     keys = block_keys(list(range(10)), 4)
-    assert len(keys) == 2 and keys[0][0] == (None, (0, 1, 2, 3)) and keys[1][0] == (keys[0][1], (4, 5, 6, 7))
-    # The same tokens after a different parent are another block.
-    assert block_keys([9, 9, 9, 9, 4, 5, 6, 7], 4)[1][1] != keys[1][1]
+    # SHA-256 chained over the parent's key: what Python's hash() of (parent, tokens) was, predictably.
+    first = hashlib.sha256(b"t" + array("q", [0, 1, 2, 3]).tobytes()).digest()
+    assert keys == [first, hashlib.sha256(first + b"t" + array("q", [4, 5, 6, 7]).tobytes()).digest()]
+    assert block_keys([4, 5, 6, 7], 4, parent=first) == keys[1:]
+    # The same tokens after a different parent are another block; an image's digest is not an id.
+    assert block_keys([9, 9, 9, 9, 4, 5, 6, 7], 4)[1] != keys[1]
+    assert block_keys([0, 1, 2, b"\x03" + bytes(31)], 4) != keys[:1]
     pool = BlockPool(3, 4)
     [b] = pool.allocate(1)
-    pool.register(b, keys[0][0])
+    pool.register(b, keys[0])
     pool.share(b)  # a second request reuses it
     pool.free([b])
     assert pool.refs[b] == 1 and pool.num_free == 2  # still held by one
     pool.free([b])
-    assert pool.lookup(keys[0][0]) == b and pool.num_free == 3  # free, but still cached
+    assert pool.lookup(keys[0]) == b and pool.num_free == 3  # free, but still cached
     pool.share(b)  # a hit takes it back out of the free queue
     assert pool.num_free == 2 and pool.refs[b] == 1
     off = BlockPool(3, 4, caching=False)
-    off.register(0, keys[0][0])
-    assert off.lookup(keys[0][0]) is None
+    off.register(0, keys[0])
+    assert off.lookup(keys[0]) is None
 
 
 def test_free_cached_blocks_are_evicted_last_and_least_recently_freed_first():
     pool = BlockPool(4, 4)
     blocks = pool.allocate(4)
     for i, b in enumerate(blocks[:3]):
-        pool.register(b, (None, (i,) * 4))
+        pool.register(b, block_keys([i] * 4, 4)[0])
     pool.free([blocks[1]])
     pool.free([blocks[0]])
     pool.free([blocks[3]])  # holds no full block: handed out before any cached one
     pool.free([blocks[2]])
-    assert pool.allocate(1) == [blocks[3]] and pool.lookup((None, (1,) * 4)) == blocks[1]
+    assert pool.allocate(1) == [blocks[3]] and pool.lookup(block_keys([1] * 4, 4)[0]) == blocks[1]
     assert pool.allocate(1) == [blocks[1]]  # the least recently freed cached block goes first
-    assert pool.lookup((None, (1,) * 4)) is None and pool.lookup((None, (0,) * 4)) == blocks[0]
+    assert pool.lookup(block_keys([1] * 4, 4)[0]) is None and pool.lookup(block_keys([0] * 4, 4)[0]) == blocks[0]
     assert pool.allocate(2) == [blocks[0], blocks[2]] and not pool.cached
 
 
@@ -213,7 +219,7 @@ def test_sliding_blocks_out_of_the_window_are_given_back_and_stay_cached():
     # Positions 7, 8, 9 are all a query can still reach: block 0 (positions 0-3) and block 1 (4-7)...
     # block 1 holds position 7, so only block 0 goes.
     assert req.sliding_blocks[0] == -1 and min(req.sliding_blocks[1:]) >= 0 and s.kv.sliding.used == 2
-    assert s.kv.sliding.lookup((None, (1, 2, 3, 4))) is not None  # freed, still cached for a prefix hit
+    assert s.kv.sliding.lookup(block_keys([1, 2, 3, 4], 4)[0]) is not None  # freed, still cached for a prefix hit
     assert len(req.blocks) == 3 and s.kv.full.used == 3  # full layers keep everything
 
 

@@ -46,6 +46,7 @@ def test_preemption_lets_a_waiting_request_in_and_changes_no_output(tiny):
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     proc = ServerProcess(tiny, "--max-num-seqs", "2", "--preempt-after-canvases", "2", "--max-model-len", "256",
+                         "--max-request-cost", str(10**8),
                          log_path=str(tmp_path_factory.mktemp("fair") / "server.log"))
     yield proc
     proc.close()
@@ -78,6 +79,30 @@ def test_a_small_request_completes_while_one_client_holds_every_slot(server):
     assert steps <= 2 * (limit + 1) + 1 + 8 + 20, steps
     thread.join(300)
     assert hog_done.is_set()
+
+
+def test_one_call_of_many_prompts_does_not_hold_back_another_client(server):
+    """Issue 25, finding 6: fairness counts engine requests per client. One call of 32 prompts from
+    one address (32 engine requests of 5 canvases at the steps limit) and then a small chat request
+    from another: the chat request starts within the same bound as above, not behind the 32
+    (before: 38 s behind 512 prompts). The call of many keeps its place: it is still running."""
+    limit = 48
+    hog = {"prompt": [[5, 6, i] for i in range(32)], "max_tokens": 40, "seed": 0, "max_denoising_steps": limit,
+           "stability_threshold": limit, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=hog, timeout=300) as hogging:
+        lines = hogging.iter_lines()  # kept: a collected iterator would close the stream
+        next(line for line in lines if line.startswith("data: "))  # its first canvas is committed
+        assert server.metrics()["blockdiff_requests_waiting"] >= 30  # the rest of the call waits
+        before = server.metrics()["blockdiff_step_duration_seconds_count"]
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=300) as other:
+            r = other.post(server.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "sort: 2 1"}], "max_tokens": 8, "max_denoising_steps": 8})
+        steps = server.metrics()["blockdiff_step_duration_seconds_count"] - before
+        assert r.status_code == 200, r.text
+        assert server.metrics()["blockdiff_requests_waiting"] >= 28  # the call of many is far from done
+    # The bound of the test above.
+    assert steps <= 2 * (limit + 1) + 1 + 8 + 20, steps
+    server.wait_idle(30)  # the call's requests are aborted with its stream
 
 
 def server_model(server: ServerProcess) -> str:

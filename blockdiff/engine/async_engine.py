@@ -46,19 +46,42 @@ class QueueFull(RuntimeError):
     """More requests are waiting than the configured limit allows."""
 
 
+class StreamOverflow(RuntimeError):
+    """The reader of a stream left more of its outputs unread than the stream's bound."""
+
+
+def _approx_bytes(out: RequestOutput) -> int:
+    """Roughly what an output takes queued, and then as JSON: its text, ids and logprob entries."""
+    entries = sum(1 + len(lp.top) for lp in out.logprobs) if out.logprobs else 0
+    return len(out.text or "") + 8 * (len(out.token_ids) + len(out.draft_token_ids or ())) + 64 * entries
+
+
 class RequestStream(EngineStream):
     """The engine requests of one API call. Iterate for (index, RequestOutput) in the order the
     engine produces them; iteration ends once every request has finished."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], client: str | None = None):
         self._engine = engine
         self.request_ids = request_ids
+        self.client = client  # whose share of the engine its requests count against
         self._index = {rid: i for i, rid in enumerate(request_ids)}
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[RequestOutput | BaseException, int]] = asyncio.Queue()
         self._unfinished = set(request_ids)
+        self.unread = 0  # approximate bytes of the outputs queued and not read yet
+        self.max_unread: int | None = None  # past it, the call ends and `overflowed` is set
+        self.overflowed = asyncio.Event()
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        size = _approx_bytes(item) if isinstance(item, RequestOutput) else 0
+        self.unread += size
+        if self.max_unread is not None and self.unread > self.max_unread and not self.overflowed.is_set():
+            while not self._queue.empty():  # nobody will read these
+                self._queue.get_nowait()
+            self.unread, size = 0, 0
+            item = StreamOverflow(f"more than {self.max_unread} bytes of output were left unread")
+            self.overflowed.set()
+            self.abort()
+        self._queue.put_nowait((item, size))
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -66,7 +89,8 @@ class RequestStream(EngineStream):
     async def __anext__(self) -> tuple[int, RequestOutput]:
         if not self._unfinished and self._queue.empty():  # an error put before abort() is still read
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item, size = await self._queue.get()
+        self.unread -= size
         if isinstance(item, BaseException):
             self.abort()  # the call fails whole: its other requests stop too
             raise item
@@ -167,9 +191,12 @@ class AsyncEngine(EngineClient):
         self._aborts.extend(self._streams)
         self._streams.clear()
 
-    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]]) -> RequestStream:
-        """Queue the requests of one API call; -> their stream. Raises ValueError (bad input, nothing
-        is queued then), QueueFull or EngineUnavailable. Resolved parameters are taken as they are."""
+    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
+                  client: str | None = None) -> RequestStream:
+        """Queue the requests of one API call, of `client` (the scheduler shares the slots fairly
+        among clients, each request counting); -> their stream. Raises ValueError (bad input,
+        nothing is queued then), QueueFull or EngineUnavailable. Resolved parameters are taken as
+        they are."""
         if not self.available:
             raise EngineUnavailable(self.unavailable_reason())
         if self.max_queued_requests is not None:
@@ -180,7 +207,7 @@ class AsyncEngine(EngineClient):
                 raise QueueFull(
                     f"{queued} requests would be waiting, more than --max-queued-requests={self.max_queued_requests}; retry later"
                 )
-        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests])
+        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests], client)
         future = asyncio.get_running_loop().create_future()
         self._adds.append((stream, requests, future))
         self._wake.set()
@@ -232,7 +259,7 @@ class AsyncEngine(EngineClient):
             while not self._stopping:
                 self._wake.clear()
                 self._apply_aborts()
-                self._apply_adds()
+                await self._apply_adds()
                 try:
                     if not self.engine.has_unfinished():
                         await self._idle()
@@ -316,27 +343,45 @@ class AsyncEngine(EngineClient):
         """on_finish for a request that ends without an output (its text is never decoded)."""
         self._on_finish("abort", len(req.prompt_token_ids), len(req.output.token_ids), req.metrics.as_dict())
 
-    def _apply_adds(self) -> None:
-        adds, self._adds = self._adds, []
-        for stream, requests, future in adds:
-            if future.cancelled():
-                continue
-            if not self.available:
+    async def _apply_adds(self) -> None:
+        """Add the waiting calls' requests to the engine. The engine's thread does it, between two
+        steps as every change to its requests: a request's own work (its prompt and lists copied and
+        checked, a call of 2,048 of them) never runs on the event loop."""
+        adds, self._adds = [a for a in self._adds if not a[2].cancelled()], []
+        if not adds:
+            return
+        if not self.available:
+            for _, _, future in adds:
                 future.set_exception(EngineUnavailable(self.unavailable_reason()))
-                continue
+            return
+        results = await asyncio.get_running_loop().run_in_executor(self._worker, self._add_calls, adds)
+        for (stream, _, future), error in zip(adds, results):
+            if future.done():  # the caller went away meanwhile, or the engine is failing every call
+                if error is None:
+                    stream.abort()
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                for rid in stream.request_ids:
+                    self._streams[rid] = stream
+                future.set_result(None)
+
+    def _add_calls(self, adds) -> list[Exception | None]:
+        """(In the engine's thread) each call's requests, all or none of them; -> each call's error."""
+        errors = []
+        for stream, requests, _ in adds:
             added = []
             try:
                 for rid, (prompt, params) in zip(stream.request_ids, requests):
-                    self.engine.add_request(prompt, params, rid)
+                    # Before the next step, which is the first to schedule it.
+                    self.engine.add_request(prompt, params, rid).client = stream.client
                     added.append(rid)
+                errors.append(None)
             except Exception as e:
                 for rid in added:
                     self.engine.abort(rid)
-                future.set_exception(e)
-                continue
-            for rid in added:
-                self._streams[rid] = stream
-            future.set_result(None)
+                errors.append(e)
+        return errors
 
     def unavailable_reason(self) -> str:
         """Why no request can be served now (for errors and /health)."""

@@ -9,21 +9,36 @@ least-recently-freed order, so a cached prefix survives as long as memory allows
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
-# A block's identity: the hash of its parent block (None for the first) and its token ids (an
-# image's soft tokens: the image's digest, Request.key_tokens). Only
-# rank 0's engine hashes (the workers get block tables), so the hashes never cross processes.
-BlockKey = tuple[int | None, tuple[int | bytes, ...]]
+# A block's identity: SHA-256 over its parent block's key (none for the first) and its token ids
+# (an image's soft tokens: the image's digest, Request.key_tokens). A block that another request
+# computed is read only under this key, so nobody can make a request read K/V of tokens it does
+# not have without a SHA-256 collision; Python's hash() of a tuple, used before, is predictable
+# and collides on purpose-built inputs (vLLM moved to SHA-256 after CVE-2025-25183). It costs
+# about a microsecond a block of 16 tokens (benchmarks/prefix_hash.py). Only rank 0's engine
+# hashes (the workers get block tables).
+BlockKey = bytes
 
 
-def block_keys(tokens: list[int | bytes], block_size: int, parent: int | None = None) -> list[tuple[BlockKey, int]]:
-    """(key, hash) of each full block of `tokens`, chained from the block hash `parent`."""
+def _block_bytes(tokens: list[int | bytes]) -> bytes:
+    """The tokens of a block, unambiguously: 8 bytes an id, or a tag and 8 bytes or 32 an entry
+    when an image's digest is among them."""
+    try:
+        return b"t" + array("q", tokens).tobytes()
+    except TypeError:  # a digest among them
+        return b"m" + b"".join(b"d" + t if isinstance(t, bytes) else b"i" + t.to_bytes(8, "little", signed=True)
+                               for t in tokens)
+
+
+def block_keys(tokens: list[int | bytes], block_size: int, parent: BlockKey = b"") -> list[BlockKey]:
+    """The key of each full block of `tokens`, chained from the key `parent` of the block before."""
     out = []
     for i in range(0, len(tokens) - block_size + 1, block_size):
-        key = (parent, tuple(tokens[i : i + block_size]))
-        parent = hash(key)
-        out.append((key, parent))
+        parent = hashlib.sha256(parent + _block_bytes(tokens[i : i + block_size])).digest()
+        out.append(parent)
     return out
 
 

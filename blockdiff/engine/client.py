@@ -85,8 +85,10 @@ class EngineClient(abc.ABC):
     def stats(self) -> EngineStats: ...
 
     @abc.abstractmethod
-    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]]) -> EngineStream:
-        """Queue the requests of one API call; -> their stream."""
+    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
+                  client: str | None = None) -> EngineStream:
+        """Queue the requests of one API call, of `client` (a client address: the engine shares its
+        slots fairly among clients, each engine request counting); -> their stream."""
 
     @abc.abstractmethod
     def abort(self, request_ids: list[str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -25,8 +26,9 @@ class ImageIntake:
         self.vision = config.vision
         self.processor = processor
         self.limit = cfg.limit_images_per_prompt
-        self.limits = ImageLimits(cfg.max_image_bytes, cfg.max_image_pixels)
-        self.policy = MediaPolicy(tuple(d.lower() for d in cfg.allowed_media_domains), cfg.allowed_local_media_path)
+        self.limits = ImageLimits(cfg.max_image_bytes, cfg.max_image_pixels, cfg.max_image_decoded_bytes)
+        self.policy = MediaPolicy(tuple(d.lower() for d in cfg.allowed_media_domains), cfg.allowed_local_media_path,
+                                  cfg.media_fetch_timeout)
 
     def fetch(self, url: str, what: str = "image_url") -> bytes:
         return fetch_url(url, self.policy, self.limits.max_bytes, what)
@@ -89,7 +91,7 @@ class MediaPolicy:
 
     domains: tuple[str, ...] = ()
     local_path: str | None = None
-    timeout: float = 10.0
+    timeout: float = 10.0  # seconds a fetch may take in all (each read gets at most as long)
 
 
 def fetch_url(url: str, policy: MediaPolicy, max_bytes: int, what: str = "image_url") -> bytes:
@@ -134,6 +136,7 @@ def _remote(url: str, policy: MediaPolicy, max_bytes: int, what: str) -> bytes:
         raise ImageError(f"{what}: the domain {host!r} is not in --allowed-media-domains ({', '.join(policy.domains)})")
     import httpx
 
+    end = time.monotonic() + policy.timeout  # a trickle of bytes must not hold the fetch for long
     try:
         with httpx.stream("GET", url, timeout=policy.timeout, follow_redirects=False) as r:
             if r.status_code != 200:
@@ -143,6 +146,8 @@ def _remote(url: str, policy: MediaPolicy, max_bytes: int, what: str) -> bytes:
                 data += chunk
                 if len(data) > max_bytes:
                     raise ImageError(f"{what}: {url} is more than {max_bytes} bytes, the limit")
+                if time.monotonic() > end:
+                    raise ImageError(f"{what}: {url} did not arrive within {policy.timeout:g} s")
             return bytes(data)
     except httpx.HTTPError as e:
         raise ImageError(f"{what}: cannot fetch {url}: {type(e).__name__}") from None
@@ -152,14 +157,16 @@ def _local(path: str, policy: MediaPolicy, max_bytes: int, what: str) -> bytes:
     if policy.local_path is None:
         raise ImageError(f"{what}: reading local files is off; start the server with --allowed-local-media-path DIR "
                          "to allow files under DIR")
+    # The messages name no path: the client's own says nothing it does not know, the directory
+    # allowed is the server's to keep (docs/server.md, "Security").
     root = os.path.realpath(policy.local_path)
     real = os.path.realpath(urllib.parse.unquote(path))
     if os.path.commonpath([root, real]) != root:
-        raise ImageError(f"{what}: {path!r} is outside --allowed-local-media-path {policy.local_path!r}")
+        raise ImageError(f"{what}: the file is outside --allowed-local-media-path")
     if not os.path.isfile(real):
-        raise ImageError(f"{what}: no such file {path!r}")
+        raise ImageError(f"{what}: no such file under --allowed-local-media-path")
     if os.path.getsize(real) > max_bytes:
-        raise ImageError(f"{what}: {path!r} is {os.path.getsize(real)} bytes, above the limit of {max_bytes}")
+        raise ImageError(f"{what}: the file is {os.path.getsize(real)} bytes, above the limit of {max_bytes}")
     with open(real, "rb") as f:
         return f.read()
 

@@ -3,8 +3,8 @@
 A request gets blocks as it grows: those of a prompt chunk when the chunk is scheduled, those of a
 canvas when it is committed. Full layers keep every block; a sliding layer's block is given back as
 soon as no query of the request can reach it (`past` positions back). Once a block holds
-`block_size` committed tokens it is registered under the hash of its tokens chained to its parent's,
-in both pools; a request admitted later reuses the longest registered prefix whose full blocks are
+`block_size` committed tokens it is registered under the SHA-256 of its tokens chained to its
+parent's key (block_allocator.block_keys), in both pools; a request admitted later reuses the longest registered prefix whose full blocks are
 all cached and whose sliding blocks are cached for the last `past` positions before its end.
 """
 
@@ -21,15 +21,15 @@ class KVCacheManager:
         self.queries = 0  # prompt tokens of first admissions...
         self.hits = 0  # ...and how many of them were found cached
 
-    def _hit(self, req: Request) -> tuple[int, list[int], list[int], list[int]]:
-        """-> (blocks hit, their full blocks, their sliding table (-1 out of reach), their hashes)."""
+    def _hit(self, req: Request) -> tuple[int, list[int], list[int], list[bytes]]:
+        """-> (blocks hit, their full blocks, their sliding table (-1 out of reach), their keys)."""
         if not self.full.caching:
             return 0, [], [], []
         if len(req.prefix_keys) != req.num_tokens // self.block_size:  # not every step the request waits
             req.prefix_keys = block_keys(req.key_tokens(0, req.num_tokens), self.block_size)
         keys = req.prefix_keys
         full = []
-        for key, _ in keys:
+        for key in keys:
             block = self.full.lookup(key)
             if block is None:
                 break
@@ -38,9 +38,9 @@ class KVCacheManager:
             if req.splits_image(k * self.block_size):  # an image is encoded whole (Request.chunk)
                 continue
             lo = max(0, k * self.block_size - self.past) // self.block_size
-            sliding = [self.sliding.lookup(key) for key, _ in keys[lo:k]]
+            sliding = [self.sliding.lookup(key) for key in keys[lo:k]]
             if None not in sliding:
-                return k, full[:k], [-1] * lo + sliding, [h for _, h in keys[:k]]
+                return k, full[:k], [-1] * lo + sliding, keys[:k]
         return 0, [], [], []
 
     def _need(self, req: Request, end: int) -> tuple[int, int]:
@@ -108,12 +108,12 @@ class KVCacheManager:
         bs, done = self.block_size, req.num_cached
         if self.full.caching and len(req.block_hashes) < done // bs:
             first = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            for i, (key, h) in enumerate(block_keys(req.key_tokens(first * bs, done // bs * bs), bs, parent), first):
+            parent = req.block_hashes[-1] if req.block_hashes else b""
+            for i, key in enumerate(block_keys(req.key_tokens(first * bs, done // bs * bs), bs, parent), first):
                 self.full.register(req.blocks[i], key)
                 if req.sliding_blocks[i] >= 0:
                     self.sliding.register(req.sliding_blocks[i], key)
-                req.block_hashes.append(h)
+                req.block_hashes.append(key)
         i = max(0, done - self.past) // bs - 1  # the last block out of reach; those before went first
         while i >= 0 and req.sliding_blocks[i] >= 0:
             self.sliding.free([req.sliding_blocks[i]])

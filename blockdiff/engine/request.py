@@ -95,7 +95,7 @@ class Request:
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)  # full-layer block table (engine/kv_cache_manager.py)
     sliding_blocks: list[int] = field(default_factory=list)  # sliding-layer block table, -1 out of reach
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered
+    block_hashes: list[bytes] = field(default_factory=list)  # chained keys of the full blocks registered
     # Keys of the full blocks of prompt + output, for prefix lookups while the request waits; its
     # tokens only grow, so they stay valid until num_tokens changes.
     prefix_keys: list = field(default_factory=list)
@@ -116,6 +116,7 @@ class Request:
     sent_pieces: int = 0
     images: list[ProcessedImage] = field(default_factory=list)  # of the prompt, in order
     image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each one's soft tokens
+    client: str | None = None  # whose share of the slots it counts against (engine/scheduler.py); None: nobody's
 
     def __post_init__(self) -> None:
         self.generator.manual_seed(self.seed % 2**64)

@@ -9,16 +9,22 @@ recomputed from their tokens when readmitted, as vLLM v1 does. Then waiting requ
 first come first served, while a slot is free and the cache holds their first chunk after the
 prefix they find cached: admission asks for what a request needs now, not its worst case.
 
-Fairness: when the request at the head of the queue cannot be admitted, running requests that have
-committed `preempt_after` canvases since their admission give up their slot and blocks at their
-canvas boundary (COMMIT), oldest admission first, and go to the back of the queue. A waiting request
-therefore starts within one canvas of some running request: at most the engine's denoising-steps
-limit plus a commit step, once the running requests have had `preempt_after` canvases each.
+Fairness is per client (`Request.client`; the server's is the caller's address): every engine
+request counts, so one API call's choices and prompts count as many. The next request admitted
+(the head) is the first waiting one of the client with the fewest requests running. When the head
+cannot be admitted, running requests that have committed `preempt_after` canvases since their
+admission give up their slot and blocks at their canvas boundary (COMMIT) and go to the back of the
+queue: those of the client with the most requests running first (oldest admission first among
+them), and only requests of the head's own client or of clients running more than it. The head
+therefore starts within one canvas of some running request, at most the engine's denoising-steps
+limit plus a commit step once the running requests have had `preempt_after` canvases each; a
+client's waiting request is behind the heads of the clients running fewer requests, not behind
+every request queued before it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from blockdiff.engine.kv_cache_manager import KVCacheManager
@@ -75,18 +81,31 @@ class Scheduler:
     def _fits(self, req: Request) -> bool:
         return bool(self.free_slots) and self.kv.can_admit(req, self.max_prefill_tokens)
 
+    def _head(self, running: Counter) -> Request:
+        """The waiting request to admit next: the first of the client with the fewest running."""
+        firsts: dict[str | None, int] = {}
+        for i, req in enumerate(self.waiting):
+            firsts.setdefault(req.client, i)
+        i = min(firsts.values(), key=lambda i: (running[self.waiting[i].client], i))
+        return self.waiting[i]
+
     def _preempt_for_waiting(self) -> list[Request]:
-        """Make room for the head of the queue from requests at a canvas boundary that had their share."""
+        """Make room for the head from requests at a canvas boundary that had their share."""
         preempted = []
         if self.preempt_after is None or not self.waiting:
             return preempted
-        head = self.waiting[0]
-        for req in list(self.running):
+        running = Counter(req.client for req in self.running)
+        head = self._head(running)
+        # The busiest clients give first; a client running no more than the head's keeps its slots.
+        for req in sorted(self.running, key=lambda r: -running[r.client]):
             if self._fits(head):
                 break
             if req.state != State.COMMIT or req.canvases_since_admitted < self.preempt_after:
                 continue
+            if req.client != head.client and running[req.client] <= running[head.client]:
+                continue
             self._preempt(req)
+            running[req.client] -= 1
             preempted.append(req)
         return preempted
 
@@ -123,14 +142,16 @@ class Scheduler:
             if req.state == State.PREFILL:
                 budget -= n
             i += 1
+        running = Counter(req.client for req in self.running)
         while self.waiting and self.free_slots and not out_of_memory:
-            req = self.waiting[0]
+            req = self._head(running)
             hit = self.kv.admit(req, budget)
             if hit is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.admit(self.free_slots.pop(), hit)
             self.running.append(req)
+            running[req.client] += 1
             if req.state == State.DENOISE:  # everything was cached
                 decoder.append(req)
             else:

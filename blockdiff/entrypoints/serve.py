@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from blockdiff.arg_utils import (add_chat_template_arg, add_engine_args, add_sampling_args, at_least, engine_config,
-                                       given_model, parse_size, port, positive_seconds, sampling_overrides)
+                                 given_model, parse_size, port, positive, positive_seconds, sampling_overrides)
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.reasoning import REASONING_PARSERS
 from blockdiff.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -30,9 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued-requests", type=at_least(0), default=None,
                    help="answer 429 when more requests than this would wait (default: no limit)")
     p.add_argument("--max-client-concurrency", type=at_least(1), default=None,
-                   help="answer 429 to a client host with this many generation requests in progress "
-                        "(default: no limit)")
+                   help="engine requests (each choice and prompt of a call counts) one client host may have in "
+                        "progress; more get 429 (default: no limit)")
     p.add_argument("--max-request-size", type=parse_size, default=16 * 2**20, help="largest request body (default 16MiB)")
+    p.add_argument("--max-stream-buffer", type=parse_size, default=ServerConfig.max_stream_buffer,
+                   help="output of a stream its client may leave unread before the connection is dropped, "
+                        "approximately (default 8MiB)")
     p.add_argument("--max-request-cost", type=at_least(1), default=None,
                    help="most canvas positions one API request may ask the decoder for: choices x canvases x "
                         "max_denoising_steps x canvas length (default: max-num-seqs requests of max-model-len tokens "
@@ -46,8 +49,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a connection may stay open without sending a request (default %(default)s)")
     p.add_argument("--body-timeout", type=positive_seconds, default=ServerConfig.body_timeout,
                    help="seconds a request may take to send its body (default %(default)s)")
+    p.add_argument("--min-body-rate", type=positive("number of bytes per second"), default=ServerConfig.min_body_rate,
+                   metavar="BYTES",
+                   help="bytes a second a request body must average once --header-timeout seconds have passed, or "
+                        "it gets 408 (default %(default)g)")
+    p.add_argument("--max-client-uploads", type=at_least(1), default=ServerConfig.max_client_uploads,
+                   help="connections of one client address that may be sending a request body at once; more get "
+                        "429 (default %(default)s)")
     p.add_argument("--keep-alive-timeout", type=positive_seconds, default=ServerConfig.keep_alive_timeout,
                    help="seconds an idle keep-alive connection stays open (default %(default)s)")
+    p.add_argument("--preprocess-threads", type=at_least(1), default=ServerConfig.preprocess_threads,
+                   help="threads that decode request bodies, render chat templates and tokenize (default %(default)s)")
+    p.add_argument("--preprocess-timeout", type=positive_seconds, default=ServerConfig.preprocess_timeout,
+                   help="seconds a request's preprocessing (body, chat template, tokenizer, images) may take before "
+                        "it is abandoned with a 413 (default %(default)s)")
+    p.add_argument("--image-decode-threads", type=at_least(1), default=ServerConfig.image_decode_threads,
+                   help="threads that decode images; each holds one image's memory at a time (default %(default)s)")
+    p.add_argument("--image-fetch-threads", type=at_least(1), default=ServerConfig.image_fetch_threads,
+                   help="image URLs fetched at once (default %(default)s)")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="format of tool calls in the output, read into message.tool_calls (default: the checkpoint's "
                         "own, gemma4, when its tokenizer has that format's tokens; else calls are not read)")
@@ -70,12 +89,19 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_client_concurrency=args.max_client_concurrency,
         max_request_bytes=args.max_request_size,
+        max_stream_buffer=args.max_stream_buffer,
         shutdown_timeout=args.shutdown_timeout,
         max_connections=args.max_connections,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        min_body_rate=args.min_body_rate,
+        max_client_uploads=args.max_client_uploads,
         keep_alive_timeout=args.keep_alive_timeout,
         max_request_cost=args.max_request_cost,
+        preprocess_threads=args.preprocess_threads,
+        preprocess_timeout=args.preprocess_timeout,
+        image_decode_threads=args.image_decode_threads,
+        image_fetch_threads=args.image_fetch_threads,
         log_level=args.uvicorn_log_level or args.log_level,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -40,3 +41,24 @@ def keep_freed_memory() -> bool:
     if _applied:
         log.debug("heap: mmap off, trimming deferred")
     return _applied
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere): after a
+    rare large allocation, such as a decoded image, which the settings above would otherwise keep."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -195,6 +195,11 @@ class ServingMetrics:
         self.canvases = Counter(p + "canvases_total", "Canvases committed.")
         self.positions = Counter(p + "canvas_positions_evaluated_total", "Canvas positions run through the decoder.")
         self.http = Counter(p + "http_responses_total", "HTTP responses, by status code.", "status")
+        self.refusals = Counter(p + "http_refusals_total", "Requests refused while their connection or body was "
+                                "admitted (each also counted by status), by reason.", "reason")
+        self.closed = Counter(p + "connections_closed_total", "Connections the server closed with no request to "
+                              "answer, by reason (header_timeout, room: the longest idle one, past --max-connections).",
+                              "reason")
         self.step_time = Histogram(p + "step_duration_seconds", "Duration of one engine step (one forward).",
                                    _LATENCY_BUCKETS)
         self.first_canvas = Histogram(p + "time_to_first_canvas_seconds", "Arrival to first committed canvas.",
@@ -239,8 +244,14 @@ class ServingMetrics:
     def response(self, status: int) -> None:
         self.http.inc(label=str(status))
 
+    def refused(self, reason: str) -> None:
+        self.refusals.inc(label=reason)
+
+    def connection_closed(self, reason: str) -> None:
+        self.closed.inc(label=reason)
+
     def render(self) -> str:
         families = [self.requests, self.prompt_tokens, self.generation_tokens, self.denoising_steps, self.canvases,
                     self.positions, *self.gauges, *self.engine_counters, self.step_time, self.first_canvas, self.request_time, self.http,
-                    *self.vllm.families()]
+                    self.refusals, self.closed, *self.vllm.families()]
         return "\n".join(line for family in families for line in family.render()) + "\n"

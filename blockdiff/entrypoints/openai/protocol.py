@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from blockdiff.sampling_params import ENGINE_FIELDS, SamplerField, SamplingParams
 
@@ -113,6 +113,20 @@ class FunctionDefinition(_Request):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema_shape(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The parts of a JSON schema that chat templates walk have the shape JSON Schema gives them."""
+        if schema is None:
+            return schema
+        properties = schema.get("properties")
+        if properties is not None and not (isinstance(properties, dict) and all(isinstance(v, dict) for v in properties.values())):
+            raise ValueError("properties must be an object of schemas, one per argument")
+        required = schema.get("required")
+        if required is not None and not (isinstance(required, list) and all(isinstance(v, str) for v in required)):
+            raise ValueError("required must be a list of argument names")
+        return schema
 
 
 class Tool(_Request):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import socket
@@ -21,10 +22,14 @@ from blockdiff.config import EngineConfig
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
-from blockdiff.entrypoints.openai.connections import AcceptErrorLog, connection_limit, guarded_protocol
+from blockdiff.entrypoints.openai.connections import AcceptErrorLog, BodyAdmission, connection_limit, guarded_protocol
+from blockdiff.entrypoints.openai.media import ChatImages
 from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
-from blockdiff.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                                   TokenizeRequest, TokenizeResponse, now, request_types)
+from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, DetokenizeRequest, DetokenizeResponse,
+                                                   ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now,
+                                                   request_types)
+from blockdiff.entrypoints.openai.preprocess import WorkPool
+from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.serving import OpenAIServing
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
 from blockdiff.startup import start_engine
@@ -50,15 +55,17 @@ class CountResponses(_Middleware):
     """The outermost layer: counts every response by status code for /metrics, 500s included.
     Starlette's error layer re-raises an exception after it has sent the 500 (for servers to log
     it; our handler already did), and uvicorn then drops the connection: a complete response ends
-    the exception here, so a keep-alive connection survives a 500."""
+    the exception here, so a keep-alive connection survives a 500. An exception before any
+    response (in a middleware) gets the OpenAI-shaped 500 here, not uvicorn's plain-text one."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        state = {"complete": False}
+        state = {"started": False, "complete": False}
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
+                state["started"] = True
                 self.metrics.response(message["status"])
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["complete"] = True
@@ -66,72 +73,12 @@ class CountResponses(_Middleware):
 
         try:
             await self.app(scope, receive, counting_send)
-        except Exception:
-            if not state["complete"]:
+        except Exception as e:
+            if state["started"] and not state["complete"]:
                 raise  # half a response: only closing the connection ends it
-
-
-class LimitBody(_Middleware):
-    """413 for bodies over `limit` bytes, declared or streamed; the body is read here and replayed."""
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self.reject(send, 413, f"request body of {int(declared)} bytes is over the {self.limit}-byte limit",
-                                     code="request_too_large")
-        chunks, size, more = [], 0, True
-        deadline = asyncio.get_running_loop().time() + self.timeout
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
-            except asyncio.TimeoutError:
-                return await self.reject(send, 408, f"the request body did not arrive within {self.timeout:g} s",
-                                         code="request_timeout")
-            if message["type"] != "http.request":  # disconnected while sending the body
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.limit:
-                return await self.reject(send, 413, f"request body is over the {self.limit}-byte limit",
-                                         code="request_too_large")
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-class LimitClients(_Middleware):
-    """429 for a client's generation request while it already has `limit` in progress. A client is
-    its host: a bearer token would not do, since without --api-key any token is accepted, and with
-    it every client sends the same one."""
-
-    def __init__(self, app, limit: int):
-        super().__init__(app, limit=limit)
-        self.running: dict[str, int] = {}
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
-            return await self.app(scope, receive, send)
-        client = (scope.get("client") or ("",))[0]
-        if self.running.get(client, 0) >= self.limit:
-            return await self.reject(send, 429, f"this client already has {self.limit} requests in progress "
-                                                "(--max-client-concurrency); retry when one ends", code="too_many_requests")
-        self.running[client] = self.running.get(client, 0) + 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.running[client] -= 1
-            if not self.running[client]:
-                del self.running[client]
+            if not state["started"]:
+                log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+                await self.reject(counting_send, 500, f"internal server error: {type(e).__name__}")
 
 
 _OPEN_PATHS = frozenset({"/health", "/ping", *playground.PUBLIC_PATHS})
@@ -158,8 +105,12 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     """The app owns `engine` from here on: it is shut down when the app's lifespan ends."""
     metrics = ServingMetrics(engine, cfg.served_model_names[0])
     async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
+    pool = WorkPool(cfg.preprocess_threads, cfg.preprocess_timeout, "blockdiff-preprocess")
+    images = ChatImages(engine.inputs.images, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
+                        WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
     serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
-                            cfg.reasoning_parser)
+                            cfg.reasoning_parser, pool, images, ClientLimit(cfg.max_client_concurrency),
+                            cfg.max_stream_buffer)
     tokenization = OpenAIServingTokenization(serving)
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.inputs.defaults[f.name] for f in engine.sampler.fields}
@@ -173,16 +124,20 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
             yield
         finally:
             await async_engine.stop()
+            for p in (pool, images.decode, images.fetch):
+                p.shutdown()
 
     # The generation bodies take the fields of the model's sampler (protocol.request_types).
     CompletionRequest, ChatCompletionRequest = request_types(engine.sampler.fields)
     app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics),
                bodies=(CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
     app.state.async_engine = async_engine
+    app.state.metrics = metrics
     errors.install(app)
-    parse = body.BodyParser()
+    # One item past the longest list a field takes: the field then says what its limit is.
+    parse = body.BodyParser(pool, max(engine.max_model_len, MAX_CHOICES, MAX_MESSAGES) + 1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not async_engine.available:
             return errors.error_response(503, async_engine.unavailable_reason(), code="engine_unavailable")
@@ -212,26 +167,29 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     # schema still documents them.
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await serving.completions(await parse(await request.body(), CompletionRequest), request)
+        return await serving.completions(await parse(await request.body(), CompletionRequest, client_of(request)), request)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
-        return await serving.chat(await parse(await request.body(), ChatCompletionRequest), request)
+        return await serving.chat(await parse(await request.body(), ChatCompletionRequest, client_of(request)), request)
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> TokenizeResponse:
-        return tokenization.tokenize(await parse(await request.body(), TokenizeRequest))
+        client = client_of(request)
+        return await pool.run(client, tokenization.tokenize, await parse(await request.body(), TokenizeRequest, client))
 
     @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
     async def detokenize(request: Request) -> DetokenizeResponse:
-        return tokenization.detokenize(await parse(await request.body(), DetokenizeRequest))
+        client = client_of(request)
+        return await pool.run(client, tokenization.detokenize, await parse(await request.body(), DetokenizeRequest, client))
 
     playground.install(app, api_key_required=bool(cfg.api_key))
 
     # The last added runs first: check the key before reading any body. CountResponses wraps them all.
-    app.add_middleware(LimitBody, limit=cfg.max_request_bytes, timeout=cfg.body_timeout)
-    if cfg.max_client_concurrency is not None:
-        app.add_middleware(LimitClients, limit=cfg.max_client_concurrency)
+    max_connections = connection_limit(cfg.max_connections)
+    app.add_middleware(BodyAdmission, max_bytes=cfg.max_request_bytes, timeout=cfg.body_timeout,
+                       min_rate=cfg.min_body_rate, grace=cfg.header_timeout, per_client=cfg.max_client_uploads,
+                       total=max(1, max_connections // 2), on_refused=metrics.refused)
     if cfg.api_key:
         app.add_middleware(RequireAPIKey, key=cfg.api_key)
     return app
@@ -301,12 +259,22 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
         except BaseException:
             engine.shutdown()  # stops tensor-parallel workers too
             raise
+        # What is loaded now (torch, the model, the tokenizer) lives as long as the server: kept out of
+        # the cyclic collector's sight, a full collection, which stops every thread, takes no 150 ms.
+        gc.collect()
+        gc.freeze()
         # uvicorn's own timeout is a backstop: the engine ends every request after shutdown_timeout.
-        max_connections = connection_limit(cfg.max_connections)
-        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        metrics = app.state.metrics
+
+        def refused(status: int, reason: str) -> None:
+            metrics.response(status)
+            metrics.refused(reason)
+
+        # No limit_concurrency: uvicorn would answer /health too with a plain 503 (connections.py).
+        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ws="none",
                                 timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=cfg.keep_alive_timeout,
-                                http=guarded_protocol(cfg.header_timeout, max_connections),
-                                limit_concurrency=max_connections + 1)
+                                http=guarded_protocol(cfg.header_timeout, connection_limit(cfg.max_connections),
+                                                      metrics.connection_closed, refused))
         try:
             _Server(config, app.state.async_engine, cfg.shutdown_timeout).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
@@ -320,7 +288,10 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose
+    # protocol says TCP, and with it on, a response written in two parts (headers, body) waited for the
+    # client's delayed ACK: 40 ms on every keep-alive request.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart while old connections linger
     try:
         sock.bind((host, port))

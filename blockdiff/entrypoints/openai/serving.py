@@ -4,8 +4,9 @@ responses or server-sent events (one chunk per committed canvas)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
-import math
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, fields, replace
 
@@ -15,14 +16,20 @@ from pydantic import BaseModel
 
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
-from blockdiff.engine.images import IMAGE_PART_TYPES, split_chat_images, template_content
+from blockdiff.engine.images import IMAGE_PART_TYPES, template_content
 from blockdiff.image import ImageError
-from blockdiff.entrypoints.openai import protocol as p
+from blockdiff.entrypoints.openai import limits, protocol as p
+from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
+from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
+from blockdiff.entrypoints.openai.media import ChatImages
+from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
 from blockdiff.entrypoints.openai import reasoning, tool_parsers
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
+
+log = logging.getLogger(__name__)
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
@@ -176,16 +183,33 @@ def _sse(model: BaseModel | dict, event: str | None = None) -> str:
 
 class _EventStream(StreamingResponse):
     """An SSE response that aborts its engine requests however it ends (finished, client gone,
-    cancelled before the first byte)."""
+    cancelled before the first byte), and drops its connection once the client has left more of
+    it unread than the stream's bound (`stream.overflowed`): a client that does not read would
+    otherwise have the outputs queued for it until it hangs up."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream, on_close: Callable[[], None]):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
+        self._stream, self._on_close = stream, on_close
 
     async def __call__(self, scope, receive, send) -> None:
+        response = asyncio.ensure_future(super().__call__(scope, receive, send))
+        overflowed = asyncio.ensure_future(self._stream.overflowed.wait())
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({response, overflowed}, return_when=asyncio.FIRST_COMPLETED)
+            if not self._stream.overflowed.is_set():
+                return response.result()
+            # The events end with StreamOverflow, or wait on a client that does not read: drop it.
+            log.warning("dropping a stream whose client left more than %d bytes of it unread (--max-stream-buffer)",
+                        self._stream.max_unread)
+            drop = scope.get("extensions", {}).get("blockdiff.drop_connection")  # connections.py's protocol
+            if drop is not None:
+                drop()
+                await asyncio.sleep(0)  # the connection is lost before the app returns: no complaint from uvicorn
         finally:
+            for task in (response, overflowed):
+                task.cancel()
+            if response.done() and not response.cancelled():
+                response.exception()  # retrieved: the overflow it may hold is handled above
             self._on_close()
 
 
@@ -215,6 +239,22 @@ def _check_choices(prompts: int, n: int) -> None:
                             "request may ask for", param="prompt" if n == 1 else "n")
 
 
+def _decode_arguments(messages: list[dict]) -> None:
+    """The arguments of earlier tool calls, JSON text as OpenAI clients send them, decoded in place
+    into objects (vLLM decodes them too, so templates can format each argument): all of a request's
+    within one budget of containers and nesting, their strings checked as the body's are."""
+    budget = Budget(max_items=MAX_JSON_VALUES)  # no list of their own is too long: their text is bounded already
+    for i, message in enumerate(messages):
+        for k, call in enumerate(message.get("tool_calls", [])):
+            what = f"messages[{i}].tool_calls[{k}].function.arguments"
+            try:
+                call["function"]["arguments"] = decode_json(call["function"]["arguments"], what, budget)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"{what} is not JSON: {e}", param="messages") from None
+            except APIError as e:
+                raise APIError(400, e.message, param="messages") from None
+
+
 # Names the server gives the chat template itself; chat_template_kwargs may not set them.
 _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
                                         "eos_token", "unk_token"})
@@ -222,8 +262,15 @@ _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_g
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_request_cost: int | None,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None, reasoning_parser: str | None, pool: WorkPool, images: ChatImages,
+                 clients: ClientLimit, max_stream_buffer: int):
         self.engine = engine
+        # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
+        # (preprocess.py), its images in `images` (media.py); `clients` counts its engine requests.
+        self.pool = pool
+        self.images = images
+        self.clients = clients
+        self.max_stream_buffer = max_stream_buffer  # bytes a stream's client may leave unread
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_names = served_model_names
@@ -267,10 +314,14 @@ class OpenAIServing:
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
         _check_choices(_prompt_count(req.prompt), n)
         request_id = p.new_id("cmpl")
-        prompts = self._completion_prompts(req.prompt, request_id)
-        requests = [(ids, self._params(req, i, req.max_tokens, req.logprobs)) for ids in prompts for i in range(n)]
+        prompts, requests = await self.pool.run(client_of(raw), self._completion_requests, req, n, request_id)
         fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs)
         return await self._respond(req, prompts, requests, fmt, raw)
+
+    def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str):
+        """(In the pool) -> (the prompts' ids, the engine requests)."""
+        prompts = self._completion_prompts(req.prompt, request_id)
+        return prompts, self._engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs)
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         model = self.model_name(req.model)
@@ -284,14 +335,20 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rules = self._output_rules(req)
         request_id = p.new_id("chatcmpl")
-        images = await self._chat_images(req.messages)
+        images = await self._chat_images(req.messages, client_of(raw))
+        prompts, requests = await self.pool.run(client_of(raw), self._chat_requests, req, images, n, max_tokens, logprobs,
+                                                rules, request_id)
+        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules)
+        return await self._respond(req, prompts, requests, fmt, raw)
+
+    def _chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
+                       logprobs: int | None, rules: OutputRules, request_id: str):
+        """(In the pool) -> (the prompt ids usage counts, the engine requests)."""
         ids = self._chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
         prompt, prompts = self._with_images(ids, images)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
-        requests = [(prompt, replace(self._params(req, i, max_tokens, logprobs), skip_special_tokens=not rules.parses))
-                    for i in range(n)]
-        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules)
-        return await self._respond(req, prompts, requests, fmt, raw)
+        return prompts, self._engine_requests(req, [prompt], prompts, n, max_tokens, logprobs,
+                                              skip_special_tokens=not rules.parses)
 
     def _output_rules(self, req: p.ChatCompletionRequest) -> OutputRules:
         """Which parsers read this request's output, and what its tool_choice demands."""
@@ -343,32 +400,43 @@ class OpenAIServing:
             raise APIError(400, "stream_drafts needs stream: true", param="stream_drafts")
         return n
 
-    def _params(self, req: p._GenerationRequest, choice: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The request's sampler fields; the engine fills the rest (server flags, then the checkpoint)."""
+    def _engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
+                         max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True) -> list:
+        """n engine requests per prompt, checked against the limits first. The choices share one
+        validated SamplingParams but their seeds (and so its draft and stop lists); prompt-major."""
+        limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.llm.max_model_len)
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
         try:
-            return SamplingParams.of(
-                **values,
-                max_tokens=max_tokens,
-                seed=None if req.seed is None else req.seed + choice,
-                stop=req.stop,
-                logprobs=logprobs,
-                output_kind="delta" if req.stream else "final_only",
-            )
+            params = SamplingParams.of(**values, max_tokens=max_tokens, seed=req.seed, stop=req.stop, logprobs=logprobs,
+                                       output_kind="delta" if req.stream else "final_only",
+                                       skip_special_tokens=skip_special_tokens)
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
+        self._check_cost(req, prompts, params, n)
+        choices = [params] if n == 1 else [self._with_seed(params, i) for i in range(n)]
+        return [(prompt, choice) for prompt in prompts for choice in choices]
 
-    def _check_cost(self, req: p._GenerationRequest, requests) -> None:
-        """Refuse an API request that would hold the decoder longer than the limit allows."""
+    @staticmethod
+    def _with_seed(params: SamplingParams, choice: int) -> SamplingParams:
+        """Choice i of a request seeded s draws from s + i; a shallow copy shares the checked lists."""
+        if params.seed is None:
+            return params
+        out = copy.copy(params)
+        out.seed = params.seed + choice
+        return out
+
+    def _check_cost(self, req: p._GenerationRequest, prompts: list, params: SamplingParams, n: int) -> None:
+        """Refuse an API request that would hold the decoder longer than the limit allows. The choices
+        of a prompt differ only in their seeds, so they cost the same."""
         cost = 0
         try:
-            for prompt, params in requests:
+            for prompt in prompts:
                 # Lengths beyond the context are the engine's to refuse, with its own message.
                 length = self._prompt_length(prompt)
                 room = max(1, self.llm.max_model_len - length)
                 resolved = self.llm.inputs.resolve(params, length)
-                cost += self.llm.inputs.cost(replace(resolved, max_tokens=min(resolved.max_tokens, room)))
+                cost += n * self.llm.inputs.cost(replace(resolved, max_tokens=min(resolved.max_tokens, room)))
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
         if cost > self.max_request_cost:
@@ -399,19 +467,27 @@ class OpenAIServing:
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         if isinstance(prompt[0], int):
-            return [list(prompt)]
-        return [self._encode(x, request_id) if isinstance(x, str) else list(x) for x in prompt]
+            return [prompt]
+        out = []
+        for x in prompt:
+            check_deadline()
+            out.append(self._encode(x, request_id) if isinstance(x, str) else x)
+        return out
 
     def _chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True,
                      tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
-        self._check_chars(sum(len(m["content"]) for m in rendered if isinstance(m["content"], str)), "messages")
         kwargs = self._template_kwargs(chat_template_kwargs or {})
         tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        # Everything the template reads counts, before it, the arguments' decoding or the tokenizer run.
+        limits.check_template_text(rendered, tools, kwargs, self.max_prompt_chars, self.llm.max_model_len,
+                                   self.tokenizer.max_token_chars)
+        _decode_arguments(rendered)
         try:
-            ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+            ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             guard=check_deadline, max_chars=self.max_prompt_chars, **kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
@@ -419,28 +495,12 @@ class OpenAIServing:
         return ids
 
     # ---- images in chat messages (docs/images.md) -----------------------------------------------
-    async def _chat_images(self, messages: list[p.ChatMessage]) -> list:
+    async def _chat_images(self, messages: list[p.ChatMessage], client: str) -> list:
         """The images of the messages' image_url parts, fetched, decoded and preprocessed off the
-        event loop; a bad one is a 400 naming it."""
-        plain = [m.model_dump(exclude_none=True) for m in messages]
-        if not any(isinstance(m.get("content"), list) and any(part.get("type") in IMAGE_PART_TYPES for part in m["content"])
-                   for m in plain):
+        event loop (media.py); a bad one is a 400 naming it."""
+        if not any(isinstance(m.content, list) and any(part.type in IMAGE_PART_TYPES for part in m.content) for m in messages):
             return []
-        intake = self.llm.inputs.images
-
-        def load() -> list:
-            _, urls = split_chat_images(plain, lambda url, what: (url, what))
-            intake.check_count(len(urls))  # before anything is fetched
-            if not all(isinstance(u, tuple) for u in urls):  # an "image" part's value would be read as a file path
-                raise ImageError("this server takes images as image_url parts only")
-            return intake.load([intake.fetch(*u) for u in urls], "image")
-
-        try:
-            return await asyncio.to_thread(load)
-        except ImageError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_image") from None
-        except ValueError as e:  # a part that is neither text nor an image
-            raise APIError(400, str(e), param="messages") from None
+        return await self.images.load([m.model_dump(exclude_none=True) for m in messages], client)
 
     def _with_images(self, ids: list[int], images: list) -> tuple[list[int] | dict, list[list[int]]]:
         """-> (the engine's prompt, the prompt ids that usage counts: placeholders expanded)."""
@@ -459,9 +519,8 @@ class OpenAIServing:
         return len(prompt)
 
     def _template_message(self, i: int, m: p.ChatMessage) -> dict:
-        """A message as the chat template reads it: content parts as `template_content` renders them,
-        and the arguments of earlier tool calls as objects (vLLM decodes their JSON too, so templates
-        can format each argument)."""
+        """A message as the chat template reads it: content parts as `template_content` renders them
+        (the arguments of its tool calls are still JSON text; `_decode_arguments` decodes them)."""
         message = m.model_dump(exclude_none=True)
         if isinstance(message.get("content"), list):
             try:
@@ -469,12 +528,6 @@ class OpenAIServing:
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
         message.setdefault("content", "")
-        for k, call in enumerate(message.get("tool_calls", [])):
-            try:
-                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-            except json.JSONDecodeError as e:
-                raise APIError(400, f"messages[{i}].tool_calls[{k}].function.arguments is not JSON: {e}",
-                               param="messages") from None
         return message
 
     def _template_kwargs(self, kwargs: dict) -> dict:
@@ -492,16 +545,29 @@ class OpenAIServing:
 
     # ---- engine outputs -> responses ----------------------------------------------------------
     async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
-        self._check_cost(req, requests)
+        client = client_of(raw)
+        release = self.clients.hold(client, len(requests))  # until the response ends, however it ends
         try:
-            stream = await self.engine.add(requests)
-        except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
+            stream = await self.engine.add(requests, client)
+        except BaseException as e:
+            release()
+            if isinstance(e, ValueError):
+                raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
+            raise
         states = [ChoiceState() for _ in requests]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), stream.abort)
-        finals = await self._collect(stream, raw)
+
+            def close() -> None:
+                stream.abort()
+                release()
+
+            stream.max_unread = self.max_stream_buffer
+            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), stream, close)
+        try:
+            finals = await self._collect(stream, raw)
+        finally:
+            release()
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         pieces = {i: states[i].advance(out) for i, out in finals.items()}
