@@ -101,21 +101,21 @@ def chat_messages(items: list, instructions: str | None) -> list[dict]:
     messages = [] if instructions is None else [{"role": "system", "content": instructions}]
     turn: dict | None = None
     for i, item in enumerate(items):
-        if isinstance(item, r.FunctionCallOutput):
+        if isinstance(item, r.FunctionCallOutputItem):
             turn = None
             output = item.output if isinstance(item.output, str) else "".join(part.text for part in item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
             continue
-        if isinstance(item, r.Message) and item.role != "assistant":
+        if isinstance(item, r.MessageItem) and item.role != "assistant":
             turn = None
             messages.append({"role": item.role, "content": _content(i, item.content)})
             continue
         if turn is None:
             turn = {"role": "assistant", "content": ""}
             messages.append(turn)
-        if isinstance(item, r.Message):
+        if isinstance(item, r.MessageItem):
             turn["content"] += _assistant_text(i, item.content)
-        elif isinstance(item, r.Reasoning):
+        elif isinstance(item, r.ReasoningItem):
             thought = "".join(part.text for part in item.content or ())
             if thought:
                 turn["reasoning_content"] = turn.get("reasoning_content", "") + thought
@@ -276,7 +276,7 @@ class OpenAIServingResponses:
         model = s.model_name(req.model)
         _refuse_unsupported(req)
         earlier = self._earlier(req.previous_response_id)
-        given = [] if req.input is None else [r.Message(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+        given = [] if req.input is None else [r.MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
         if not given and req.previous_response_id is None:
             raise APIError(400, "input is empty: send input (text or items), or previous_response_id", param="input")
         conversation = earlier + given

@@ -56,20 +56,20 @@ def _text_or(items: Any) -> Any:
                      Discriminator(lambda v: "str" if isinstance(v, str) else "list[item]")]
 
 
-class Message(_Item):
+class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: _text_or(Annotated[list[ContentPart], Field(max_length=p.MAX_CONTENT_PARTS)])
 
 
-class FunctionCall(_Item):
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str  # JSON, as the model's call came out
 
 
-class FunctionCallOutput(_Item):
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str
     output: _text_or(Annotated[list[InputText], Field(max_length=p.MAX_CONTENT_PARTS)])
@@ -85,7 +85,7 @@ class SummaryText(_Item):
     text: str
 
 
-class Reasoning(_Item):
+class ReasoningItem(_Item):
     type: Literal["reasoning"]
     summary: list[SummaryText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
@@ -99,8 +99,8 @@ def _item_type(value: Any) -> str | None:
 
 
 InputItem = Annotated[
-    Union[Annotated[Message, Tag("message")], Annotated[FunctionCall, Tag("function_call")],
-          Annotated[FunctionCallOutput, Tag("function_call_output")], Annotated[Reasoning, Tag("reasoning")]],
+    Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[ReasoningItem, Tag("reasoning")]],
     Discriminator(_item_type, custom_error_type="invalid_item",
                   custom_error_message="an input item's type must be message, function_call, function_call_output or "
                                        "reasoning; the other items belong to OpenAI's hosted tools, which this server "
@@ -162,7 +162,7 @@ _SamplerExtensions = create_model(
 )
 
 
-class StreamOptions(p._Request):
+class ResponsesStreamOptions(p._Request):
     include_obfuscation: bool | None = None  # nothing is obfuscated: the events carry no padding
 
 
@@ -173,7 +173,7 @@ class ResponsesRequest(_SamplerExtensions):
     previous_response_id: str | None = None
     store: bool | None = None  # default true, as OpenAI's
     stream: bool | None = None
-    stream_options: StreamOptions | None = None
+    stream_options: ResponsesStreamOptions | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
