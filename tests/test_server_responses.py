@@ -17,7 +17,7 @@ from server_process import ServerProcess
 
 from blockdiff.demo.tasks import WEATHER_TOOL
 from blockdiff.entrypoints.openai import responses_protocol as r
-from blockdiff.entrypoints.openai.responses import chat_messages
+from blockdiff.entrypoints.openai.responses import ResponseStore, chat_messages
 from pydantic import TypeAdapter
 
 GREEDY = dict(temperature=0, extra_body={"seed": 0})
@@ -260,6 +260,19 @@ def test_items_become_chat_messages():
         {"role": "developer", "content": [{"type": "text", "text": "Be brief."},
                                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
     ]
+
+
+def test_the_store_drops_the_oldest_responses_past_its_budget(client):
+    responses = [r.ResponseObject.model_validate(create(client, f"upper: {word}", store=False).model_dump())
+                 for word in ("abc", "def", "ghi")]
+    item = TypeAdapter(r.InputItem).validate_python({"role": "user", "content": "upper: abc"})
+    # Room for two of the three: each takes its response's JSON and its conversation's.
+    store = ResponseStore(max_bytes=2 * max(len(x.model_dump_json()) + len(item.model_dump_json()) for x in responses))
+    for response in responses:
+        store.put(response, [item])
+    assert [store.get(x.id) is not None for x in responses] == [False, True, True]
+    assert store.delete(responses[1].id) and not store.delete(responses[1].id) and store.get(responses[1].id) is None
+    assert store.get(responses[2].id).conversation == [item]
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])

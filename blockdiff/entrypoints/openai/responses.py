@@ -272,28 +272,14 @@ class OpenAIServingResponses:
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def create(self, req: r.ResponsesRequest, raw: Request) -> Response:
-        s = self.serving
-        model = s.model_name(req.model)
+        model = self.serving.model_name(req.model)
         _refuse_unsupported(req)
-        earlier = self._earlier(req.previous_response_id)
-        given = [] if req.input is None else [r.MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+        given = [r.MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input or []
         if not given and req.previous_response_id is None:
             raise APIError(400, "input is empty: send input (text or items), or previous_response_id", param="input")
-        conversation = earlier + given
+        conversation = self._earlier(req.previous_response_id) + given
         response_id = _id("resp")
-        chat = self._chat(req, conversation)
-        with _responses_names():
-            rules = s._output_rules(chat)
-            images = await s._chat_images(chat.messages)
-            ids = s._chat_prompt(chat.messages, response_id, tools=chat.tools, chat_template_kwargs=chat.chat_template_kwargs)
-            prompt, prompts = s._with_images(ids, images)
-            # The parsers read the format's markers, which are special tokens (as the chat endpoint).
-            params = replace(s._params(chat, 0, chat.max_tokens, None), skip_special_tokens=not rules.parses)
-            s._check_cost(chat, [(prompt, params)])
-        try:
-            stream = await s.engine.add([(prompt, params)])
-        except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS, {"prompt": "input", "max_tokens": "max_output_tokens"}) from None
+        rules, prompts, stream = await self._start(self._chat(req, conversation), response_id)
         output = _Output(rules, self._reasoning_markers)
         begun = self._response(req, response_id, model, "in_progress")
 
@@ -308,7 +294,7 @@ class OpenAIServingResponses:
 
         if req.stream:
             return _EventStream(self._events(stream, output, begun, finish), stream.abort)
-        finals = await s._collect(stream, raw)
+        finals = await self.serving._collect(stream, raw)
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         out = finals[0]
@@ -321,16 +307,30 @@ class OpenAIServingResponses:
 
     def delete(self, response_id: str) -> r.DeletedResponse:
         if not self.store.delete(response_id):
-            self._stored(response_id, "response_id")  # raises the 404
+            raise _not_stored(response_id, "response_id")
         return r.DeletedResponse(id=response_id)
 
-    # ---- request -> chat request --------------------------------------------------------------
-    def _stored(self, response_id: str, param: str):
+    # ---- request -> engine request ------------------------------------------------------------
+    async def _start(self, chat: p.ChatCompletionRequest, response_id: str) -> tuple[OutputRules, list[list[int]], RequestStream]:
+        """The chat request through the chat endpoint's steps, up to its engine request's stream."""
+        s = self.serving
+        with _responses_names():
+            rules = s._output_rules(chat)
+            images = await s._chat_images(chat.messages)
+            ids = s._chat_prompt(chat.messages, response_id, tools=chat.tools, chat_template_kwargs=chat.chat_template_kwargs)
+            prompt, prompts = s._with_images(ids, images)
+            # The parsers read the format's markers, which are special tokens (as the chat endpoint).
+            params = replace(s._params(chat, 0, chat.max_tokens, None), skip_special_tokens=not rules.parses)
+            s._check_cost(chat, [(prompt, params)])
+        try:
+            return rules, prompts, await s.engine.add([(prompt, params)])
+        except ValueError as e:
+            raise bad_value(e, REQUEST_FIELDS, {"prompt": "input", "max_tokens": "max_output_tokens"}) from None
+
+    def _stored(self, response_id: str, param: str) -> _Stored:
         stored = self.store.get(response_id)
         if stored is None:
-            raise APIError(404, f"no stored response has id {response_id!r} (responses made with store: false are "
-                                "not kept, and the oldest are dropped once the store is full)",
-                           param=param, code="response_not_found")
+            raise _not_stored(response_id, param)
         return stored
 
     def _earlier(self, previous_response_id: str | None) -> list:
@@ -425,6 +425,11 @@ class OpenAIServingResponses:
             yield send({"type": "error", "code": "engine_unavailable", "message": str(e), "param": None})
         except RequestFailed as e:
             yield send({"type": "error", "code": "request_failed", "message": str(e), "param": None})
+
+
+def _not_stored(response_id: str, param: str) -> APIError:
+    return APIError(404, f"no stored response has id {response_id!r} (responses made with store: false are not kept, "
+                         "and the oldest are dropped once the store is full)", param=param, code="response_not_found")
 
 
 def _refuse_unsupported(req: r.ResponsesRequest) -> None:
