@@ -30,6 +30,8 @@ from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, De
                                                    request_types)
 from blockdiff.entrypoints.openai.preprocess import WorkPool
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
+from blockdiff.entrypoints.openai.responses import OpenAIServingResponses
+from blockdiff.entrypoints.openai.responses_protocol import DeletedResponse, ResponseObject, responses_request_type
 from blockdiff.entrypoints.openai.serving import OpenAIServing
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
 from blockdiff.startup import start_engine
@@ -129,8 +131,10 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
 
     # The generation bodies take the fields of the model's sampler (protocol.request_types).
     CompletionRequest, ChatCompletionRequest = request_types(engine.sampler.fields)
+    ResponsesRequest = responses_request_type(engine.sampler.fields)
+    responses = OpenAIServingResponses(serving, ChatCompletionRequest)
     app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics),
-               bodies=(CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
+               bodies=(CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest))
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     errors.install(app)
@@ -172,6 +176,18 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
         return await serving.chat(await parse(await request.body(), ChatCompletionRequest, client_of(request)), request)
+
+    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def create_response(request: Request) -> Response:
+        return await responses.create(await parse(await request.body(), ResponsesRequest, client_of(request)), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> ResponseObject:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete(response_id)
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> TokenizeResponse:

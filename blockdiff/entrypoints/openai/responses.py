@@ -1,0 +1,482 @@
+"""`/v1/responses`, OpenAI's Responses API, on the chat endpoint's machinery.
+
+A request's input items (with the conversation of `previous_response_id` before them) become chat
+messages, its function tools the chat template's tools and its `reasoning` the template's thinking
+switch; from there it is a chat request: the same template rendering, sampler fields, limits and
+output parsers (chat_output.py) as /v1/chat/completions. The parsed output becomes output items:
+the thinking a `reasoning` item, the text a `message`, each call a `function_call`; streamed, each
+item is announced, filled by deltas as canvases commit, and closed, in OpenAI's event sequence.
+Responses are stored in memory (`store`, OpenAI's default) for `previous_response_id` and
+GET/DELETE /v1/responses/{id}.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import TypeAdapter, ValidationError
+
+from blockdiff.engine.async_engine import EngineUnavailable, RequestFailed, RequestStream
+from blockdiff.entrypoints.openai import protocol as p
+from blockdiff.entrypoints.openai import responses_protocol as r
+from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
+from blockdiff.entrypoints.openai.clients import client_of
+from blockdiff.entrypoints.openai.errors import APIError, bad_value
+from blockdiff.entrypoints.openai.serving import REQUEST_FIELDS, ChoiceState, OpenAIServing, Piece, _EventStream, _sse, usage
+from blockdiff.entrypoints.openai.tool_parsers import ToolCall
+from blockdiff.outputs import RequestOutput
+
+# Stored responses keep at most this much JSON (responses and their conversations); the oldest go first.
+STORE_BYTES = 256 * 2**20
+# The chat request's names of the fields whose errors a Responses request knows by other names.
+_RESPONSES_NAMES = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens"}
+# `include` values that need nothing: reasoning is returned as plain text, never encrypted.
+_HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
+_ITEMS = TypeAdapter(r.InputItem)
+# Fields a Responses request passes to its chat request as they are (beside the sampler extensions).
+_CHAT_FIELDS = ("stream", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "parallel_tool_calls", "user")
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@contextmanager
+def _responses_names() -> Iterator[None]:
+    """Errors of the chat machinery, about fields under their chat names, under the Responses names."""
+    try:
+        yield
+    except APIError as e:
+        name = _RESPONSES_NAMES.get(e.param)
+        if name is None:
+            raise
+        message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+        raise APIError(e.status, message, param=name, code=e.code) from None
+
+
+@dataclass
+class _Stored:
+    response: r.ResponseObject
+    conversation: list  # input items: every earlier turn, this request's input, and its output
+    size: int
+
+
+class ResponseStore:
+    """Responses kept in memory, oldest evicted first once they hold more than `max_bytes` of JSON."""
+
+    def __init__(self, max_bytes: int = STORE_BYTES):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, _Stored] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, response: r.ResponseObject, conversation: list) -> None:
+        size = len(response.model_dump_json()) + sum(len(item.model_dump_json()) for item in conversation)
+        self._entries[response.id] = _Stored(response, conversation, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes and len(self._entries) > 1:
+            _, old = self._entries.popitem(last=False)
+            self._bytes -= old.size
+
+    def get(self, response_id: str) -> _Stored | None:
+        return self._entries.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        old = self._entries.pop(response_id, None)
+        if old is not None:
+            self._bytes -= old.size
+        return old is not None
+
+
+def chat_messages(items: list, instructions: str | None) -> list[dict]:
+    """Input items as chat messages: `instructions` a system message first; the output items of one
+    assistant turn (reasoning, message, function calls in a row) one assistant message, with the
+    thinking as `reasoning_content` and the calls as `tool_calls`; a call's output a tool message."""
+    messages = [] if instructions is None else [{"role": "system", "content": instructions}]
+    turn: dict | None = None
+    for i, item in enumerate(items):
+        if isinstance(item, r.FunctionCallOutputItem):
+            turn = None
+            output = item.output if isinstance(item.output, str) else "".join(part.text for part in item.output)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            continue
+        if isinstance(item, r.MessageItem) and item.role != "assistant":
+            turn = None
+            messages.append({"role": item.role, "content": _content(i, item.content)})
+            continue
+        if turn is None:
+            turn = {"role": "assistant", "content": ""}
+            messages.append(turn)
+        if isinstance(item, r.MessageItem):
+            turn["content"] += _assistant_text(i, item.content)
+        elif isinstance(item, r.ReasoningItem):
+            thought = "".join(part.text for part in item.content or ())
+            if thought:
+                turn["reasoning_content"] = turn.get("reasoning_content", "") + thought
+        else:
+            try:
+                json.loads(item.arguments)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"input[{i}].arguments is not JSON: {e}", param="input") from None
+            turn.setdefault("tool_calls", []).append(
+                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
+    return messages
+
+
+def _content(i: int, content: str | list) -> str | list[dict]:
+    """A user, system or developer message's content as the chat endpoint's content parts."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, r.InputImage):
+            if part.image_url is None:
+                raise APIError(400, f"input[{i}].content[{j}]: an image by file_id needs OpenAI's Files API, which this "
+                                    "server does not have; send it as image_url (a data: URL)", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        else:
+            parts.append({"type": "text", "text": part.refusal if isinstance(part, r.Refusal) else part.text})
+    return parts
+
+
+def _assistant_text(i: int, content: str | list) -> str:
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content):
+        if isinstance(part, r.InputImage):
+            raise APIError(400, f"input[{i}].content[{j}]: an assistant message holds text only", param="input")
+    return "".join(part.refusal if isinstance(part, r.Refusal) else part.text for part in content)
+
+
+class _Output:
+    """The output items of one response, built from the parsed pieces of its text as they arrive.
+    Each step returns the stream events it makes (a whole response drops them). An item stays open
+    while its text grows and is closed when another kind of output begins or the response ends;
+    blank text before an answer waits, so that blank space around calls makes no message."""
+
+    def __init__(self, rules: OutputRules, reasoning_markers: tuple[int | None, int | None]):
+        self._parser = ChatOutput(rules)
+        self._markers = reasoning_markers
+        self.items: list[r.OutputItem] = []
+        self._open: r.OutputMessage | r.OutputReasoning | None = None
+        self._blank = ""
+        self._token_ids: list[int] = []
+
+    def feed(self, piece: Piece) -> list[dict]:
+        self._token_ids += piece.token_ids
+        parsed = self._parser.feed(piece.text, piece.finish_reason is not None)
+        events = self._text(r.OutputReasoning, parsed.reasoning) if parsed.reasoning else []
+        if parsed.content:
+            events += self._content(parsed.content)
+        for call in parsed.calls:
+            events += self._close("completed") + self._call(call)
+        return events
+
+    def finish(self, status: str) -> list[dict]:
+        """Close the last item; a response with neither text nor calls still gets its (empty) message."""
+        events = []
+        if not any(isinstance(item, (r.OutputMessage, r.OutputFunctionCall)) for item in self.items):
+            events += self._text(r.OutputMessage, self._blank)
+        return events + self._close(status)
+
+    def reasoning_tokens(self) -> int:
+        """Output tokens from a thinking channel's start marker to its end marker, both counted."""
+        start, end = self._markers
+        count, inside = 0, False
+        for token in self._token_ids:
+            inside = inside or token == start
+            count += inside
+            inside = inside and token != end
+        return count
+
+    def _content(self, text: str) -> list[dict]:
+        if isinstance(self._open, r.OutputMessage):
+            return self._text(r.OutputMessage, text)
+        self._blank += text
+        if not self._blank.strip():
+            return []
+        text, self._blank = self._blank, ""
+        return self._text(r.OutputMessage, text)
+
+    def _text(self, kind: type, text: str) -> list[dict]:
+        events = []
+        if not isinstance(self._open, kind):
+            events += self._close("completed")
+            item = kind(id=_id("msg" if kind is r.OutputMessage else "rs"))
+            self.items.append(item)
+            events.append(self._event("response.output_item.added", item=item.model_dump()))
+            part = r.OutputTextPart() if kind is r.OutputMessage else r.ReasoningTextPart()
+            item.content.append(part)
+            events.append(self._event("response.content_part.added", item_id=item.id, content_index=0,
+                                      part=part.model_dump()))
+            self._open = item
+        if text:
+            part = self._open.content[0]
+            part.text += text
+            extra = {"logprobs": []} if kind is r.OutputMessage else {}
+            events.append(self._event(f"response.{part.type}.delta", item_id=self._open.id, content_index=0,
+                                      delta=text, **extra))
+        return events
+
+    def _close(self, status: str) -> list[dict]:
+        """Events that end the open item (the last one), if any."""
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        item.status = status
+        part = item.content[0]
+        extra = {"logprobs": []} if isinstance(item, r.OutputMessage) else {}
+        return [self._event(f"response.{part.type}.done", item_id=item.id, content_index=0, text=part.text, **extra),
+                self._event("response.content_part.done", item_id=item.id, content_index=0, part=part.model_dump()),
+                self._event("response.output_item.done", item=item.model_dump())]
+
+    def _call(self, call: ToolCall) -> list[dict]:
+        """A call arrives whole: its item is added, given its arguments in one delta, and done."""
+        item = r.OutputFunctionCall(id=_id("fc"), call_id=_id("call"), name=call.name)
+        self.items.append(item)
+        added = self._event("response.output_item.added", item=item.model_dump())
+        item.arguments, item.status = call.arguments_json, "completed"
+        return [added,
+                self._event("response.function_call_arguments.delta", item_id=item.id, delta=item.arguments),
+                self._event("response.function_call_arguments.done", item_id=item.id, arguments=item.arguments),
+                self._event("response.output_item.done", item=item.model_dump())]
+
+    def _event(self, kind: str, **fields) -> dict:
+        """An event about the last item."""
+        return {"type": kind, "output_index": len(self.items) - 1, **fields}
+
+
+def _status(out: RequestOutput) -> str:
+    """A response ends "completed" (EOS, a stop string or token), or "incomplete" (out of tokens)."""
+    return "completed" if out.finish_reason == "stop" else "incomplete"
+
+
+class OpenAIServingResponses:
+    def __init__(self, serving: OpenAIServing, chat_request: type[p.ChatCompletionRequest],
+                 store: ResponseStore | None = None):
+        """`chat_request`: the server's chat body (protocol.request_types), which the requests become."""
+        self.serving = serving
+        self.chat_request = chat_request
+        self.store = store if store is not None else ResponseStore()
+        tokenizer = serving.tokenizer
+        parser = serving.reasoning_parser
+        self._reasoning_markers = ((tokenizer.token_to_id(parser.start), tokenizer.token_to_id(parser.end))
+                                   if parser is not None else (None, None))
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def create(self, req: r.ResponsesRequest, raw: Request) -> Response:
+        model = self.serving.model_name(req.model)
+        _refuse_unsupported(req)
+        given = [r.MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input or []
+        if not given and req.previous_response_id is None:
+            raise APIError(400, "input is empty: send input (text or items), or previous_response_id", param="input")
+        conversation = self._earlier(req.previous_response_id) + given
+        response_id = _id("resp")
+        rules, prompts, stream, release = await self._start(self._chat(req, conversation), response_id, raw)
+        output = _Output(rules, self._reasoning_markers)
+        begun = self._response(req, response_id, model, "in_progress")
+
+        def finish(out: RequestOutput) -> r.ResponseObject:
+            response = begun.model_copy(update=dict(
+                status=_status(out), completed_at=p.now(), output=output.items,
+                usage=self._usage(prompts, out, output),
+                incomplete_details=r.IncompleteDetails(reason="max_output_tokens") if out.finish_reason == "length" else None))
+            if response.store:
+                self.store.put(response, conversation + [_ITEMS.validate_python(item.model_dump()) for item in output.items])
+            return response
+
+        if req.stream:
+            def close() -> None:
+                stream.abort()
+                release()
+
+            stream.max_unread = self.serving.max_stream_buffer
+            return _EventStream(self._events(stream, output, begun, finish), stream, close)
+        try:
+            finals = await self.serving._collect(stream, raw)
+        finally:
+            release()
+        if finals is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        out = finals[0]
+        output.feed(ChoiceState().advance(out))
+        output.finish(_status(out))
+        return Response(finish(out).model_dump_json(), media_type="application/json")
+
+    def retrieve(self, response_id: str) -> r.ResponseObject:
+        return self._stored(response_id, "response_id").response
+
+    def delete(self, response_id: str) -> r.DeletedResponse:
+        if not self.store.delete(response_id):
+            raise _not_stored(response_id, "response_id")
+        return r.DeletedResponse(id=response_id)
+
+    # ---- request -> engine request ------------------------------------------------------------
+    async def _start(self, chat: p.ChatCompletionRequest, response_id: str,
+                     raw: Request) -> tuple[OutputRules, list[list[int]], RequestStream, Callable[[], None]]:
+        """The chat request through the chat endpoint's steps (its preprocessing in the server's pool,
+        its engine request held against the client's share), up to the stream of its engine request
+        and the release of that share."""
+        s = self.serving
+        client = client_of(raw)
+        with _responses_names():
+            rules = s._output_rules(chat)
+            images = await s._chat_images(chat.messages, client)
+            prompts, requests = await s.pool.run(client, s._chat_requests, chat, images, 1, chat.max_tokens, None, rules,
+                                                 response_id)
+        release = s.clients.hold(client, len(requests))  # until the response ends, however it ends
+        try:
+            return rules, prompts, await s.engine.add(requests, client), release
+        except BaseException as e:
+            release()
+            if isinstance(e, ValueError):
+                raise bad_value(e, REQUEST_FIELDS, {"prompt": "input", "max_tokens": "max_output_tokens"}) from None
+            raise
+
+    def _stored(self, response_id: str, param: str) -> _Stored:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise _not_stored(response_id, param)
+        return stored
+
+    def _earlier(self, previous_response_id: str | None) -> list:
+        if previous_response_id is None:
+            return []
+        return list(self._stored(previous_response_id, "previous_response_id").conversation)
+
+    def _chat(self, req: r.ResponsesRequest, conversation: list) -> p.ChatCompletionRequest:
+        """The chat request this request is: its conversation as messages, its tools, and its sampler fields."""
+        messages = chat_messages(conversation, req.instructions)
+        if len(messages) > p.MAX_MESSAGES:
+            raise APIError(400, f"the conversation has {len(messages)} messages, more than the {p.MAX_MESSAGES} "
+                                "one request may hold", param="input")
+        shared = (*_CHAT_FIELDS, *r.EXTENSIONS, *self.serving.sampler_extensions)
+        body = {name: getattr(req, name) for name in shared if getattr(req, name) is not None}
+        body["messages"] = messages
+        if req.max_output_tokens is not None:
+            body["max_tokens"] = req.max_output_tokens
+        if req.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in req.tools]
+        if isinstance(req.tool_choice, r.FunctionChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
+        elif req.tool_choice is not None:
+            body["tool_choice"] = req.tool_choice
+        thinking = self._thinking(req.reasoning)
+        if thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": thinking}
+        try:
+            return self.chat_request.model_validate(body)
+        except ValidationError as e:  # the items were valid; what they add up to may not be
+            error = e.errors(include_url=False)[0]
+            where = ".".join(str(x) for x in error["loc"])
+            raise APIError(400, f"input, as chat messages: {where}: {error['msg']}", param="input") from None
+
+    def _thinking(self, reasoning: r.ReasoningConfig | None) -> bool | None:
+        """`reasoning.effort` as the chat template's thinking switch: "none" off, any other effort on,
+        unset the template's default."""
+        effort = None if reasoning is None else reasoning.effort
+        if effort is None:
+            return None
+        tokenizer = self.serving.tokenizer
+        if tokenizer is not None and "enable_thinking" in tokenizer.template_variables:
+            return effort != "none"
+        if effort == "none":
+            return None  # the model cannot think anyway
+        raise APIError(400, f"reasoning.effort {effort!r}: this model's chat template has no thinking switch (it does "
+                            "not read enable_thinking), so thinking cannot be turned on", param="reasoning")
+
+    # ---- outputs -> response ------------------------------------------------------------------
+    def _response(self, req: r.ResponsesRequest, response_id: str, model: str, status: str) -> r.ResponseObject:
+        return r.ResponseObject(
+            id=response_id, created_at=p.now(), status=status, model=model, instructions=req.instructions,
+            previous_response_id=req.previous_response_id, max_output_tokens=req.max_output_tokens,
+            temperature=req.temperature, top_p=req.top_p, tools=req.tools or [], tool_choice=req.tool_choice or "auto",
+            parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=req.reasoning,
+            text=req.text or r.TextConfig(format=r.TextFormat(type="text")), store=req.store is not False,
+            metadata=req.metadata or {}, user=req.user)
+
+    @staticmethod
+    def _usage(prompts: list[list[int]], out: RequestOutput, output: _Output) -> r.ResponseUsage:
+        u = usage(prompts, {0: out}, 1)
+        return r.ResponseUsage(
+            input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
+            input_tokens_details=r.InputTokensDetails(cached_tokens=u.prompt_tokens_details.cached_tokens),
+            output_tokens_details=r.OutputTokensDetails(reasoning_tokens=output.reasoning_tokens()),
+            diffusion=u.diffusion)
+
+    async def _events(self, stream: RequestStream, output: _Output, begun: r.ResponseObject, finish) -> AsyncIterator[str]:
+        sequence = itertools.count()
+
+        def send(event: dict) -> str:
+            return _sse({**event, "sequence_number": next(sequence)}, event=event["type"])
+
+        yield send({"type": "response.created", "response": begun.model_dump()})
+        yield send({"type": "response.in_progress", "response": begun.model_dump()})
+        try:
+            state = ChoiceState()
+            async for _, out in stream:
+                if state.is_draft(out):
+                    continue
+                for event in output.feed(state.advance(out)):
+                    yield send(event)
+                if out.finished:
+                    status = _status(out)
+                    for event in output.finish(status):
+                        yield send(event)
+                    yield send({"type": f"response.{status}", "response": finish(out).model_dump()})
+        except APIError as e:  # the output broke a rule of the request (tool_choice)
+            yield send({"type": "error", "code": e.code, "message": e.message, "param": e.param})
+        except EngineUnavailable as e:
+            yield send({"type": "error", "code": "engine_unavailable", "message": str(e), "param": None})
+        except RequestFailed as e:
+            yield send({"type": "error", "code": "request_failed", "message": str(e), "param": None})
+
+
+def _not_stored(response_id: str, param: str) -> APIError:
+    return APIError(404, f"no stored response has id {response_id!r} (responses made with store: false are not kept, "
+                         "and the oldest are dropped once the store is full)", param=param, code="response_not_found")
+
+
+def _refuse_unsupported(req: r.ResponsesRequest) -> None:
+    """400s for what the server cannot do, each naming its field."""
+    hosted = next((i for i, tool in enumerate(req.tools or ()) if isinstance(tool, r.HostedTool)), None)
+    if hosted is not None:
+        raise APIError(400, f"tools[{hosted}]: {req.tools[hosted].type!r} is one of OpenAI's hosted tools, which this "
+                            "server does not have; it serves function tools ({'type': 'function', 'name': ...})",
+                       param="tools")
+    if req.background:
+        raise APIError(400, "background responses are not supported: send the request and wait for it (or stream it)",
+                       param="background")
+    if req.conversation is not None:
+        raise APIError(400, "conversation (OpenAI's Conversations API) is not supported: continue a stored response with "
+                            "previous_response_id, or send the whole conversation as input", param="conversation")
+    if req.prompt is not None:
+        raise APIError(400, "prompt (OpenAI's stored prompt templates) is not supported: send instructions and input",
+                       param="prompt")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options needs stream: true", param="stream_options")
+    if req.text is not None and req.text.format is not None and req.text.format.type != "text":
+        raise APIError(400, f"text.format {req.text.format.type!r} (structured output) is not supported yet; only "
+                            "{'type': 'text'} is", param="text.format")
+    if req.text is not None and req.text.verbosity not in (None, "medium"):
+        raise APIError(400, f"text.verbosity {req.text.verbosity!r} is not supported (the model has no verbosity "
+                            "control); leave it unset", param="text.verbosity")
+    if req.truncation == "auto":
+        raise APIError(400, "truncation 'auto' is not supported: an input longer than max_model_len is refused "
+                            "(truncation 'disabled', the default)", param="truncation")
+    if req.top_logprobs is not None or "message.output_text.logprobs" in (req.include or ()):
+        raise APIError(400, "logprobs are not served on /v1/responses; /v1/chat/completions returns them",
+                       param="top_logprobs" if req.top_logprobs is not None else "include")
+    unknown = [value for value in req.include or () if value not in _HARMLESS_INCLUDES | {"message.output_text.logprobs"}]
+    if unknown:
+        raise APIError(400, f"include {unknown[0]!r} is not supported: it is about OpenAI's hosted tools or files; "
+                            f"supported: {', '.join(sorted(_HARMLESS_INCLUDES))}", param="include")
