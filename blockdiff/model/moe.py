@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdiff.config import ModelConfig
-from blockdiff.fp8 import FP8, fp8_linear, sharded_token_scales
-from blockdiff.kernels import padded
-from blockdiff.matmul import grouped_linear, has_grouped_mm, linear
+from blockdiff.fp8 import FP8, fp8_linear, scaled_grouped_linear, sharded_token_scales
+from blockdiff.kernels import PER_EXPERT, ExpertShape, kernel_on, padded
+from blockdiff.matmul import grouped_linear, linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.parallel.group import TPGroup
@@ -108,6 +108,7 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.zeros(e, self.hidden_in, self.local, dtype=dtype), requires_grad=False)
         self.gate_up.weight_loader = self.load_gate_up
         self.down.weight_loader = self.load_down
+        self.shape = ExpertShape(self.hidden_in, self.local, dtype)  # what blockdiff/kernels.py decides on
 
     def _halves(self) -> tuple[slice, slice]:
         """The rows of gate_up that hold this rank's gate and up columns."""
@@ -140,17 +141,17 @@ class Experts(nn.Module):
         gate, up = self._halves()
         return torch.cat((self.gate_up.data[:, gate, :h], self.gate_up.data[:, up, :h]), dim=1)
 
-    # Whether the experts can run as grouped products (Fp8Experts dequantize one expert at a time).
-    groupable = True
+    def kernel(self, x: torch.Tensor) -> str:
+        """The products' kernel for x (blockdiff/kernels.py): grouped wherever torch runs them
+        without a host sync; on this CPU they measured faster than per-expert oneDNN products in
+        float32 as well (docs/benchmarks.md, "MoE: grouped against per-expert products"). Training
+        (the demo's) takes the per-expert products: the grouped ops have no backward."""
+        if torch.is_grad_enabled() and self.gate_up.requires_grad:
+            return PER_EXPERT
+        return kernel_on(x.device, x.dtype, self.shape)
 
     def grouped(self, x: torch.Tensor) -> bool:
-        """Grouped products wherever torch has them: they need no host sync, and on this CPU they
-        measured faster than per-expert oneDNN products in float32 as well (docs/benchmarks.md,
-        "MoE: grouped against per-expert products"). Training (the demo's) takes the per-expert
-        products: the grouped op has no backward."""
-        if torch.is_grad_enabled() and self.gate_up.requires_grad:
-            return False
-        return self.groupable and (torch.compiler.is_compiling() or has_grouped_mm(x.device, x.dtype))
+        return self.kernel(x) != PER_EXPERT
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Tokens are sorted by expert into one buffer where each expert's rows start on a multiple
@@ -174,9 +175,7 @@ class Experts(nn.Module):
             x = F.pad(x, (0, self.hidden_in - self.hidden))
         xs = x.index_select(0, source)
         if self.grouped(x):
-            ends32 = ends.to(torch.int32)
-            gate, up = grouped_linear(xs, self.gate_up, ends32).split(self.local, dim=-1)
-            y = grouped_linear(self.act(gate) * up, self.down, ends32)
+            y = self._grouped(xs, ends.to(torch.int32))
         else:
             y = self._per_expert(xs, rows.tolist())
         y = y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]
@@ -184,6 +183,11 @@ class Experts(nn.Module):
         if self.reduce:
             self.group.all_reduce(out)
         return out
+
+    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Both products of every expert as one grouped call each (groups end at `ends`, int32)."""
+        gate, up = grouped_linear(xs, self.gate_up, ends).split(self.local, dim=-1)
+        return grouped_linear(self.act(gate) * up, self.down, ends)
 
     def _per_expert(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Two plain products per busy expert over its own rows (the first sum(sizes) rows of xs)."""
@@ -207,12 +211,11 @@ class Fp8Experts(Experts):
     gate / up, part e of down is its down. Each product dequantizes one expert's weight only, so no
     full-precision copy of the layer's experts ever exists."""
 
-    groupable = False
-
     def __init__(self, config: ModelConfig, group: TPGroup, quant: Fp8Config):
         super().__init__(config, group, FP8)
         e = self.num_experts
         self.activations = quant.activations
+        self.shape = ExpertShape(self.hidden_in, self.local, FP8, quant.activations)
         # Padded rows get a scale of one: their weights are zero, and 0 * an uninitialised scale could be NaN.
         self.gate_up_scale = nn.Parameter(torch.ones(e, 2 * self.local, 1), requires_grad=False)
         self.down_scale = nn.Parameter(torch.ones(e, self.hidden_in, 1), requires_grad=False)
@@ -251,6 +254,16 @@ class Fp8Experts(Experts):
 
     def load_down_scale(self, param: torch.Tensor, source, name: str, part: int) -> None:
         load_scale(param.data[part, : self.hidden], source, name, self.hidden, 0, self.hidden)
+
+    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """torch._scaled_grouped_mm twice (kernels.SCALED_GROUPED): the activations quantized to FP8
+        per row (or with the static input scale), the weights' row scales applied in the product."""
+        hidden = scaled_grouped_linear(xs, self.gate_up, self.gate_up_scale, ends, self.activations, self.gate_up_input_scale)
+        gate, up = hidden.split(self.local, dim=-1)
+        act = self.act(gate) * up
+        # Under TP each rank holds a slice of every expert's width: one max-reduce of the row scales.
+        scales = sharded_token_scales(act, self.group) if self.reduce and self.activations == "dynamic" else None
+        return scaled_grouped_linear(act, self.down, self.down_scale, ends, self.activations, self.down_input_scale, scales)
 
     def gate_up_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return fp8_linear(x, self.gate_up[e], self.gate_up_scale[e], self.activations, self.gate_up_input_scale)
