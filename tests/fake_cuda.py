@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from torch._C._distributed_c10d import FakeProcessGroup
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from blockdiff.kernels import FP8
 from blockdiff.parallel.group import TPGroup
@@ -44,8 +43,8 @@ def fake_cuda(capability: tuple[int, int] = (9, 0)):
 
 
 class PythonBindings(TorchFunctionMode):
-    """`t[...]`, `t[...] = v`, `t.to(...)`, `t.copy_(...)`, `t.cuda()` and `t.contiguous()` on fake CUDA tensors,
-    through the ATen ops they stand for.
+    """`t[...]`, `t[...] = v`, `t.to(...)`, `t.copy_(...)`, `t.cuda()`, `t.contiguous()` on fake CUDA
+    tensors and `torch.tensor(..., device="cuda")`, through the ATen ops they stand for.
 
     Those are Python bindings that set a CUDA device guard before they dispatch, and a CPU-only
     torch has no CUDA guard ("PyTorch is not linked with support for cuda devices"); every ATen op,
@@ -75,6 +74,9 @@ class PythonBindings(TorchFunctionMode):
             return _to(args[0], device, dtype, non_blocking)
         if func is torch.Tensor.cuda:
             return _to(args[0], torch.device("cuda"))
+        if func is torch.tensor and kwargs.get("device") is not None:  # under inference_mode it misses the fake mode
+            device = torch.device(kwargs.pop("device"))
+            return _to(func(*args, **kwargs), device)
         if func is torch.Tensor.contiguous and not args[0].is_contiguous():
             return torch.ops.aten.clone.default(args[0], memory_format=torch.contiguous_format)
         return func(*args, **kwargs)
@@ -184,19 +186,48 @@ class GroupedCalls:
             yield self
 
 
-class HostReads(TorchDispatchMode):
-    """Answers host reads of fake tensors (`.item()`, `bool(t)`) with True / 1 and counts them, for
-    code that may read device data on the host: the eager mixed step reads its canvases' finished
-    flags, and every answer says that no canvas finished (the branch nearly every step takes).
-    Outside this mode every host read of a fake tensor raises."""
+_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+          torch.Tensor.__index__}
+
+
+class HostReads(TorchFunctionMode):
+    """Answers host reads of tensors (`bool(t)`, `.item()`, `.tolist()`, ...) with True / 1 and
+    counts them, for code that may read device data on the host: the eager mixed step reads its
+    canvases' finished flags, and every answer says that no canvas finished (the branch nearly
+    every step takes). Outside this mode every host read of a fake tensor raises
+    DataDependentOutputException."""
 
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _READS:
             t = args[0]
-            self.reads.append(f"{tuple(t.shape)} {t.dtype} on {t.device}")
-            return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+            self.reads.append(f"{func.__name__} of {tuple(t.shape)} {t.dtype} on {t.device}")
+            value = True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+            return [value] * t.numel() if func is torch.Tensor.tolist else value
         return func(*args, **(kwargs or {}))
+
+
+class NoHostReads(TorchFunctionMode):
+    """Inside it, a host read raises as it does with no HostReads around, and so does a copy from
+    the device to the host (`.cpu()`, `.to("cpu")`, `copy_` into a CPU tensor), a sync that the fake
+    mode lets pass: what a step that CUDA graphs capture must not do."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _READS:
+            raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+        if func in (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.numpy):
+            src = args[1] if func is torch.Tensor.copy_ else args[0]
+            if func is torch.Tensor.copy_:
+                to_host = args[0].device.type == "cpu"
+            elif func is torch.Tensor.to:
+                device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+                to_host = device is not None and torch.device(device).type == "cpu"
+            else:
+                to_host = True
+            if to_host and isinstance(src, torch.Tensor) and src.device.type != "cpu":
+                raise DataDependentOutputException(torch.ops.aten._to_copy.default)
+        return func(*args, **kwargs)
