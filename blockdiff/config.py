@@ -277,8 +277,10 @@ def _layer_spec(idx: int, kind: str, head_dim: int, kv_heads: int, rope: dict, w
 
 
 # Whether static steps are compiled unless the user says, per device type: the faster of compiled
-# and eager as measured (docs/benchmarks.md, "Compiled steps").
-COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
+# and eager as measured (docs/benchmarks.md, "Compiled steps"). On CUDA the static steps are CUDA
+# graphs either way; compiling adds one inductor compile per shape the server meets, and what it
+# buys there has not been measured yet (scripts/device_check.sh's "compiled" part measures it).
+COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
 
 LOAD_FORMATS = ("auto", "dummy")
 

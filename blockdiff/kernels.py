@@ -148,9 +148,10 @@ class StepModes:
     why: str
 
 
-def step_modes(where: Target, static: bool, tp_size: int, compile: bool | None, cuda_graphs: bool) -> StepModes:
+def step_modes(where: Target, static: bool, compile: bool | None, cuda_graphs: bool) -> StepModes:
     """How steps of canvases run, from what the user asked (`compile` None: the device's default;
-    `cuda_graphs`: unless --enforce-eager) and whether the model's step is `static`."""
+    `cuda_graphs`: unless --enforce-eager) and whether the model's step is `static`. At every
+    tensor-parallel size: under compile the collectives are functional ones (parallel/group.py)."""
     if compile and not static:
         raise ValueError(f"compile=True needs a step with static shapes, which this model cannot run on {where.type}: "
                          "its experts read group sizes on the host (see blockdiff/kernels.py)")
@@ -173,10 +174,10 @@ class Plan:
     steps_why: str
 
 
-def choose(where: Target, dtype: torch.dtype, shape: ExpertShape | None, tp_size: int = 1, compile: bool | None = None,
+def choose(where: Target, dtype: torch.dtype, shape: ExpertShape | None, compile: bool | None = None,
            cuda_graphs: bool = False, ops: Ops | None = None) -> Plan:
     """The whole decision for a model with experts of `shape` (None: no experts) run in `dtype` on
     `where`: the experts' kernel, and how steps of canvases run."""
     kernel, why = (None, "no experts") if shape is None else expert_kernel(where, dtype, shape, ops)
-    modes = step_modes(where, kernel is None or static_kernel(kernel), tp_size, compile, cuda_graphs)
+    modes = step_modes(where, kernel is None or static_kernel(kernel), compile, cuda_graphs)
     return Plan(kernel, why, modes.compile, modes.cuda_graphs, modes.why)

@@ -75,7 +75,8 @@ def test_the_per_expert_loop_is_kept_only_where_the_grouped_op_is_missing():
     # (compile, cuda_graphs) asked -> (compile, cuda_graphs) run; compile None: the device's default
     (CPU, torch.float32, ExpertShape(64, 32, torch.float32), (None, False), (False, False)),
     (CPU, torch.float32, ExpertShape(64, 32, torch.float32), (True, False), (True, False)),
-    (H200, torch.bfloat16, BF16_26B, (None, True), (True, True)),
+    (H200, torch.bfloat16, BF16_26B, (None, True), (False, True)),  # graphs without compile by default
+    (H200, torch.bfloat16, BF16_26B, (True, True), (True, True)),
     (H200, torch.bfloat16, BF16_26B, (False, True), (False, True)),
     (H200, torch.bfloat16, FP8_26B, (False, True), (False, True)),
     # a step whose experts read group sizes on the host is never captured nor compiled by default
@@ -85,13 +86,13 @@ def test_the_per_expert_loop_is_kept_only_where_the_grouped_op_is_missing():
     (CPU, torch.float32, ExpertShape(50, 20, torch.float32), (None, False), (False, False)),
 ])
 def test_step_modes(where, dtype, shape, asked, modes):
-    plan = choose(where, dtype, shape, 1, *asked, ops=ALL_OPS)
+    plan = choose(where, dtype, shape, *asked, ops=ALL_OPS)
     assert (plan.compile, plan.cuda_graphs) == modes, plan
 
 
 def test_compile_of_a_step_with_host_syncs_is_refused():
     with pytest.raises(ValueError, match="static shapes"):
-        choose(H200, torch.float32, ExpertShape(2816, 704, torch.float32), 1, True, True, ops=ALL_OPS)
+        choose(H200, torch.float32, ExpertShape(2816, 704, torch.float32), True, True, ops=ALL_OPS)
 
 
 def _config(**changes) -> ModelConfig:

@@ -51,7 +51,7 @@ class ModelRunner:
             )
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
-        modes = step_modes(target(self.device), model.static_shapes(self.device), model.group.size, compile, cuda_graphs)
+        modes = step_modes(target(self.device), model.static_shapes(self.device), compile, cuda_graphs)
         if modes.compile or modes.cuda_graphs:
             self.canvas_steps = CanvasSteps(model, self.vocab, self.kv, self.geometry, tuple(sorted(self.kinds)),
                                             self.state, self.device, modes.compile, modes.cuda_graphs)
