@@ -181,7 +181,7 @@ def summary(data: dict) -> str:
         for sel, t in r.get("selections", {}).items():
             lines.append(f"    {sel}: {t['summary']}")
         if "compile_s" in r:
-            lines.append(f"    compile {r['compile_s']:.0f} s; {r['compiled_ms_per_step']:.2f} against "
+            lines.append(f"    compile ({r['backend']}) {r['compile_s']:.0f} s; {r['compiled_ms_per_step']:.2f} against "
                          f"{r['eager_ms_per_step']:.2f} ms/step uncompiled ({r['speedup']:.2f}x)")
     return "\n".join(lines) + "\n"
 
