@@ -118,33 +118,27 @@ def test_fp8_static_step_on_a_fake_h200(tp):
     assert out.soft.dtype == torch.bfloat16 and len(calls.scaled) == 4 and not calls.grouped
 
 
-def test_a_host_read_in_the_static_step_fails():
-    """The check can fail: an `.item()` put into the step is a DataDependentOutputException."""
+def _reads_the_max(logits: torch.Tensor) -> None:
+    if logits.amax().item() > 1e9:  # a host read that a real step could make
+        raise AssertionError("not reached")
+
+
+def _copies_the_max(logits: torch.Tensor) -> None:
+    logits.amax().cpu()  # a device-to-host copy: a sync the fake mode itself lets pass
+
+
+@pytest.mark.parametrize("sync", [_reads_the_max, _copies_the_max], ids=["item", "cpu"])
+def test_a_host_sync_in_the_static_step_fails(sync):
+    """The check can fail: an `.item()` or a `.cpu()` put into the step is a DataDependentOutputException."""
     original = canvas_step_module.denoise_step
 
     def with_a_sync(logits, *args):
-        if logits.amax().item() > 1e9:  # a host read that a real step could make
-            raise AssertionError("not reached")
+        sync(logits)
         return original(logits, *args)
 
     with fake_cuda((9, 0)), pytest.MonkeyPatch.context() as patch:
         runner = _runner(1)
         patch.setattr(canvas_step_module, "denoise_step", with_a_sync)
-        with pytest.raises(DataDependentOutputException):
-            _static_step(runner)
-
-
-def test_a_copy_to_the_host_in_the_static_step_fails():
-    """A device-to-host copy (a sync the fake mode itself lets pass) is caught too."""
-    original = canvas_step_module.denoise_step
-
-    def with_a_copy(logits, *args):
-        logits.amax().cpu()
-        return original(logits, *args)
-
-    with fake_cuda((9, 0)), pytest.MonkeyPatch.context() as patch:
-        runner = _runner(1)
-        patch.setattr(canvas_step_module, "denoise_step", with_a_copy)
         with pytest.raises(DataDependentOutputException):
             _static_step(runner)
 
