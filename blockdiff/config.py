@@ -103,8 +103,10 @@ def parse_dtype(name: str | torch.dtype, config: ModelConfig) -> torch.dtype:
 
 
 # Whether static steps are compiled unless the user says, per device type: the faster of compiled
-# and eager as measured (docs/benchmarks.md, "Compiled steps").
-COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
+# and eager as measured (docs/benchmarks.md, "Compiled steps"). On CUDA the static steps are CUDA
+# graphs either way; compiling adds one inductor compile per shape the server meets, and what it
+# buys there has not been measured yet (scripts/device_check.sh's "compiled" part measures it).
+COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -176,7 +178,8 @@ class EngineConfig:
     # Steps whose rows are all canvases being denoised run as one static step compiled with
     # torch.compile(fullgraph=True) (worker/canvas_step.py); None: COMPILE_BY_DEFAULT of the device.
     compile: bool | None = flag(None, "run steps of canvases only as one static step compiled with torch.compile "
-                                      "(default: the faster per device as measured: off on CPU, on on CUDA)")
+                                      "(default: off; on CUDA the static steps are CUDA graphs without compile, "
+                                      "until a device measures what compiling buys)")
     # On CUDA the static steps are replayed as CUDA graphs, one per shape, unless this is set (and
     # then they are compiled only when compile=True), as vLLM's --enforce-eager.
     enforce_eager: bool = flag(False, "CUDA: no CUDA graphs for the static denoising steps (and no compile unless "

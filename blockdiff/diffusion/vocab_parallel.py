@@ -83,8 +83,9 @@ class VocabParallel:
         self.group = group
         self.sharded = group.size > 1
         self.workspace_bytes = workspace_bytes  # the sampler's temporaries per tile; None: one tile
-        valid = shard.valid_rows(device)
-        self.padding = None if bool(valid.all()) else ~valid
+        # From the shard's sizes, not its rows: no device read at start-up either.
+        full = shard.num_org == shard.org_rows and shard.num_added == shard.added_rows
+        self.padding = None if full else ~shard.valid_rows(device)
         self.global_ids = shard.global_ids(device)
 
     def distribution(self, x: torch.Tensor) -> Distribution:

@@ -76,6 +76,20 @@ def canvas_step(
                          res.accepted)
 
 
+def shape_count(num_slots: int, max_context: int, block_size: int) -> int:
+    """How many (bucket, context, restrict) shapes a step of canvases can take: every bucket up to
+    that of `num_slots` canvases, every context up to `max_context` positions, with and without
+    top-k/p sampling. The compiled step is allowed exactly this many graphs."""
+    buckets = len({bucket(n) for n in range(1, num_slots + 1)})
+    contexts = 1 + (max(1, -(-max_context // block_size)) - 1).bit_length() + 1  # 0, then 1, 2, 4, ... blocks
+    return buckets * contexts * 2
+
+
+# Each shape compiles to its own static-shape graph (what a CUDA graph replays anyway): no symbolic
+# sizes, whose guards and generic kernels buy nothing when the shapes are a small known set.
+COMPILE_OPTIONS = dict(fullgraph=True, dynamic=False)
+
+
 def all_canvases(rows: list[Row]) -> bool:
     return bool(rows) and all(r.decoder for r in rows)
 
@@ -133,7 +147,13 @@ class CanvasSteps:
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.sampler, self.vocab, self.kv, self.geometry, self.kinds = model, sampler, vocab, kv, geometry, kinds
         self.state, self.device = state, device
-        self.fn = torch.compile(canvas_step, fullgraph=True) if compile else canvas_step
+        self.fn = torch.compile(canvas_step, **COMPILE_OPTIONS) if compile else canvas_step
+        # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
+        # these calls only; a shape beyond them would be a bug and still fails.
+        context = max(k.shape[0] for k, _ in kv) if kv else 0
+        self.limits = dict(recompile_limit=shape_count(state.scratch, context, geometry.block_size))
+        self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                         2 * self.limits["recompile_limit"])
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         self.shapes: dict[tuple[int, int, bool], tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
 
@@ -149,9 +169,11 @@ class CanvasSteps:
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
-            return inputs, self.fn(*self.step_args(context, inputs))
+            with torch._dynamo.config.patch(**self.limits):
+                return inputs, self.fn(*self.step_args(context, inputs))
         if graph is None:
-            graph, outputs = self._capture(context, inputs)
+            with torch._dynamo.config.patch(**self.limits):
+                graph, outputs = self._capture(context, inputs)
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from blockdiff.config import COMPILE_BY_DEFAULT
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.vocab_parallel import VocabParallel, workspace_bytes
+from blockdiff.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, StepOutput, StepPlan
@@ -50,16 +50,11 @@ class ModelRunner:
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
                                        self.device)
         self.canvas_steps = None
-        static = model.static_shapes(self.device)
-        if compile is None:
-            compile = COMPILE_BY_DEFAULT.get(self.device.type, False) and static
-        elif compile and not static:
-            raise ValueError("compile=True needs grouped expert products, which this model cannot run on "
-                             f"{self.device} (FP8 experts, or no torch._grouped_mm in this torch)")
-        cuda_graphs = cuda_graphs and static  # the default on CUDA: models without static shapes run eagerly
-        if compile or cuda_graphs:
+        # Models whose step is not static (their experts read group sizes on the host) run eagerly.
+        modes = step_modes(target(self.device), model.static_shapes(self.device), compile, cuda_graphs)
+        if modes.compile or modes.cuda_graphs:
             self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, tuple(sorted(self.kinds)),
-                                            self.state, self.device, compile, cuda_graphs)
+                                            self.state, self.device, modes.compile, modes.cuda_graphs)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
