@@ -199,6 +199,10 @@ class EngineConfig:
     # architecture's own (model/registry.py), for DiffusionGemma the entropy-bound sampler.
     diffusion_sampler: str | None = flag(None, "the sampler that denoises canvases, by name: one of {samplers} (default: "
                                                "the architecture's own)", parse="sampler")
+    # Tokens denoised together (vLLM's --diffusion-config canvas_length); None: the checkpoint's
+    # config.json. The model runs any length; it was trained at its own.
+    canvas_length: int | None = flag(None, "tokens denoised together in one canvas (default: the checkpoint's "
+                                           "canvas_length)", minimum=1)
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as fields of the sampler's table.
     sampling_defaults: dict = field(default_factory=dict)
@@ -220,10 +224,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
                      "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
-                     "num_layers_override"):
+                     "num_layers_override", "canvas_length"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
-                                          "num_layers_override"):
+                                          "num_layers_override", "canvas_length"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

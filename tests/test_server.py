@@ -206,7 +206,7 @@ def test_logprobs(client, offline):
     [want] = offline.generate("Numbers such as", _params(max_tokens=10, seed=2, logprobs=2), use_tqdm=False)
     r = client.completions.create(model=MODEL, prompt="Numbers such as", max_tokens=10, seed=2, logprobs=2)
     lp = r.choices[0].logprobs
-    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.outputs[0].token_logprobs], abs=1e-5)
     assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == len(want.token_ids)
     assert all(1 <= len(top) <= 2 and max(top.values()) <= 1e-6 for top in lp.top_logprobs)
 
@@ -215,8 +215,8 @@ def test_logprobs(client, offline):
     [want] = offline.chat([{"role": "user", "content": "Numbers"}], _params(max_tokens=10, seed=2, logprobs=3),
                           use_tqdm=False)
     content = chat.choices[0].logprobs.content
-    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
-    for c, w in zip(content, want.logprobs):
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in want.outputs[0].token_logprobs], abs=1e-5)
+    for c, w in zip(content, want.outputs[0].token_logprobs):
         assert [t.logprob for t in c.top_logprobs] == pytest.approx(list(w.top.values()), abs=1e-5)
         assert bytes(c.bytes).decode() == c.token
 

@@ -93,7 +93,7 @@ def test_greedy_generation_equals_one_rank_and_transformers(tp_ckpt, one_rank, t
         assert ours.metrics["denoising_steps"] == ref.metrics["denoising_steps"]
         # At these temperatures logprobs are logits * 1e6, so only the top tokens can be compared;
         # the vocabulary-parallel test compares logprobs themselves.
-        assert [list(lp.top) for lp in ours.logprobs] == [list(lp.top) for lp in ref.logprobs]
+        assert [list(lp.top) for lp in ours.outputs[0].token_logprobs] == [list(lp.top) for lp in ref.outputs[0].token_logprobs]
 
 
 def _logits(vocab: int, seed: int = 0) -> torch.Tensor:

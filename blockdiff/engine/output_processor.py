@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
-from blockdiff.outputs import RequestOutput, TokenLogprob
+from blockdiff.outputs import CompletionOutput, RequestOutput, TokenLogprob, vllm_logprobs
 from blockdiff.step import StepOutput
 
 
@@ -18,6 +18,15 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     news = []
     if out is None:
         return news
+    offset = 0
+    for req in sched.score:
+        start, end = req.piece_to_score()
+        n = end - start
+        if req.add_scores(_scores(req, out, offset, n)):  # it asked for no output: done
+            req.finish("length")
+            scheduler.release(req)
+            news.append(req)
+        offset += n
     finished = out.finished.tolist()
     for i, req in enumerate(sched.decoder):
         req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None)
@@ -46,6 +55,24 @@ def _logprobs(req: Request, out: StepOutput, row: int) -> list[TokenLogprob] | N
     return [TokenLogprob(t, lp, dict(zip(ti, tl))) for t, lp, (ti, tl) in zip(ids, lps, tops)]
 
 
+def _scores(req: Request, out: StepOutput, offset: int, n: int) -> list[TokenLogprob]:
+    ids = req.tokens(*req.piece_to_score())
+    lps = out.score_logprob[offset : offset + n].tolist()
+    k = req.params.prompt_logprobs
+    if not k:
+        return [TokenLogprob(t, lp) for t, lp in zip(ids, lps)]
+    tops = zip(out.score_top_ids[offset : offset + n, :k].tolist(), out.score_top_logprobs[offset : offset + n, :k].tolist())
+    return [TokenLogprob(t, lp, dict(zip(ti, tl))) for t, lp, (ti, tl) in zip(ids, lps, tops)]
+
+
+def _prompt_scores(req: Request, kind: str) -> list[TokenLogprob] | None:
+    """The prompt's scores once all are in: in every output, or (delta) in the first one."""
+    if req.prompt_scores is None or req.next_score_start is not None or (kind == "delta" and req.sent_prompt_scores):
+        return None
+    req.sent_prompt_scores = True
+    return req.prompt_scores
+
+
 def make_output(req: Request) -> RequestOutput | None:
     """The request's output in its params' output_kind; None when that kind reports nothing now
     (final_only before the end)."""
@@ -65,16 +92,17 @@ def make_output(req: Request) -> RequestOutput | None:
         token_ids, logprobs = o.token_ids, o.logprobs
     else:
         token_ids, logprobs = list(o.token_ids), None if o.logprobs is None else list(o.logprobs)
+    stop = o.stop_reason if isinstance(o.stop_reason, str) or o.stop_reason in (req.params.stop_token_ids or ()) else None
+    cumulative = None if logprobs is None else sum(lp.logprob for lp in (o.logprobs if kind == "delta" else logprobs))
+    completion = CompletionOutput(0, text, token_ids, cumulative, logprobs, req.finish_reason, stop if done else None)
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,
         prompt_token_ids=req.prompt_token_ids,
-        text=text,
-        token_ids=token_ids,
-        finish_reason=req.finish_reason,
+        outputs=[completion],
         finished=done,
         metrics=req.metrics.as_dict(),
-        logprobs=logprobs,
+        prompt_token_logprobs=_prompt_scores(req, kind),
         draft_token_ids=req.draft_token_ids,
         draft_entropy=req.draft_entropy,
         draft_accepted=req.draft_accepted,

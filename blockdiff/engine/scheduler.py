@@ -19,7 +19,7 @@ limit plus a commit step, once the running requests have had `preempt_after` can
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.request import Request, State
@@ -30,6 +30,8 @@ class SchedulerOutput:
     encoder: list[tuple[Request, int]]  # requests with uncached tokens, and how many run this step
     decoder: list[Request]  # requests whose canvas is denoised this step
     preempted: list[Request]
+    # Requests scoring a piece of their prompt this step (the decoder over the piece; nothing cached)
+    score: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -94,7 +96,7 @@ class Scheduler:
         """-> this step's requests, or None if nothing can run."""
         preempted = self._preempt_for_waiting()
         out_of_memory = False
-        encoder, decoder = [], []
+        encoder, decoder, score = [], [], []
         budget = self.max_prefill_tokens
         i = 0
         while i < len(self.running):
@@ -104,6 +106,10 @@ class Scheduler:
                 i += 1
                 continue
             n = req.num_tokens - req.num_cached
+            if req.state == State.PREFILL and req.piece_to_score() is not None:
+                score.append(req)
+                i += 1
+                continue
             if req.state == State.PREFILL:
                 n = min(n, budget)
                 if n <= 0:
@@ -133,10 +139,12 @@ class Scheduler:
             self.running.append(req)
             if req.state == State.DENOISE:  # everything was cached
                 decoder.append(req)
+            elif req.piece_to_score() is not None:  # the cache holds the prompt before its next piece to score
+                score.append(req)
             else:
                 n = req.chunk(req.num_cached, min(req.num_tokens - req.num_cached, budget))
                 encoder.append((req, n))
                 budget -= n
-        if not encoder and not decoder:
+        if not encoder and not decoder and not score:
             return None
-        return SchedulerOutput(encoder, decoder, preempted)
+        return SchedulerOutput(encoder, decoder, preempted, score)

@@ -52,7 +52,7 @@ class ChoiceState:
 
     def advance(self, out: RequestOutput) -> Piece:
         self.canvases = out.metrics["canvases"]
-        return Piece(text=out.text or "", token_ids=out.token_ids, logprobs=out.logprobs,
+        return Piece(text=out.text or "", token_ids=out.token_ids, logprobs=out.outputs[0].token_logprobs,
                      finish_reason=out.finish_reason if out.finished else None)
 
 
