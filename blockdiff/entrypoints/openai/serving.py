@@ -20,7 +20,7 @@ from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
-from blockdiff.entrypoints.openai import reasoning, tool_parsers
+from blockdiff.entrypoints.openai import reasoning, tool_parsers, vllm_fields
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -38,6 +38,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's scores (echo), in a choice's first piece
 
 
 class ChoiceState:
@@ -53,7 +54,7 @@ class ChoiceState:
     def advance(self, out: RequestOutput) -> Piece:
         self.canvases = out.metrics["canvases"]
         return Piece(text=out.text or "", token_ids=out.token_ids, logprobs=out.outputs[0].token_logprobs,
-                     finish_reason=out.finish_reason if out.finished else None)
+                     finish_reason=out.finish_reason if out.finished else None, prompt_logprobs=out.prompt_token_logprobs)
 
 
 def usage(prompts: list[list[int]], finals: dict[int, RequestOutput], choices: int) -> p.Usage:
@@ -89,20 +90,32 @@ class _Format:
 class _CompletionFormat(_Format):
     draft_object = "text_completion.draft"
 
-    def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None):
+    def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None,
+                 echo: list[tuple[str, list[int]]] | None = None, n: int = 1):
         super().__init__(serving, request_id, model, return_token_ids)
         self.logprobs = logprobs
+        self.echo, self.n = echo, n  # echo: each prompt's text and ids, which its choices start with
         # text_offset runs over the token strings sent so far, per choice; it is not the text sent,
         # which lags behind the tokens while a stop string may still cut it.
         self._offsets: dict[int, int] = {}
 
     def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
-        lp = None
+        lp, text = None, piece.text
+        echo = self.echo[index // self.n] if self.echo is not None and index not in self._offsets else None
+        if echo is not None:
+            text = echo[0] + text
         if self.logprobs is not None:
             start = self._offsets.get(index, 0)
+            head = None
+            if echo is not None:
+                head = vllm_fields.echo_logprobs(echo[1], piece.prompt_logprobs, self.serving.token_text, self.logprobs > 0)
+                start = sum(map(len, head.tokens))
             lp = self.serving.completion_logprobs(piece.logprobs or [], start, self.logprobs > 0)
-            self._offsets[index] = start + sum(map(len, lp.tokens))
-        return p.CompletionChoice(index=index, text=piece.text, logprobs=lp, finish_reason=piece.finish_reason,
+            lp = lp if head is None else vllm_fields.joined(head, lp)
+            self._offsets[index] = sum(map(len, lp.tokens)) + (0 if head else self._offsets.get(index, 0))
+        elif echo is not None:
+            self._offsets[index] = 0
+        return p.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=piece.finish_reason,
                                   token_ids=self._ids(piece))
 
     def chunk(self, index: int, piece: Piece) -> BaseModel:
@@ -119,10 +132,12 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     draft_object = "chat.completion.draft"
 
-    def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool, rules: OutputRules):
+    def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool, rules: OutputRules,
+                 echo: str | None = None):
         super().__init__(serving, request_id, model, return_token_ids)
         self.logprobs = logprobs
         self.rules = rules
+        self.echo = echo  # vLLM's chat echo: the last (assistant) message's content, which each reply starts with
         self._outputs: dict[int, ChatOutput] = {}
 
     def _parse(self, index: int, piece: Piece):
@@ -139,7 +154,8 @@ class _ChatFormat(_Format):
         return p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
 
     def begin(self, count: int) -> list[BaseModel]:
-        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=""))]) for i in range(count)]
+        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=self.echo or ""))])
+                for i in range(count)]
 
     def chunk(self, index: int, piece: Piece) -> BaseModel:
         parsed, first_call, finish_reason = self._parse(index, piece)
@@ -159,6 +175,8 @@ class _ChatFormat(_Format):
         calls = [p.ToolCallOut(id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments_json)) for c in parsed.calls]
         # As vLLM: no content beside calls when the text outside them is blank, or thinking took it all.
         content = None if (calls or parsed.reasoning) and not parsed.content.strip() else parsed.content
+        if self.echo:
+            content = self.echo + (content or "")
         message = p.AssistantMessage(content=content, reasoning_content=parsed.reasoning or None,
                                      reasoning=parsed.reasoning or None, tool_calls=calls)
         return p.ChatChoice(index=index, message=message, logprobs=self._logprobs(piece), finish_reason=finish_reason,
@@ -192,6 +210,11 @@ class _EventStream(StreamingResponse):
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _prompt_list(prompt: str | list) -> list:
+    """A completion request's prompts, each a string or token ids."""
+    return [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
 
 
 def _prompt_count(prompt: str | list) -> int:
@@ -259,8 +282,7 @@ class OpenAIServing:
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
         model = self.model_name(req.model)
         n = self._check_common(req)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        vllm_fields.completion_max_tokens(req)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of not in (None, n):
@@ -268,8 +290,11 @@ class OpenAIServing:
         _check_choices(_prompt_count(req.prompt), n)
         request_id = p.new_id("cmpl")
         prompts = self._completion_prompts(req.prompt, request_id)
-        requests = [(ids, self._params(req, i, req.max_tokens, req.logprobs)) for ids in prompts for i in range(n)]
-        fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs)
+        scored = vllm_fields.prompt_logprobs(req)
+        requests = [(ids, replace(self._params(req, i, req.max_tokens, req.logprobs), prompt_logprobs=scored))
+                    for ids in prompts for i in range(n)]
+        echo = [(self._prompt_text(x, ids), ids) for x, ids in zip(_prompt_list(req.prompt), prompts)] if req.echo else None
+        fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs, echo, n)
         return await self._respond(req, prompts, requests, fmt, raw)
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
@@ -285,12 +310,18 @@ class OpenAIServing:
         rules = self._output_rules(req)
         request_id = p.new_id("chatcmpl")
         images = await self._chat_images(req.messages)
-        ids = self._chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None and self.tokenizer is not None:
+            kwargs = vllm_fields.reasoning_kwargs(req.reasoning_effort, self.tokenizer.template_variables, kwargs or {})
+        ids = self._chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=kwargs)
         prompt, prompts = self._with_images(ids, images)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
-        requests = [(prompt, replace(self._params(req, i, max_tokens, logprobs), skip_special_tokens=not rules.parses))
+        skip = not rules.parses if req.skip_special_tokens is None else req.skip_special_tokens
+        requests = [(prompt, replace(self._params(req, i, max_tokens, logprobs), skip_special_tokens=skip))
                     for i in range(n)]
-        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules)
+        last = req.messages[-1]
+        echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
+        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules, echo)
         return await self._respond(req, prompts, requests, fmt, raw)
 
     def _output_rules(self, req: p.ChatCompletionRequest) -> OutputRules:
@@ -348,8 +379,11 @@ class OpenAIServing:
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
         try:
+            if req.skip_special_tokens is not None:
+                values["skip_special_tokens"] = req.skip_special_tokens
             return SamplingParams.of(
                 **values,
+                min_tokens=req.min_tokens or 0,
                 max_tokens=max_tokens,
                 seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop,
@@ -376,6 +410,12 @@ class OpenAIServing:
                                 f"max_denoising_steps x canvas length), more than this server's limit of "
                                 f"{self.max_request_cost} per request: lower n, max_tokens or max_denoising_steps",
                            param="max_tokens", code="request_too_costly")
+
+    def _prompt_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        """What echo returns of a prompt: its text, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _encode(self, text: str, request_id: str) -> list[int]:
         if self.tokenizer is None:
@@ -500,7 +540,8 @@ class OpenAIServing:
         states = [ChoiceState() for _ in requests]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), stream.abort)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            return _EventStream(self._events(stream, states, prompts, fmt, include_usage, continuous), stream.abort)
         finals = await self._collect(stream, raw)
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
@@ -509,16 +550,24 @@ class OpenAIServing:
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _events(self, stream: RequestStream, states: list[ChoiceState], prompts, fmt: _Format,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
+        """continuous: usage so far in every chunk (vLLM's continuous_usage_stats)."""
         try:
+            latest: dict[int, RequestOutput] = {}  # each choice's latest output: its usage so far
             for chunk in fmt.begin(len(states)):
+                if continuous:
+                    chunk.usage = usage(prompts, latest, len(states))
                 yield _sse(chunk)
             finals = {}
             async for index, out in stream:
                 if states[index].is_draft(out):
                     yield _sse(self._draft(fmt, index, out), event="draft")
                     continue
-                yield _sse(fmt.chunk(index, states[index].advance(out)))
+                chunk = fmt.chunk(index, states[index].advance(out))
+                if continuous:
+                    latest[index] = out
+                    chunk.usage = usage(prompts, latest, len(states))
+                yield _sse(chunk)
                 if out.finished:
                     finals[index] = out
             if include_usage:
