@@ -28,7 +28,7 @@ def test_the_seed_serve_command_runs_as_written(tiny, tmp_path):
     proc = ServerProcess(tiny, *shlex.split(SEED_SERVE), log_path=str(tmp_path / "server.log"))
     try:
         card = httpx.get(proc.url + "/v1/models").json()["data"][0]
-        assert card["canvas_length"] == 32  # the checkpoint's is 16: --diffusion-config's canvas_length
+        assert card["canvas_length"] == 32  # the checkpoint's is 8: --diffusion-config's canvas_length
         defaults = card["sampling_defaults"]
         assert (defaults["max_denoising_steps"], defaults["entropy_bound"], defaults["confidence_threshold"]) == (16, 0.1, 0.0)
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused")

@@ -291,8 +291,7 @@ class OpenAIServing:
         request_id = p.new_id("cmpl")
         prompts = self._completion_prompts(req.prompt, request_id)
         scored = vllm_fields.prompt_logprobs(req)
-        requests = [(ids, replace(self._params(req, i, req.max_tokens, req.logprobs), prompt_logprobs=scored))
-                    for ids in prompts for i in range(n)]
+        requests = [(ids, self._params(req, i, req.max_tokens, req.logprobs, scored)) for ids in prompts for i in range(n)]
         echo = [(self._prompt_text(x, ids), ids) for x, ids in zip(_prompt_list(req.prompt), prompts)] if req.echo else None
         fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs, echo, n)
         return await self._respond(req, prompts, requests, fmt, raw)
@@ -374,7 +373,8 @@ class OpenAIServing:
             raise APIError(400, "stream_drafts needs stream: true", param="stream_drafts")
         return n
 
-    def _params(self, req: p._GenerationRequest, choice: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, req: p._GenerationRequest, choice: int, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's sampler fields; the engine fills the rest (server flags, then the checkpoint)."""
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
@@ -385,6 +385,7 @@ class OpenAIServing:
                 **values,
                 min_tokens=req.min_tokens or 0,
                 max_tokens=max_tokens,
+                prompt_logprobs=prompt_logprobs,
                 seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop,
                 logprobs=logprobs,
