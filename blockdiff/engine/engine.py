@@ -128,7 +128,7 @@ class LLMEngine:
         except Exception as e:
             log.exception("an engine step failed; its %d requests end with an error",
                           len(sched.encoder) + len(sched.score) + len(sched.decoder))
-            ran = [r for r, _ in sched.encoder] + sched.score + sched.decoder
+            ran = list({r: None for r, _ in [*sched.encoder, *sched.score]}) + sched.decoder
             fail(self.scheduler, ran, f"the engine step failed: {type(e).__name__}: {e}")
             return self._outputs(ran)
         finally:
@@ -146,15 +146,14 @@ class LLMEngine:
             rows.append(Row(req.slot, req.num_cached, n, False, tuple(req.blocks), tuple(req.sliding_blocks),
                             bidirectional=bidirectional))
         score_ids, lengths = [], []
-        for req in sched.score:
-            start, end = req.piece_to_score()
+        for req, (start, end) in sched.score:
             rows.append(Row(req.slot, start, end - start, True, tuple(req.blocks), tuple(req.sliding_blocks)))
             score_ids.extend(req.tokens(start, end))
             lengths.append(end - start)
         score = None
         if sched.score:
             score = ScorePlan(torch.tensor(score_ids, dtype=torch.long), lengths,
-                              max(r.params.prompt_logprobs for r in sched.score))
+                              max(r.params.prompt_logprobs for r, _ in sched.score))
         new_rows, new_canvases, randoms = [], [], []
         for i, req in enumerate(sched.decoder):
             rows.append(Row(req.slot, req.num_cached, cl, True, tuple(req.blocks), tuple(req.sliding_blocks)))

@@ -19,10 +19,9 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     if out is None:
         return news
     offset = 0
-    for req in sched.score:
-        start, end = req.piece_to_score()
+    for req, (start, end) in sched.score:
         n = end - start
-        if req.add_scores(_scores(req, out, offset, n)):  # it asked for no output: done
+        if req.add_scores(_scores(req, req.tokens(start, end), out, offset)):  # it asked for no output: done
             req.finish("length")
             scheduler.release(req)
             news.append(req)
@@ -55,8 +54,8 @@ def _logprobs(req: Request, out: StepOutput, row: int) -> list[TokenLogprob] | N
     return [TokenLogprob(t, lp, dict(zip(ti, tl))) for t, lp, (ti, tl) in zip(ids, lps, tops)]
 
 
-def _scores(req: Request, out: StepOutput, offset: int, n: int) -> list[TokenLogprob]:
-    ids = req.tokens(*req.piece_to_score())
+def _scores(req: Request, ids: list[int], out: StepOutput, offset: int) -> list[TokenLogprob]:
+    n = len(ids)
     lps = out.score_logprob[offset : offset + n].tolist()
     k = req.params.prompt_logprobs
     if not k:

@@ -188,6 +188,11 @@ class Request:
             return None
         return next(p for p in self.score_pieces if p[0] == start)
 
+    def prefills_after_scoring(self, piece: tuple[int, int]) -> bool:
+        """Whether a piece goes through the encoder once scored: all but the last of a request that
+        generates nothing."""
+        return not (self.params.max_tokens == 0 and piece[1] == len(self.prompt_token_ids))
+
     def add_scores(self, scores: list[TokenLogprob]) -> bool:
         """A piece was scored; -> whether the request is done (it asked for no output)."""
         self.prompt_scores.extend(scores)
@@ -205,8 +210,10 @@ class Request:
         image's tokens attend to each other and are encoded in one pass; nor past the start of a
         piece of the prompt still to score."""
         score = self.next_score_start
-        if score is not None and start < score < start + n:
-            n = score - start
+        if score is not None:  # the next piece start past `start`: the cache must hold no more when it is scored
+            bound = next((a for a, _ in self.score_pieces if a > start and a >= score), None)
+            if bound is not None and start + n > bound:
+                n = bound - start
         span = self.splits_image(start + n)
         if span is None:
             return n

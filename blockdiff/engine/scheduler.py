@@ -30,8 +30,9 @@ class SchedulerOutput:
     encoder: list[tuple[Request, int]]  # requests with uncached tokens, and how many run this step
     decoder: list[Request]  # requests whose canvas is denoised this step
     preempted: list[Request]
-    # Requests scoring a piece of their prompt this step (the decoder over the piece; nothing cached)
-    score: list[Request] = field(default_factory=list)
+    # Requests scoring a piece [start, end) of their prompt this step: the decoder over the piece, which
+    # reads the cache before it; the same step may prefill the piece (the cache is written after reads)
+    score: list[tuple[Request, tuple[int, int]]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -106,16 +107,16 @@ class Scheduler:
                 i += 1
                 continue
             n = req.num_tokens - req.num_cached
-            if req.state == State.PREFILL and req.piece_to_score() is not None:
-                score.append(req)
-                i += 1
-                continue
+            piece = req.piece_to_score() if req.state == State.PREFILL else None
             if req.state == State.PREFILL:
-                n = min(n, budget)
+                n = min(n, budget) if piece is None or req.prefills_after_scoring(piece) else 0
+                if n > 0:
+                    n = req.chunk(req.num_cached, n)
                 if n <= 0:
+                    if piece is not None:
+                        score.append((req, piece))
                     i += 1
                     continue
-                n = req.chunk(req.num_cached, n)
             while not self.kv.grow(req, req.num_cached + n):  # out of blocks: the newest request goes
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -126,6 +127,8 @@ class Scheduler:
             if req.state == State.WAITING:  # it was the newest: nothing after it runs either
                 break
             encoder.append((req, n))
+            if piece is not None:
+                score.append((req, piece))
             if req.state == State.PREFILL:
                 budget -= n
             i += 1
@@ -139,12 +142,15 @@ class Scheduler:
             self.running.append(req)
             if req.state == State.DENOISE:  # everything was cached
                 decoder.append(req)
-            elif req.piece_to_score() is not None:  # the cache holds the prompt before its next piece to score
-                score.append(req)
-            else:
+                continue
+            piece = req.piece_to_score()  # the cache holds the prompt before its next piece to score
+            if piece is not None:
+                score.append((req, piece))
+            if piece is None or req.prefills_after_scoring(piece):
                 n = req.chunk(req.num_cached, min(req.num_tokens - req.num_cached, budget))
-                encoder.append((req, n))
-                budget -= n
+                if n > 0:
+                    encoder.append((req, n))
+                    budget -= n
         if not encoder and not decoder and not score:
             return None
         return SchedulerOutput(encoder, decoder, preempted, score)
