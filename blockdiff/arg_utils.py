@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 
 from blockdiff.config import EngineConfig
@@ -14,8 +13,6 @@ from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.sampling_params import ENGINE_FIELDS, SamplingParams
 from blockdiff.vllm_options import ACCEPTED, REFUSED, diffusion_settings, warn_ignored
-
-log = logging.getLogger(__name__)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
                "g": 2**30, "gb": 2**30, "gib": 2**30}
@@ -198,7 +195,7 @@ def _vllm_diffusion(args: argparse.Namespace) -> tuple[dict, dict]:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     for name, _, _ in ACCEPTED:
         if getattr(args, name) not in (None, False):
-            warn_ignored(name, getattr(args, name))
+            warn_ignored(name)
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata}
     flags.update(_vllm_diffusion(args)[0])
     flags["allowed_media_domains"] = tuple(flags["allowed_media_domains"])

@@ -43,19 +43,18 @@ REFUSED = (
     (("--kv-cache-dtype",), "the KV cache is kept in the model's dtype"),
     (("--speculative-config",), "there is no speculative decoding; canvases are denoised in parallel already"),
 )
-# vLLM's DiffusionConfig: its keys and the blockdiff flag each one is.
-DIFFUSION_CONFIG_KEYS = {"canvas_length": "--canvas-length", "max_denoising_steps": "--max-denoising-steps"}
+# vLLM's DiffusionConfig's keys (--canvas-length, --max-denoising-steps here).
+DIFFUSION_CONFIG_KEYS = ("canvas_length", "max_denoising_steps")
 # Keys of config.json that --hf-overrides could otherwise change, and the blockdiff flag to use instead.
 _HF_KEYS_WITH_FLAGS = {
     "max_position_embeddings": "--max-model-len",
     "torch_dtype": "--dtype",
     "dtype": "--dtype",
     "num_hidden_layers": "--num-layers-override (with --load-format dummy)",
-    "sliding_window": None,
 }
 
 
-def warn_ignored(name: str, value) -> None:
+def warn_ignored(name: str) -> None:
     """The warning for an accepted vLLM option `name` (as a field name) that the user set."""
     reason = next(why for n, _, why in ACCEPTED if n == name)
     log.warning("--%s is ignored: %s", name.replace("_", "-"), reason)
@@ -102,7 +101,7 @@ def diffusion_settings(diffusion_config: str | dict | None, hf_overrides: str | 
     fields = _sampler_fields()
     for key, value in json_object(diffusion_config, "--diffusion-config").items():
         if key == "canvas_length":
-            engine["canvas_length"] = _positive_int(f"--diffusion-config canvas_length", value)
+            engine["canvas_length"] = _positive_int("--diffusion-config canvas_length", value)
         elif key == "max_denoising_steps":
             if value is not None:  # vLLM's None: the checkpoint's generation_config.json
                 sampler["max_denoising_steps"] = _positive_int("--diffusion-config max_denoising_steps", value)
@@ -150,7 +149,7 @@ def engine_keywords(options: dict) -> dict:
         if name in out:
             value = out.pop(name)
             if value not in (None, False):
-                warn_ignored(name, value)
+                warn_ignored(name)
     for name in list(out):
         reason = refused_reason(name)
         if reason is not None and out[name] is not None:

@@ -213,7 +213,7 @@ def test_setup_script_says_what_each_stage_does(tmp_path):
     lines = done.stdout.splitlines()
     # venv, pip, torch, blockdiff: each said before it runs; then done
     assert ["said" if ln.startswith("setup.sh [") else ln.split(" -q ")[-1] for ln in lines] == [
-        "said", "said", "--upgrade pip", "said", "torch==2.13.0", "said", "-e .[test]", "said"], lines
+        "said", "said", "--upgrade pip", "said", "torch==2.13.0", "said", "-c scripts/constraints.txt -e .[test]", "said"], lines
     assert "torch" in lines[3] and "test extra" in lines[5] and "done" in lines[7]
 
 

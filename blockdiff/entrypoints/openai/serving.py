@@ -100,21 +100,19 @@ class _CompletionFormat(_Format):
         self._offsets: dict[int, int] = {}
 
     def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
-        lp, text = None, piece.text
-        echo = self.echo[index // self.n] if self.echo is not None and index not in self._offsets else None
-        if echo is not None:
-            text = echo[0] + text
+        first = index not in self._offsets
+        offset = self._offsets.setdefault(index, 0)
+        echo = self.echo[index // self.n] if self.echo is not None and first else None  # in a choice's first piece
+        text = piece.text if echo is None else echo[0] + piece.text
+        lp = None
         if self.logprobs is not None:
-            start = self._offsets.get(index, 0)
-            head = None
-            if echo is not None:
-                head = vllm_fields.echo_logprobs(echo[1], piece.prompt_logprobs, self.serving.token_text, self.logprobs > 0)
-                start = sum(map(len, head.tokens))
-            lp = self.serving.completion_logprobs(piece.logprobs or [], start, self.logprobs > 0)
+            top = self.logprobs > 0
+            head = None if echo is None else vllm_fields.echo_logprobs(echo[1], piece.prompt_logprobs,
+                                                                        self.serving.token_text, top)
+            start = offset + (0 if head is None else sum(map(len, head.tokens)))
+            lp = self.serving.completion_logprobs(piece.logprobs or [], start, top)
+            self._offsets[index] = start + sum(map(len, lp.tokens))
             lp = lp if head is None else vllm_fields.joined(head, lp)
-            self._offsets[index] = sum(map(len, lp.tokens)) + (0 if head else self._offsets.get(index, 0))
-        elif echo is not None:
-            self._offsets[index] = 0
         return p.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=piece.finish_reason,
                                   token_ids=self._ids(piece))
 
@@ -219,7 +217,7 @@ def _prompt_list(prompt: str | list) -> list:
 
 def _prompt_count(prompt: str | list) -> int:
     """Prompts in a completion request's `prompt`, counted before any is tokenized."""
-    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+    return len(_prompt_list(prompt))
 
 
 def _request_names(req: p._GenerationRequest) -> dict[str, str]:
