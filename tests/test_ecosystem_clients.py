@@ -48,10 +48,11 @@ def sort_choice_docs(n: int, seed: int = 0) -> list[dict]:
     return docs
 
 
+@pytest.mark.slow  # ~25 s, most of it lm-eval's start; tests/test_scoring.py sends its requests in the default run
 def test_lm_eval_multiple_choice_ranks_the_sorted_digits_first(server, tmp_path):
     pytest.importorskip("lm_eval")
     data = tmp_path / "sort_choice.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in sort_choice_docs(40)))
+    data.write_text("".join(json.dumps(d) + "\n" for d in sort_choice_docs(24)))
     (tmp_path / "sort_choice.yaml").write_text(f"""task: demo_sort_choice
 dataset_path: json
 dataset_kwargs:
@@ -71,12 +72,12 @@ metric_list:
         [os.path.join(BIN, "lm_eval"), "--model", "local-completions", "--tasks", "demo_sort_choice",
          "--include_path", str(tmp_path), "--output_path", str(out),
          "--model_args", f"model=demo,base_url={server.url}/v1/completions,tokenizer={DEMO_CHECKPOINT},"
-                         "tokenizer_backend=huggingface,num_concurrent=4,max_retries=1"],
+                         "tokenizer_backend=huggingface,num_concurrent=8,max_retries=1"],
         capture_output=True, text=True, timeout=600, env=OFFLINE)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [result] = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
     accuracy = result["results"]["demo_sort_choice"]["acc,none"]
-    print(f"lm-eval local-completions, demo_sort_choice (40 questions, 2 choices): acc {accuracy:.3f}")
+    print(f"lm-eval local-completions, demo_sort_choice (24 questions, 2 choices): acc {accuracy:.3f}")
     assert accuracy >= 0.9  # chance is 0.5
 
 

@@ -119,3 +119,8 @@ def test_echo_and_max_tokens_zero_in_the_api(server):
     with pytest.raises(openai.BadRequestError, match="0 only with echo") as e:
         client.completions.create(model="demo", prompt="sort: 3", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
+
+
+def test_a_one_token_prompt_has_nothing_to_score_and_ends_at_once(llm):
+    [out] = llm.generate([[2]], SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)
+    assert out.prompt_logprobs == [None] and out.token_ids == [] and out.metrics["denoising_steps"] == 0

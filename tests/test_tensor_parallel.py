@@ -274,7 +274,7 @@ def test_cli_generates_with_tensor_parallelism(tp_ckpt):
     assert out.returncode == 0, out.stderr
     with LLM(tp_ckpt) as llm:
         want = llm.generate("x", _greedy(DRAFTS[1]))[0].token_ids
-    assert json.loads(out.stdout)["token_ids"] == want
+    assert json.loads(out.stdout)["outputs"][0]["token_ids"] == want
 
 
 def test_model_that_does_not_split_is_a_value_error(tp_ckpt):

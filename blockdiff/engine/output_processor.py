@@ -3,7 +3,7 @@ RequestOutputs. The only place where a step changes request state."""
 
 from __future__ import annotations
 
-from blockdiff.engine.request import Request
+from blockdiff.engine.request import Request, State
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
 from blockdiff.outputs import CompletionOutput, RequestOutput, TokenLogprob, vllm_logprobs
 from blockdiff.step import StepOutput
@@ -13,9 +13,13 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     """Count the encoder rows' tokens as cached, the decoder rows' step as done, and commit every
     canvas that converged; finished requests are released. -> the requests with news: a committed
     canvas, an end, or (streaming drafts) a new argmax canvas."""
+    news = []
     for req, n in sched.encoder:
         scheduler.cached(req, n)
-    news = []
+        if req.params.max_tokens == 0 and req.state == State.DENOISE:  # a prompt with nothing to score, no output
+            req.finish("length")
+            scheduler.release(req)
+            news.append(req)
     if out is None:
         return news
     offset = 0
