@@ -214,3 +214,24 @@ def test_response_format_is_a_clear_400_naming_it(client, server):
         client.chat.completions.create(model="demo", messages=SORT, max_tokens=8, response_format={"type": "json_object"})
     assert e.value.body["param"] == "response_format" and "response_format" in e.value.body["message"]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_vllms_generation_config_and_default_template_kwargs(tmp_path):
+    """The recipe's `--generation-config vllm` (the sampler's reference defaults instead of the
+    checkpoint's generation_config.json; EOS stays the checkpoint's) and
+    `--default-chat-template-kwargs '{"enable_thinking": true}'` (thinking unless a request says)."""
+    proc = ServerProcess("demo", "--max-model-len", "256", "--generation-config", "vllm",
+                         "--default-chat-template-kwargs", '{"enable_thinking": true}', log_path=str(tmp_path / "s.log"))
+    try:
+        defaults = httpx.get(proc.url + "/v1/models").json()["data"][0]["sampling_defaults"]
+        assert defaults["max_denoising_steps"] == 48  # the reference's; the demo's generation_config.json says 16
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused")
+        thinking = client.chat.completions.create(model="demo", messages=SORT, max_tokens=64, seed=0)
+        assert thinking.choices[0].message.model_extra.get("reasoning_content")
+        assert thinking.choices[0].message.content == "1 2 3" and thinking.choices[0].finish_reason == "stop"
+        plain = client.chat.completions.create(model="demo", messages=SORT, max_tokens=64, seed=0, reasoning_effort="none")
+        assert not plain.choices[0].message.model_extra.get("reasoning_content")
+    finally:
+        proc.close()
+    bad = main(["serve", "--generation-config", "/nonexistent"])
+    assert bad == 2

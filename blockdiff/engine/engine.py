@@ -47,7 +47,9 @@ class LLMEngine:
             self.model_config = replace(self.model_config, canvas_length=cfg.canvas_length)
         self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
         self.sampler = make_sampler(cfg.diffusion_sampler or default_sampler(self.model_config))
-        self.defaults = generation_defaults(cfg.model, self.sampler.fields)
+        source = {"auto": cfg.model, "vllm": None}.get(cfg.generation_config, cfg.generation_config)
+        self.defaults = generation_defaults(source, self.sampler.fields)
+        eos = generation_defaults(cfg.model, ()).get("eos_token_ids", self.model_config.eos_token_ids)
         self.canvas_length = self.model_config.canvas_length
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = cfg.max_model_len if cfg.max_model_len is not None else min(self.model_config.max_position_embeddings, 8192)
@@ -70,7 +72,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
         self.inputs = InputProcessor(
             self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
-            tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids)),
+            tuple(eos),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
             cache.num_blocks * cache.block_size, cfg.seed, ImageIntake.from_pretrained(cfg, self.model_config),
         )

@@ -159,7 +159,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     metrics = ServingMetrics(engine, cfg.served_model_names[0])
     async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
     serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
-                            cfg.reasoning_parser)
+                            cfg.reasoning_parser, cfg.default_chat_template_kwargs)
     tokenization = OpenAIServingTokenization(serving)
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.inputs.defaults[f.name] for f in engine.sampler.fields}

@@ -243,7 +243,9 @@ _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_g
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_request_cost: int | None,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 default_chat_template_kwargs: dict | None = None):
+        """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
         self.engine = engine
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
@@ -260,6 +262,14 @@ class OpenAIServing:
         # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
         # tokenizer (which holds the GIL, stalling every other request) sees it.
         self.max_prompt_chars = None if self.tokenizer is None else self.llm.max_model_len * self.tokenizer.max_token_chars
+        self.default_template_kwargs = {}
+        if default_chat_template_kwargs:
+            if self.tokenizer is None:
+                raise ValueError("--default-chat-template-kwargs: this checkpoint has no tokenizer, so no chat template")
+            try:
+                self.default_template_kwargs = self._template_kwargs(default_chat_template_kwargs)
+            except APIError as e:
+                raise ValueError(f"--default-chat-template-kwargs: {e.message}") from None
 
     def _parser(self, kind: str, name: str | None, by_name, checkpoint_format):
         """The parser named by the server flag; with none named, the checkpoint's own format when its
@@ -447,7 +457,7 @@ class OpenAIServing:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
         self._check_chars(sum(len(m["content"]) for m in rendered if isinstance(m["content"], str)), "messages")
-        kwargs = self._template_kwargs(chat_template_kwargs or {})
+        kwargs = {**self.default_template_kwargs, **self._template_kwargs(chat_template_kwargs or {})}
         tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
             ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
