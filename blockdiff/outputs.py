@@ -42,7 +42,9 @@ class CompletionOutput:
     index: int
     text: str | None  # None when the checkpoint has no tokenizer
     token_ids: list[int]
-    cumulative_logprob: float | None  # the sum of token_logprobs; None unless logprobs were asked for
+    # The sum of the whole output's token logprobs; None unless logprobs were asked for (and, for
+    # output_kind "delta", until the last output)
+    cumulative_logprob: float | None
     token_logprobs: list[TokenLogprob] | None  # per token, its logprob and top alternatives
     finish_reason: str | None  # "stop", "length", "abort" or "error"; None while running
     # The stop string or stop token id (of stop_token_ids) that ended the output; None for EOS, length

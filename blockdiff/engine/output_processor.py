@@ -96,7 +96,8 @@ def make_output(req: Request) -> RequestOutput | None:
     else:
         token_ids, logprobs = list(o.token_ids), None if o.logprobs is None else list(o.logprobs)
     stop = o.stop_reason if isinstance(o.stop_reason, str) or o.stop_reason in (req.params.stop_token_ids or ()) else None
-    cumulative = None if logprobs is None else sum(lp.logprob for lp in (o.logprobs if kind == "delta" else logprobs))
+    # The sum over the whole output, once it is final for a stream of deltas (each delta would re-add it).
+    cumulative = None if logprobs is None or (kind == "delta" and not done) else sum(lp.logprob for lp in o.logprobs)
     completion = CompletionOutput(0, text, token_ids, cumulative, logprobs, req.finish_reason, stop if done else None)
     return RequestOutput(
         request_id=req.request_id,
