@@ -75,7 +75,7 @@ def json_object(text: str | dict | None, what: str) -> dict:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{what} must be a JSON object, e.g. '{{\"canvas_length\": 256}}': {e}") from None
+            raise ValueError(f"{what} must be a JSON object ({e}), got {text!r}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object, got {text!r}")
     return value
