@@ -202,6 +202,16 @@ class EngineConfig:
     # architecture's own (model/registry.py), for DiffusionGemma the entropy-bound sampler.
     diffusion_sampler: str | None = flag(None, "the sampler that denoises canvases, by name: one of {samplers} (default: "
                                                "the architecture's own)", parse="sampler")
+    # Tokens denoised together (vLLM's --diffusion-config canvas_length); None: the checkpoint's
+    # config.json. The model runs any length; it was trained at its own.
+    canvas_length: int | None = flag(None, "tokens denoised together in one canvas (default: the checkpoint's "
+                                           "canvas_length)", minimum=1)
+    # Where the sampler defaults come from, vLLM's --generation-config: "auto", the checkpoint's
+    # generation_config.json; "vllm", none of it (the sampler's reference defaults); or a directory
+    # holding a generation_config.json. The EOS ids are the checkpoint's whatever this says.
+    generation_config: str = flag("auto", "the sampler defaults: auto (the checkpoint's generation_config.json), vllm "
+                                          "(none: the sampler's reference defaults) or a directory holding a "
+                                          "generation_config.json", metavar="auto|vllm|DIR")
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as fields of the sampler's table.
     sampling_defaults: dict = field(default_factory=dict)
@@ -229,10 +239,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
                      "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
-                     "max_image_decoded_bytes", "num_layers_override"):
+                     "max_image_decoded_bytes", "num_layers_override", "canvas_length"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
-                                          "num_layers_override"):
+                                          "num_layers_override", "canvas_length"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -246,6 +256,10 @@ class EngineConfig:
         gb = self.sampler_memory_gb
         if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < float("inf")):
             raise ValueError(f"sampler_memory_gb must be a positive number, got {gb!r}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(self.generation_config, "generation_config.json")):
+            raise ValueError(f"generation_config must be auto, vllm or a directory holding a generation_config.json, "
+                             f"got {self.generation_config!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.num_layers_override is not None and self.load_format != "dummy":

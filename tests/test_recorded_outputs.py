@@ -51,7 +51,7 @@ def _outputs(llm: LLM, requests) -> list[dict]:
     for o in llm.generate(prompts, params, use_tqdm=False):
         out.append({
             "token_ids": o.token_ids,
-            "logprobs": None if o.logprobs is None else [[lp.logprob, sorted(lp.top.items())] for lp in o.logprobs],
+            "logprobs": None if (lps := o.outputs[0].token_logprobs) is None else [[lp.logprob, sorted(lp.top.items())] for lp in lps],
             "finish_reason": o.finish_reason,
             "canvases": o.metrics["canvases"],
             "denoising_steps": o.metrics["denoising_steps"],

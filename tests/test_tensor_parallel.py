@@ -93,7 +93,7 @@ def test_greedy_generation_equals_one_rank_and_transformers(tp_ckpt, one_rank, t
         assert ours.metrics["denoising_steps"] == ref.metrics["denoising_steps"]
         # At these temperatures logprobs are logits * 1e6, so only the top tokens can be compared;
         # the vocabulary-parallel test compares logprobs themselves.
-        assert [list(lp.top) for lp in ours.logprobs] == [list(lp.top) for lp in ref.logprobs]
+        assert [list(lp.top) for lp in ours.outputs[0].token_logprobs] == [list(lp.top) for lp in ref.outputs[0].token_logprobs]
 
 
 def test_compiled_steps_under_tensor_parallelism_equal_one_rank(tp_ckpt, one_rank):
@@ -291,7 +291,7 @@ def test_cli_generates_with_tensor_parallelism(tp_ckpt):
     assert out.returncode == 0, out.stderr
     with LLM(tp_ckpt) as llm:
         want = llm.generate("x", _greedy(DRAFTS[1]))[0].token_ids
-    assert json.loads(out.stdout)["token_ids"] == want
+    assert json.loads(out.stdout)["outputs"][0]["token_ids"] == want
 
 
 def test_model_that_does_not_split_is_a_value_error(tp_ckpt):

@@ -237,6 +237,16 @@ class VocabParallel:
             out.append(embed(probs, tile_total))
         return torch.cat(out).view(canvases if rows is None else rows.shape[0], cl, -1)
 
+    def token_logprob(self, d: Distribution, ids: torch.Tensor) -> torch.Tensor:
+        """[...] the log-probability of token `ids` [...] (global ids): each rank reads the ids its
+        shard holds, and one all-reduce of [...] values adds them up."""
+        local, owned = self.shard.to_local(ids)
+        value = d.shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        if self.sharded:
+            value = torch.where(owned, value, 0.0)
+            self.group.all_reduce(value)
+        return value - d.log_total
+
     def top_logprobs(self, d: Distribution, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely tokens per position of canvases `rows`: (logprobs [rows, CL, k], ids)."""
         # A tile of canvases at a time: shifted[rows] is a copy.

@@ -52,8 +52,9 @@ class StreamOverflow(RuntimeError):
 
 def _approx_bytes(out: RequestOutput) -> int:
     """Roughly what an output takes queued, and then as JSON: its text, ids and logprob entries."""
-    entries = sum(1 + len(lp.top) for lp in out.logprobs) if out.logprobs else 0
-    return len(out.text or "") + 8 * (len(out.token_ids) + len(out.draft_token_ids or ())) + 64 * entries
+    o = out.outputs[0]
+    entries = sum(1 + len(lp.top) for lp in o.token_logprobs) if o.token_logprobs else 0
+    return len(o.text or "") + 8 * (len(o.token_ids) + len(out.draft_token_ids or ())) + 64 * entries
 
 
 class RequestStream(EngineStream):

@@ -87,8 +87,13 @@ class InputProcessor:
         stops = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
+        if params.min_tokens > params.max_tokens:
+            raise InvalidParam("min_tokens", f"min_tokens ({params.min_tokens}) must be at most max_tokens "
+                                             f"({params.max_tokens})")
+        if params.prompt_logprobs is not None and images:
+            raise InvalidParam("prompt_logprobs", "prompt_logprobs: a prompt with images cannot be scored")
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
-                                        params.skip_special_tokens)
+                                        params.skip_special_tokens, params.min_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output, self.sampler)
         if mm is not None:

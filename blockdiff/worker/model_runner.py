@@ -19,7 +19,7 @@ from blockdiff.diffusion.vocab_parallel import VocabParallel, workspace_bytes
 from blockdiff.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
-from blockdiff.step import CacheConfig, StepOutput, StepPlan
+from blockdiff.step import CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
 from blockdiff.worker.canvas_step import CanvasSteps, all_canvases
 from blockdiff.worker.cpu_heap import keep_freed_memory
 from blockdiff.worker.kv_cache import allocate, geometry
@@ -58,15 +58,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
-        dec_rows = [r for r in plan.rows if r.decoder]
+        # Decoder rows: the pieces of prompts scored this step first, then the canvases.
+        scored = 0 if plan.score is None else len(plan.score.lengths)
+        dec_rows = [r for r in plan.rows if r.decoder][scored:]
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
             starting = slots[torch.tensor(plan.new_canvas_rows, device=self.device)]
             self.state.start(starting, plan.new_canvases.to(self.device))
-        if self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0:
+        if (self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0 and plan.score is None
+                and plan.min_tokens is None):
             return self._canvas_step(plan)
 
         ids = plan.encoder_ids.to(self.device)
+        score_tokens = 0
+        if plan.score is not None:
+            ids = torch.cat((ids, plan.score.ids.to(self.device)))
+            score_tokens = plan.score.ids.shape[0]
         soft = None
         if dec_rows:
             ids = torch.cat((ids, self.state.canvas[slots].reshape(-1)))
@@ -74,19 +81,29 @@ class ModelRunner:
             # soft embeddings (a finished one starts a new canvas next: the scheduler's steps_left).
             if self.sampler.self_conditioning and len(plan.new_canvas_rows) < len(dec_rows):
                 soft = self.state.soft[slots].reshape(-1, self.state.soft.shape[-1])
+                if score_tokens:  # a scored piece is a canvas's first step: no self-conditioning (zeros)
+                    soft = torch.cat((soft.new_zeros(score_tokens, soft.shape[-1]), soft))
         meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device)
         if meta.num_tokens > ids.shape[0]:
             ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
         images = None if plan.images is None else plan.images.to(self.device)
         logits = self.model(ids, meta, self.kv, soft, images)
+        score = self._score(logits[:score_tokens], plan.score) if plan.score is not None else {}
+        logits = logits[score_tokens:]
         if not dec_rows:
-            return None
+            if not score:
+                return None
+            return StepOutput(finished=torch.zeros(0, dtype=torch.bool), tokens=torch.zeros(0, self.canvas_length,
+                              dtype=torch.long), logprob=None, top_logprobs=None, top_ids=None, **score)
 
         params = plan.denoise.to(self.device)
         res = self.sampler.step(logits.view(len(dec_rows), self.canvas_length, -1), self.state, slots, params, self.vocab)
         tokens = self.sampler.commit(res, params)
         self.state.put(slots, res.updates)
         finished = res.finished.cpu()  # the only host sync the control flow below needs
+        res_logprob = res.logprob
+        if plan.min_tokens is not None:
+            tokens, res_logprob = self._no_early_stops(tokens, res, finished, plan.min_tokens)
         if self.sampler.self_conditioning:
             # A finished canvas is committed and the next one starts without self-conditioning, so
             # only the canvases that go on need their soft embeddings (the product is as big as the
@@ -99,7 +116,7 @@ class ModelRunner:
 
         logprob = top_lp = top_ids = None
         if plan.top_logprobs >= 0:
-            logprob = res.logprob
+            logprob = res_logprob
             if plan.top_logprobs > 0 and bool(finished.any()):
                 # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
                 done = finished.nonzero().squeeze(1).to(self.device)
@@ -114,7 +131,39 @@ class ModelRunner:
             top_ids=None if top_ids is None else top_ids.cpu(),
             entropy=res.dist.entropy.cpu() if plan.draft_details else None,
             accepted=res.accepted.cpu() if plan.draft_details else None,
+            **score,
         )
+
+    def _score(self, logits: torch.Tensor, plan: ScorePlan) -> dict[str, torch.Tensor]:
+        """The log-probability of each scored token under the model's distribution (temperature 1) at
+        its own position, and its top alternatives: the logits stay sharded."""
+        dist = self.vocab.distribution(logits.unsqueeze(0))
+        out = {"score_logprob": self.vocab.token_logprob(dist, plan.ids.to(self.device).unsqueeze(0))[0].cpu()}
+        if plan.top > 0:
+            lp, ids = self.vocab.top_logprobs(dist, plan.top, torch.zeros(1, dtype=torch.long, device=self.device))
+            out.update(score_top_logprobs=lp[0].cpu(), score_top_ids=ids[0].cpu())
+        return out
+
+    def _no_early_stops(self, tokens: torch.Tensor, res, finished: torch.Tensor,
+                        rule: MinTokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """Finished canvases that would commit a banned token before their row's `before` position
+        take the most likely token that is not banned there instead (SamplingParams.min_tokens)."""
+        rows = (finished & (rule.before > 0)).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return tokens, res.logprob
+        rows_d = rows.to(self.device)
+        banned = rule.banned.to(self.device)[rows_d]  # [n, K]
+        lp, ids = self.vocab.top_logprobs(res.dist, banned.shape[1] + 1, rows_d)  # [n, CL, K + 1]
+        allowed = ~(ids.unsqueeze(-1) == banned[:, None, None, :]).any(-1)
+        first = allowed.int().argmax(-1, keepdim=True)  # K + 1 candidates hold at least one allowed token
+        alt_ids, alt_lp = ids.gather(-1, first).squeeze(-1), lp.gather(-1, first).squeeze(-1)
+        early = torch.arange(self.canvas_length, device=self.device) < rule.before.to(self.device)[rows_d, None]
+        sub = tokens[rows_d]
+        bad = early & (sub.unsqueeze(-1) == banned[:, None, :]).any(-1)
+        tokens, logprob = tokens.clone(), res.logprob.clone()
+        tokens[rows_d] = torch.where(bad, alt_ids, sub)
+        logprob[rows_d] = torch.where(bad, alt_lp, logprob[rows_d])
+        return tokens, logprob
 
     def _canvas_step(self, plan: StepPlan) -> StepOutput:
         """The static step; only the finished flags and committed tokens (and logprobs) come back."""

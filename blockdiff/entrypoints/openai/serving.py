@@ -25,7 +25,7 @@ from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
 from blockdiff.entrypoints.openai.media import ChatImages
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
-from blockdiff.entrypoints.openai import reasoning, tool_parsers
+from blockdiff.entrypoints.openai import reasoning, tool_parsers, vllm_fields
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -45,6 +45,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's scores (echo), in a choice's first piece
 
 
 class ChoiceState:
@@ -59,8 +60,8 @@ class ChoiceState:
 
     def advance(self, out: RequestOutput) -> Piece:
         self.canvases = out.metrics["canvases"]
-        return Piece(text=out.text or "", token_ids=out.token_ids, logprobs=out.logprobs,
-                     finish_reason=out.finish_reason if out.finished else None)
+        return Piece(text=out.text or "", token_ids=out.token_ids, logprobs=out.outputs[0].token_logprobs,
+                     finish_reason=out.finish_reason if out.finished else None, prompt_logprobs=out.prompt_token_logprobs)
 
 
 def usage(prompts: list[list[int]], finals: dict[int, RequestOutput], choices: int) -> p.Usage:
@@ -96,20 +97,30 @@ class _Format:
 class _CompletionFormat(_Format):
     draft_object = "text_completion.draft"
 
-    def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None):
+    def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None,
+                 echo: list[tuple[str, list[int]]] | None = None, n: int = 1):
         super().__init__(serving, request_id, model, return_token_ids)
         self.logprobs = logprobs
+        self.echo, self.n = echo, n  # echo: each prompt's text and ids, which its choices start with
         # text_offset runs over the token strings sent so far, per choice; it is not the text sent,
         # which lags behind the tokens while a stop string may still cut it.
         self._offsets: dict[int, int] = {}
 
     def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
+        first = index not in self._offsets
+        offset = self._offsets.setdefault(index, 0)
+        echo = self.echo[index // self.n] if self.echo is not None and first else None  # in a choice's first piece
+        text = piece.text if echo is None else echo[0] + piece.text
         lp = None
         if self.logprobs is not None:
-            start = self._offsets.get(index, 0)
-            lp = self.serving.completion_logprobs(piece.logprobs or [], start, self.logprobs > 0)
+            top = self.logprobs > 0
+            head = None if echo is None else vllm_fields.echo_logprobs(echo[1], piece.prompt_logprobs,
+                                                                        self.serving.token_text, top)
+            start = offset + (0 if head is None else sum(map(len, head.tokens)))
+            lp = self.serving.completion_logprobs(piece.logprobs or [], start, top)
             self._offsets[index] = start + sum(map(len, lp.tokens))
-        return p.CompletionChoice(index=index, text=piece.text, logprobs=lp, finish_reason=piece.finish_reason,
+            lp = lp if head is None else vllm_fields.joined(head, lp)
+        return p.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=piece.finish_reason,
                                   token_ids=self._ids(piece))
 
     def chunk(self, index: int, piece: Piece) -> BaseModel:
@@ -126,10 +137,12 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     draft_object = "chat.completion.draft"
 
-    def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool, rules: OutputRules):
+    def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool, rules: OutputRules,
+                 echo: str | None = None):
         super().__init__(serving, request_id, model, return_token_ids)
         self.logprobs = logprobs
         self.rules = rules
+        self.echo = echo  # vLLM's chat echo: the last (assistant) message's content, which each reply starts with
         self._outputs: dict[int, ChatOutput] = {}
 
     def _parse(self, index: int, piece: Piece):
@@ -146,7 +159,8 @@ class _ChatFormat(_Format):
         return p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
 
     def begin(self, count: int) -> list[BaseModel]:
-        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=""))]) for i in range(count)]
+        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=self.echo or ""))])
+                for i in range(count)]
 
     def chunk(self, index: int, piece: Piece) -> BaseModel:
         parsed, first_call, finish_reason = self._parse(index, piece)
@@ -166,6 +180,8 @@ class _ChatFormat(_Format):
         calls = [p.ToolCallOut(id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments_json)) for c in parsed.calls]
         # As vLLM: no content beside calls when the text outside them is blank, or thinking took it all.
         content = None if (calls or parsed.reasoning) and not parsed.content.strip() else parsed.content
+        if self.echo:
+            content = self.echo + (content or "")
         message = p.AssistantMessage(content=content, reasoning_content=parsed.reasoning or None,
                                      reasoning=parsed.reasoning or None, tool_calls=calls)
         return p.ChatChoice(index=index, message=message, logprobs=self._logprobs(piece), finish_reason=finish_reason,
@@ -218,9 +234,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _prompt_list(prompt: str | list) -> list:
+    """A completion request's prompts, each a string or token ids."""
+    return [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
+
+
 def _prompt_count(prompt: str | list) -> int:
     """Prompts in a completion request's `prompt`, counted before any is tokenized."""
-    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+    return len(_prompt_list(prompt))
 
 
 def _request_names(req: p._GenerationRequest) -> dict[str, str]:
@@ -263,7 +284,8 @@ _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_g
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_request_cost: int | None,
                  tool_call_parser: str | None, reasoning_parser: str | None, pool: WorkPool, images: ChatImages,
-                 clients: ClientLimit, max_stream_buffer: int):
+                 clients: ClientLimit, max_stream_buffer: int, default_chat_template_kwargs: dict | None = None):
+        """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
         self.engine = engine
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
         # (preprocess.py), its images in `images` (media.py); `clients` counts its engine requests.
@@ -286,6 +308,14 @@ class OpenAIServing:
         # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
         # tokenizer (which holds the GIL, stalling every other request) sees it.
         self.max_prompt_chars = None if self.tokenizer is None else self.llm.max_model_len * self.tokenizer.max_token_chars
+        self.default_template_kwargs = {}
+        if default_chat_template_kwargs:
+            if self.tokenizer is None:
+                raise ValueError("--default-chat-template-kwargs: this checkpoint has no tokenizer, so no chat template")
+            try:
+                self.default_template_kwargs = self._template_kwargs(default_chat_template_kwargs)
+            except APIError as e:
+                raise ValueError(f"--default-chat-template-kwargs: {e.message}") from None
 
     def _parser(self, kind: str, name: str | None, by_name, checkpoint_format):
         """The parser named by the server flag; with none named, the checkpoint's own format when its
@@ -306,22 +336,24 @@ class OpenAIServing:
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
         model = self.model_name(req.model)
         n = self._check_common(req)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        vllm_fields.completion_max_tokens(req)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of not in (None, n):
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
         _check_choices(_prompt_count(req.prompt), n)
         request_id = p.new_id("cmpl")
-        prompts, requests = await self.pool.run(client_of(raw), self._completion_requests, req, n, request_id)
-        fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs)
+        prompts, requests, echo = await self.pool.run(client_of(raw), self._completion_requests, req, n, request_id)
+        fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs, echo, n)
         return await self._respond(req, prompts, requests, fmt, raw)
 
     def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str):
-        """(In the pool) -> (the prompts' ids, the engine requests)."""
+        """(In the pool) -> (the prompts' ids, the engine requests, with echo each prompt's text and ids)."""
         prompts = self._completion_prompts(req.prompt, request_id)
-        return prompts, self._engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs)
+        requests = self._engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs,
+                                         prompt_logprobs=vllm_fields.prompt_logprobs(req))
+        echo = [(self._prompt_text(x, ids), ids) for x, ids in zip(_prompt_list(req.prompt), prompts)] if req.echo else None
+        return prompts, requests, echo
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         model = self.model_name(req.model)
@@ -338,13 +370,18 @@ class OpenAIServing:
         images = await self._chat_images(req.messages, client_of(raw))
         prompts, requests = await self.pool.run(client_of(raw), self._chat_requests, req, images, n, max_tokens, logprobs,
                                                 rules, request_id)
-        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules)
+        last = req.messages[-1]
+        echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
+        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules, echo)
         return await self._respond(req, prompts, requests, fmt, raw)
 
     def _chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
                        logprobs: int | None, rules: OutputRules, request_id: str):
         """(In the pool) -> (the prompt ids usage counts, the engine requests)."""
-        ids = self._chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None and self.tokenizer is not None:
+            kwargs = vllm_fields.reasoning_kwargs(req.reasoning_effort, self.tokenizer.template_variables, kwargs or {})
+        ids = self._chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=kwargs)
         prompt, prompts = self._with_images(ids, images)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
         return prompts, self._engine_requests(req, [prompt], prompts, n, max_tokens, logprobs,
@@ -401,16 +438,19 @@ class OpenAIServing:
         return n
 
     def _engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
-                         max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True) -> list:
+                         max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True,
+                         prompt_logprobs: int | None = None) -> list:
         """n engine requests per prompt, checked against the limits first. The choices share one
-        validated SamplingParams but their seeds (and so its draft and stop lists); prompt-major."""
+        validated SamplingParams but their seeds (and so its draft and stop lists); prompt-major.
+        skip_special_tokens: the endpoint's default, under the request's own (vLLM's field)."""
         limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.llm.max_model_len)
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
+        skip = skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens
         try:
             params = SamplingParams.of(**values, max_tokens=max_tokens, seed=req.seed, stop=req.stop, logprobs=logprobs,
-                                       output_kind="delta" if req.stream else "final_only",
-                                       skip_special_tokens=skip_special_tokens)
+                                       min_tokens=req.min_tokens or 0, prompt_logprobs=prompt_logprobs,
+                                       output_kind="delta" if req.stream else "final_only", skip_special_tokens=skip)
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
         self._check_cost(req, prompts, params, n)
@@ -444,6 +484,12 @@ class OpenAIServing:
                                 f"max_denoising_steps x canvas length), more than this server's limit of "
                                 f"{self.max_request_cost} per request: lower n, max_tokens or max_denoising_steps",
                            param="max_tokens", code="request_too_costly")
+
+    def _prompt_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        """What echo returns of a prompt: its text, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _encode(self, text: str, request_id: str) -> list[int]:
         if self.tokenizer is None:
@@ -479,7 +525,7 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
-        kwargs = self._template_kwargs(chat_template_kwargs or {})
+        kwargs = {**self.default_template_kwargs, **self._template_kwargs(chat_template_kwargs or {})}
         tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         # Everything the template reads counts, before it, the arguments' decoding or the tokenizer run.
         limits.check_template_text(rendered, tools, kwargs, self.max_prompt_chars, self.llm.max_model_len,
@@ -557,13 +603,14 @@ class OpenAIServing:
         states = [ChoiceState() for _ in requests]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
             def close() -> None:
                 stream.abort()
                 release()
 
             stream.max_unread = self.max_stream_buffer
-            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), stream, close)
+            return _EventStream(self._events(stream, states, prompts, fmt, include_usage, continuous), stream, close)
         try:
             finals = await self._collect(stream, raw)
         finally:
@@ -575,16 +622,24 @@ class OpenAIServing:
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _events(self, stream: RequestStream, states: list[ChoiceState], prompts, fmt: _Format,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
+        """continuous: usage so far in every chunk (vLLM's continuous_usage_stats)."""
         try:
+            latest: dict[int, RequestOutput] = {}  # each choice's latest output: its usage so far
             for chunk in fmt.begin(len(states)):
+                if continuous:
+                    chunk.usage = usage(prompts, latest, len(states))
                 yield _sse(chunk)
             finals = {}
             async for index, out in stream:
                 if states[index].is_draft(out):
                     yield _sse(self._draft(fmt, index, out), event="draft")
                     continue
-                yield _sse(fmt.chunk(index, states[index].advance(out)))
+                chunk = fmt.chunk(index, states[index].advance(out))
+                if continuous:
+                    latest[index] = out
+                    chunk.usage = usage(prompts, latest, len(states))
+                yield _sse(chunk)
                 if out.finished:
                     finals[index] = out
             if include_usage:
