@@ -216,6 +216,10 @@ class EngineConfig:
         group=_IMAGES)
     allowed_local_media_path: str | None = flag(None, "directory whose files file:// image URLs may name (default: "
                                                       "none)", metavar="DIR", group=_IMAGES)
+    # A new structured-output constraint's token automaton is built in a child process stopped at this
+    # bound (blockdiff/structured/compiler.py); the request is refused then.
+    structured_outputs_timeout: float = flag(60.0, "seconds the automaton of a new JSON schema, regex or choice may take "
+                                                   "to build before the request is refused", parse="seconds")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",

@@ -3,10 +3,11 @@ KV-cache geometry the executor sized. Both sides import this module; it imports 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from blockdiff.diffusion.constrained import Automaton, CanvasConstraint
 from blockdiff.diffusion.strategy import StepParams
 from blockdiff.model.attention import Row
 from blockdiff.model.vision import ImageInputs
@@ -35,6 +36,11 @@ class StepPlan:
     top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
     draft_details: bool = False  # some canvas asks for its step's entropy and accepted positions
     images: ImageInputs | None = None  # the images of this step's prompt chunks (every rank encodes them)
+    # Structured outputs: what the constrained canvases must commit if they finish, the automata the
+    # workers have not been sent yet (they keep them by key), and those they may drop.
+    constraints: list[CanvasConstraint] = field(default_factory=list)
+    automata: dict[str, Automaton] = field(default_factory=dict)
+    forget_automata: tuple[str, ...] = ()
 
 
 @dataclass

@@ -30,6 +30,8 @@ from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, generation_defaults
 from blockdiff.step import StepPlan
+from blockdiff.structured.compiler import StructuredOutputs
+from blockdiff.structured.plan import AutomataSent
 from blockdiff.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,11 +67,15 @@ class LLMEngine:
                                  BlockPool(cache.sliding_blocks, cache.block_size, caching),
                                  self.model_config.window_past(self.max_model_len))
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
+        self.structured = None if self.tokenizer is None else StructuredOutputs(self.tokenizer, self.vocab_size,
+                                                                                cfg.structured_outputs_timeout)
+        self.automata_sent = AutomataSent()  # the automata the workers hold
         self.inputs = InputProcessor(
             self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
             tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids)),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
             cache.num_blocks * cache.block_size, cfg.seed, ImageIntake.from_pretrained(cfg, self.model_config),
+            self.structured,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -103,6 +109,7 @@ class LLMEngine:
         for req in lost:
             self.abort(req.request_id)
         self.kv.forget()  # the prefixes the old workers held are gone too
+        self.automata_sent = AutomataSent()
         return lost
 
     def has_unfinished(self) -> bool:
@@ -153,6 +160,9 @@ class LLMEngine:
         if sched.decoder:
             denoise = self.sampler.step_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
                                                randoms)
+        constraints = [req.constraint.canvas(i, req.params.max_tokens - len(req.output.token_ids))
+                       for i, req in enumerate(sched.decoder) if req.constraint is not None]
+        automata, forget = self.automata_sent.update([r.constraint.automaton for r in sched.decoder if r.constraint])
         return StepPlan(
             rows=rows,
             encoder_ids=torch.tensor(ids, dtype=torch.long),
@@ -162,6 +172,9 @@ class LLMEngine:
             top_logprobs=max((r.params.logprobs for r in sched.decoder if r.params.logprobs is not None), default=-1),
             draft_details=any(r.params.draft_details for r in sched.decoder),
             images=images.inputs(),
+            constraints=constraints,
+            automata=automata,
+            forget_automata=forget,
         )
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:

@@ -26,6 +26,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.image import ProcessedImage
 from blockdiff.sampling_params import SamplingParams
+from blockdiff.structured.compiler import OutputConstraint
 
 
 class State(enum.Enum):
@@ -116,6 +117,7 @@ class Request:
     sent_pieces: int = 0
     images: list[ProcessedImage] = field(default_factory=list)  # of the prompt, in order
     image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each one's soft tokens
+    constraint: OutputConstraint | None = None  # structured outputs: what the committed text must be
 
     def __post_init__(self) -> None:
         self.generator.manual_seed(self.seed % 2**64)
@@ -229,7 +231,10 @@ class Request:
         else:
             m.canvas_gaps.append(now - m.last_canvas_time)
         m.last_canvas_time = now
+        before = len(self.output.token_ids)
         reason = self.output.append(canvas, logprobs)
+        if self.constraint is not None:
+            self.constraint.commit(self.output.token_ids[before:])
         m.committed_tokens = len(self.output.token_ids)
         self.steps_left = 0
         if reason is None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from blockdiff.config import COMPILE_BY_DEFAULT
+from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
 from blockdiff.diffusion.strategy import DiffusionSampler
-from blockdiff.diffusion.vocab_parallel import VocabParallel, workspace_bytes
+from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, StepOutput, StepPlan
@@ -49,6 +50,7 @@ class ModelRunner:
         self.canvas_length = model.config.canvas_length
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
                                        self.device)
+        self.automata: dict[str, DeviceAutomaton] = {}  # structured outputs' automata, by key (StepPlan.automata)
         self.canvas_steps = None
         static = model.static_shapes(self.device)
         if compile is None:
@@ -63,6 +65,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
+        for key in plan.forget_automata:
+            self.automata.pop(key, None)
+        for key, automaton in plan.automata.items():
+            self.automata[key] = DeviceAutomaton(automaton, self.vocab, self.device)
         dec_rows = [r for r in plan.rows if r.decoder]
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
@@ -89,9 +95,9 @@ class ModelRunner:
 
         params = plan.denoise.to(self.device)
         res = self.sampler.step(logits.view(len(dec_rows), self.canvas_length, -1), self.state, slots, params, self.vocab)
-        tokens = self.sampler.commit(res, params)
         self.state.put(slots, res.updates)
         finished = res.finished.cpu()  # the only host sync the control flow below needs
+        tokens, logprob = self._constrain(plan, finished, res.dist, self.sampler.commit(res, params), res.logprob)
         if self.sampler.self_conditioning:
             # A finished canvas is committed and the next one starts without self-conditioning, so
             # only the canvases that go on need their soft embeddings (the product is as big as the
@@ -102,15 +108,15 @@ class ModelRunner:
                 keep = slots if rows is None else slots[rows]
                 self.state.soft[keep] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
 
-        logprob = top_lp = top_ids = None
-        if plan.top_logprobs >= 0:
-            logprob = res.logprob
-            if plan.top_logprobs > 0 and bool(finished.any()):
-                # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
-                done = finished.nonzero().squeeze(1).to(self.device)
-                done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
-                top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
-                top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
+        top_lp = top_ids = None
+        if plan.top_logprobs < 0:
+            logprob = None
+        elif plan.top_logprobs > 0 and bool(finished.any()):
+            # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
+            done = finished.nonzero().squeeze(1).to(self.device)
+            done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
+            top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
+            top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
         return StepOutput(
             finished=finished,
             tokens=tokens.cpu(),
@@ -121,15 +127,32 @@ class ModelRunner:
             accepted=res.accepted.cpu() if plan.draft_details else None,
         )
 
+    def _constrain(self, plan: StepPlan, finished: torch.Tensor, dist: Distribution, tokens: torch.Tensor,
+                   logprob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`tokens` and `logprob` [canvases, CL] with those of the finished constrained canvases
+        replaced by their constrained commits (diffusion/constrained.py); the others as they are."""
+        done = [c for c in plan.constraints if finished[c.row]]
+        if not done:
+            return tokens, logprob
+        tokens, logprob = tokens.clone(), logprob.clone()
+        for key in dict.fromkeys(c.automaton for c in done):  # the same order on every rank
+            group = [c for c in done if c.automaton == key]
+            rows = torch.tensor([c.row for c in group], device=tokens.device)
+            new, lp = constrained_tokens(dist, tokens[rows], group, self.automata[key], self.vocab)
+            tokens[rows], logprob[rows] = new, lp
+        return tokens, logprob
+
     def _canvas_step(self, plan: StepPlan) -> StepOutput:
         """The static step; only the finished flags and committed tokens (and logprobs) come back."""
         n = len(plan.rows)
         inputs, out = self.canvas_steps(plan.rows, plan.denoise)
         self.state.put(inputs.slots[:n], {name: value[:n] for name, value in out.updates.items()})
+        finished = out.finished[:n].cpu()
+        tokens, logprob = self._constrain(plan, finished, out.dist, out.tokens[:n], out.logprob[:n])
         return StepOutput(
-            finished=out.finished[:n].cpu(),
-            tokens=out.tokens[:n].cpu(),
-            logprob=out.logprob[:n].cpu() if plan.top_logprobs == 0 else None,
+            finished=finished,
+            tokens=tokens.cpu(),
+            logprob=logprob.cpu() if plan.top_logprobs == 0 else None,
             top_logprobs=None,
             top_ids=None,
             entropy=out.entropy[:n].cpu() if plan.draft_details else None,
