@@ -4,8 +4,14 @@ Runs as a script in a child process (`python index.py`, a pickled job on stdin, 
 arrays on stdout), so that a build can be stopped at its time bound by ending the process; it
 imports nothing of blockdiff (whose package would import torch) and only numpy and outlines-core.
 
-outlines-core's `Index` walks every token from every state of the regex's DFA. From its
-transitions this keeps the states that can still reach acceptance, and groups tokens into atoms:
+outlines-core's `Index` walks every token from every state of the regex's DFA. Its index (0.2.14)
+leaves out a token that goes on from a state where the regex has matched to one where it has not
+("1" -> "1.5" of `[0-9]+(\\.[0-9]+)?`, a second repetition of `(ab)+`), so the index is built for the
+regex followed by a sentinel character that no token spells, plus one token spelling the sentinel:
+no state matches before the sentinel, so every transition is kept, and a state accepts exactly
+where the sentinel token completes the match. The sentinel's transitions are then dropped.
+
+From the transitions this keeps the states that can still reach acceptance, and groups tokens into atoms:
 tokens that every state treats alike (the same next state everywhere, or refused everywhere),
 found by hashing each token's (state, next state) pairs. Transitions are then per (state, atom):
 a string state that allows almost every token costs its few atoms, not the vocabulary.
@@ -19,6 +25,7 @@ import sys
 import numpy as np
 
 UNREACHABLE = np.iinfo(np.int64).max // 2
+SENTINEL = "\U0010FFFD"  # a private-use character of the last plane: no vocabulary spells it
 
 
 def build_index(regex: str, tokens: list[bytes | None], vocab_size: int) -> dict:
@@ -26,22 +33,44 @@ def build_index(regex: str, tokens: list[bytes | None], vocab_size: int) -> dict
     atom_of [vocab_size], and the atom transitions src, atom, dst."""
     from outlines_core import Index, Vocabulary
 
+    sentinel = SENTINEL.encode()
     by_text: dict[bytes, list[int]] = {}
     for i, t in enumerate(tokens):
         if t:
+            if sentinel in t:
+                raise ValueError("a token spells the sentinel character U+10FFFD")
             by_text.setdefault(t, []).append(i)
-    eos = vocab_size  # outlines-core adds transitions on its EOS id; none of ours has it, and ours are the request's
-    index = Index(regex, Vocabulary(eos, by_text))
+    by_text[sentinel] = [vocab_size]
+    eos = vocab_size + 1  # outlines-core adds transitions on its EOS id; the requests' own end tokens are handled apart
+    index = Index(f"(?:{regex}){SENTINEL}", Vocabulary(eos, by_text))
     transitions = index.get_transitions()
-    names = sorted(set(transitions) | {index.get_initial_state()})
-    number = {name: k for k, name in enumerate(names)}
-    src = np.fromiter((number[s] for s, d in transitions.items() for t in d if t != eos), np.int64)
-    tok = np.fromiter((t for d in transitions.values() for t in d if t != eos), np.int64)
-    dst = np.fromiter((number[n] for d in transitions.values() for t, n in d.items() if t != eos), np.int64)
+    done = set(index.get_final_states())
+    accepting = {q for q, d in transitions.items() if d.get(vocab_size) in done}
+    src = np.fromiter((q for q, d in transitions.items() for _ in range(len(d))), np.int64)
+    tok = np.fromiter((t for d in transitions.values() for t in d), np.int64)
+    dst = np.fromiter((n for d in transitions.values() for n in d.values()), np.int64)
+    ordinary = tok < vocab_size
+    src, tok, dst = src[ordinary], tok[ordinary], dst[ordinary]
+    # The states the ordinary tokens reach from the initial one (not those after the sentinel).
+    initial = index.get_initial_state()
+    names_all = np.unique(np.concatenate((src, dst, [initial])))
+    src, dst = np.searchsorted(names_all, src), np.searchsorted(names_all, dst)
+    reached = np.zeros(len(names_all), dtype=bool)
+    reached[np.searchsorted(names_all, initial)] = True
+    while True:
+        more = reached.copy()
+        more[dst[reached[src]]] = True
+        if np.array_equal(more, reached):
+            break
+        reached = more
+    number = np.cumsum(reached) - 1
+    keep = reached[src]
+    src, tok, dst = number[src[keep]], tok[keep], number[dst[keep]]
+    names = names_all[reached]
     states = len(names)
-    final = np.zeros(states, dtype=bool)
-    final[[number[f] for f in index.get_final_states() if f in number]] = True
-    distance = _distance(final, src, dst)
+    final = np.array([q in accepting for q in names.tolist()], dtype=bool)
+    pairs = np.unique(src * (states + 1) + dst)  # the distance needs each (state, next state) once
+    distance = _distance(final, pairs // (states + 1), pairs % (states + 1))
     live = distance < UNREACHABLE
     keep = live[src] & live[dst]
     src, tok, dst = src[keep], tok[keep], dst[keep]
@@ -69,7 +98,7 @@ def build_index(regex: str, tokens: list[bytes | None], vocab_size: int) -> dict
     is_first[first] = True
     rep = is_first[tok]
     return {
-        "initial": number[index.get_initial_state()],
+        "initial": int(number[np.searchsorted(names_all, initial)]),
         "final": final,
         "distance": distance,
         "atom_of": atom_of,

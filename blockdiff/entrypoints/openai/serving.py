@@ -20,6 +20,7 @@ from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
+from blockdiff.entrypoints.openai.structured import request_constraint, tool_call_constraint
 from blockdiff.entrypoints.openai import reasoning, tool_parsers
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -268,7 +269,8 @@ class OpenAIServing:
         _check_choices(_prompt_count(req.prompt), n)
         request_id = p.new_id("cmpl")
         prompts = self._completion_prompts(req.prompt, request_id)
-        requests = [(ids, self._params(req, i, req.max_tokens, req.logprobs)) for ids in prompts for i in range(n)]
+        constraint = request_constraint(req)
+        requests = [(ids, self._params(req, i, req.max_tokens, req.logprobs, constraint)) for ids in prompts for i in range(n)]
         fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs)
         return await self._respond(req, prompts, requests, fmt, raw)
 
@@ -283,13 +285,19 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rules = self._output_rules(req)
+        constraint = request_constraint(req)
+        if rules.forced:  # the output is the calls, their arguments as the tools' parameter schemas say
+            if constraint is not None:
+                raise APIError(400, "a forced tool_choice and a structured output both constrain the output: give one",
+                               param="tool_choice")
+            constraint = tool_call_constraint(req.tools, rules.allowed, rules.parallel)
         request_id = p.new_id("chatcmpl")
         images = await self._chat_images(req.messages)
         ids = self._chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
         prompt, prompts = self._with_images(ids, images)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
-        requests = [(prompt, replace(self._params(req, i, max_tokens, logprobs), skip_special_tokens=not rules.parses))
-                    for i in range(n)]
+        requests = [(prompt, replace(self._params(req, i, max_tokens, logprobs, constraint),
+                                     skip_special_tokens=not rules.parses)) for i in range(n)]
         fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules)
         return await self._respond(req, prompts, requests, fmt, raw)
 
@@ -343,7 +351,8 @@ class OpenAIServing:
             raise APIError(400, "stream_drafts needs stream: true", param="stream_drafts")
         return n
 
-    def _params(self, req: p._GenerationRequest, choice: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, req: p._GenerationRequest, choice: int, max_tokens: int | None, logprobs: int | None,
+                constraint=None) -> SamplingParams:
         """The request's sampler fields; the engine fills the rest (server flags, then the checkpoint)."""
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
@@ -355,6 +364,7 @@ class OpenAIServing:
                 stop=req.stop,
                 logprobs=logprobs,
                 output_kind="delta" if req.stream else "final_only",
+                structured_outputs=constraint,
             )
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
@@ -494,6 +504,10 @@ class OpenAIServing:
     async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
         self._check_cost(req, requests)
         try:
+            # A new constraint's automaton is built off the event loop, within the engine's time bound.
+            for spec in {params.structured_outputs.key(): params.structured_outputs for _, params in requests
+                         if params.structured_outputs is not None}.values():
+                await self.engine.prepare(spec)
             stream = await self.engine.add(requests)
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
