@@ -73,6 +73,14 @@ class Automaton:
         return state
 
     @property
+    def sources(self) -> frozenset[int]:
+        """The states any token leaves."""
+        out = self.__dict__.get("_sources")
+        if out is None:
+            out = self.__dict__["_sources"] = frozenset(self.src.tolist())
+        return out
+
+    @property
     def _table(self) -> dict[tuple[int, int], int]:
         table = self.__dict__.get("_lookup")
         if table is None:
@@ -80,7 +88,7 @@ class Automaton:
         return table
 
     def __getstate__(self) -> dict:  # the lookup table is rebuilt where it is needed
-        return {k: v for k, v in self.__dict__.items() if k != "_lookup"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lookup", "_sources")}
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,8 @@ class Request:
         reason = self.output.append(canvas, logprobs)
         if self.constraint is not None:
             self.constraint.commit(self.output.token_ids[before:])
+            if reason == "length" and self.constraint.complete:
+                reason = "stop"  # the structured output is whole: nothing could have followed
         m.committed_tokens = len(self.output.token_ids)
         self.steps_left = 0
         if reason is None:

@@ -142,6 +142,11 @@ class OutputConstraint:
         cut = next((i for i, t in enumerate(tokens) if t in self.ends), len(tokens))
         self.state = self.automaton.walk(self.state, tokens[:cut])
 
+    @property
+    def complete(self) -> bool:
+        """The text is accepted and nothing may follow it: as if the model had ended it."""
+        return bool(self.automaton.final[self.state]) and self.state not in self.automaton.sources
+
     def canvas(self, row: int, remaining: int) -> CanvasConstraint:
         return CanvasConstraint(row, self.automaton.key, self.state, remaining, self.ends)
 

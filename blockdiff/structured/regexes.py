@@ -36,25 +36,36 @@ def escape(text: str) -> str:
     return "".join("\\" + c if c in _META else c for c in text)
 
 
-def to_regex(spec: StructuredOutputsParams) -> str:
-    """The regex a request's output must match whole; InvalidParam naming what cannot be served."""
+def check_supported(spec: StructuredOutputsParams) -> None:
+    """InvalidParam for what is refused before any automaton is built: grammars, JSON schemas with
+    keywords that would not be enforced."""
     if spec.grammar is not None:
         raise InvalidParam("structured_outputs", "structured_outputs.grammar: context-free grammars are not supported "
                                                  "(a canvas is constrained by a finite automaton); use json, regex or "
                                                  "choice")
+    if spec.json is not None:
+        check_schema(_schema(spec))
+
+
+def _schema(spec: StructuredOutputsParams):
+    if not isinstance(spec.json, str):
+        return spec.json
+    try:
+        return json.loads(spec.json)
+    except json.JSONDecodeError as e:
+        raise InvalidParam("structured_outputs", f"structured_outputs.json is not JSON: {e}") from None
+
+
+def to_regex(spec: StructuredOutputsParams) -> str:
+    """The regex a request's output must match whole; InvalidParam naming what cannot be served."""
+    check_supported(spec)
     if spec.regex is not None:
         return spec.regex
     if spec.choice is not None:
         return "(" + "|".join(escape(c) for c in spec.choice) + ")"
     if spec.json_object:
         return json_object_regex(spec.whitespace_pattern or WHITESPACE)
-    schema = spec.json
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise InvalidParam("structured_outputs", f"structured_outputs.json is not JSON: {e}") from None
-    check_schema(schema)
+    schema = _schema(spec)
     from outlines_core.json_schema import build_regex_from_schema
 
     try:

@@ -20,7 +20,7 @@ from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
-from blockdiff.entrypoints.openai.structured import request_constraint, tool_call_constraint
+from blockdiff.entrypoints.openai.structured import constraint_field, request_constraint, tool_call_constraint
 from blockdiff.entrypoints.openai import reasoning, tool_parsers
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -201,10 +201,14 @@ def _prompt_count(prompt: str | list) -> int:
 
 
 def _request_names(req: p._GenerationRequest) -> dict[str, str]:
-    """The request fields that engine errors about `prompt` and `max_tokens` are about."""
+    """The request fields that engine errors about `prompt`, `max_tokens` and `structured_outputs` are about."""
+    field = constraint_field(req)
+    if field is None and isinstance(req, p.ChatCompletionRequest) and req.tool_choice not in (None, "none", "auto"):
+        field = "tool_choice"
+    names = {} if field is None else {"structured_outputs": field}
     if not isinstance(req, p.ChatCompletionRequest):
-        return {}
-    names = {"prompt": "messages"}
+        return names
+    names["prompt"] = "messages"
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     return names

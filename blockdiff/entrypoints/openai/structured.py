@@ -12,38 +12,50 @@ from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.entrypoints.openai.tool_parsers import Gemma4ToolParser
 from blockdiff.sampling_params import InvalidParam, StructuredOutputsParams
-from blockdiff.structured.regexes import ANNOTATIONS, escape
+from blockdiff.structured.regexes import ANNOTATIONS, check_supported, escape
 from blockdiff.structured.vocabulary import symbol
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def request_constraint(req: p._GenerationRequest) -> StructuredOutputsParams | None:
-    """The constraint the request's own fields ask for (at most one of them may), or None."""
+def constraint_field(req: p._GenerationRequest) -> str | None:
+    """The request field that asks for a structured output (at most one may), or None."""
     given = [name for name in ("response_format", "structured_outputs", *_GUIDED) if getattr(req, name) is not None]
-    if isinstance(req.response_format, p.ResponseFormat) and req.response_format.type == "text":
+    if req.response_format is not None and req.response_format.type == "text":
         given.remove("response_format")
     if len(given) > 1:
         raise APIError(400, f"{given[0]} and {given[1]} both constrain the output: give one", param=given[1])
-    if not given:
+    return given[0] if given else None
+
+
+def request_constraint(req: p._GenerationRequest) -> StructuredOutputsParams | None:
+    """The constraint the request's own fields ask for, checked as far as it can be before its
+    automaton is built (errors name the field the request used), or None."""
+    name = constraint_field(req)
+    if name is None:
         return None
-    name = given[0]
     try:
-        if name == "response_format":
-            fmt = req.response_format
-            if fmt.type == "json_object":
-                return StructuredOutputsParams(json_object=True)
-            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise APIError(400, "response_format of type json_schema needs json_schema.schema", param="response_format")
-            return StructuredOutputsParams(json=fmt.json_schema.schema_)
-        if name == "structured_outputs":
-            so = req.structured_outputs
-            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                           json_object=so.json_object, whitespace_pattern=so.whitespace_pattern)
-        kind = name.removeprefix("guided_")
-        return StructuredOutputsParams(**{kind: getattr(req, name)}, whitespace_pattern=req.guided_whitespace_pattern)
+        spec = _constraint(req, name)
+        check_supported(spec)
+        return spec
     except InvalidParam as e:
         raise APIError(400, str(e).replace("structured_outputs", name, 1), param=name) from None
+
+
+def _constraint(req: p._GenerationRequest, name: str) -> StructuredOutputsParams:
+    if name == "response_format":
+        fmt = req.response_format
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema", param="response_format")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    if name == "structured_outputs":
+        so = req.structured_outputs
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=so.json_object, whitespace_pattern=so.whitespace_pattern)
+    kind = name.removeprefix("guided_")
+    return StructuredOutputsParams(**{kind: getattr(req, name)}, whitespace_pattern=req.guided_whitespace_pattern)
 
 
 # ---- tool calls in the Gemma 4 format -------------------------------------------------------------
