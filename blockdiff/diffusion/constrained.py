@@ -248,13 +248,12 @@ def _winning_tokens(d: Distribution, rows: list[int], weights: torch.Tensor, edg
     safe = torch.from_numpy(np.where(taken, edges, 0)).to(device)
     target = weights.gather(-1, safe.unsqueeze(-1)).squeeze(-1)  # [B, P]
     out = torch.full((b, p), _BIG, dtype=torch.long, device=device)
-    cols = torch.arange(d.shifted.shape[-1], device=device)
     for i, r in enumerate(rows):
-        allowed = members_t[i].gather(-1, automaton.atom_local.expand(p, -1))  # [P, local vocab]
-        hit = allowed & (d.shifted[r] == target[i].unsqueeze(-1))
-        first = hit.to(torch.uint8).argmax(-1)  # the first hit: the lowest local row, so the lowest id
-        out[i] = torch.where(hit.any(-1), vocab.global_ids[first], _BIG)
-        del allowed, hit
+        # The tokens scoring the target (one, unless logits tie), then those of the class's atoms.
+        pos, row = (d.shifted[r] == target[i].unsqueeze(-1)).nonzero(as_tuple=True)
+        ok = members_t[i, pos, automaton.atom_local[row]]
+        ids = torch.where(ok, vocab.global_ids[row], _BIG)
+        out[i] = torch.full((p,), _BIG, dtype=torch.long, device=device).scatter_reduce_(0, pos, ids, "amin")
         ends = torch.tensor(sorted(constraints[i].ends), device=device)
         local, owned = vocab.shard.to_local(ends)
         e = d.shifted[r].index_select(-1, local)  # [P, ends]
