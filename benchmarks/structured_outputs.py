@@ -18,7 +18,16 @@ enums, an array, a nested object).
   commit's share of a canvas is at most commit / (steps x sampler step), and smaller still beside
   the forward pass, which this leaves out.
 
+- end to end (--end-to-end): `LLM` on a random checkpoint of tiny widths but this vocabulary and
+  canvas (2 layers, hidden 64), one request of --canvases-e2e canvases with max_denoising_steps 16,
+  unconstrained (ignore_eos, so it runs every canvas) and constrained by the schema: seconds per
+  canvas of each. The tiny forward makes the sampler's share of a step, and so the commit's
+  overhead, far larger than with the real model.
+
     OMP_NUM_THREADS=2 python benchmarks/structured_outputs.py [--vocab 262144] [--canvases 1] [--reps 5] [--builds 3]
+        [--plain] [--end-to-end]
+
+--plain drops the length bounds and the date format of the schema (a plain 20-field object).
 """
 
 from __future__ import annotations
@@ -110,6 +119,41 @@ def synthetic_tokenizer(size: int, seed: int = 0) -> Tokenizer:
     return Tokenizer(tok, {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}, None)
 
 
+def plain(schema: dict) -> dict:
+    """The schema without maxLength, maxItems and format."""
+    if isinstance(schema, dict):
+        return {k: plain(v) for k, v in schema.items() if k not in ("maxLength", "maxItems", "format")}
+    return schema
+
+
+def end_to_end(tokenizer: Tokenizer, vocab: int, spec: StructuredOutputsParams, canvases: int) -> None:
+    import json
+    import os
+    import tempfile
+
+    from blockdiff import LLM
+    from blockdiff.model.tiny import make_tiny_model
+
+    path = make_tiny_model(tempfile.mkdtemp(), vocab_size=vocab, canvas_length=CANVAS, hidden_size=64,
+                           intermediate_size=128, num_layers=2, sliding_window=64, tokenizer=False)
+    tokenizer._tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}, f)
+    common = dict(seed=0, max_tokens=canvases * CANVAS, max_denoising_steps=16)
+    with LLM(path, max_model_len=canvases * CANVAS + 64, structured_outputs_timeout=600) as llm:
+        llm.engine.structured.automaton(spec)  # built once, before the timing
+        for name, params in (("unconstrained", SamplingParams(**common, ignore_eos=True)),
+                             ("constrained", SamplingParams(**common, structured_outputs=spec)),
+                             ("unconstrained", SamplingParams(**common, ignore_eos=True)),
+                             ("constrained", SamplingParams(**common, structured_outputs=spec))):
+            t0 = time.perf_counter()
+            out = llm.generate("Fill in the record:", params, use_tqdm=False)[0]
+            seconds = time.perf_counter() - t0
+            m = out.metrics
+            print(f"end to end, {name}: {m['canvases']} canvases, {m['denoising_steps'] / m['canvases']:.1f} steps per "
+                  f"canvas, {seconds / m['canvases']:.2f} s per canvas ({out.finish_reason})")
+
+
 def timed(fn, reps: int) -> list[float]:
     out = []
     for _ in range(reps):
@@ -125,6 +169,9 @@ def main() -> None:
     ap.add_argument("--canvases", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--builds", type=int, default=3)
+    ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--end-to-end", action="store_true")
+    ap.add_argument("--canvases-e2e", type=int, default=3)
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; vocab {args.vocab}, canvas {CANVAS}, "
           f"{args.canvases} canvas(es) per commit")
@@ -136,7 +183,7 @@ def main() -> None:
     token_bytes(tokenizer)
     print(f"token bytes of the vocabulary (once per tokenizer): {time.perf_counter() - t0:.2f} s")
 
-    spec = StructuredOutputsParams(json=SCHEMA)
+    spec = StructuredOutputsParams(json=plain(SCHEMA) if args.plain else SCHEMA)
     builds = []
     for _ in range(args.builds):
         structured = StructuredOutputs(tokenizer, args.vocab, timeout=600)
@@ -184,9 +231,11 @@ def main() -> None:
           f"= {statistics.median(cost) / statistics.median(step):.2f} sampler steps")
     print(f"per canvas at 16 / 48 denoising steps: the commit adds {statistics.median(cost) / (16 * statistics.median(step)):.1%}"
           f" / {statistics.median(cost) / (48 * statistics.median(step)):.1%} to the sampler's time (the forward not counted)")
-    print(f"under tensor parallelism the ranks exchange {b * CANVAS * (a.num_atoms + 2) * 4 + 2 * b * CANVAS * 8 // 2:,} "
+    print(f"under tensor parallelism the ranks exchange {b * CANVAS * ((a.num_atoms + 2) * 4 + 8 + 4):,} "
           f"bytes per commit (atom maxima, winning tokens, logprobs); the logits are {b * CANVAS * args.vocab * 4:,}")
     print(f"first committed text: {text[:120]!r}...")
+    if args.end_to_end:
+        end_to_end(tokenizer, args.vocab, spec, args.canvases_e2e)
 
 
 if __name__ == "__main__":

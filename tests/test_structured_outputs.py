@@ -144,3 +144,14 @@ def test_two_ranks(json_tiny, single_threaded_workers):
                             use_tqdm=False)
     for i, out in enumerate(outs):
         check(out, specs[i // 2])
+
+
+@pytest.mark.slow
+def test_static_compiled_step(json_tiny):
+    """The static canvas step (torch.compile'd) hands back its distribution for the constrained commit."""
+    specs = [{"json": SCHEMAS["nested"]}, {"regex": REGEXES[0]}]
+    with LLM(json_tiny, max_model_len=256, compile=True) as llm:
+        outs = llm.generate(["a", "b", "c", "d"], [constrained(seed, **spec) for spec in specs for seed in (0, 1)],
+                            use_tqdm=False)
+    for i, out in enumerate(outs):
+        check(out, specs[i // 2])

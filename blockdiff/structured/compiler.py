@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import pickle
 import subprocess
@@ -19,8 +20,6 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass
-
 import numpy as np
 
 from blockdiff.diffusion.constrained import UNREACHABLE, Automaton, CanvasConstraint
@@ -29,18 +28,10 @@ from blockdiff.structured.regexes import to_regex
 from blockdiff.structured.vocabulary import token_bytes
 from blockdiff.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 _INDEX_SCRIPT = os.path.join(os.path.dirname(__file__), "index.py")
 DEFAULT_TIMEOUT = 60.0  # seconds a build may take
 CACHE_SIZE = 64  # automata kept (each holds an int32 per vocabulary token)
-
-
-@dataclass
-class BuildRecord:
-    key: str
-    seconds: float
-    states: int
-    atoms: int
-    transitions: int
 
 
 class StructuredOutputs:
@@ -57,7 +48,6 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._tokens: dict[tuple[str, ...], list[bytes | None]] = {}
         self._vocabulary = hashlib.sha256(tokenizer._tok.to_str().encode() + str(vocab_size).encode()).hexdigest()[:16]
-        self.builds: list[BuildRecord] = []  # what was built, and how long it took
 
     def key(self, spec: StructuredOutputsParams) -> str:
         return hashlib.sha256((self._vocabulary + spec.key()).encode()).hexdigest()[:24]
@@ -109,7 +99,8 @@ class StructuredOutputs:
             raise InvalidParam("structured_outputs", f"the constraint cannot be built: {reason[-1] if reason else 'exit ' + str(proc.returncode)}")
         arrays = pickle.loads(proc.stdout)
         a = Automaton(key=key, **arrays)
-        self.builds.append(BuildRecord(key, time.perf_counter() - t0, a.num_states, a.num_atoms, len(a.src)))
+        log.info("structured output %s: automaton of %d states, %d atoms, %d transitions built in %.2f s", key,
+                 a.num_states, a.num_atoms, len(a.src), time.perf_counter() - t0)
         if a.distance[a.initial] >= UNREACHABLE:
             raise InvalidParam("structured_outputs", "no output of this vocabulary satisfies the constraint")
         return a

@@ -11,10 +11,13 @@ imports nothing of blockdiff (whose package would import torch) and only numpy a
    character, U+10FFFD: nothing matches before it, so every transition is kept, and a state accepts
    exactly where the sentinel's bytes lead to a match.
 2. Tokens through the DFA, from every state the tokens reach (a breadth-first search from the
-   initial state): the vocabulary's byte strings form a trie, and a chunk of states walks it level by
-   level in numpy, one gather per trie node and state (outlines-core's own token index walks every
-   token from every state in Rust and stores every (state, token) pair: 190 s and hundreds of
-   millions of pairs for a 20-field schema at 262,144 tokens, against seconds here).
+   initial state): the vocabulary's byte strings form a trie, and a chunk of states walks it level
+   by level in numpy, one gather per trie node and state: densely for the states that keep most
+   tokens alive (inside a JSON string), along the live paths only for the others. Bytes that every
+   state treats alike are one class, and tokens spelling the same classes are walked once.
+   (outlines-core's own token index walks every token from every state and stores every (state,
+   token) pair: 190-198 s for a 20-field schema at 262,144 tokens, against 19 s here;
+   docs/benchmarks.md, "Structured outputs".)
 3. Atoms: tokens that every state treats alike (the same next state everywhere, or refused
    everywhere), found by hashing each token's (state, next state) pairs as the walk goes. The
    automaton keeps one representative per atom, whose transitions are walked once more: a string
