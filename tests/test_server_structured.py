@@ -110,3 +110,17 @@ def test_langchain_with_structured_output(server):
     for seed in range(2):
         person = llm.bind(seed=seed).with_structured_output(Person).invoke("Describe a person.")
         assert isinstance(person, Person)
+
+
+def test_two_ranks_through_the_server(tmp_path):
+    path = make_tiny_model(str(tmp_path / "tiny"), TinySpec(vocab_size=320, canvas_length=8, sliding_window=6, seed=3))
+    save_tokenizer(path, build_tokenizer(320, CORPUS))
+    proc = ServerProcess(path, "--max-model-len", "256", "--tensor-parallel-size", "2", log_path=str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=path, messages=[{"role": "user", "content": "JSON"}], n=2, seed=1,
+                                           max_tokens=64, response_format=json_schema("array_enum"))
+        for choice in r.choices:
+            jsonschema.validate(json.loads(choice.message.content), SCHEMAS["array_enum"])
+    finally:
+        proc.close()
