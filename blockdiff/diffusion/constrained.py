@@ -108,7 +108,6 @@ class DeviceAutomaton:
     DONE's self-loop; DONE is state `num_states`)."""
 
     def __init__(self, a: Automaton, vocab: VocabParallel, device: torch.device):
-        self.automaton = a
         s, atoms = a.num_states, a.num_atoms
         self.done = s
         ids = vocab.global_ids
@@ -124,7 +123,7 @@ class DeviceAutomaton:
         finals = np.flatnonzero(a.final)
         src = np.concatenate((classes // (s + 1), finals, [s]))
         dst = np.concatenate((classes % (s + 1), np.full(len(finals), s), [s]))
-        self.edge_src, self.edge_dst = src, dst  # host copies, for the backtrack
+        self.edge_src = src  # a host copy, for the backtrack
         self.src = torch.from_numpy(src).to(device)
         self.dst = torch.from_numpy(dst).to(device)
         self.num_edges = len(src)
