@@ -235,6 +235,10 @@ class EngineConfig:
                                                       "none)", metavar="DIR", group=_IMAGES)
     media_fetch_timeout: float = flag(10.0, "seconds fetching an image URL may take in all", parse="seconds",
                                       group=_IMAGES)
+    # A new structured-output constraint's token automaton is built in a child process stopped at this
+    # bound (blockdiff/structured/compiler.py); the request is refused then.
+    structured_outputs_timeout: float = flag(60.0, "seconds the automaton of a new JSON schema, regex or choice may take "
+                                                   "to build before the request is refused", parse="seconds")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",

@@ -98,6 +98,49 @@ PER_CANVAS_FIELDS = tuple(f for f in SAMPLER_FIELDS if f.per_canvas)
 REFERENCE_DEFAULTS = {f.name: f.default for f in SAMPLER_FIELDS}
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must be (vLLM's StructuredOutputsParams): exactly one of a JSON
+    schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression
+    matched whole (`regex`), one of a list of strings (`choice`), or a context-free `grammar`
+    (refused: a canvas is constrained by a finite automaton). docs/structured_outputs.md says what
+    is guaranteed. `special_tokens`: special tokens a regex may spell, the k-th as the character
+    chr(0xE000 + k) (the tool-call format's markers, blockdiff/structured/vocabulary.py)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None  # between JSON tokens; default: at most one space
+    special_tokens: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidParam("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, "
+                                                     f"grammar, json_object; got {', '.join(kinds) or 'none'}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise InvalidParam("structured_outputs", f"structured_outputs.{name} must be a non-empty string, got {v!r:.80}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidParam("structured_outputs", f"structured_outputs.json must be a JSON schema (an object or its "
+                                                     f"JSON text), got {self.json!r:.80}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise InvalidParam("structured_outputs", "structured_outputs.choice must be a non-empty list of "
+                                                         f"non-empty strings, got {self.choice!r:.80}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.special_tokens, tuple) or not all(isinstance(t, str) for t in self.special_tokens):
+            raise InvalidParam("structured_outputs", "structured_outputs.special_tokens must be a tuple of token strings")
+
+    def key(self) -> str:
+        """The constraint as canonical text: equal for equal constraints (the automaton cache's key)."""
+        return json.dumps({k: v for k, v in self.__dict__.items() if v not in (None, (), False)}, sort_keys=True)
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters of one request; the engine's sampler fills the unset fields of its table
@@ -140,6 +183,8 @@ class SamplingParams:
     # The fields of samplers other than the reference one, by name (their tables check them when the
     # engine resolves the request).
     extra_args: dict[str, int | float] | None = None
+    # What the output must be: a JSON schema, a regex, a choice (docs/structured_outputs.md).
+    structured_outputs: StructuredOutputsParams | None = None
 
     @classmethod
     def of(cls, **values) -> "SamplingParams":
@@ -180,6 +225,9 @@ class SamplingParams:
             raise InvalidParam("draft_details", "draft_details needs stream_drafts: true")
         if self.output_kind not in OUTPUT_KINDS:
             raise InvalidParam("output_kind", f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParam("structured_outputs", "structured_outputs must be a StructuredOutputsParams, got "
+                                                     f"{type(self.structured_outputs).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
             _int(self, name, minimum=0)
             if getattr(self, name) is not None and getattr(self, name) > MAX_LOGPROBS:

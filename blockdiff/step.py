@@ -3,10 +3,11 @@ KV-cache geometry the executor sized. Both sides import this module; it imports 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from blockdiff.diffusion.constrained import Automaton, CanvasConstraint
 from blockdiff.diffusion.strategy import StepParams
 from blockdiff.model.attention import Row
 from blockdiff.model.vision import ImageInputs
@@ -57,6 +58,11 @@ class StepPlan:
     images: ImageInputs | None = None  # the images of this step's prompt chunks (every rank encodes them)
     score: ScorePlan | None = None  # its rows are the first decoder rows, before the canvases
     min_tokens: MinTokens | None = None  # over the canvas rows
+    # Structured outputs: what the constrained canvases must commit if they finish, the automata the
+    # workers have not been sent yet (they keep them by key), and those they may drop.
+    constraints: list[CanvasConstraint] = field(default_factory=list)
+    automata: dict[str, Automaton] = field(default_factory=dict)
+    forget_automata: tuple[str, ...] = ()
 
 
 @dataclass

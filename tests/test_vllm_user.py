@@ -209,13 +209,6 @@ def test_reasoning_effort_turns_thinking_on_and_off(client):
     assert e.value.body["param"] == "reasoning_effort"
 
 
-def test_response_format_is_a_clear_400_naming_it(client, server):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="demo", messages=SORT, max_tokens=8, response_format={"type": "json_object"})
-    assert e.value.body["param"] == "response_format" and "response_format" in e.value.body["message"]
-    assert httpx.get(server.url + "/health").status_code == 200
-
-
 def test_vllms_generation_config_and_default_template_kwargs(tmp_path):
     """The recipe's `--generation-config vllm` (the sampler's reference defaults instead of the
     checkpoint's generation_config.json; EOS stays the checkpoint's) and

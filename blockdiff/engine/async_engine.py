@@ -23,7 +23,7 @@ from blockdiff.engine.client import EngineClient, EngineStats, EngineStream, Pro
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerLost
-from blockdiff.sampling_params import ResolvedParams, SamplingParams
+from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,10 @@ class AsyncEngine(EngineClient):
             stream._put(exc)
         self._aborts.extend(self._streams)
         self._streams.clear()
+
+    async def prepare(self, spec: StructuredOutputsParams) -> None:
+        if self.engine.structured is not None:
+            await asyncio.to_thread(self.engine.structured.automaton, spec)
 
     async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
                   client: str | None = None) -> RequestStream:

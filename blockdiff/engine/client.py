@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.images import ImageIntake
 from blockdiff.outputs import RequestOutput
-from blockdiff.sampling_params import ResolvedParams, SamplingParams
+from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
 
 # A prompt: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data": {"image": [...]}}.
@@ -83,6 +83,11 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    async def prepare(self, spec: StructuredOutputsParams) -> None:
+        """Build the token automaton of a structured output off the event loop (cached; bounded in
+        time), so that `add` does not; InvalidParam when it cannot be served."""
 
     @abc.abstractmethod
     async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],

@@ -31,6 +31,8 @@ from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, generation_defaults
 from blockdiff.step import MinTokens, ScorePlan, StepPlan
+from blockdiff.structured.compiler import StructuredOutputs
+from blockdiff.structured.plan import AutomataSent
 from blockdiff.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,11 +72,15 @@ class LLMEngine:
                                  BlockPool(cache.sliding_blocks, cache.block_size, caching),
                                  self.model_config.window_past(self.max_model_len))
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
+        self.structured = None if self.tokenizer is None else StructuredOutputs(self.tokenizer, self.vocab_size,
+                                                                                cfg.structured_outputs_timeout)
+        self.automata_sent = AutomataSent()  # the automata the workers hold
         self.inputs = InputProcessor(
             self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
             tuple(eos),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
             cache.num_blocks * cache.block_size, cfg.seed, ImageIntake.from_pretrained(cfg, self.model_config),
+            self.structured,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -108,6 +114,7 @@ class LLMEngine:
         for req in lost:
             self.abort(req.request_id)
         self.kv.forget()  # the prefixes the old workers held are gone too
+        self.automata_sent = AutomataSent()
         return lost
 
     def has_unfinished(self) -> bool:
@@ -168,6 +175,9 @@ class LLMEngine:
         if sched.decoder:
             denoise = self.sampler.step_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
                                                randoms)
+        constraints = [req.constraint.canvas(i, req.params.max_tokens - len(req.output.token_ids))
+                       for i, req in enumerate(sched.decoder) if req.constraint is not None]
+        automata, forget = self.automata_sent.update([r.constraint.automaton for r in sched.decoder if r.constraint])
         return StepPlan(
             rows=rows,
             encoder_ids=torch.tensor(ids, dtype=torch.long),
@@ -179,6 +189,9 @@ class LLMEngine:
             images=images.inputs(),
             score=score,
             min_tokens=_min_tokens(sched.decoder, cl),
+            constraints=constraints,
+            automata=automata,
+            forget_automata=forget,
         )
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:

@@ -27,6 +27,7 @@ from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.image import ProcessedImage
 from blockdiff.outputs import TokenLogprob
 from blockdiff.sampling_params import SamplingParams
+from blockdiff.structured.compiler import OutputConstraint
 
 
 class State(enum.Enum):
@@ -123,6 +124,7 @@ class Request:
     score_pieces: list[tuple[int, int]] = field(default_factory=list)
     prompt_scores: list[TokenLogprob] | None = None
     sent_prompt_scores: bool = False
+    constraint: OutputConstraint | None = None  # structured outputs: what the committed text must be
 
     def __post_init__(self) -> None:
         self.generator.manual_seed(self.seed % 2**64)
@@ -279,7 +281,12 @@ class Request:
         else:
             m.canvas_gaps.append(now - m.last_canvas_time)
         m.last_canvas_time = now
+        before = len(self.output.token_ids)
         reason = self.output.append(canvas, logprobs)
+        if self.constraint is not None:
+            self.constraint.commit(self.output.token_ids[before:])
+            if reason == "length" and self.constraint.complete:
+                reason = "stop"  # the structured output is whole: nothing could have followed
         m.committed_tokens = len(self.output.token_ids)
         self.steps_left = 0
         if reason is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams
-from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.model.attention import CacheGeometry, Row, canvas_metadata
 from blockdiff.model.interface import BlockDiffusionModel
 
@@ -46,6 +46,7 @@ class CanvasOutputs:
     logprob: torch.Tensor  # [B, CL] of each token
     entropy: torch.Tensor  # [B, CL] computed anyway; read back only for drafts that ask (draft_details)
     accepted: torch.Tensor  # [B, CL] bool
+    dist: Distribution  # the step's distribution statistics, which a constrained commit reads
 
 
 def canvas_step(
@@ -73,7 +74,7 @@ def canvas_step(
         # For every canvas, finished ones included: their slots are reset when the next canvas starts.
         updates["soft"] = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
     return CanvasOutputs(updates, sampler.commit(res, inputs.params), res.finished, res.logprob, res.dist.entropy,
-                         res.accepted)
+                         res.accepted, res.dist)
 
 
 def shape_count(num_slots: int, max_context: int, block_size: int) -> int:

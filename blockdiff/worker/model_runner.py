@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
 from blockdiff.diffusion.strategy import DiffusionSampler
-from blockdiff.diffusion.vocab_parallel import VocabParallel, workspace_bytes
+from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
@@ -49,6 +50,7 @@ class ModelRunner:
         self.canvas_length = model.config.canvas_length
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
                                        self.device)
+        self.automata: dict[str, DeviceAutomaton] = {}  # structured outputs' automata, by key (StepPlan.automata)
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
         modes = step_modes(target(self.device), model.static_shapes(self.device), compile, cuda_graphs)
@@ -58,6 +60,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
+        for key in plan.forget_automata:
+            self.automata.pop(key, None)
+        for key, automaton in plan.automata.items():
+            self.automata[key] = DeviceAutomaton(automaton, self.vocab, self.device)
         # Decoder rows: the pieces of prompts scored this step first, then the canvases.
         scored = 0 if plan.score is None else len(plan.score.lengths)
         dec_rows = [r for r in plan.rows if r.decoder][scored:]
@@ -98,12 +104,13 @@ class ModelRunner:
 
         params = plan.denoise.to(self.device)
         res = self.sampler.step(logits.view(len(dec_rows), self.canvas_length, -1), self.state, slots, params, self.vocab)
-        tokens = self.sampler.commit(res, params)
         self.state.put(slots, res.updates)
         finished = res.finished.cpu()  # the only host sync the control flow below needs
-        res_logprob = res.logprob
+        tokens, logprob = self.sampler.commit(res, params), res.logprob
         if plan.min_tokens is not None:
-            tokens, res_logprob = self._no_early_stops(tokens, res, finished, plan.min_tokens)
+            tokens, logprob = self._no_early_stops(tokens, logprob, res.dist, finished, plan.min_tokens)
+        # Last: a constrained canvas commits what its automaton accepts, whatever came before.
+        tokens, logprob = self._constrain(plan, finished, res.dist, tokens, logprob)
         if self.sampler.self_conditioning:
             # A finished canvas is committed and the next one starts without self-conditioning, so
             # only the canvases that go on need their soft embeddings (the product is as big as the
@@ -114,15 +121,15 @@ class ModelRunner:
                 keep = slots if rows is None else slots[rows]
                 self.state.soft[keep] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
 
-        logprob = top_lp = top_ids = None
-        if plan.top_logprobs >= 0:
-            logprob = res_logprob
-            if plan.top_logprobs > 0 and bool(finished.any()):
-                # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
-                done = finished.nonzero().squeeze(1).to(self.device)
-                done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
-                top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
-                top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
+        top_lp = top_ids = None
+        if plan.top_logprobs < 0:
+            logprob = None
+        elif plan.top_logprobs > 0 and bool(finished.any()):
+            # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
+            done = finished.nonzero().squeeze(1).to(self.device)
+            done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
+            top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
+            top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
         return StepOutput(
             finished=finished,
             tokens=tokens.cpu(),
@@ -144,25 +151,40 @@ class ModelRunner:
             out.update(score_top_logprobs=lp[0].cpu(), score_top_ids=ids[0].cpu())
         return out
 
-    def _no_early_stops(self, tokens: torch.Tensor, res, finished: torch.Tensor,
+    def _no_early_stops(self, tokens: torch.Tensor, logprob: torch.Tensor, dist: Distribution, finished: torch.Tensor,
                         rule: MinTokens) -> tuple[torch.Tensor, torch.Tensor]:
         """Finished canvases that would commit a banned token before their row's `before` position
         take the most likely token that is not banned there instead (SamplingParams.min_tokens)."""
         rows = (finished & (rule.before > 0)).nonzero().squeeze(1)
         if rows.numel() == 0:
-            return tokens, res.logprob
+            return tokens, logprob
         rows_d = rows.to(self.device)
         banned = rule.banned.to(self.device)[rows_d]  # [n, K]
-        lp, ids = self.vocab.top_logprobs(res.dist, banned.shape[1] + 1, rows_d)  # [n, CL, K + 1]
+        lp, ids = self.vocab.top_logprobs(dist, banned.shape[1] + 1, rows_d)  # [n, CL, K + 1]
         allowed = ~(ids.unsqueeze(-1) == banned[:, None, None, :]).any(-1)
         first = allowed.int().argmax(-1, keepdim=True)  # K + 1 candidates hold at least one allowed token
         alt_ids, alt_lp = ids.gather(-1, first).squeeze(-1), lp.gather(-1, first).squeeze(-1)
         early = torch.arange(self.canvas_length, device=self.device) < rule.before.to(self.device)[rows_d, None]
         sub = tokens[rows_d]
         bad = early & (sub.unsqueeze(-1) == banned[:, None, :]).any(-1)
-        tokens, logprob = tokens.clone(), res.logprob.clone()
+        tokens, logprob = tokens.clone(), logprob.clone()
         tokens[rows_d] = torch.where(bad, alt_ids, sub)
         logprob[rows_d] = torch.where(bad, alt_lp, logprob[rows_d])
+        return tokens, logprob
+
+    def _constrain(self, plan: StepPlan, finished: torch.Tensor, dist: Distribution, tokens: torch.Tensor,
+                   logprob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`tokens` and `logprob` [canvases, CL] with those of the finished constrained canvases
+        replaced by their constrained commits (diffusion/constrained.py); the others as they are."""
+        done = [c for c in plan.constraints if finished[c.row]]
+        if not done:
+            return tokens, logprob
+        tokens, logprob = tokens.clone(), logprob.clone()
+        for key in dict.fromkeys(c.automaton for c in done):  # the same order on every rank
+            group = [c for c in done if c.automaton == key]
+            rows = torch.tensor([c.row for c in group], device=tokens.device)
+            new, lp = constrained_tokens(dist, tokens[rows], group, self.automata[key], self.vocab)
+            tokens[rows], logprob[rows] = new, lp
         return tokens, logprob
 
     def _canvas_step(self, plan: StepPlan) -> StepOutput:
@@ -170,10 +192,12 @@ class ModelRunner:
         n = len(plan.rows)
         inputs, out = self.canvas_steps(plan.rows, plan.denoise)
         self.state.put(inputs.slots[:n], {name: value[:n] for name, value in out.updates.items()})
+        finished = out.finished[:n].cpu()
+        tokens, logprob = self._constrain(plan, finished, out.dist, out.tokens[:n], out.logprob[:n])
         return StepOutput(
-            finished=out.finished[:n].cpu(),
-            tokens=out.tokens[:n].cpu(),
-            logprob=out.logprob[:n].cpu() if plan.top_logprobs == 0 else None,
+            finished=finished,
+            tokens=tokens.cpu(),
+            logprob=logprob.cpu() if plan.top_logprobs == 0 else None,
             top_logprobs=None,
             top_ids=None,
             entropy=out.entropy[:n].cpu() if plan.draft_details else None,

@@ -48,8 +48,44 @@ _SamplerExtensions = create_model(
 )
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's response_format.json_schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's structured_outputs: exactly one of these (docs/structured_outputs.md)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
 class _GenerationRequest(_SamplerExtensions):
     """Fields both endpoints accept."""
+
+    # Structured outputs (OpenAI's response_format; vLLM's structured_outputs and its older guided_*)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     model: str | None = None
     n: int | None = None

@@ -26,6 +26,7 @@ from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
 from blockdiff.entrypoints.openai.media import ChatImages
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
 from blockdiff.entrypoints.openai import reasoning, tool_parsers, vllm_fields
+from blockdiff.entrypoints.openai.structured import constraint_field, request_constraint, tool_call_constraint
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -245,10 +246,14 @@ def _prompt_count(prompt: str | list) -> int:
 
 
 def _request_names(req: p._GenerationRequest) -> dict[str, str]:
-    """The request fields that engine errors about `prompt` and `max_tokens` are about."""
+    """The request fields that engine errors about `prompt`, `max_tokens` and `structured_outputs` are about."""
+    field = constraint_field(req)
+    if field is None and isinstance(req, p.ChatCompletionRequest) and req.tool_choice not in (None, "none", "auto"):
+        field = "tool_choice"
+    names = {} if field is None else {"structured_outputs": field}
     if not isinstance(req, p.ChatCompletionRequest):
-        return {}
-    names = {"prompt": "messages"}
+        return names
+    names["prompt"] = "messages"
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     return names
@@ -343,15 +348,17 @@ class OpenAIServing:
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
         _check_choices(_prompt_count(req.prompt), n)
         request_id = p.new_id("cmpl")
-        prompts, requests, echo = await self.pool.run(client_of(raw), self._completion_requests, req, n, request_id)
+        constraint = request_constraint(req)
+        prompts, requests, echo = await self.pool.run(client_of(raw), self._completion_requests, req, n, request_id,
+                                                      constraint)
         fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs, echo, n)
         return await self._respond(req, prompts, requests, fmt, raw)
 
-    def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str):
+    def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str, constraint):
         """(In the pool) -> (the prompts' ids, the engine requests, with echo each prompt's text and ids)."""
         prompts = self._completion_prompts(req.prompt, request_id)
         requests = self._engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs,
-                                         prompt_logprobs=vllm_fields.prompt_logprobs(req))
+                                         prompt_logprobs=vllm_fields.prompt_logprobs(req), structured_outputs=constraint)
         echo = [(self._prompt_text(x, ids), ids) for x, ids in zip(_prompt_list(req.prompt), prompts)] if req.echo else None
         return prompts, requests, echo
 
@@ -366,17 +373,18 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rules = self._output_rules(req)
+        constraint = self._chat_constraint(req, rules)
         request_id = p.new_id("chatcmpl")
         images = await self._chat_images(req.messages, client_of(raw))
         prompts, requests = await self.pool.run(client_of(raw), self._chat_requests, req, images, n, max_tokens, logprobs,
-                                                rules, request_id)
+                                                rules, request_id, constraint)
         last = req.messages[-1]
         echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
         fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules, echo)
         return await self._respond(req, prompts, requests, fmt, raw)
 
     def _chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
-                       logprobs: int | None, rules: OutputRules, request_id: str):
+                       logprobs: int | None, rules: OutputRules, request_id: str, constraint=None):
         """(In the pool) -> (the prompt ids usage counts, the engine requests)."""
         kwargs = req.chat_template_kwargs
         if req.reasoning_effort is not None and self.tokenizer is not None:
@@ -385,7 +393,19 @@ class OpenAIServing:
         prompt, prompts = self._with_images(ids, images)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
         return prompts, self._engine_requests(req, [prompt], prompts, n, max_tokens, logprobs,
-                                              skip_special_tokens=not rules.parses)
+                                              skip_special_tokens=not rules.parses, structured_outputs=constraint)
+
+    @staticmethod
+    def _chat_constraint(req: p.ChatCompletionRequest, rules: OutputRules):
+        """What the chat's output must be: its structured output, or with a forced tool_choice the
+        calls, their arguments as the tools' parameter schemas say; None: anything."""
+        constraint = request_constraint(req)
+        if rules.forced:
+            if constraint is not None:
+                raise APIError(400, "a forced tool_choice and a structured output both constrain the output: give one",
+                               param="tool_choice")
+            constraint = tool_call_constraint(req.tools, rules.allowed, rules.parallel)
+        return constraint
 
     def _output_rules(self, req: p.ChatCompletionRequest) -> OutputRules:
         """Which parsers read this request's output, and what its tool_choice demands."""
@@ -439,7 +459,7 @@ class OpenAIServing:
 
     def _engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
                          max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True,
-                         prompt_logprobs: int | None = None) -> list:
+                         prompt_logprobs: int | None = None, structured_outputs=None) -> list:
         """n engine requests per prompt, checked against the limits first. The choices share one
         validated SamplingParams but their seeds (and so its draft and stop lists); prompt-major.
         skip_special_tokens: the endpoint's default, under the request's own (vLLM's field)."""
@@ -450,7 +470,8 @@ class OpenAIServing:
         try:
             params = SamplingParams.of(**values, max_tokens=max_tokens, seed=req.seed, stop=req.stop, logprobs=logprobs,
                                        min_tokens=req.min_tokens or 0, prompt_logprobs=prompt_logprobs,
-                                       output_kind="delta" if req.stream else "final_only", skip_special_tokens=skip)
+                                       output_kind="delta" if req.stream else "final_only", skip_special_tokens=skip,
+                                       structured_outputs=structured_outputs)
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
         self._check_cost(req, prompts, params, n)
@@ -590,16 +611,26 @@ class OpenAIServing:
         return kwargs
 
     # ---- engine outputs -> responses ----------------------------------------------------------
-    async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
-        client = client_of(raw)
-        release = self.clients.hold(client, len(requests))  # until the response ends, however it ends
+    async def add(self, requests: list, client: str) -> tuple[RequestStream, Callable[[], None]]:
+        """Queue one API call's engine requests against `client`'s share (held until `release()`,
+        which the response calls however it ends); a new structured output's automaton is built off
+        the event loop first, within the engine's time bound. -> (their stream, release). Raises what
+        the engine raises (ValueError for bad parameters), with the share released."""
+        release = self.clients.hold(client, len(requests))
         try:
-            stream = await self.engine.add(requests, client)
-        except BaseException as e:
+            for spec in {params.structured_outputs.key(): params.structured_outputs for _, params in requests
+                         if params.structured_outputs is not None}.values():
+                await self.engine.prepare(spec)
+            return await self.engine.add(requests, client), release
+        except BaseException:
             release()
-            if isinstance(e, ValueError):
-                raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
             raise
+
+    async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
+        try:
+            stream, release = await self.add(requests, client_of(raw))
+        except ValueError as e:
+            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
         states = [ChoiceState() for _ in requests]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
