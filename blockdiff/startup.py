@@ -11,6 +11,8 @@ from dataclasses import replace
 import torch
 
 from blockdiff.config import EngineConfig, ModelConfig, parse_dtype
+from blockdiff.engine.async_engine import AsyncEngine
+from blockdiff.engine.client import EngineClient
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.model.registry import load_config
 
@@ -60,6 +62,12 @@ def start_engine(cfg: EngineConfig) -> LLMEngine:
     for line in summary(engine, f"{threads} ({why})"):
         log.info("%s", line)
     return engine
+
+
+def start_client(cfg: EngineConfig, max_queued_requests: int | None = None) -> EngineClient:
+    """The engine client a server runs: one local engine (`AsyncEngine`), or with
+    data_parallel_size > 1 and no data_parallel_rank, the front end of that many replica processes."""
+    return AsyncEngine(start_engine(cfg), max_queued_requests)
 
 
 def summary(engine: LLMEngine, threads: str) -> list[str]:
