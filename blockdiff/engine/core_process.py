@@ -84,6 +84,13 @@ class Handshake:
     cache_tokens: int
     stats: EngineStats
 
+    @classmethod
+    def of(cls, engine) -> Handshake:
+        """An LLMEngine's."""
+        inputs = engine.inputs
+        return cls(os.getpid(), engine.limits, engine.sampler.name, inputs.defaults, inputs.eos_token_ids,
+                   inputs.cache_tokens, engine.stats())
+
 
 # ---- frames ----------------------------------------------------------------------------------------
 def encode_frame(obj) -> bytes:
@@ -241,8 +248,7 @@ def main() -> None:
         _exit(1)
     client = AsyncEngine(engine, boot.max_queued_requests)
     try:
-        send_frame(sock, ("ready", Handshake(os.getpid(), engine.limits, engine.sampler.name, engine.inputs.defaults,
-                                             engine.inputs.eos_token_ids, engine.inputs.cache_tokens, engine.stats())))
+        send_frame(sock, ("ready", Handshake.of(engine)))
         code = asyncio.run(_Replica(client, sock).serve())
     except (EOFError, OSError):  # the front end went away before we could begin
         client.shutdown()

@@ -51,6 +51,46 @@ STOP_WAIT_S = 10.0  # after ("stop",), how long a replica may take to exit befor
 _KILL_WAIT_S = 5.0
 
 
+class FrontEnd:
+    """What a front end serves by without asking a replica (dp_client.DPClient; Ray Serve's ingress,
+    entrypoints/ray_serve.py): the replicas' limits and sampler defaults from their handshake, and
+    the tokenizer, sampler, image intake and parameter resolution built here from the engine config,
+    as the replicas built theirs."""
+
+    def __init__(self, cfg: EngineConfig, hs: Handshake, cache_tokens: int):
+        self.limits, self.defaults = hs.limits, hs.defaults
+        self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
+        self.sampler = make_sampler(hs.sampler)
+        self.images = ImageIntake.from_pretrained(cfg, load_config(cfg.model))
+        lim = self.limits
+        # Resolution and cost as the replicas do them; a replica checks the rest when it takes a request.
+        self.inputs = InputProcessor(self.tokenizer, self.sampler, self.defaults, hs.eos_token_ids, lim.vocab_size,
+                                     lim.canvas_length, lim.max_model_len, lim.max_denoising_steps, cache_tokens, cfg.seed,
+                                     self.images)
+        self.block_size, self.prefix_caching = hs.stats.block_size, hs.stats.prefix_caching
+
+
+def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, images: ImageIntake, block_size: int) -> tuple:
+    """The keys of the prompt's full blocks, as the engine will key them; for a prompt with images not
+    yet preprocessed, those of the blocks before the first image."""
+    text, given = split_prompt(prompt)
+    if isinstance(text, str):
+        if tokenizer is None:
+            return ()
+        ids: list = tokenizer.encode(text)
+    else:
+        ids = list(text)
+    if given:
+        if isinstance(given, list) and all(isinstance(im, ProcessedImage) for im in given):
+            expanded = images.expand(ids, given)
+            ids = list(expanded.token_ids)
+            for image, (a, b) in zip(expanded.images, expanded.spans):
+                ids[a:b] = [image.digest] * (b - a)
+        elif images.vision is not None and images.vision.image_token_id in ids:
+            ids = ids[:ids.index(images.vision.image_token_id)]
+    return tuple(block_keys(ids, block_size))
+
+
 def replica_device(cfg: EngineConfig, rank: int) -> str:
     """Replica r's first device: the r-th group of tensor_parallel_size GPUs from the given one."""
     device = cfg.resolved_device()
@@ -140,19 +180,11 @@ class DPClient(EngineClient):
                 self.shutdown()
                 raise RuntimeError(f"replica {rep.rank} serves {hs.limits} with {hs.sampler}, replica 0 {first.limits} "
                                    f"with {first.sampler}: the replicas must be alike")
-        self.limits = first.limits
-        self.defaults = first.defaults
-        self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
-        self.sampler = make_sampler(first.sampler)
-        model_config = load_config(cfg.model)
-        self.images = ImageIntake.from_pretrained(cfg, model_config)
+        front = FrontEnd(cfg, first, min(hs.cache_tokens for hs in handshakes))
+        self.limits, self.defaults, self.tokenizer, self.sampler, self.images = (
+            front.limits, front.defaults, front.tokenizer, front.sampler, front.images)
+        self._inputs, self.block_size, self.prefix_caching = front.inputs, front.block_size, front.prefix_caching
         lim = self.limits
-        # Resolution and cost as the replicas do them; a replica checks the rest when it takes a request.
-        self._inputs = InputProcessor(self.tokenizer, self.sampler, self.defaults, first.eos_token_ids, lim.vocab_size,
-                                      lim.canvas_length, lim.max_model_len, lim.max_denoising_steps,
-                                      min(hs.cache_tokens for hs in handshakes), cfg.seed, self.images)
-        self.block_size = first.stats.block_size
-        self.prefix_caching = first.stats.prefix_caching
         self.router = PrefixRouter(imbalance=lim.max_num_seqs)
         log.info("data parallel: %d replicas (pids %s), each %s", len(self.replicas),
                  ", ".join(str(hs.pid) for hs in handshakes),
@@ -328,28 +360,7 @@ class DPClient(EngineClient):
 
     # ---- routing -----------------------------------------------------------------------------------
     def _keys(self, prompt: Prompt) -> tuple:
-        """The keys of the prompt's full blocks, as its replica will key them; for a prompt with
-        images not yet preprocessed, those of the blocks before the first image."""
-        if not self.prefix_caching:
-            return ()
-        text, images = split_prompt(prompt)
-        if isinstance(text, str):
-            if self.tokenizer is None:
-                return ()
-            ids: list = self.tokenizer.encode(text)
-        else:
-            ids = list(text)
-        if images:
-            if isinstance(images, list) and all(isinstance(im, ProcessedImage) for im in images):
-                expanded = self.images.expand(ids, images)
-                ids = list(expanded.token_ids)
-                for image, (a, b) in zip(expanded.images, expanded.spans):
-                    ids[a:b] = [image.digest] * (b - a)
-            else:
-                vision = self.images.vision
-                if vision is not None and vision.image_token_id in ids:
-                    ids = ids[:ids.index(vision.image_token_id)]
-        return tuple(block_keys(ids, self.block_size))
+        return prompt_block_keys(prompt, self.tokenizer, self.images, self.block_size) if self.prefix_caching else ()
 
     def _route(self, keys: Sequence) -> _Replica:
         up = [rep for rep in self.replicas if rep.up]

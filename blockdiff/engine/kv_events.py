@@ -137,6 +137,20 @@ def encode_batch(ts: float, events: list[KVEvent], data_parallel_rank: int, enco
     return msgpack.packb([ts, [wire_event(e, encoding) for e in events], data_parallel_rank], use_bin_type=True)
 
 
+def decode_batch(payload: bytes) -> list[tuple[str, list[int]]]:
+    """A batch as a consumer reads it, in either encoding: -> [(tag, block hashes)] in order."""
+    import msgpack
+
+    _, events, *_ = msgpack.unpackb(payload)
+    out = []
+    for event in events:
+        if isinstance(event, dict):
+            out.append((event["type"], event.get("block_hashes", [])))
+        else:
+            out.append((event[0], event[1] if len(event) > 1 else []))
+    return out
+
+
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
     """vLLM's rule: replica r publishes on the endpoint's port + r (an inproc name gets "_dp{r}")."""
     if not endpoint or rank == 0:
