@@ -243,3 +243,30 @@ def test_killing_a_replica_fails_only_its_requests(server, client):
         t.join()
     assert sorted(_which(server, before)) == ["0", "1"]
     assert "replica 0 was lost" in server.log() and "replica 0 restarted" in server.log()
+
+
+def test_affinity_yields_to_load():
+    """The policy alone: the longest match wins among replicas within `imbalance` of the least
+    loaded; past it, the least loaded; ties in load take turns."""
+    from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter
+
+    cached = PrefixIndex()
+    cached.stored_blocks([b"a", b"b", b"c"])
+    partial = PrefixIndex()
+    partial.stored_blocks([b"a"])
+    router = PrefixRouter(imbalance=2)
+    keys = [b"a", b"b", b"x"]
+    pick = lambda *cands: router.choose(list(cands), keys)  # noqa: E731
+    assert pick(Candidate("hit", 2, 10, cached), Candidate("idle", 0, 10, partial))[0].name == "hit"
+    assert pick(Candidate("hit", 3, 10, cached), Candidate("idle", 0, 10, partial))[0].name == "idle"
+    chosen, matched = router.choose([Candidate("hit", 3, 10, cached), Candidate("part", 1, 10, partial),
+                                     Candidate("idle", 0, 10, None)], keys)
+    assert (chosen.name, matched) == ("part", 1)
+    cached.expect([b"x"])  # a request routed there will store it
+    assert cached.match(keys) == 3
+    cached.done([b"x"])
+    cached.removed_blocks([b"b"])
+    assert cached.match(keys) == 1
+    turns = [router.choose([Candidate("p", 0, 5), Candidate("q", 0, 5)], ())[0].name for _ in range(4)]
+    assert turns in (["p", "q", "p", "q"], ["q", "p", "q", "p"])
+    assert router.choose([Candidate("p", 0, 5), Candidate("q", 0, 9)], ())[0].name == "q"  # more free blocks

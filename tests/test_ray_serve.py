@@ -27,7 +27,7 @@ def test_replicas_are_placed_with_their_gpus_and_scale_on_queue_length(tiny):
     assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8}
     router = options["request_router_config"]
     assert router.get_request_router_class() is PrefixAffinityRouter
-    assert router.request_router_kwargs == {"imbalance": 8}
+    assert router.request_router_kwargs == {"imbalance": 2}  # a quarter of a replica's batch
     fixed = _replica_options(EngineConfig(tiny, device="cpu"), {"num_replicas": 3}, {"imbalance": 2})
     assert "autoscaling_config" not in fixed and fixed["num_replicas"] == 3
     assert fixed["placement_group_bundles"] == [{"CPU": 1}]

@@ -39,7 +39,7 @@ from blockdiff.engine.core_process import COMMAND, Bootstrap, Handshake, encode_
 from blockdiff.engine.images import ImageIntake, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter
+from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
 from blockdiff.image import ProcessedImage
 from blockdiff.model.registry import load_config
 from blockdiff.sampling_params import ResolvedParams, SamplingParams
@@ -185,7 +185,7 @@ class DPClient(EngineClient):
             front.limits, front.defaults, front.tokenizer, front.sampler, front.images)
         self._inputs, self.block_size, self.prefix_caching = front.inputs, front.block_size, front.prefix_caching
         lim = self.limits
-        self.router = PrefixRouter(imbalance=lim.max_num_seqs)
+        self.router = PrefixRouter(default_imbalance(lim.max_num_seqs))
         log.info("data parallel: %d replicas (pids %s), each %s", len(self.replicas),
                  ", ".join(str(hs.pid) for hs in handshakes),
                  f"on {self.replicas[0].device}" if cfg.tensor_parallel_size == 1 else

@@ -11,7 +11,10 @@ so a match is a prefix the replica can hit, not a guess from the text.
 Affinity yields to load: among the replicas with no more than `imbalance` requests above the least
 loaded, the longest match wins (the least loaded of those that tie); with no match there, the least
 loaded. Load is the requests a replica has in progress, then its free KV blocks; replicas equal in
-both take turns.
+both take turns. The default imbalance, a quarter of a replica's batch, keeps most of the hits while
+a shared prefix does not pile a burst onto one replica (docs/benchmarks.md, "Data parallelism":
+with a whole batch of slack, 81% of prompt tokens hit but the requests queued on one replica while
+the other idled; with a quarter, 76% at twice the throughput).
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ class Candidate:
     load: int  # requests in progress
     free_blocks: int
     index: PrefixIndex | None = None  # None: nothing known of its cache
+
+
+def default_imbalance(max_num_seqs: int) -> int:
+    return max(1, max_num_seqs // 4)
 
 
 class PrefixRouter:

@@ -43,7 +43,7 @@ from blockdiff.engine.client import EngineClient, EngineStats, Prompt
 from blockdiff.engine.core_process import Handshake, error_of, wire_error
 from blockdiff.engine.dp_client import FrontEnd, prompt_block_keys
 from blockdiff.engine.kv_events import decode_batch, external_hash
-from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter
+from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.server import build_app
 from blockdiff.hub import resolve_model
@@ -138,7 +138,7 @@ class PrefixAffinityRouter(RequestRouter):
     rank with room. `imbalance`: how many more ongoing calls than the least loaded replica a replica
     with a matching prefix may have and still be preferred."""
 
-    def initialize_state(self, imbalance: int = 16):
+    def initialize_state(self, imbalance: int):
         self._policy = PrefixRouter(imbalance)
         self._events = _EventFollower()
         self._expected: dict[str, tuple[str, tuple]] = {}  # internal request id -> (replica, block keys)
@@ -434,7 +434,8 @@ def _replica_options(cfg: EngineConfig, given: dict, router: dict) -> dict:
         "placement_group_bundles": [bundle],
         "placement_group_strategy": "STRICT_PACK",
         "request_router_config": RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                                     request_router_kwargs={"imbalance": cfg.max_num_seqs, **router},
+                                                     request_router_kwargs={"imbalance": default_imbalance(cfg.max_num_seqs),
+                                                                            **router},
                                                      request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
         "health_check_period_s": 10,
     }
