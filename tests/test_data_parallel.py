@@ -6,6 +6,7 @@ the test that kills a replica runs last."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -64,21 +65,18 @@ def _which(server: ServerProcess, before: dict[str, float]) -> list[str]:
 
 
 def _replica_pids(server: ServerProcess) -> list[int]:
-    """The server's engine-core processes, replica 0 first (started first)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if ppid == server.proc.pid and b"blockdiff.engine.core_process" in cmdline:
-            pids.append(int(entry))
-    return sorted(pids)
+    """The server's engine-core processes now, by rank: the front end logs their pids at start and
+    at each restart."""
+    pids = {}
+    for line in server.log().splitlines():
+        if m := re.search(r"data parallel: \d+ replicas \(pids ([\d, ]+)\)", line):
+            pids = dict(enumerate(int(p) for p in m.group(1).split(", ")))
+        elif m := re.search(r"replica (\d+) restarted \(try \d+, pid (\d+)\)", line):
+            pids[int(m.group(1))] = int(m.group(2))
+    for rank, pid in pids.items():  # the process is the server's child
+        with open(f"/proc/{pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == server.proc.pid, (rank, pid)
+    return [pids[r] for r in sorted(pids)]
 
 
 def test_both_replicas_take_requests_from_the_openai_client(server, client):
@@ -215,6 +213,10 @@ def test_killing_a_replica_fails_only_its_requests(server, client):
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
     os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while RUNNING.format(0) in server.metrics():  # noticed when its socket closes: at once
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     # The other replica serves meanwhile.
     assert httpx.get(server.url + "/health").status_code == 200
     before = _served(server)

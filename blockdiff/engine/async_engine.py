@@ -60,7 +60,7 @@ class RequestStream(EngineStream):
     """The engine requests of one API call. Iterate for (index, RequestOutput) in the order the
     engine produces them; iteration ends once every request has finished."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], client: str | None = None):
+    def __init__(self, engine: EngineClient, request_ids: list[str], client: str | None = None):
         self._engine = engine
         self.request_ids = request_ids
         self.client = client  # whose share of the engine its requests count against
