@@ -1,8 +1,8 @@
 """blockdiff: an inference and serving engine for block-diffusion language models."""
 
 from blockdiff.llm import LLM
-from blockdiff.outputs import RequestOutput
+from blockdiff.outputs import CompletionOutput, Logprob, RequestOutput
 from blockdiff.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -6,15 +6,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 
 from blockdiff.config import EngineConfig, KVEventsConfig
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.sampling_params import ENGINE_FIELDS, SamplingParams
-
-log = logging.getLogger(__name__)
+from blockdiff.vllm_options import ACCEPTED, REFUSED, diffusion_settings, warn_ignored
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
                "g": 2**30, "gb": 2**30, "gib": 2**30}
@@ -93,23 +91,6 @@ class _Refused(argparse.Action):
         raise argparse.ArgumentError(self, f"not supported: {self.reason}")
 
 
-# vLLM engine flags that mean nothing here. Accepted ones are ignored with a warning at startup, so
-# scripts written for vLLM run unchanged; refused ones would change what the user gets.
-_ACCEPTED_VLLM_FLAGS = [
-    ("--gpu-memory-utilization", float, "the KV cache is sized by --kv-cache-memory instead"),
-    ("--swap-space", float, "the KV cache is never swapped to host memory"),
-    ("--enable-chunked-prefill", None, "prefill is always chunked (--max-num-batched-tokens per step)"),
-    ("--trust-remote-code", None, "blockdiff never runs code from a checkpoint"),
-]
-_REFUSED_VLLM_FLAGS = [
-    (("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not implemented; use --tensor-parallel-size"),
-    (("--quantization", "-q"), "the quantization is read from the checkpoint's quantization_config "
-                               "(compressed-tensors FP8, docs/fp8.md); there is nothing to choose"),
-    (("--kv-cache-dtype",), "the KV cache is kept in the model's dtype"),
-    (("--speculative-config",), "there is no speculative decoding; canvases are denoised in parallel already"),
-]
-
-
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     model_help = "checkpoint directory or Hugging Face id in the local cache (default: the bundled demo model)"
     if model_positional:
@@ -130,13 +111,22 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                            help=spec.help.replace("{samplers}", ", ".join(SAMPLERS)), **_flag_kind(f, spec))
         if spec.off is not None:
             group.add_argument(spec.off[0], dest=f.name, action="store_const", const=None, help=spec.off[1])
+    diffusion = p.add_argument_group("vLLM's diffusion flags, mapped onto the flags above (docs/server.md, 'vLLM flags')")
+    diffusion.add_argument("--diffusion-config", default=None, metavar="JSON",
+                           help='vLLM\'s \'{"canvas_length": N, "max_denoising_steps": S}\': --canvas-length and '
+                                '--max-denoising-steps')
+    diffusion.add_argument("--hf-overrides", default=None, metavar="JSON",
+                           help='vLLM\'s diffusion keys: \'{"diffusion_sampler": NAME, "diffusion_FIELD": value}\' '
+                                'for --diffusion-sampler and the sampler flags (e.g. diffusion_entropy_bound); other '
+                                'keys are refused')
     vllm = p.add_argument_group("vLLM flags without meaning here (docs/server.md, 'vLLM flags')")
-    for flag, kind, reason in _ACCEPTED_VLLM_FLAGS:
+    for name, kind, reason in ACCEPTED:
+        flag = "--" + name.replace("_", "-")
         if kind is None:
             vllm.add_argument(flag, action="store_true", default=None, help=f"ignored: {reason}")
         else:
             vllm.add_argument(flag, type=kind, default=None, help=f"ignored: {reason}")
-    for flags, reason in _REFUSED_VLLM_FLAGS:
+    for flags, reason in REFUSED:
         vllm.add_argument(*flags, action=_Refused, reason=reason, default=argparse.SUPPRESS)
 
 
@@ -198,11 +188,24 @@ def given_model(args: argparse.Namespace) -> str | None:
     return tag if tag is not None else args.model
 
 
+def _vllm_diffusion(args: argparse.Namespace) -> tuple[dict, dict]:
+    """--diffusion-config and --hf-overrides as (EngineConfig fields, sampler flags); each must agree
+    with the blockdiff flag of the same setting when both are given."""
+    engine, sampler = diffusion_settings(getattr(args, "diffusion_config", None), getattr(args, "hf_overrides", None))
+    for name, value in [*engine.items(), *sampler.items()]:
+        given = getattr(args, name, None)
+        if given is not None and given != value:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {given} disagrees with {value} from --diffusion-config / --hf-overrides; give one")
+    return engine, sampler
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    for flag, _, reason in _ACCEPTED_VLLM_FLAGS:
-        if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
-            log.warning("%s is ignored: %s", flag, reason)
+    for name, _, _ in ACCEPTED:
+        if getattr(args, name) not in (None, False):
+            warn_ignored(name)
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata}
+    flags.update(_vllm_diffusion(args)[0])
     flags["allowed_media_domains"] = tuple(flags["allowed_media_domains"])
     return EngineConfig(
         model=resolve_model(given_model(args), args.download_dir),
@@ -250,8 +253,10 @@ def _sampler_field_names() -> list[str]:
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
-    """The sampler flags the user set, as fields of the samplers' tables."""
-    return {name: getattr(args, name) for name in _sampler_field_names() if getattr(args, name) is not None}
+    """The sampler flags the user set (and those vLLM's --diffusion-config and --hf-overrides set),
+    as fields of the samplers' tables."""
+    flags = {name: getattr(args, name) for name in _sampler_field_names() if getattr(args, name) is not None}
+    return {**flags, **_vllm_diffusion(args)[1]}
 
 
 def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:

@@ -103,8 +103,10 @@ def parse_dtype(name: str | torch.dtype, config: ModelConfig) -> torch.dtype:
 
 
 # Whether static steps are compiled unless the user says, per device type: the faster of compiled
-# and eager as measured (docs/benchmarks.md, "Compiled steps").
-COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
+# and eager as measured (docs/benchmarks.md, "Compiled steps"). On CUDA the static steps are CUDA
+# graphs either way; compiling adds one inductor compile per shape the server meets, and what it
+# buys there has not been measured yet (scripts/device_check.sh's "compiled" part measures it).
+COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -254,7 +256,8 @@ class EngineConfig:
     # Steps whose rows are all canvases being denoised run as one static step compiled with
     # torch.compile(fullgraph=True) (worker/canvas_step.py); None: COMPILE_BY_DEFAULT of the device.
     compile: bool | None = flag(None, "run steps of canvases only as one static step compiled with torch.compile "
-                                      "(default: the faster per device as measured: off on CPU, on on CUDA)")
+                                      "(default: off; on CUDA the static steps are CUDA graphs without compile, "
+                                      "until a device measures what compiling buys)")
     # On CUDA the static steps are replayed as CUDA graphs, one per shape, unless this is set (and
     # then they are compiled only when compile=True), as vLLM's --enforce-eager.
     enforce_eager: bool = flag(False, "CUDA: no CUDA graphs for the static denoising steps (and no compile unless "
@@ -277,6 +280,16 @@ class EngineConfig:
     # architecture's own (model/registry.py), for DiffusionGemma the entropy-bound sampler.
     diffusion_sampler: str | None = flag(None, "the sampler that denoises canvases, by name: one of {samplers} (default: "
                                                "the architecture's own)", parse="sampler")
+    # Tokens denoised together (vLLM's --diffusion-config canvas_length); None: the checkpoint's
+    # config.json. The model runs any length; it was trained at its own.
+    canvas_length: int | None = flag(None, "tokens denoised together in one canvas (default: the checkpoint's "
+                                           "canvas_length)", minimum=1)
+    # Where the sampler defaults come from, vLLM's --generation-config: "auto", the checkpoint's
+    # generation_config.json; "vllm", none of it (the sampler's reference defaults); or a directory
+    # holding a generation_config.json. The EOS ids are the checkpoint's whatever this says.
+    generation_config: str = flag("auto", "the sampler defaults: auto (the checkpoint's generation_config.json), vllm "
+                                          "(none: the sampler's reference defaults) or a directory holding a "
+                                          "generation_config.json", metavar="auto|vllm|DIR")
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as fields of the sampler's table.
     sampling_defaults: dict = field(default_factory=dict)
@@ -300,14 +313,18 @@ class EngineConfig:
                                                       "none)", metavar="DIR", group=_IMAGES)
     media_fetch_timeout: float = flag(10.0, "seconds fetching an image URL may take in all", parse="seconds",
                                       group=_IMAGES)
+    # A new structured-output constraint's token automaton is built in a child process stopped at this
+    # bound (blockdiff/structured/compiler.py); the request is refused then.
+    structured_outputs_timeout: float = flag(60.0, "seconds the automaton of a new JSON schema, regex or choice may take "
+                                                   "to build before the request is refused", parse="seconds")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
                      "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
-                     "max_image_decoded_bytes", "num_layers_override"):
+                     "max_image_decoded_bytes", "num_layers_override", "canvas_length"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
-                                          "num_layers_override"):
+                                          "num_layers_override", "canvas_length"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -328,6 +345,10 @@ class EngineConfig:
         gb = self.sampler_memory_gb
         if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < float("inf")):
             raise ValueError(f"sampler_memory_gb must be a positive number, got {gb!r}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(self.generation_config, "generation_config.json")):
+            raise ValueError(f"generation_config must be auto, vllm or a directory holding a generation_config.json, "
+                             f"got {self.generation_config!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.num_layers_override is not None and self.load_format != "dummy":

@@ -12,6 +12,8 @@ None leaves them alone.
   `torch._scaled_mm` with row-wise scales (activation scale per row, weight scale per column of
   the product), the activations quantized to FP8 on the fly. This branch follows PyTorch's
   documented API but has not run on hardware yet (docs/fp8.md).
+- Experts on CUDA 9.x / 10.x: `scaled_grouped_linear`, every expert in one `torch._scaled_grouped_mm`
+  with the same row-wise scales (blockdiff/kernels.py decides where; not yet run on hardware either).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import functools
 
 import torch
 
+from blockdiff.kernels import FP8
 from blockdiff.matmul import linear
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
 
@@ -89,12 +91,39 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and out % 16 == 0 and inner % 16 == 0 and _fp8_capable(x.device.index or 0)
 
 
+def _activation_scales(rows: torch.Tensor, activations: str, input_scale, x_scales) -> torch.Tensor:
+    """float32 [rows, 1] scales of the activations [rows, features] for the FP8 kernels."""
+    if activations == "dynamic":
+        return token_scales(rows.float()) if x_scales is None else x_scales.float().reshape(-1, 1)
+    return input_scale.float().reshape(1, 1).expand(rows.shape[0], 1).contiguous()
+
+
+def _to_fp8(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (rows.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def _scaled_mm(x, weight, scale, activations: str, input_scale, x_scales) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    if activations == "dynamic":
-        x_scale = token_scales(rows.float()) if x_scales is None else x_scales.float().reshape(-1, 1)
-    else:
-        x_scale = input_scale.float().reshape(1, 1).expand(rows.shape[0], 1).contiguous()
-    xq = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.float().reshape(1, -1), out_dtype=x.dtype)
+    x_scale = _activation_scales(rows, activations, input_scale, x_scales)
+    y = torch._scaled_mm(_to_fp8(rows, x_scale), weight.t(), scale_a=x_scale, scale_b=scale.float().reshape(1, -1),
+                         out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def scaled_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    ends: torch.Tensor,
+    activations: str,
+    input_scale: torch.Tensor | None = None,
+    x_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows ends[g-1]:ends[g] of x [rows, in] (bfloat16) times (weight[g] [out, in] FP8 * scale[g]
+    [out, 1]).T, as one `torch._scaled_grouped_mm` with row-wise scales: the activations quantized
+    per row ("dynamic", or by `x_scales` when x is one rank's slice of its rows) or with the static
+    input scale. CUDA compute capability 9.x / 10.x only (blockdiff/kernels.py decides); `ends`
+    int32 on x's device; rows past ends[-1] are left undefined. -> [rows, out] bfloat16."""
+    x_scale = _activation_scales(x, activations, input_scale, x_scales)
+    return torch._scaled_grouped_mm(_to_fp8(x, x_scale), weight.transpose(1, 2), x_scale.reshape(-1),
+                                    scale.float().reshape(scale.shape[0], -1), offs=ends, out_dtype=torch.bfloat16)

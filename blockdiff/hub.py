@@ -7,6 +7,7 @@ import os
 
 _DOWNLOAD_HINT = "download it first with `hf download {repo}{dir_flag}`"
 # The bundled demo model's checkpoint (blockdiff/demo/, `blockdiff train-demo`): the default model.
+DEMO_NAME = "demo"
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "checkpoint")
 
 
@@ -20,14 +21,14 @@ def demo_checkpoint() -> str:
 
 
 def resolve_model(model: str | None, download_dir: str | None = None, what: str = "model") -> str:
-    """-> a checkpoint directory. Hub ids are looked up in the cache only (`download_dir`, else
+    """-> a checkpoint directory: None or "demo" is the bundled demo checkpoint. Hub ids are looked up in the cache only (`download_dir`, else
     HF_HUB_CACHE, else HF_HOME/hub): a server must not stall on a multi-GB download at startup.
     Raises ValueError for what is neither a directory nor a cached hub id, saying how to get it;
     `what` names the argument in it."""
-    if model is None:
-        return demo_checkpoint()
-    if os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".json")):  # a config alone: dummy weights
+    if os.path.isdir(model or "") or (os.path.isfile(model or "") and model.endswith(".json")):  # a config alone: dummy weights
         return model
+    if model is None or model == DEMO_NAME:  # the demo's served name names it too (a directory of that name wins)
+        return demo_checkpoint()
     if not _looks_like_repo_id(model):
         raise ValueError(f"{what} {model!r} is not a checkpoint directory, nor a Hugging Face id (org/name)")
     from huggingface_hub import snapshot_download

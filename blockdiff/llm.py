@@ -8,10 +8,11 @@ from dataclasses import replace
 from blockdiff.config import EngineConfig
 from blockdiff.engine.images import split_chat_images
 from blockdiff.engine.sync_client import SyncClient
-from blockdiff.hub import resolve_model
+from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import SamplingParams
 from blockdiff.startup import start_client, start_engine
+from blockdiff.vllm_options import engine_keywords
 
 # A prompt: text, token ids, or (vLLM's form) {"prompt": text or "prompt_token_ids": ids,
 # "multi_modal_data": {"image": one image or a list}} with PIL images, encoded bytes or file paths.
@@ -30,11 +31,18 @@ class LLM:
         **engine_options,
     ):
         """`model`: a checkpoint directory, a Hugging Face id in the local cache (`download_dir`,
-        else HF_HUB_CACHE / HF_HOME), or None for the bundled demo checkpoint. engine_options: the
-        other EngineConfig fields (max_num_seqs, max_model_len, ..., tune_cpu_heap=True to keep freed
-        memory in the heap, see blockdiff/worker/cpu_heap.py)."""
+        else HF_HUB_CACHE / HF_HOME), or None (or "demo") for the bundled demo checkpoint.
+        engine_options: the other EngineConfig fields (max_num_seqs, max_model_len, ...,
+        tune_cpu_heap=True to keep freed memory in the heap, see blockdiff/worker/cpu_heap.py), and
+        vLLM's keywords as the command line takes its flags (blockdiff/vllm_options.py): those that
+        mean nothing here are ignored with a warning (trust_remote_code, gpu_memory_utilization, ...),
+        max_num_batched_tokens is max_prefill_tokens, diffusion_config and hf_overrides map onto the
+        canvas length, the sampler and its defaults."""
+        options = engine_keywords(engine_options)
+        if options.get("tokenizer") is not None:
+            options["tokenizer"] = resolve_tokenizer(options["tokenizer"], download_dir)
         cfg = EngineConfig(model=resolve_model(model, download_dir), tensor_parallel_size=tensor_parallel_size,
-                           dtype=dtype, device=device, seed=seed, **engine_options)
+                           dtype=dtype, device=device, seed=seed, **options)
         # data_parallel_size=N: N engine processes behind a front end (engine/dp_client.py); `engine`
         # is then None and requests go through `replicas`.
         self.engine, self.replicas = None, None
@@ -44,6 +52,16 @@ class LLM:
         else:
             self.engine = start_engine(cfg)
             self.tokenizer, self._images = self.engine.tokenizer, self.engine.inputs.images
+
+    @property
+    def llm_engine(self):
+        """The engine (vLLM's name for it): `LLMEngine`, blockdiff/engine/engine.py."""
+        return self.engine
+
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (blockdiff/tokenizer.py: encode, decode, apply_chat_template), or
+        None for a checkpoint without one."""
+        return self.tokenizer
 
     def generate(
         self,
@@ -81,23 +99,31 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template (given `tools` and any
-        other template variables, e.g. {"enable_thinking": True}) and generate the reply.
+        other template variables, e.g. {"enable_thinking": True}; `add_generation_prompt` as in
+        vLLM and transformers) and generate the reply; each output's `prompt` is the rendered text.
         Content parts may hold images as vLLM's chat format does: {"type": "image_url", "image_url":
         {"url": "data:image/png;base64,..."}} (file:// and http(s) URLs as the engine allows them), or
         {"type": "image", "image": a PIL image, bytes or a path}."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
+        prompts, texts = [], []
         for i, conversation in enumerate(conversations):
             rendered, images = split_chat_images(conversation, self._images.fetch)
-            ids = self.tokenizer.encode_chat(rendered, tools=tools, **(chat_template_kwargs or {}))
+            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                      **(chat_template_kwargs or {}))
+            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
             contents = "".join(m["content"] for m in rendered if isinstance(m.get("content"), str))
             self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
-        return self.generate(prompts, sampling_params, use_tqdm)
+            texts.append(text)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding what each committed canvas adds (output_kind "delta");

@@ -14,7 +14,6 @@ offsets on the device, so no per-expert row count ever reaches the host.
 
 from __future__ import annotations
 
-import functools
 import platform
 
 import torch
@@ -53,6 +52,8 @@ def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> to
 
 @_grouped_mm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.bfloat16:  # torch's own rule, with its dtype, stride and offset checks
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
@@ -60,18 +61,3 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
     """Rows ends[g-1]:ends[g] of x [rows, in] times weight[g] [out, in].T, in one call; `ends`
     int32 on x's device. Rows past ends[-1] are left undefined."""
     return _grouped_mm(x, weight, ends)
-
-
-@functools.cache
-def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs on this device and dtype (it is missing before torch 2.8, and
-    its CUDA kernels need recent GPUs); probed once with a tiny product."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        x = torch.ones(16, 16, dtype=dtype, device=device)
-        w = torch.ones(2, 16, 16, dtype=dtype, device=device)
-        out = grouped_linear(x, w, torch.tensor([8, 16], dtype=torch.int32, device=device))
-        return bool((out == 16).all())
-    except (RuntimeError, NotImplementedError):
-        return False

@@ -65,7 +65,8 @@ SAMPLER_FIELDS: tuple[SamplerField, ...] = (
     # Unset, a request may generate what fits in the context (engine/input_processor.py), as in vLLM:
     # generation_config.json's max_new_tokens is the reference generate()'s default, one canvas of
     # the released checkpoint, which would cut answers (thinking ones above all) short.
-    SamplerField("max_tokens", int, None, "tokens to generate at most", 1, INT32_MAX, per_canvas=False),
+    # 0 only with prompt_logprobs: the prompt is scored and nothing is generated (SamplingParams checks).
+    SamplerField("max_tokens", int, None, "tokens to generate at most", 0, INT32_MAX, per_canvas=False),
     SamplerField("max_denoising_steps", int, 48, "denoising steps per canvas at most", 1, INT32_MAX,
                  generation_config="max_denoising_steps", dtype="int32", steps=True),
     SamplerField("entropy_bound", float, 0.1, "accept tokens while Σentropy - max entropy stays below this",
@@ -76,8 +77,11 @@ SAMPLER_FIELDS: tuple[SamplerField, ...] = (
                  exclusive_minimum=True, generation_config="t_max"),
     SamplerField("stability_threshold", int, 1, "previous argmax canvases that must match to stop early", 0,
                  INT32_MAX, generation_config="stability_threshold", dtype="int32", steps=True),
-    SamplerField("confidence_threshold", float, 0.005, "mean entropy under which a stable canvas stops", 0,
-                 FLOAT32_MAX, exclusive_minimum=True, generation_config="confidence_threshold"),
+    # 0: never stops on confidence, so every canvas runs max_denoising_steps steps (vLLM's benchmarks use
+    # this). transformers refuses 0 and turns its stopping off with confidence_threshold=None instead.
+    SamplerField("confidence_threshold", float, 0.005, "mean entropy under which a stable canvas stops (0: never: "
+                 "every canvas runs max_denoising_steps steps)", 0, FLOAT32_MAX,
+                 generation_config="confidence_threshold"),
     # vLLM's truncation knobs restrict the candidate draw only (docs/architecture.md, "Sampler"). The
     # reference sampler has none, so a checkpoint's generation_config.json values are not applied.
     SamplerField("top_k", int, -1, "draw candidates from the k most likely tokens only; -1 or 0: all", -1,
@@ -92,6 +96,49 @@ ENGINE_FIELDS = SAMPLER_FIELDS[:2]
 FIELDS_BY_NAME = {f.name: f for f in SAMPLER_FIELDS}
 PER_CANVAS_FIELDS = tuple(f for f in SAMPLER_FIELDS if f.per_canvas)
 REFERENCE_DEFAULTS = {f.name: f.default for f in SAMPLER_FIELDS}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must be (vLLM's StructuredOutputsParams): exactly one of a JSON
+    schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression
+    matched whole (`regex`), one of a list of strings (`choice`), or a context-free `grammar`
+    (refused: a canvas is constrained by a finite automaton). docs/structured_outputs.md says what
+    is guaranteed. `special_tokens`: special tokens a regex may spell, the k-th as the character
+    chr(0xE000 + k) (the tool-call format's markers, blockdiff/structured/vocabulary.py)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None  # between JSON tokens; default: at most one space
+    special_tokens: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidParam("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, "
+                                                     f"grammar, json_object; got {', '.join(kinds) or 'none'}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise InvalidParam("structured_outputs", f"structured_outputs.{name} must be a non-empty string, got {v!r:.80}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidParam("structured_outputs", f"structured_outputs.json must be a JSON schema (an object or its "
+                                                     f"JSON text), got {self.json!r:.80}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise InvalidParam("structured_outputs", "structured_outputs.choice must be a non-empty list of "
+                                                         f"non-empty strings, got {self.choice!r:.80}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.special_tokens, tuple) or not all(isinstance(t, str) for t in self.special_tokens):
+            raise InvalidParam("structured_outputs", "structured_outputs.special_tokens must be a tuple of token strings")
+
+    def key(self) -> str:
+        """The constraint as canonical text: equal for equal constraints (the automaton cache's key)."""
+        return json.dumps({k: v for k, v in self.__dict__.items() if v not in (None, (), False)}, sort_keys=True)
 
 
 @dataclass
@@ -114,8 +161,15 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # No EOS, stop token or stop string ends the output before this many tokens (vLLM's): a canvas
+    # that commits one of those tokens earlier takes its most likely other token there instead.
+    min_tokens: int = 0
     draft: list[int] | None = None  # token ids the canvases start from, canvas after canvas
     logprobs: int | None = None  # top logprobs per token; 0 returns only the chosen token's logprob
+    # Score the prompt (vLLM's prompt_logprobs): each prompt token after the first gets the denoiser's
+    # log-probability with its piece of the prompt as the canvas (docs/architecture.md, "Scoring"),
+    # and this many top alternatives; RequestOutput.prompt_logprobs holds them.
+    prompt_logprobs: int | None = None
     stream_drafts: bool = False  # report the argmax canvas after every denoising step
     draft_details: bool = False  # with each draft, the step's entropy and accepted positions
     skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's option)
@@ -125,9 +179,12 @@ class SamplingParams:
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     # The fields of samplers other than the reference one, by name (their tables check them when the
     # engine resolves the request).
     extra_args: dict[str, int | float] | None = None
+    # What the output must be: a JSON schema, a regex, a choice (docs/structured_outputs.md).
+    structured_outputs: StructuredOutputsParams | None = None
 
     @classmethod
     def of(cls, **values) -> "SamplingParams":
@@ -168,13 +225,26 @@ class SamplingParams:
             raise InvalidParam("draft_details", "draft_details needs stream_drafts: true")
         if self.output_kind not in OUTPUT_KINDS:
             raise InvalidParam("output_kind", f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
-        _int(self, "logprobs", minimum=0)
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise InvalidParam("logprobs", f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParam("structured_outputs", "structured_outputs must be a StructuredOutputsParams, got "
+                                                     f"{type(self.structured_outputs).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            _int(self, name, minimum=0)
+            if getattr(self, name) is not None and getattr(self, name) > MAX_LOGPROBS:
+                raise InvalidParam(name, f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise InvalidParam("max_tokens", "max_tokens must be >= 1 (0 only with prompt_logprobs, which scores the "
+                                             "prompt and generates nothing)")
+        _int(self, "min_tokens", minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                                             f"({self.max_tokens})")
 
     def _check_unsupported(self) -> None:
-        """vLLM's sampling knobs that have no diffusion meaning (yet): only their neutral values."""
-        neutral = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
+        """vLLM's sampling knobs that have no diffusion meaning (yet): only their neutral values. A
+        penalty counts the tokens generated so far, which a canvas denoised in parallel does not have
+        while it is denoised."""
+        neutral = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0)}
         for name, values in neutral.items():
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or v not in values):

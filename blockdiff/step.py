@@ -3,10 +3,11 @@ KV-cache geometry the executor sized. Both sides import this module; it imports 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from blockdiff.diffusion.constrained import Automaton, CanvasConstraint
 from blockdiff.diffusion.strategy import StepParams
 from blockdiff.model.attention import Row
 from blockdiff.model.vision import ImageInputs
@@ -26,6 +27,26 @@ class CacheConfig:
 
 
 @dataclass
+class ScorePlan:
+    """Pieces of prompts scored this step (docs/architecture.md, "Scoring"): each piece goes through
+    the decoder as a clean canvas over its request's cached prefix (writing nothing), and the
+    log-probability of each of its own tokens comes back."""
+
+    ids: torch.Tensor  # [tokens] int64: the pieces, one after another
+    lengths: list[int]  # tokens of each piece
+    top: int = 0  # top alternatives per token (0: none)
+
+
+@dataclass
+class MinTokens:
+    """Decoder rows whose canvas may not commit a stop token (EOS, stop_token_ids) in its first
+    positions (SamplingParams.min_tokens): such a position takes its most likely other token."""
+
+    banned: torch.Tensor  # [decoder rows, K] int64 token ids, -1 padding
+    before: torch.Tensor  # [decoder rows] int64: canvas positions below this may not commit them (0: none)
+
+
+@dataclass
 class StepPlan:
     rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised
     encoder_ids: torch.Tensor  # [encoder tokens] int64
@@ -35,6 +56,13 @@ class StepPlan:
     top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
     draft_details: bool = False  # some canvas asks for its step's entropy and accepted positions
     images: ImageInputs | None = None  # the images of this step's prompt chunks (every rank encodes them)
+    score: ScorePlan | None = None  # its rows are the first decoder rows, before the canvases
+    min_tokens: MinTokens | None = None  # over the canvas rows
+    # Structured outputs: what the constrained canvases must commit if they finish, the automata the
+    # workers have not been sent yet (they keep them by key), and those they may drop.
+    constraints: list[CanvasConstraint] = field(default_factory=list)
+    automata: dict[str, Automaton] = field(default_factory=dict)
+    forget_automata: tuple[str, ...] = ()
 
 
 @dataclass
@@ -49,3 +77,7 @@ class StepOutput:
     # the step kept its sampled token there (False: renoised).
     entropy: torch.Tensor | None = None
     accepted: torch.Tensor | None = None
+    # With plan.score: [score tokens] each scored token's logprob, and [score tokens, top] alternatives
+    score_logprob: torch.Tensor | None = None
+    score_top_logprobs: torch.Tensor | None = None
+    score_top_ids: torch.Tensor | None = None

@@ -1,108 +1,262 @@
-"""The device check (scripts/device_check.sh runs this): the oracle tests on the device, the compiled
-step's graph-replay test, and DiffusionGemma-26B-A4B with dummy weights timed against the
-HBM-bandwidth roofline and against transformers' generate on the same model.
+"""The device check (scripts/device_check.sh runs this): what one lent GPU can tell in a few minutes,
+written to <out>/device_check.json after every part and every batch, so a time-out or a crash
+still returns everything measured before it (docs/device_check.md).
 
-Parts, each recorded in <out>/device_check.json and summed up in <out>/device_check.txt:
+Parts, most valuable first; each runs in its own process (killed with its children at its time-out)
+and records its own results; a part that fails records the tail of its traceback and the next one runs:
 
-1. tests: tests/test_parity.py and tests/test_generation.py's parity tests (float32 and bfloat16)
-   with BLOCKDIFF_TEST_DEVICE=<device>, and tests/test_canvas_step.py's CUDA-graph replay test
-   (the compiled static step captured per shape, against eager). --small only collects them with that setting (the default suite runs them on the CPU).
-2. blockdiff: the model from configs/diffusiongemma-26b-a4b.json (--small: one 5:1 group of six
-   layers of the same structure at tiny widths, 2 steps, batches 1 and 2) with dummy weights in
-   bfloat16. Per batch: one canvas and two canvases of --steps (16) denoising steps each (no early
-   stop); their difference is one canvas's time, the ITL per canvas, and / steps the time per
-   denoising step (the commit of the canvas included).
-3. roofline: the bytes one denoising step must read at that batch (weights, KV cache, logits:
-   blockdiff/bench/roofline.py) over the device's copy bandwidth (measured) and its nominal HBM
-   bandwidth (--hbm-gbs), against the measured step.
-4. transformers: `generate` on the same config with its own random weights, bfloat16, batch 1, the
-   same canvas and steps, timed the same way; the ratio to blockdiff at batch 1.
+1. env: versions, the GPU and its compute capability, which experts kernel and step modes
+   blockdiff/kernels.py picks for the 26B-A4B shapes, which SDPA backends take its attention shapes.
+2. headline: DiffusionGemma-26B-A4B (configs/diffusiongemma-26b-a4b.json), dummy bfloat16 weights,
+   CUDA graphs without compile, batches 1, 8 and 16, each warmed up over both canvases' shapes
+   before it is timed: ms per denoising step and per 256-token canvas at 16 steps (two canvases
+   minus one: a canvas's 16 steps and its commit), against the larger of the bytes bound and the
+   FLOP bound of the step (blockdiff/bench/roofline.py).
+3. transformers: `generate` on the same config, batch 1, timed the same way, for the ratio.
+4. tests: the parity and generation tests against transformers, the CUDA-graph replay test and the
+   FP8 experts test, with BLOCKDIFF_TEST_DEVICE=<device> (--small: collected only; the default
+   suite runs them on the CPU).
+5. fp8: the same model with FP8-dynamic dummy weights, batches 1 and 16.
+6. compiled: 6 layers, compiled steps against uncompiled ones: compile seconds and what it buys.
+7. fake_cuda: tests/test_fake_cuda.py and tests/test_kernels.py, the CUDA path on fake CUDA tensors.
+
+--budget-s (default 480) bounds the whole run: a part whose estimate does not fit what is left is
+skipped and says so; --timeout-s caps any one part. --fail-part NAME makes part NAME raise before
+it starts, --hang-part NAME makes it hang after its first result (to see that the others' results,
+and its own so far, stay). --parts / --skip choose parts (a rerun of what failed). --small: tiny
+widths of the same structure, for the CPU (CI runs it).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
+import datetime
 import json
 import os
-import platform
+import signal
 import subprocess
 import sys
-import tempfile
 import time
-
-import torch
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from blockdiff import LLM, SamplingParams  # noqa: E402
-from blockdiff.bench.roofline import measure_peak, plan_cost  # noqa: E402
-from blockdiff.config import ModelConfig  # noqa: E402
-from blockdiff.model.registry import load_config, parse_config  # noqa: E402
-from blockdiff.demo import demo_checkpoint  # noqa: E402
-from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params  # noqa: E402
-from blockdiff.model.attention import Row  # noqa: E402
-from blockdiff.sampling_params import REFERENCE_DEFAULTS  # noqa: E402
-from blockdiff.step import StepPlan  # noqa: E402
-
 BIG = os.path.join(ROOT, "configs", "diffusiongemma-26b-a4b.json")
+PARTS = ("env", "headline", "transformers", "tests", "fp8", "compiled", "fake_cuda")
+# Seconds each part is expected to take (device, --small); a part is skipped when its estimate
+# exceeds the budget left, and killed when it runs past twice its estimate, the budget left or --timeout-s.
+# The --small ones allow for a CPU shared with other jobs (the whole run takes ~1 min on a quiet one).
+ESTIMATES = {"env": (15, 20), "headline": (150, 40), "transformers": (120, 40), "tests": (150, 45),
+             "fp8": (100, 40), "compiled": (200, 60), "fake_cuda": (60, 60)}
 STEPS = 16  # per canvas, as vLLM's published figure
+COMPILED_LAYERS = 6
 # Tiny widths of the same structure: 5 sliding : 1 full, GQA, two head dims, MoE, tied embedding.
 SMALL = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, num_experts=8, top_k_experts=2, moe_intermediate_size=32, sliding_window=32)
 SMALL_FULL_LAYER = {"head_dim": 32, "num_key_value_heads": 1}
 SMALL_CANVAS, SMALL_LAYERS, SMALL_STEPS, SMALL_BATCHES = 16, 6, 2, "1,2"
-TESTS = "parity or reference"
+TEST_SELECTIONS = {
+    "parity and generation": ["tests/test_parity.py", "tests/test_generation.py", "-k", "parity or reference"],
+    "CUDA-graph replay": ["tests/test_canvas_step.py", "-k", "cuda_graph"],
+    "FP8 experts": ["tests/test_fp8.py", "-k", "on_cuda"],
+}
 
 
-def model_config(small: bool) -> dict:
+# ---- the report: one JSON file, rewritten whole (atomically) after every change ------------------
+
+class Report:
+    def __init__(self, out: str):
+        self.path = os.path.join(out, "device_check.json")
+
+    def load(self) -> dict:
+        with open(self.path) as f:
+            return json.load(f)
+
+    def save(self, data: dict) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, self.path)
+
+    def part(self, data: dict, name: str) -> dict:
+        return next(p for p in data["parts"] if p["name"] == name)
+
+    def record(self, name: str, key: str, value) -> None:
+        """part `name`'s result[key] = value, written now."""
+        data = self.load()
+        self.part(data, name).setdefault("result", {})[key] = value
+        self.save(data)
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+# ---- the parent: runs the parts in order, within the budget ------------------------------------
+
+def run_all(args, passthrough: list[str]) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    report = Report(args.out)
+    started = time.monotonic()
+    wanted = [p for p in PARTS if p in (args.parts or PARTS) and p not in args.skip]
+    data = {"device": args.device, "small": args.small, "budget_s": args.budget_s, "parts_planned": wanted,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "seconds": 0.0,
+            "parts": []}
+    report.save(data)
+    say(f"device check: {', '.join(wanted)} on {args.device}{' (small shapes)' if args.small else ''}, "
+        f"budget {args.budget_s:.0f} s, writing {report.path}")
+    failed = False
+    for name in wanted:
+        left = args.budget_s - (time.monotonic() - started)
+        estimate = ESTIMATES[name][1 if args.small else 0]
+        data = report.load()
+        if estimate > left:
+            data["parts"].append({"name": name, "status": "skipped", "seconds": 0.0,
+                                  "reason": f"needs about {estimate} s, {max(0, left):.0f} s of the budget left"})
+            say(f"[{name}] skipped: needs about {estimate} s, {max(0, left):.0f} s left")
+        else:
+            data["parts"].append({"name": name, "status": "running", "seconds": 0.0, "result": {}})
+            report.save(data)
+            timeout = min(2 * estimate, left, args.timeout_s or left)
+            say(f"[{name}] running (time-out {timeout:.0f} s, {left:.0f} s of the budget left)")
+            t0 = time.monotonic()
+            code, timed_out, stderr_tail = _child(name, args, passthrough, timeout, t0 + timeout)
+            data = report.load()
+            part = report.part(data, name)
+            part["seconds"] = round(time.monotonic() - t0, 1)
+            if code == 0:
+                part["status"] = "ok"
+            else:
+                failed = True
+                part["status"] = "failed"
+                part["error"] = f"timed out after {timeout:.0f} s" if timed_out else f"exit status {code}"
+                part.setdefault("traceback", stderr_tail)
+            say(f"[{name}] {part['status']} in {part['seconds']:.0f} s" + (f": {part['error']}" if code else ""))
+        data["seconds"] = round(time.monotonic() - started, 1)
+        report.save(data)
+        _write_summary(args.out, data)
+    print(summary(report.load()), end="", flush=True)
+    return 1 if failed else 0
+
+
+def _child(name: str, args, passthrough: list[str], timeout: float, deadline: float) -> tuple[int, bool, list[str]]:
+    """Part `name` in a process of its own session, so that its time-out kills its children too."""
+    cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--part", name, "--deadline", str(time.time() + timeout)]
+    err_path = os.path.join(args.out, f".{name}.stderr")
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=err, start_new_session=True)
+        try:
+            code, timed_out = proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code, timed_out = proc.wait(), True
+    with open(err_path, errors="replace") as f:
+        tail = f.read().strip().splitlines()[-40:]
+    os.remove(err_path)
+    return code, timed_out, tail
+
+
+def _write_summary(out: str, data: dict) -> None:
+    with open(os.path.join(out, "device_check.txt"), "w") as f:
+        f.write(summary(data))
+
+
+def summary(data: dict) -> str:
+    lines = [f"device check on {data['device']}{' (small shapes)' if data['small'] else ''}: {data['seconds']:.0f} s "
+             f"of a {data['budget_s']:.0f} s budget"]
+    for p in data["parts"]:
+        head = f"  {p['name']}: {p['status']} ({p['seconds']:.0f} s)"
+        r = p.get("result", {})
+        if p["status"] == "skipped":
+            head += f": {p['reason']}"
+        elif p["status"] == "failed":
+            head += f": {p.get('error')}; {(p.get('traceback') or [''])[-1]}"
+        lines.append(head)
+        if p["name"] == "env" and "gpu" in r:
+            lines.append(f"    {r['gpu']}, torch {r['versions']['torch']}, experts: {r['kernels']['bfloat16']['experts']} "
+                         f"(bf16), {r['kernels']['fp8']['experts']} (FP8), {r['kernels']['float32']['experts']} (float32)")
+        for b, m in r.get("batches", {}).items():
+            lines.append(f"    batch {b}: {m['ms_per_step']:.2f} ms/step, {m['ms_per_canvas']:.1f} ms per canvas; bound "
+                         f"{m['bound_ms']:.2f} ms ({m['bound_limit']}), {100 * m['fraction_of_bound']:.0f}% of it")
+        if "ms_per_step" in r:
+            lines.append(f"    {r['ms_per_step']:.2f} ms/step, {r['ms_per_canvas']:.1f} ms per canvas")
+        for sel, t in r.get("selections", {}).items():
+            lines.append(f"    {sel}: {t['summary']}")
+        if "compile_s" in r:
+            lines.append(f"    compile ({r['backend']}) {r['compile_s']:.0f} s; {r['compiled_ms_per_step']:.2f} against "
+                         f"{r['eager_ms_per_step']:.2f} ms/step uncompiled ({r['speedup']:.2f}x)")
+    return "\n".join(lines) + "\n"
+
+
+# ---- the child: one part ------------------------------------------------------------------------
+
+def run_part(args) -> int:
+    report = Report(args.out)
+
+    def record(key: str, value) -> None:
+        report.record(args.part, key, value)
+        if args.hang_part == args.part:
+            say(f"  hanging after recording {key!r} (--hang-part)")
+            time.sleep(24 * 3600)
+
+    try:
+        if args.fail_part == args.part:
+            raise RuntimeError(f"failure injected into part {args.part!r} (--fail-part)")
+        result = globals()[f"part_{args.part}"](args, record)
+        data = report.load()
+        report.part(data, args.part).setdefault("result", {}).update(result or {})
+        report.save(data)
+        return 0
+    except BaseException:  # noqa: BLE001 - recorded, and the parent runs the next part
+        tail = traceback.format_exc().strip().splitlines()[-40:]
+        sys.stderr.write("\n".join(tail) + "\n")
+        data = report.load()
+        report.part(data, args.part)["traceback"] = tail
+        report.save(data)
+        return 1
+
+
+def _config_raw(args, fp8: bool = False) -> dict:
     with open(BIG) as f:
         raw = json.load(f)
-    if small:
+    if args.small:
         text = raw["text_config"]
         text.update(SMALL)
         text["num_hidden_layers"] = SMALL_LAYERS
         text["layer_types"] = text["layer_types"][:SMALL_LAYERS]
         text["per_layer_config"] = {k: dict(SMALL_FULL_LAYER) for k in text["per_layer_config"] if int(k) < SMALL_LAYERS}
         raw["canvas_length"] = SMALL_CANVAS
+    if fp8:
+        from blockdiff.model.quantize import FP8_DYNAMIC
+
+        raw["quantization_config"] = FP8_DYNAMIC.to_dict()
     return raw
 
 
-def run_tests(device: str, small: bool) -> dict:
-    env = {**os.environ, "BLOCKDIFF_TEST_DEVICE": device, "PYTHONPATH": os.pathsep.join(
-        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    collect = ["--collect-only"] if small else []
-    selections = {"parity and generation": [*collect, "tests/test_parity.py", "tests/test_generation.py", "-k", TESTS]}
-    selections["compiled step, graph replay"] = [*collect, "tests/test_canvas_step.py", "-k", "cuda_graph"]
-    out = {}
-    for name, args in selections.items():
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True)
-        lines = (proc.stdout + proc.stderr).strip().splitlines()
-        out[name] = {"passed": proc.returncode == 0, "collected_only": small, "summary": lines[-1] if lines else "",
-                     "seconds": time.perf_counter() - t0}
-        if proc.returncode != 0:
-            out[name]["tail"] = lines[-40:]
-    return out
+def _config_path(args, fp8: bool = False) -> str:
+    path = os.path.join(args.out, "configs", "fp8" if fp8 else "bf16")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(_config_raw(args, fp8), f)
+    return path
+
+
+def _batches(args) -> list[int]:
+    return [int(b) for b in (args.batches or (SMALL_BATCHES if args.small else "1,8,16")).split(",")]
+
+
+def _steps(args) -> int:
+    return args.steps or (SMALL_STEPS if args.small else STEPS)
+
+
+def _prompt_len(args) -> int:
+    return 16 if args.small else 128
 
 
 def _sync(device: str) -> None:
+    import torch
+
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [[2] + torch.randint(3, vocab, (length - 1,), generator=g).tolist() for _ in range(batch)]
-
-
-def _params(canvases: int, canvas: int, steps: int) -> SamplingParams:
-    # No early stop (a confidence no canvas reaches): every canvas takes all its steps.
-    return SamplingParams(max_tokens=canvases * canvas, max_denoising_steps=steps, confidence_threshold=1e-30,
-                          ignore_eos=True, seed=0)
 
 
 def _timed(fn, device: str) -> float:
@@ -113,146 +267,310 @@ def _timed(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
-def time_blockdiff(config_path: str, device: str, batches: list[int], prompt_len: int, layers: int | None, steps: int) -> dict:
-    config = load_config(config_path)
-    canvas = config.canvas_length
-    out = {}
-    with LLM(config_path, load_format="dummy", dtype="bfloat16", device=device, tokenizer=demo_checkpoint(),
-             max_num_seqs=max(batches), max_model_len=prompt_len + 3 * canvas, num_layers_override=layers) as llm:
-        for batch in batches:
-            prompts = _prompts(batch, prompt_len, config.vocab_size)
-            llm.generate(prompts, _params(1, canvas, steps), use_tqdm=False)  # warm-up: kernels, allocator, caches
-            one = _timed(lambda: llm.generate(prompts, _params(1, canvas, steps), use_tqdm=False), device)
-            two = _timed(lambda: llm.generate(prompts, _params(2, canvas, steps), use_tqdm=False), device)
-            itl = two - one
-            out[batch] = {"one_canvas_s": one, "two_canvases_s": two, "itl_per_canvas_ms": 1e3 * itl,
-                          "ms_per_step": 1e3 * itl / steps}
-        peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
-    return {"batches": out, "peak_memory_bytes": peak}
+def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [[2] + torch.randint(3, vocab, (length - 1,), generator=g).tolist() for _ in range(batch)]
 
 
-def roofline(config: ModelConfig, batch: int, prompt_len: int, steps: int, peak, hbm_gbs: float | None) -> dict:
-    """Bytes one denoising step of `batch` canvases (halfway through the second canvas) must move,
-    and the time they take at the measured copy bandwidth (`peak`) and the nominal one."""
-    cl = config.canvas_length
-    rows = [Row(i, prompt_len + cl, cl, True) for i in range(batch)]
+def _params(canvases: int, canvas: int, steps: int):
+    from blockdiff import SamplingParams
+
+    # No early stop (a confidence no canvas reaches): every canvas takes all its steps.
+    return SamplingParams(max_tokens=canvases * canvas, max_denoising_steps=steps, confidence_threshold=1e-30,
+                          ignore_eos=True, seed=0)
+
+
+def _peak(args):
+    """(copy GB/s, matmul GFLOP/s) the bounds use: the nominal figures given, else measured here."""
+    import torch
+
+    from blockdiff.bench.roofline import measure_peak
+
+    peak = measure_peak(args.device, torch.bfloat16)
+    return (args.hbm_gbs or peak.bandwidth_gbs, args.peak_tflops * 1e3 if args.peak_tflops else peak.gflops,
+            {"measured_copy_gbs": peak.bandwidth_gbs, "measured_matmul_gflops": peak.gflops, "nominal_gbs": args.hbm_gbs})
+
+
+def _step_bound(config, batch: int, args, gbs: float, gflops: float, weight_bytes: float | None = None) -> dict:
+    """The bound of one denoising step of `batch` canvases halfway through the second canvas."""
+    import torch
+
+    from blockdiff.bench.roofline import bound, plan_cost
+    from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
+    from blockdiff.model.attention import Row
+    from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
+    from blockdiff.step import StepPlan
+
+    cl, steps = config.canvas_length, _steps(args)
+    rows = [Row(i, _prompt_len(args) + cl, cl, True) for i in range(batch)]
     params = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
     plan = StepPlan(rows, torch.zeros(0, dtype=torch.long), [], torch.zeros(0, cl, dtype=torch.long),
-                    denoise_params([steps // 2] * batch, [params] * batch, torch.zeros(batch, cl),
+                    denoise_params([max(2, steps // 2)] * batch, [params] * batch, torch.zeros(batch, cl),
                                    torch.zeros(batch, cl, dtype=torch.long)))
-    cost = plan_cost(config, plan, dtype_bytes=2)
-    out = {"bytes_per_step": cost.bytes, "measured_copy_gbs": peak.bandwidth_gbs,
-           "bound_ms_measured_bandwidth": 1e3 * cost.bytes / (peak.bandwidth_gbs * 1e9)}
-    if hbm_gbs:
-        out["nominal_gbs"] = hbm_gbs
-        out["bound_ms_nominal"] = 1e3 * cost.bytes / (hbm_gbs * 1e9)
-    return out
+    cost = plan_cost(config, plan, 2, weight_bytes)
+    b = bound(cost, gbs, gflops)
+    return {"bytes": cost.bytes, "flops": cost.flops, "memory_ms": 1e3 * b.memory_s, "compute_ms": 1e3 * b.compute_s,
+            "bound_ms": 1e3 * b.seconds, "bound_limit": b.limit}
 
 
-def time_transformers(raw: dict, device: str, prompt_len: int, layers: int | None, steps: int) -> dict:
+def _time_engine(args, record, fp8: bool, batches: list[int], layers: int | None = None, **engine) -> dict:
+    """ms per denoising step and per canvas of the dummy model at each batch, recorded batch by batch."""
+    import torch
+
+    from blockdiff import LLM
+    from blockdiff.model.registry import load_config
+    from blockdiff.demo import demo_checkpoint
+    from blockdiff.worker.canvas_step import canvas_step
+
+    path = _config_path(args, fp8)
+    config = load_config(path)
+    if layers:
+        config = config.first_layers(layers)
+    cl, steps, prompt_len = config.canvas_length, _steps(args), _prompt_len(args)
+    gbs, gflops, peaks = _peak(args)
+    if fp8:
+        gflops *= 2  # FP8 tensor cores: twice bfloat16's rate (nominal, not measured)
+    record("peaks", peaks)
+    t0 = time.perf_counter()
+    out = {}
+    with LLM(path, load_format="dummy", dtype="bfloat16", device=args.device, tokenizer=demo_checkpoint(),
+             max_num_seqs=max(batches), max_model_len=prompt_len + 3 * cl, num_layers_override=layers, **engine) as llm:
+        static = llm.engine.executor.runner.canvas_steps
+        mode = "eager" if static is None else " and ".join(
+            m for m, on in (("compiled", static.fn is not canvas_step), ("CUDA graphs", static.pool is not None)) if on)
+        record("engine", {"mode": mode, "load_s": round(time.perf_counter() - t0, 1), "layers": config.num_layers,
+                          "canvas": cl, "steps": steps, "prompt_tokens": prompt_len})
+        say(f"  loaded in {time.perf_counter() - t0:.0f} s; steps of canvases: {mode}")
+        for batch in batches:
+            prompts = _prompts(batch, prompt_len, config.vocab_size)
+            # warm-up over both canvases: the second canvas reads a longer prefix, another shape
+            warm = _timed(lambda: llm.generate(prompts, _params(2, cl, steps), use_tqdm=False), args.device)
+            one = _timed(lambda: llm.generate(prompts, _params(1, cl, steps), use_tqdm=False), args.device)
+            outs = []
+            two = _timed(lambda: outs.extend(llm.generate(prompts, _params(2, cl, steps), use_tqdm=False)), args.device)
+            per_canvas = (two - one) * 1e3
+            m = {"warmup_s": warm, "one_canvas_s": one, "two_canvases_s": two, "ms_per_canvas": per_canvas,
+                 "ms_per_step": per_canvas / steps, "steps_per_canvas": [o.metrics["denoising_steps"] // 2 for o in outs],
+                 **_step_bound(config, batch, args, gbs, gflops, 1 if fp8 else None)}
+            m["fraction_of_bound"] = m["bound_ms"] / m["ms_per_step"]
+            out[str(batch)] = m
+            record("batches", out)
+            say(f"  batch {batch}: {m['ms_per_step']:.2f} ms/step, {per_canvas:.1f} ms per canvas; bound {m['bound_ms']:.2f} ms "
+                f"({m['bound_limit']}), {100 * m['fraction_of_bound']:.0f}% of it")
+        if args.device.startswith("cuda"):
+            record("peak_memory_gib", torch.cuda.max_memory_allocated() / 2**30)
+    return {}
+
+
+def part_env(args, record) -> dict:
+    import importlib.metadata
+    import importlib.util
+    import platform
+
+    import torch
+    import torch.nn.functional as F
+
+    from blockdiff.model.registry import parse_config
+    from blockdiff.kernels import FP8, INSTALLED, ExpertShape, choose, padded, target
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("transformers", "triton", "numpy", "safetensors", "tokenizers", "jinja2", "pytest", "fastapi"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    record("versions", versions)
+    where = target(args.device)
+    gpu = torch.cuda.get_device_name(args.device) if where.type == "cuda" else platform.processor() or platform.machine()
+    record("gpu", gpu)
+    if where.type == "cuda":
+        props = torch.cuda.get_device_properties(args.device)
+        record("device", {"capability": list(where.capability), "memory_gib": props.total_memory / 2**30,
+                          "multiprocessors": props.multi_processor_count})
+    config = parse_config(_config_raw(args))
+    kernels = {}
+    for label, weights, dtype, acts in (("bfloat16", torch.bfloat16, torch.bfloat16, None), ("fp8", FP8, torch.bfloat16, "dynamic"),
+                                        ("float32", torch.float32, torch.float32, None)):
+        shape = ExpertShape(padded(config.hidden_size, weights), padded(config.arch.moe_intermediate_size, weights), weights, acts)
+        plan = choose(where, dtype, shape, None, where.type == "cuda")
+        kernels[label] = {"experts": plan.experts, "why": plan.experts_why, "compile": plan.compile,
+                          "cuda_graphs": plan.cuda_graphs, "steps": plan.steps_why}
+    record("kernels", kernels)
+    record("torch_ops", {"grouped_mm": INSTALLED.grouped_mm, "scaled_grouped_mm": INSTALLED.scaled_grouped_mm,
+                         "cpu_grouped_mm": [str(d) for d in INSTALLED.cpu_grouped_mm]})
+    # Which SDPA backends take the step's attention shapes (a canvas over its cached prefix, with
+    # the boolean key mask the static step passes), as model/attention.py calls SDPA.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cl, dtype = config.canvas_length, torch.bfloat16 if where.type == "cuda" else torch.float32
+    attention = {}
+    for spec in {(s.sliding, s.head_dim, s.num_kv_heads) for s in config.arch.layers}:
+        sliding, dim, kv = spec
+        keys = cl + (config.sliding_window - 1 if sliding else 2 * cl)
+        q = torch.randn(1, config.arch.num_heads, cl, dim, device=args.device, dtype=dtype)
+        k = torch.randn(1, kv, keys, dim, device=args.device, dtype=dtype)
+        mask = torch.ones(1, 1, 1, keys, dtype=torch.bool, device=args.device)
+        works = {}
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+            try:
+                with sdpa_kernel([backend]):
+                    F.scaled_dot_product_attention(q, k, k, attn_mask=mask, scale=1.0, enable_gqa=kv != config.arch.num_heads)
+                works[backend.name] = True
+            except RuntimeError as e:
+                works[backend.name] = str(e).splitlines()[0][:120]
+        attention[f"{'sliding' if sliding else 'full'} head_dim {dim}, {kv} KV heads, {keys} keys"] = works
+    record("sdpa_backends", attention)
+    say(f"  {gpu}: bf16 experts {kernels['bfloat16']['experts']}, FP8 {kernels['fp8']['experts']}, float32 {kernels['float32']['experts']}")
+    return {}
+
+
+def part_headline(args, record) -> dict:
+    return _time_engine(args, record, False, _batches(args), args.layers)
+
+
+def part_fp8(args, record) -> dict:
+    batches = _batches(args)
+    return _time_engine(args, record, True, [batches[0], batches[-1]], args.layers)
+
+
+def part_transformers(args, record) -> dict:
+    import torch
     import transformers
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-    raw = copy.deepcopy(raw)
-    if layers is not None:
+    raw = _config_raw(args)
+    if args.layers:
         text = raw["text_config"]
-        text["num_hidden_layers"] = layers
-        text["layer_types"] = text["layer_types"][:layers]
-        text["per_layer_config"] = {k: v for k, v in text["per_layer_config"].items() if int(k) < layers}
-    hf_config = DiffusionGemmaConfig.from_dict(raw)
-    with torch.device(device):
-        hf = DiffusionGemmaForBlockDiffusion._from_config(hf_config, dtype=torch.bfloat16).eval()
-    cl = raw["canvas_length"]
-    ids = torch.tensor(_prompts(1, prompt_len, raw["text_config"]["vocab_size"]), device=device)
+        text["num_hidden_layers"] = args.layers
+        text["layer_types"] = text["layer_types"][: args.layers]
+        text["per_layer_config"] = {k: v for k, v in text["per_layer_config"].items() if int(k) < args.layers}
+    record("version", transformers.__version__)
+    t0 = time.perf_counter()
+    with torch.device(args.device):
+        hf = DiffusionGemmaForBlockDiffusion._from_config(DiffusionGemmaConfig.from_dict(raw), dtype=torch.bfloat16).eval()
+    say(f"  transformers {transformers.__version__}: model made in {time.perf_counter() - t0:.0f} s")
+    cl, steps = raw["canvas_length"], _steps(args)
+    ids = torch.tensor(_prompts(1, _prompt_len(args), raw["text_config"]["vocab_size"]), device=args.device)
 
     def generate(canvases: int):
         with torch.no_grad():
             hf.generate(ids, max_new_tokens=canvases * cl, max_denoising_steps=steps, confidence_threshold=1e-30)
 
-    generate(1)
-    one = _timed(lambda: generate(1), device)
-    two = _timed(lambda: generate(2), device)
-    return {"version": transformers.__version__, "one_canvas_s": one, "two_canvases_s": two,
-            "itl_per_canvas_ms": 1e3 * (two - one), "ms_per_step": 1e3 * (two - one) / steps}
+    generate(2)
+    one = _timed(lambda: generate(1), args.device)
+    two = _timed(lambda: generate(2), args.device)
+    per_canvas = 1e3 * (two - one)
+    say(f"  batch 1: {per_canvas / steps:.2f} ms/step, {per_canvas:.1f} ms per canvas")
+    return {"one_canvas_s": one, "two_canvases_s": two, "ms_per_canvas": per_canvas, "ms_per_step": per_canvas / steps}
 
 
-def main() -> None:
+def _pytest(args, selection: list[str], env: dict) -> dict:
+    left = max(10.0, args.deadline - time.time() - 5)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
+        lines, passed = (proc.stdout + proc.stderr).strip().splitlines(), proc.returncode == 0
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        lines, passed = out.strip().splitlines() + [f"timed out after {left:.0f} s"], False
+    result = {"passed": passed, "summary": lines[-1] if lines else "", "seconds": round(time.perf_counter() - t0, 1)}
+    if not passed:
+        result["tail"] = lines[-40:]
+    return result
+
+
+def part_tests(args, record) -> dict:
+    env = {**os.environ, "BLOCKDIFF_TEST_DEVICE": args.device,
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    results = {}
+    for name, selection in TEST_SELECTIONS.items():
+        results[name] = _pytest(args, (["--collect-only"] if args.small else []) + selection, env)
+        record("selections", results)
+        say(f"  {name}: {results[name]['summary']}")
+    failed = [n for n, r in results.items() if not r["passed"]]
+    if failed:
+        raise RuntimeError(f"tests failed: {', '.join(failed)}")
+    return {}
+
+
+def part_compiled(args, record) -> dict:
+    """6 layers at batch 1: compiled against uncompiled static steps (both CUDA graphs on a GPU)."""
+    import torch
+
+    from blockdiff import LLM
+    from blockdiff.model.registry import load_config
+    from blockdiff.demo import demo_checkpoint
+    from blockdiff.worker.canvas_step import COMPILE_OPTIONS, canvas_step
+
+    path = _config_path(args)
+    layers = None if args.small else COMPILED_LAYERS
+    config = load_config(path)
+    cl, steps, prompts = config.canvas_length, _steps(args), _prompts(1, _prompt_len(args), config.vocab_size)
+    result = {"layers": layers or config.num_layers, "backend": args.compile_backend}
+    for name, compile in (("eager", False), ("compiled", True)):
+        with LLM(path, load_format="dummy", dtype="bfloat16", device=args.device, tokenizer=demo_checkpoint(), max_num_seqs=1,
+                 max_model_len=_prompt_len(args) + 3 * cl, num_layers_override=layers, compile=compile) as llm:
+            steps_of = llm.engine.executor.runner.canvas_steps
+            if compile and args.compile_backend != "inductor":
+                steps_of.fn = torch.compile(canvas_step, backend=args.compile_backend, **COMPILE_OPTIONS)
+            warm = _timed(lambda: llm.generate(prompts, _params(2, cl, steps), use_tqdm=False), args.device)
+            one = _timed(lambda: llm.generate(prompts, _params(1, cl, steps), use_tqdm=False), args.device)
+            two = _timed(lambda: llm.generate(prompts, _params(2, cl, steps), use_tqdm=False), args.device)
+        result[f"{name}_warmup_s"] = warm
+        result[f"{name}_ms_per_step"] = 1e3 * (two - one) / steps
+        record(name, {"warmup_s": warm, "ms_per_step": result[f"{name}_ms_per_step"]})
+        say(f"  {name}: warm-up {warm:.1f} s, {result[f'{name}_ms_per_step']:.2f} ms/step")
+    result["compile_s"] = result["compiled_warmup_s"] - result["eager_warmup_s"]
+    result["speedup"] = result["eager_ms_per_step"] / result["compiled_ms_per_step"]
+    return result
+
+
+def part_fake_cuda(args, record) -> dict:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "BLOCKDIFF_TEST_DEVICE": "cpu",  # the fake device, on a torch that sees no GPU
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    result = _pytest(args, ["tests/test_fake_cuda.py", "tests/test_kernels.py"], env)
+    record("selections", {"fake CUDA and kernel choice": result})
+    say(f"  {result['summary']}")
+    if not result["passed"]:
+        raise RuntimeError("the fake-CUDA tests failed")
+    return {}
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny widths of the same structure (CI runs this on the CPU)")
     p.add_argument("--out", default=os.path.join(ROOT, "device_check_out"))
+    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for the whole check; parts that do not fit are skipped")
+    p.add_argument("--parts", default=None, help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out")
+    p.add_argument("--timeout-s", type=float, default=None, help="the most seconds any one part may run")
+    p.add_argument("--fail-part", default=None, help="make this part raise before it starts (checks that the others' results stay)")
+    p.add_argument("--hang-part", default=None, help="make this part hang after its first result (checks the time-out)")
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8,16; --small: 1,2)")
     p.add_argument("--steps", type=int, default=None, help=f"denoising steps per canvas (default {STEPS}; --small: {SMALL_STEPS})")
     p.add_argument("--layers", type=int, default=None, help="--num-layers-override for the timed models")
-    p.add_argument("--hbm-gbs", type=float, default=None, help="nominal memory bandwidth, GB/s (H200: 4800)")
-    p.add_argument("--skip", default="", help="comma-separated parts to leave out: tests, blockdiff, transformers")
+    p.add_argument("--hbm-gbs", type=float, default=None, help="nominal memory bandwidth, GB/s (H200: 4800); default: measured")
+    p.add_argument("--peak-tflops", type=float, default=None, help="bfloat16 matmul rate for the FLOP bound; default: measured")
+    p.add_argument("--compile-backend", default=None, help="torch.compile backend of the compiled part (default inductor; --small: eager)")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # the child's part
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
-    batches = [int(b) for b in (args.batches or (SMALL_BATCHES if args.small else "1,8,16")).split(",")]
-    steps = args.steps or (SMALL_STEPS if args.small else STEPS)
-    prompt_len = 16 if args.small else 128
-    os.makedirs(args.out, exist_ok=True)
-    raw = model_config(args.small)
-    config_path = os.path.join(tempfile.mkdtemp(), "config.json")
-    with open(config_path, "w") as f:
-        json.dump(raw, f)
-    config = parse_config(raw)
-    if args.layers is not None:
-        config = config.first_layers(args.layers)
-
-    report = {"device": args.device, "small": args.small, "torch": torch.__version__, "python": platform.python_version(),
-              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-              "layers": config.num_layers, "canvas": config.canvas_length, "steps": steps, "prompt_tokens": prompt_len}
-    started = time.perf_counter()
-    if "tests" not in skip:
-        report["tests"] = run_tests(args.device, args.small)
-    if "blockdiff" not in skip:
-        report["blockdiff"] = time_blockdiff(config_path, args.device, batches, prompt_len, args.layers, steps)
-        peak = measure_peak(args.device, torch.bfloat16)
-        report["roofline"] = {b: roofline(config, b, prompt_len, steps, peak, args.hbm_gbs) for b in batches}
-        gc.collect()
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-    if "transformers" not in skip:
-        report["transformers"] = time_transformers(raw, args.device, prompt_len, args.layers, steps)
-    report["seconds"] = time.perf_counter() - started
-
-    with open(os.path.join(args.out, "device_check.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    text = summary(report)
-    with open(os.path.join(args.out, "device_check.txt"), "w") as f:
-        f.write(text)
-    print(text, end="")
-    failed = [name for name, r in report.get("tests", {}).items() if r["passed"] is False]
-    if failed:
-        sys.exit(f"error: failed tests: {', '.join(failed)}")
-
-
-def summary(r: dict) -> str:
-    lines = [f"device check on {r['gpu'] or r['device']}: torch {r['torch']}, {r['layers']} layers, canvas {r['canvas']}, "
-             f"{r['steps']} steps, prompt {r['prompt_tokens']} tokens{' (small shapes)' if r['small'] else ''}"]
-    for name, t in r.get("tests", {}).items():
-        state = {True: "collected" if t.get("collected_only") else "passed", False: "FAILED", None: "not run"}[t["passed"]]
-        lines.append(f"  tests, {name}: {state} ({t['summary']})")
-    if "blockdiff" in r:
-        for batch, b in r["blockdiff"]["batches"].items():
-            roof = r["roofline"][batch]
-            bound = roof.get("bound_ms_nominal", roof["bound_ms_measured_bandwidth"])
-            lines.append(f"  blockdiff batch {batch}: {b['ms_per_step']:.2f} ms/step, ITL {b['itl_per_canvas_ms']:.1f} ms per "
-                         f"canvas; roofline {roof['bytes_per_step'] / 1e9:.2f} GB/step -> {bound:.2f} ms "
-                         f"({100 * bound / b['ms_per_step']:.0f}% of roofline; measured copy bandwidth "
-                         f"{roof['measured_copy_gbs']:.0f} GB/s)")
-        if r["blockdiff"]["peak_memory_bytes"]:
-            lines.append(f"  blockdiff peak device memory: {r['blockdiff']['peak_memory_bytes'] / 2**30:.1f} GiB")
-    if "transformers" in r:
-        t = r["transformers"]
-        line = f"  transformers {t['version']} generate, batch 1: {t['ms_per_step']:.2f} ms/step, ITL {t['itl_per_canvas_ms']:.1f} ms"
-        if "blockdiff" in r and 1 in r["blockdiff"]["batches"]:
-            line += f"; blockdiff is {t['itl_per_canvas_ms'] / r['blockdiff']['batches'][1]['itl_per_canvas_ms']:.2f}x faster"
-        lines.append(line)
-    lines.append(f"  ({r['seconds']:.0f} s)")
-    return "\n".join(lines) + "\n"
+    args.parts = [x for x in args.parts.split(",") if x] if args.parts else None
+    args.skip = {x for x in args.skip.split(",") if x}
+    unknown = set(args.parts or ()) | args.skip | {x for x in (args.fail_part, args.hang_part) if x}
+    if unknown - set(PARTS):
+        p.error(f"unknown parts: {', '.join(sorted(unknown - set(PARTS)))} (parts: {', '.join(PARTS)})")
+    args.compile_backend = args.compile_backend or ("eager" if args.small else "inductor")
+    if args.part:
+        sys.path.insert(0, ROOT)
+        return run_part(args)
+    passthrough = [a for a in sys.argv[1:]]
+    return run_all(args, passthrough)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

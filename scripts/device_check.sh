@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# The device check of issue 11: oracle tests on the device, the compiled step's graph replay, and
-# DiffusionGemma-26B-A4B with dummy weights against the HBM roofline and transformers
-# (scripts/device_check.py says what each part measures). Fits 8 minutes on one H200:
+# The device check (docs/device_check.md): what one lent GPU can tell in a few minutes, written to
+# DIR/device_check.json after every part and every batch (scripts/device_check.py says what each
+# part measures), so a time-out or a crash still brings back what was measured before it.
 #
-#   bash scripts/device_check.sh                       # cuda, the real widths, H200 bandwidth
-#   bash scripts/device_check.sh --device cpu --small  # the same script on tiny shapes (CI runs it)
+#   bash scripts/device_check.sh --out DIR                      # cuda, the real widths, H200 bandwidth
+#   bash scripts/device_check.sh --device cpu --small --out DIR # the same parts on tiny shapes (CI runs it)
 #
 # It uses the machine's own torch. Pure-Python wheels missing there (transformers 5.23.0, the
-# tests' oracle) are carried in .device-wheels/ (git-ignored; fetch them once with
-# `pip download transformers==5.23.0 --no-deps -d .device-wheels`, send them with the run) and
-# installed into a temporary directory on PYTHONPATH, never into the machine's environment.
-# Writes device_check_out/device_check.json and device_check.txt (or --out DIR).
+# tests' oracle; pytest and its dependencies) are carried in .device-wheels/ (git-ignored; see
+# docs/device_check.md) and installed into a temporary directory on PYTHONPATH, never into the
+# machine's environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
@@ -25,7 +24,7 @@ for wheel in .device-wheels/*.whl; do
 done
 if (( ${#missing[@]} )); then
   target=$(mktemp -d)
-  "$PYTHON" -m pip install -q --no-deps --no-index --target "$target" "${missing[@]}"
+  timeout 120 "$PYTHON" -m pip install -q --no-deps --no-index --target "$target" "${missing[@]}"
   export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -36,4 +35,4 @@ fi
 if [[ " $* " != *" --small "* && " $* " != *" --hbm-gbs "* && " $* " != *" cpu "* ]]; then
   args+=(--hbm-gbs 4800)  # H200
 fi
-exec "$PYTHON" scripts/device_check.py "${args[@]}"
+exec "$PYTHON" -u scripts/device_check.py "${args[@]}"

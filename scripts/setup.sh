@@ -11,6 +11,6 @@ stage "upgrading pip"
 .venv/bin/python -m pip install -q --upgrade pip
 stage "installing torch==2.13.0 (before anything that depends on it)"
 .venv/bin/python -m pip install -q torch==2.13.0
-stage "installing blockdiff and its test extra (pip install -e '.[test]'; the longest stage)"
-.venv/bin/python -m pip install -q -e '.[test]'
+stage "installing blockdiff and its test extra (pip install -e '.[test]', torch pinned by scripts/constraints.txt; the longest stage)"
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
 stage "done: .venv/bin/blockdiff and .venv/bin/python -m pytest are ready"

@@ -136,3 +136,23 @@ def restricted_draw(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, top
     draw = vocab.restricted_draw(d, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
     argmax, sample = vocab.argmax_and_sample(d, u, draw)
     return {"threshold": draw.threshold, "argmax": argmax, "sample": sample, "total": draw.total}
+
+
+def compile_steps_with(ctx: RankContext, backend: str) -> None:
+    """This rank's static step compiled with the engine's options but dynamo backend `backend`
+    ("aot_eager": the graphs AOTAutograd makes, no generated code), counting the graphs made."""
+    from blockdiff.worker.canvas_step import COMPILE_OPTIONS, canvas_step
+
+    steps = ctx.state["runner"].canvas_steps
+    graphs = ctx.state["graphs"] = []
+
+    def counting(gm, example_inputs):
+        graphs.append(sum(1 for n in gm.graph.nodes if "_c10d_functional" in str(n.target)))
+        return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
+
+    steps.fn = torch.compile(canvas_step, backend=counting, **COMPILE_OPTIONS)
+
+
+def compiled_graphs(ctx: RankContext) -> list[int]:
+    """Per graph compiled on this rank, the functional collectives in it."""
+    return ctx.state["graphs"]

@@ -4,13 +4,14 @@ beside it, the roofline's counting, and `bench serve` against a real `blockdiff 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 
 from blockdiff.bench.offline import parse_batch_sizes
-from blockdiff.bench.roofline import _keys_seen, parameter_count, plan_cost
+from blockdiff.bench.roofline import _keys_seen, bound, parameter_count, plan_cost
 from blockdiff.model.registry import load_config
 from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
@@ -19,6 +20,7 @@ from blockdiff.entrypoints.cli import main
 from blockdiff.model.attention import Row
 
 CANVAS = 8  # the `tiny` checkpoint's canvas length
+BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "diffusiongemma-26b-a4b.json")
 
 
 def _offline(tiny, tmp_path, capsys, *extra):
@@ -96,6 +98,27 @@ def test_roofline_counts_per_canvas_work_once_per_canvas(tiny):
     # the last step of a canvas skips the soft-embedding product: vocabulary x hidden MACs per token
     last = plan_cost(config, plan(1, 1), 4)
     assert one.flops - last.flops == pytest.approx(2 * CANVAS * config.vocab_size * config.hidden_size)
+
+
+def test_the_26b_step_is_memory_bound_alone_and_compute_bound_at_batch_16():
+    """The bound is the larger of bytes / bandwidth and FLOPs / matmul rate: at one H200's 4.8 TB/s
+    and 790 TFLOP/s the 26B-A4B step of one canvas is weight-bound (~50 GB: ~10.5 ms), of 16
+    canvases compute-bound (~37 TFLOP: 45-50 ms), where the bytes alone (weights, and 16 canvases of
+    float32 logits) would say ~14 ms."""
+    config = load_config(BIG)
+    cl = config.canvas_length
+
+    def cost(rows: int, weight_bytes: float | None = None):
+        denoise = denoise_params([8] * rows, [EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)] * rows,
+                                 uniform=torch.zeros(rows, cl), renoise=torch.zeros(rows, cl, dtype=torch.long))
+        plan = StepPlan([Row(i, 128 + cl, cl, True) for i in range(rows)], torch.empty(0), [], torch.empty(0), denoise)
+        return plan_cost(config, plan, 2, weight_bytes)
+
+    one, sixteen = bound(cost(1), 4800, 790e3), bound(cost(16), 4800, 790e3)
+    assert one.limit == "memory" and 9.5e-3 < one.seconds < 11.5e-3, one
+    assert sixteen.limit == "compute" and 44e-3 < sixteen.seconds < 50e-3 and sixteen.memory_s < sixteen.seconds / 3, sixteen
+    fp8 = bound(cost(1, weight_bytes=1), 4800, 2 * 790e3)
+    assert fp8.limit == "memory" and 5e-3 < fp8.seconds < 6.5e-3, fp8  # the LM head and KV cache stay bfloat16
 
 
 @pytest.fixture(scope="module")

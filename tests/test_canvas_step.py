@@ -15,11 +15,15 @@ from helpers import hf_generate_with_draft, load_hf
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.arg_utils import add_engine_args, engine_config
-from blockdiff.matmul import has_grouped_mm
+from blockdiff.kernels import expert_kernel, static_kernel, target
 from blockdiff.model.attention import canvas_metadata
 from blockdiff.model.loader import load_model
 from blockdiff.step import CacheConfig
-from blockdiff.worker.canvas_step import canvas_step
+from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
+from blockdiff.model.attention import Row
+from blockdiff.sampling_params import REFERENCE_DEFAULTS
+from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.worker.canvas_step import COMPILE_OPTIONS, CanvasSteps, canvas_step, shape_count
 from blockdiff.worker.kv_cache import allocate, geometry
 
 GREEDY = dict(t_min=1e-6, t_max=2e-6)
@@ -144,14 +148,14 @@ def test_cuda_graph_replay_equals_eager(tiny, compile):
     on the same inputs. Compiled, the engine's tokens also equal those of --enforce-eager --compile
     (the same compiled steps without graphs; without --compile, --enforce-eager runs the eager
     grouped-rows forward, whose bfloat16 numbers differ)."""
-    if not has_grouped_mm(torch.device("cuda"), torch.bfloat16):
-        pytest.skip("torch has no grouped_mm for bfloat16 on this GPU")
+    if not static_kernel(expert_kernel(target("cuda"), torch.bfloat16, load_model(tiny, torch.bfloat16).layers[0].experts.shape)[0]):
+        pytest.skip("torch has no grouped_mm without a host sync for bfloat16 on this GPU")
     prompts = _prompts(301)
     with LLM(tiny, device="cuda", dtype="bfloat16", compile=compile) as llm:
         got = _generate(llm, prompts[:1]) + _generate(llm, prompts)
         steps = llm.engine.executor.runner.canvas_steps
         assert steps.shapes and all(graph is not None for _, graph, _ in steps.shapes.values())
-        for (_, context, _), (inputs, graph, outputs) in steps.shapes.items():
+        for (_, context, _), (inputs, graph, outputs) in steps.shapes.items():  # keys: (size, context, restrict)
             graph.replay()
             replayed = {k: v.clone() for k, v in _tensors(outputs).items()}
             with torch.inference_mode():  # as the runner calls it
@@ -183,3 +187,51 @@ def test_compile_flags_reach_the_engine_config(tiny):
     }
     with pytest.raises(ValueError, match="compile must be"):
         LLM(tiny, compile="yes")
+
+
+def test_the_compiled_step_may_take_every_shape_of_its_engine():
+    """The recompile limit of the compiled step is the number of shapes the engine can meet: 5
+    buckets up to 16 canvases, 11 contexts up to 8,192 positions (0, then 1 to 512 blocks of 16),
+    with and without top-k/p: 110, where dynamo stops at 8 by default."""
+    assert shape_count(16, 8192, 16) == 5 * 11 * 2 > torch._dynamo.config.recompile_limit
+    assert shape_count(4, 64, 4) == 3 * 6 * 2 and shape_count(33, 16, 16) == 7 * 2 * 2 and shape_count(1, 0, 16) == 4
+
+
+@pytest.mark.slow  # 12 dynamo traces of the whole step: ~18 s of CPU, 30-40 s on a shared machine
+def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
+    """More shapes than dynamo's default recompile limit (8): buckets 1, 2 and 4 at three or four
+    contexts, two with top-k sampling, through the step compiled with the engine's options (dynamo's
+    graph-only backend: the graphs, no generated code). Each shape's outputs equal the eager step's."""
+    path = checkpoints("two-layers", vocab_size=301, canvas_length=8, sliding_window=6, num_layers=2, seed=3)
+    model = load_model(path)
+    cache = CacheConfig(num_slots=4, num_blocks=64, block_size=4, max_model_len=64)
+    cl, hidden = model.config.canvas_length, model.config.hidden_size
+    sampler = EntropyBound()
+    state = sampler.new_state(5, cl, hidden, model.dtype, torch.device("cpu"))
+    state.canvas.copy_(torch.randint(3, 301, (5, cl)))
+    steps = CanvasSteps(model, sampler, VocabParallel(model.shard, model.group), allocate(model, cache, "cpu"),
+                        geometry(model, cache), (False, True), state, torch.device("cpu"), compile=True, cuda_graphs=False)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    steps.fn = torch.compile(canvas_step, backend=backend, **COMPILE_OPTIONS)
+    shapes = [(n, start, False) for n in (1, 2, 4) for start in (0, 3, 15)] + [(1, 40, False), (2, 3, True), (4, 40, True)]
+    with torch.inference_mode():
+        for n, start, restrict in shapes:
+            rows = [Row(slot, start, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(n)]
+            params = denoise_params([3] * n, [EntropyBound().resolve(SamplingParams(top_k=5 if restrict else -1), REFERENCE_DEFAULTS)] * n,
+                                    torch.rand(n, cl, generator=torch.Generator().manual_seed(n)), torch.randint(3, 301, (n, cl)))
+            steps(rows, params)
+    assert len(steps.shapes) == len(graphs) == 12 > torch._dynamo.config.recompile_limit
+    for (size, context, (restrict,)), (inputs, _, _) in steps.shapes.items():  # keys: (size, context, (restrict,))
+        with torch.inference_mode():
+            compiled = steps.fn(*steps.step_args(context, inputs))
+            eager = canvas_step(*steps.step_args(context, inputs))
+        assert compiled.updates["soft"].shape[0] == size and inputs.params.restrict == restrict
+        for name, value in {**eager.updates, **eager.__dict__}.items():  # eager products: oneDNN on AVX-512
+            if name != "updates":
+                got = compiled.updates[name] if name in compiled.updates else getattr(compiled, name)
+                torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-5, msg=f"{size, context, name}")

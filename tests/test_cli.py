@@ -27,12 +27,13 @@ def test_make_tiny_model_then_generate(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["prompt"] for r in rows] == ["hello world", "the quick brown fox"]
-    for r in rows:
-        assert len(r["token_ids"]) == 12 and r["finish_reason"] == "length" and isinstance(r["text"], str)
+    for r in rows:  # vLLM's shape: the completion in outputs[0]
+        c = r["outputs"][0]
+        assert len(c["token_ids"]) == 12 and c["finish_reason"] == "length" and isinstance(c["text"], str)
         assert r["metrics"]["canvases"] == 2 and r["metrics"]["denoising_steps"] <= 6
     plain = _blockdiff("generate", "--model", path, "--max-tokens", "12", "--max-denoising-steps", "3",
                        "--seed-per-request", "7", "--ignore-eos", "hello world")
-    assert plain.stdout.strip() == rows[0]["text"].strip()
+    assert plain.stdout.strip() == rows[0]["outputs"][0]["text"].strip()
 
 
 def test_generate_rejects_bad_flags_with_a_clear_error(tmp_path):
@@ -212,7 +213,7 @@ def test_setup_script_says_what_each_stage_does(tmp_path):
     lines = done.stdout.splitlines()
     # venv, pip, torch, blockdiff: each said before it runs; then done
     assert ["said" if ln.startswith("setup.sh [") else ln.split(" -q ")[-1] for ln in lines] == [
-        "said", "said", "--upgrade pip", "said", "torch==2.13.0", "said", "-e .[test]", "said"], lines
+        "said", "said", "--upgrade pip", "said", "torch==2.13.0", "said", "-c scripts/constraints.txt -e .[test]", "said"], lines
     assert "torch" in lines[3] and "test extra" in lines[5] and "done" in lines[7]
 
 

@@ -5,6 +5,7 @@ the test that kills a replica runs last."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -130,6 +131,28 @@ def test_seeded_outputs_are_equal_across_replicas(server, client):
         texts.append(out.choices[0].text)
     assert sorted(served) == ["0", "1"]
     assert texts[0] == texts[1] and len(texts[0]) >= 16
+
+
+def test_structured_outputs_on_either_replica(server, client):
+    """The replica that takes a request builds its automaton; what it cannot build comes back as a
+    400 naming the field, and the server stays up."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    served = []
+    for seed in range(2):  # a prompt shorter than a block: the idle replicas take it in turns
+        before = _served(server)
+        out = client.completions.create(model="demo", prompt="json:", max_tokens=48, seed=seed,
+                                        extra_body={"structured_outputs": {"json": schema}})
+        served += _which(server, before)
+        reply = json.loads(out.choices[0].text)
+        assert set(reply) == {"n", "ok"} and isinstance(reply["n"], int) and isinstance(reply["ok"], bool), reply
+    assert sorted(served) == ["0", "1"]
+    bad = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "number", "maximum": 3}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=8,
+                                       response_format=bad)
+    assert e.value.body["param"] == "response_format" and "'maximum' is not supported" in e.value.body["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_each_replica_publishes_its_kv_events_on_its_own_port(server, client, events_port):

@@ -1,5 +1,6 @@
 """scripts/device_check.sh --device cpu --small: the device check's every part on tiny shapes, so
-that the script the GPU runs cannot rot (its figures on a GPU are in docs/benchmarks.md)."""
+that the script the GPU runs cannot rot (docs/device_check.md), and what it brings back when a part
+fails, hangs or does not fit the budget."""
 
 from __future__ import annotations
 
@@ -10,22 +11,68 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ["env", "headline", "transformers", "tests", "fp8", "compiled", "fake_cuda"]
 
 
-def test_the_device_check_runs_on_the_cpu_at_small_shapes(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", "scripts/device_check.sh", "--device", "cpu", "--small", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((tmp_path / "device_check.json").read_text())
-    assert report["device"] == "cpu" and report["small"] and report["layers"] == 6
-    tests = report["tests"]["parity and generation"]
-    assert tests["passed"] and tests["collected_only"]
-    assert int(re.search(r"(\d+)(/\d+)? tests? collected", tests["summary"]).group(1)) > 0
-    assert set(report["blockdiff"]["batches"]) == {"1", "2"}
-    for batch, b in report["blockdiff"]["batches"].items():
-        assert b["two_canvases_s"] > b["one_canvas_s"] > 0
-        assert report["roofline"][batch]["bytes_per_step"] > 0
-    assert report["transformers"]["version"] and report["transformers"]["one_canvas_s"] > 0
-    text = (tmp_path / "device_check.txt").read_text()
-    assert text == proc.stdout and "ms/step" in text and "transformers" in text
+def _check(out, *args, timeout: float = 600, **env) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **env}
+    proc = subprocess.run(["bash", "scripts/device_check.sh", "--device", "cpu", "--small", "--out", str(out), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, json.loads((out / "device_check.json").read_text())
+
+
+def _parts(report: dict) -> dict:
+    return {p["name"]: p for p in report["parts"]}
+
+
+def test_the_device_check_runs_every_part_on_the_cpu_at_small_shapes(tmp_path):
+    """Every part, in the issue's order, without fastapi (the GPU machine has none)."""
+    no_fastapi = tmp_path / "no_fastapi" / "fastapi"
+    no_fastapi.mkdir(parents=True)
+    (no_fastapi / "__init__.py").write_text('raise ImportError("the GPU machine has no fastapi")\n')
+    proc, report = _check(tmp_path / "out", PYTHONPATH=str(no_fastapi.parent))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [p["name"] for p in report["parts"]] == PARTS and all(p["status"] == "ok" for p in report["parts"]), report
+    parts = _parts(report)
+    env = parts["env"]["result"]
+    assert env["versions"]["torch"] and env["kernels"]["bfloat16"]["experts"] == "grouped"
+    assert env["kernels"]["fp8"]["experts"] == "per_expert" and env["sdpa_backends"]
+    for name, batches in (("headline", {"1", "2"}), ("fp8", {"1", "2"})):
+        measured = parts[name]["result"]["batches"]
+        assert set(measured) == batches
+        for m in measured.values():
+            assert m["two_canvases_s"] > m["one_canvas_s"] > 0 and m["ms_per_step"] > 0
+            assert m["bound_ms"] == max(m["memory_ms"], m["compute_ms"]) > 0 and m["bound_limit"] in ("memory", "compute")
+            assert set(m["steps_per_canvas"]) == {2}  # no early stop: every canvas took every step
+    assert parts["transformers"]["result"]["version"] and parts["transformers"]["result"]["ms_per_step"] > 0
+    for name, t in parts["tests"]["result"]["selections"].items():
+        assert t["passed"] and int(re.search(r"(\d+)(/\d+)? tests? collected", t["summary"]).group(1)) > 0, name
+    assert parts["compiled"]["result"]["compile_s"] > 0 and parts["compiled"]["result"]["speedup"] > 0
+    assert re.search(r"\d+ passed", parts["fake_cuda"]["result"]["selections"]["fake CUDA and kernel choice"]["summary"])
+    text = (tmp_path / "out" / "device_check.txt").read_text()
+    assert proc.stdout.endswith(text) and "ms/step" in text and "fake_cuda: ok" in text
+
+
+def test_a_failing_or_hanging_part_leaves_every_other_result(tmp_path):
+    """--fail-part makes env raise: it is recorded with its traceback's tail. --hang-part makes the
+    headline hang after its first result: at its time-out it is killed (with its children) and
+    recorded as timed out, with what it measured. The part after them still runs and keeps its
+    results, and the check exits non-zero."""
+    proc, report = _check(tmp_path, "--parts", "env,headline,fp8", "--fail-part", "env", "--hang-part", "headline",
+                          "--timeout-s", "15")
+    assert proc.returncode == 1
+    env, headline, fp8 = report["parts"]
+    assert [p["status"] for p in report["parts"]] == ["failed", "failed", "ok"]
+    assert env["error"] == "exit status 1" and "failure injected into part 'env'" in env["traceback"][-1]
+    assert headline["error"] == "timed out after 15 s" and headline["seconds"] < 25
+    assert headline["result"]["peaks"]["measured_copy_gbs"] > 0  # recorded before the hang
+    assert set(fp8["result"]["batches"]) == {"1", "2"}
+    assert "env: failed" in proc.stdout and "headline: failed" in proc.stdout
+
+
+def test_what_does_not_fit_the_budget_is_skipped_and_says_so(tmp_path):
+    proc, report = _check(tmp_path, "--parts", "env,compiled", "--budget-s", "30")
+    assert proc.returncode == 0
+    env, compiled = report["parts"]
+    assert env["status"] == "ok" and compiled["status"] == "skipped"
+    assert re.fullmatch(r"needs about 60 s, \d+ s of the budget left", compiled["reason"])

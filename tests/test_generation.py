@@ -167,10 +167,15 @@ def test_stop_strings_cut_text_and_tokens(llm):
 def test_logprobs_and_text_prompts(llm):
     out = llm.generate("hello world", SamplingParams(max_tokens=10, max_denoising_steps=3, seed=1, logprobs=3, ignore_eos=True))[0]
     assert out.prompt == "hello world" and out.prompt_token_ids[0] == 2 and isinstance(out.text, str)
-    assert len(out.logprobs) == 10
-    for lp, tok in zip(out.logprobs, out.token_ids):
+    completion = out.outputs[0]
+    assert len(completion.token_logprobs) == 10
+    for lp, tok in zip(completion.token_logprobs, out.token_ids):
         assert lp.token_id == tok and lp.logprob <= 0 and len(lp.top) == 3
         assert max(lp.top.values()) == pytest.approx(lp.logprob)  # the committed token is the argmax
+    # vLLM's shape: per token {token id: Logprob}, the token itself (rank 1: the argmax) and its top 3
+    for entry, lp, tok in zip(completion.logprobs, completion.token_logprobs, out.token_ids):
+        assert entry[tok].logprob == lp.logprob and entry[tok].rank == 1 and len(entry) == 3
+    assert completion.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in completion.token_logprobs))
 
 
 def test_chat_uses_the_template(llm):
@@ -184,7 +189,7 @@ def test_chat_uses_the_template(llm):
     [
         ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.5), ("max_denoising_steps", 0),
         ("entropy_bound", 0.0), ("entropy_bound", -1.0), ("t_min", -0.1), ("t_max", 0.0),
-        ("stability_threshold", -1), ("confidence_threshold", 0.0), ("seed", "x"), ("stop", [""]),
+        ("stability_threshold", -1), ("confidence_threshold", -0.1), ("seed", "x"), ("stop", [""]),
         ("stop_token_ids", [-1]), ("draft", ["a"]), ("logprobs", 21), ("ignore_eos", "yes"), ("max_tokens", True),
     ],
 )

@@ -206,7 +206,7 @@ def test_logprobs(client, offline):
     [want] = offline.generate("Numbers such as", _params(max_tokens=10, seed=2, logprobs=2), use_tqdm=False)
     r = client.completions.create(model=MODEL, prompt="Numbers such as", max_tokens=10, seed=2, logprobs=2)
     lp = r.choices[0].logprobs
-    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.outputs[0].token_logprobs], abs=1e-5)
     assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == len(want.token_ids)
     assert all(1 <= len(top) <= 2 and max(top.values()) <= 1e-6 for top in lp.top_logprobs)
 
@@ -215,8 +215,8 @@ def test_logprobs(client, offline):
     [want] = offline.chat([{"role": "user", "content": "Numbers"}], _params(max_tokens=10, seed=2, logprobs=3),
                           use_tqdm=False)
     content = chat.choices[0].logprobs.content
-    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
-    for c, w in zip(content, want.logprobs):
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in want.outputs[0].token_logprobs], abs=1e-5)
+    for c, w in zip(content, want.outputs[0].token_logprobs):
         assert [t.logprob for t in c.top_logprobs] == pytest.approx(list(w.top.values()), abs=1e-5)
         assert bytes(c.bytes).decode() == c.token
 
@@ -403,7 +403,8 @@ BAD = [
     ("over 2048 prompts", _C, {**_OK, "prompt": ["a"] * 2049}, None, 400, "prompt"),
     ("chat n over 128", _CHAT, {"model": MODEL, "messages": _MSG, "n": 1000}, None, 400, "n"),
     ("too many logprobs", _C, {**_OK, "logprobs": 21}, None, 400, "logprobs"),
-    ("echo", _C, {**_OK, "echo": True}, None, 400, "echo"),
+    ("suffix", _C, {**_OK, "suffix": "x"}, None, 400, "suffix"),
+    ("max_tokens zero without echo", _C, {**_OK, "max_tokens": 0}, None, 400, "max_tokens"),
     ("logit_bias", _C, {**_OK, "logit_bias": {"5": 1.0}}, None, 400, "logit_bias"),
     ("presence_penalty", _C, {**_OK, "presence_penalty": 1.0}, None, 400, "presence_penalty"),
     ("drafts without stream", _C, {**_OK, "stream_drafts": True}, None, 400, "stream_drafts"),

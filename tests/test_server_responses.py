@@ -11,6 +11,7 @@ import asyncio
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from server_process import ServerProcess
@@ -171,13 +172,31 @@ def test_reasoning_turns_thinking_on_and_off(client, server, streaming):
 def test_forced_tool_choice(client):
     named = create(client, "weather in Oslo", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"})
     assert_weather_call(named.output[0], "Oslo")
-    # A question that needs no tool is answered in text, which a forced choice refuses.
-    with pytest.raises(openai.UnprocessableEntityError) as e:
-        create(client, "sort: 3 1 2", tools=[TOOL], tool_choice="required")
-    assert e.value.body["code"] == "tool_choice_not_followed" and "1 2 3" in e.value.body["message"]
+    # A question that needs no tool is answered in text; a forced choice constrains the output to a
+    # call whose arguments match the tool's parameters (as on /v1/chat/completions), streamed or not.
+    assert create(client, "sort: 3 1 2", tools=[TOOL]).output_text.strip()
+    forced = create(client, "sort: 3 1 2", tools=[TOOL], tool_choice="required")
+    [call] = [item for item in forced.output if item.type == "function_call"]
+    assert call.name == "get_weather" and not forced.output_text
+    jsonschema.validate(json.loads(call.arguments), TOOL["parameters"])
     stream = events(client, "sort: 3 1 2", tools=[TOOL], tool_choice="required")
-    assert stream[-1].type == "error" and stream[-1].code == "tool_choice_not_followed"
+    assert stream[-1].type == "response.completed"
     assert not any(e.type == "response.output_text.delta" for e in stream)
+    done = [e.item for e in stream if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [item.arguments for item in done] == [call.arguments]
+
+
+def test_text_format_is_a_structured_output(client):
+    """text.format, the Responses API's response_format: the reply parses into the schema, whole and streamed."""
+    schema = {"type": "object", "properties": {"digits": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["digits"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "sorted", "schema": schema, "strict": True}}
+    response = create(client, "sort: 3 1 2", text=fmt)
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema"
+    streamed = "".join(e.delta for e in events(client, "sort: 3 1 2", text=fmt) if e.type == "response.output_text.delta")
+    jsonschema.validate(json.loads(streamed), schema)
+    assert isinstance(json.loads(create(client, "sort: 3 1 2", text={"format": {"type": "json_object"}}).output_text), dict)
 
 
 def test_max_output_tokens_makes_an_incomplete_response(client):
@@ -190,8 +209,8 @@ def test_max_output_tokens_makes_an_incomplete_response(client):
 
 CALL = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{city"}
 BAD = [
-    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}), "text.format",
-     "structured output"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "integer", "minimum": 3}}}),
+     "text.format", "the keyword 'minimum' is not supported"),
     (dict(tools=[{"type": "web_search"}]), "tools", "'web_search' is one of OpenAI's hosted tools"),
     (dict(tools=[{"type": "function", "name": "bad name"}]), "tools", "tools.0.function.name"),
     (dict(background=True), "background", "background responses are not supported"),

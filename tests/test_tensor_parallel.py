@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from helpers import hf_generate_with_draft, load_hf
-from rank_checks import die_on_rank, fail_on_rank, pid, vocab_statistics
+from rank_checks import compile_steps_with, compiled_graphs, die_on_rank, fail_on_rank, pid, vocab_statistics
 
 import blockdiff
 from blockdiff import LLM, SamplingParams
@@ -93,7 +93,24 @@ def test_greedy_generation_equals_one_rank_and_transformers(tp_ckpt, one_rank, t
         assert ours.metrics["denoising_steps"] == ref.metrics["denoising_steps"]
         # At these temperatures logprobs are logits * 1e6, so only the top tokens can be compared;
         # the vocabulary-parallel test compares logprobs themselves.
-        assert [list(lp.top) for lp in ours.logprobs] == [list(lp.top) for lp in ref.logprobs]
+        assert [list(lp.top) for lp in ours.outputs[0].token_logprobs] == [list(lp.top) for lp in ref.outputs[0].token_logprobs]
+
+
+def test_compiled_steps_under_tensor_parallelism_equal_one_rank(tp_ckpt, one_rank):
+    """torch.compile(fullgraph=True) traces the step at two ranks: its all-reduces and all-gathers
+    are functional collectives inside the graph (the backend's own calls are opaque to dynamo), and
+    greedy generation equals one rank's (and so transformers'). The engine's compile options with
+    dynamo's graph-only backend (docs/tp.md has inductor's numbers)."""
+    with LLM(tp_ckpt, tensor_parallel_size=2, compile=True) as llm:
+        ranks = llm.engine.executor.ranks
+        ranks.run(compile_steps_with, "eager")
+        # (no top logprobs: a step that returns them runs eagerly)
+        # one canvas: one shape to trace on each rank
+        params = SamplingParams(max_tokens=8, max_denoising_steps=4, draft=DRAFTS[1], **GREEDY)
+        outs = llm.generate(PROMPTS[1:], [params], use_tqdm=False)
+        graphs = ranks.run(compiled_graphs, gather=True)
+    assert outs[0].token_ids == one_rank[1].token_ids[:8]
+    assert len(graphs) == 2 and all(len(g) == 1 and g[0] > 0 for g in graphs), graphs  # the collectives are in the graph
 
 
 def _logits(vocab: int, seed: int = 0) -> torch.Tensor:
@@ -274,7 +291,7 @@ def test_cli_generates_with_tensor_parallelism(tp_ckpt):
     assert out.returncode == 0, out.stderr
     with LLM(tp_ckpt) as llm:
         want = llm.generate("x", _greedy(DRAFTS[1]))[0].token_ids
-    assert json.loads(out.stdout)["token_ids"] == want
+    assert json.loads(out.stdout)["outputs"][0]["token_ids"] == want
 
 
 def test_model_that_does_not_split_is_a_value_error(tp_ckpt):

@@ -257,6 +257,6 @@ def test_cli_generate_takes_images(mm, tmp_path, capsys):
     assert main([*common, "--chat", "What is this?"]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     n = hf_pixels(mm, [picture(30, 20, 1)])[0]["num_soft_tokens_per_image"][0]
-    assert out["prompt_token_ids"].count(IMAGE) == n and len(out["token_ids"]) == 8
+    assert out["prompt_token_ids"].count(IMAGE) == n and len(out["outputs"][0]["token_ids"]) == 8
     assert main([*common, "--image", str(tmp_path / "missing.png"), "--chat", "and this?"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: image 1: no such file {str(tmp_path / 'missing.png')!r}"

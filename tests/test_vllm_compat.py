@@ -82,12 +82,12 @@ def test_bad_tokenizer_requests_get_a_400_naming_the_field(server, path, body, p
 
 def test_a_refused_request_logs_its_reason_at_info(server):
     """The server's log says why a request got its 400 (uvicorn's access line has only the status)."""
-    r = _post(server, "/v1/completions", {"model": "demo", "prompt": "a", "echo": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    r = _post(server, "/v1/completions", {"model": "demo", "prompt": "a", "suffix": "b"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
     r = _post(server, "/v1/completions", {"model": "demo", "prompt": "a", "max_tokens": "many"})
     assert r.status_code == 400
     log = server.log()
-    assert "INFO blockdiff.entrypoints.openai.errors: POST /v1/completions -> 400: echo is not supported (param: echo)" in log
+    assert "INFO blockdiff.entrypoints.openai.errors: POST /v1/completions -> 400: suffix is not supported (param: suffix)" in log
     assert "-> 400: max_tokens: Input should be a valid integer" in log
 
 

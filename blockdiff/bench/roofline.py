@@ -76,10 +76,13 @@ def _expected_experts(tokens: int, config: GemmaConfig) -> float:
     return e * (1.0 - (1.0 - k / e) ** tokens)
 
 
-def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int) -> Cost:
-    """FLOPs and compulsory bytes of one engine step (of DiffusionGemma: `config.arch` is its GemmaConfig)."""
+def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int, weight_bytes: float | None = None) -> Cost:
+    """FLOPs and compulsory bytes of one engine step of DiffusionGemma (`config.arch` is its
+    GemmaConfig); `weight_bytes` per element of the layers' linear weights (1 for FP8 checkpoints;
+    default `dtype_bytes`), the embedding and the KV cache in `dtype_bytes`."""
     g = config.arch
     h, v, b = g.hidden_size, config.vocab_size, dtype_bytes
+    w = b if weight_bytes is None else weight_bytes
     tokens = sum(r.length for r in plan.rows)
     dec_rows = [r for r in plan.rows if r.decoder]
     dec_tokens = sum(r.length for r in dec_rows)
@@ -88,7 +91,7 @@ def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int) -> Cost:
         dense, expert = _token_weights(g, spec)
         kv_width = spec.num_kv_heads * spec.head_dim
         cost.flops += 2 * tokens * (dense + g.top_k_experts * expert)
-        cost.bytes += b * (dense + _expected_experts(tokens, g) * expert)
+        cost.bytes += w * (dense + _expected_experts(tokens, g) * expert)
         window = spec.window if spec.sliding else None
         for r in plan.rows:
             cost.flops += 4 * g.num_heads * spec.head_dim * _keys_seen(r.start, r.length, r.decoder, window)
@@ -104,7 +107,7 @@ def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int) -> Cost:
             # The self-conditioning MLP runs over every canvas of the step once any has a previous
             # step (a new canvas feeds zeros, whose MLP output is zero).
             cost.flops += 2 * dec_tokens * 3 * h * g.intermediate_size
-            cost.bytes += b * 3 * h * g.intermediate_size
+            cost.bytes += w * 3 * h * g.intermediate_size
         # Canvases with steps left compute soft embeddings for the next one. Exact when no canvas
         # ends early, as in `bench offline` (its stability threshold is never reached).
         continuing = sum(r.length for r, n in zip(dec_rows, plan.denoise.step.tolist()) if n > 1)
@@ -112,6 +115,28 @@ def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int) -> Cost:
             cost.flops += 2 * continuing * v * h
             cost.bytes += b * v * h + 4 * continuing * v
     return cost
+
+
+@dataclass
+class Bound:
+    """The least time a step can take: its compulsory bytes at the memory bandwidth, or its FLOPs at
+    the matmul rate, whichever is longer. At batch 1 DiffusionGemma-26B-A4B's step is bound by its
+    ~50 GB of weights; at batch 16 by its ~37 TFLOP."""
+
+    memory_s: float
+    compute_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def limit(self) -> str:
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+
+def bound(cost: Cost, bandwidth_gbs: float, gflops: float) -> Bound:
+    return Bound(cost.bytes / (bandwidth_gbs * 1e9), cost.flops / (gflops * 1e9))
 
 
 @dataclass

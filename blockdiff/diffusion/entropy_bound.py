@@ -115,7 +115,8 @@ def denoise_step(
     same = (argmax == last_argmax).all(dim=-1)
     run = torch.where(same, run + 1, torch.zeros_like(run))
     stable = run >= params.stability_threshold
-    confident = dist.entropy.mean(dim=-1) < params.confidence_threshold
+    # A threshold of 0 never stops a canvas: a mean entropy that rounds to or below 0 is not "confident".
+    confident = (params.confidence_threshold > 0) & (dist.entropy.mean(dim=-1) < params.confidence_threshold)
     finished = (stable & confident) | (params.step <= 1)
     return DenoiseResult(canvas, argmax, dist.entropy, accepted, run, finished, dist)
 

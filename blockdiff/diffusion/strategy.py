@@ -12,7 +12,8 @@ dLLMs their `DllmAlgorithm`. A sampler owns:
   per-slot device state (`SlotState`, made by `new_state` on every rank);
 - `step()`: one denoising step of a batch of canvases on one rank, from their logits over this
   rank's vocabulary rows, through `VocabParallel` (collectives under tensor parallelism, none on one
-  rank); and `commit()`, the hook that decides what a finished canvas commits.
+  rank); and `commit()`, what a finished canvas commits (structured outputs constrain it after the
+  step: diffusion/constrained.py).
 
 A sampler with `self_conditioning` reads its state's `soft` rows as the model's self-conditioning
 input; the runner fills them from the step's distribution through the model's `soft_embed`.
@@ -170,9 +171,9 @@ class DiffusionSampler:
         raise NotImplementedError
 
     def commit(self, result: StepResult, params: StepParams) -> torch.Tensor:
-        """What each canvas commits if this step finishes it [canvases, CL]: the hook a constraint
-        on the committed text (structured output) replaces, with the step's distributions in
-        `result.dist`. By default the sampler's own tokens."""
+        """What each canvas commits if this step finishes it [canvases, CL]; by default the sampler's
+        own tokens. Structured outputs replace those of the constrained canvases that finished,
+        after the step, from `result.dist` (diffusion/constrained.py, ModelRunner._constrain)."""
         return result.tokens
 
 

@@ -83,8 +83,9 @@ class VocabParallel:
         self.group = group
         self.sharded = group.size > 1
         self.workspace_bytes = workspace_bytes  # the sampler's temporaries per tile; None: one tile
-        valid = shard.valid_rows(device)
-        self.padding = None if bool(valid.all()) else ~valid
+        # From the shard's sizes, not its rows: no device read at start-up either.
+        full = shard.num_org == shard.org_rows and shard.num_added == shard.added_rows
+        self.padding = None if full else ~shard.valid_rows(device)
         self.global_ids = shard.global_ids(device)
 
     def distribution(self, x: torch.Tensor) -> Distribution:
@@ -235,6 +236,16 @@ class VocabParallel:
                 tile_total = total.index_select(0, positions[a : a + tile])
             out.append(embed(probs, tile_total))
         return torch.cat(out).view(canvases if rows is None else rows.shape[0], cl, -1)
+
+    def token_logprob(self, d: Distribution, ids: torch.Tensor) -> torch.Tensor:
+        """[...] the log-probability of token `ids` [...] (global ids): each rank reads the ids its
+        shard holds, and one all-reduce of [...] values adds them up."""
+        local, owned = self.shard.to_local(ids)
+        value = d.shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        if self.sharded:
+            value = torch.where(owned, value, 0.0)
+            self.group.all_reduce(value)
+        return value - d.log_total
 
     def top_logprobs(self, d: Distribution, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely tokens per position of canvases `rows`: (logprobs [rows, CL, k], ids)."""

@@ -23,7 +23,7 @@ from blockdiff.engine.client import EngineClient, EngineStats, EngineStream, Pro
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerLost
-from blockdiff.sampling_params import ResolvedParams, SamplingParams
+from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,9 @@ class StreamOverflow(RuntimeError):
 
 def _approx_bytes(out: RequestOutput) -> int:
     """Roughly what an output takes queued, and then as JSON: its text, ids and logprob entries."""
-    entries = sum(1 + len(lp.top) for lp in out.logprobs) if out.logprobs else 0
-    return len(out.text or "") + 8 * (len(out.token_ids) + len(out.draft_token_ids or ())) + 64 * entries
+    o = out.outputs[0]
+    entries = sum(1 + len(lp.top) for lp in o.token_logprobs) if o.token_logprobs else 0
+    return len(o.text or "") + 8 * (len(o.token_ids) + len(out.draft_token_ids or ())) + 64 * entries
 
 
 class RequestStream(EngineStream):
@@ -189,6 +190,10 @@ class AsyncEngine(EngineClient):
             stream._put(exc)
         self._aborts.extend(self._streams)
         self._streams.clear()
+
+    async def prepare(self, spec: StructuredOutputsParams) -> None:
+        if self.engine.structured is not None:
+            await asyncio.to_thread(self.engine.structured.automaton, spec)
 
     async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
                   client: str | None = None) -> RequestStream:

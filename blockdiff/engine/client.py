@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.images import ImageIntake
 from blockdiff.outputs import RequestOutput
-from blockdiff.sampling_params import ResolvedParams, SamplingParams
+from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
 
 # A prompt: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data": {"image": [...]}}.
@@ -77,6 +77,12 @@ class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):
     def abort(self) -> None: ...
 
 
+
+def structured_specs(requests: list[tuple[Prompt, SamplingParams]]) -> list[StructuredOutputsParams]:
+    """The distinct structured outputs of one call's requests: what `EngineClient.prepare` builds."""
+    return list({params.structured_outputs.key(): params.structured_outputs for _, params in requests
+                 if params.structured_outputs is not None}.values())
+
 class EngineClient(abc.ABC):
     """What a server uses of the engine(s) behind it. `add` raises ValueError (InvalidParam naming
     the field, for bad parameters; nothing is added then), QueueFull or EngineUnavailable.
@@ -110,6 +116,11 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def engine_stats(self) -> dict[str, EngineStats]:
         """Each engine's stats, by its name ("0", "1", ...: its data-parallel rank)."""
+
+    @abc.abstractmethod
+    async def prepare(self, spec: StructuredOutputsParams) -> None:
+        """Build the token automaton of a structured output off the event loop (cached; bounded in
+        time), so that `add` does not; InvalidParam when it cannot be served."""
 
     @abc.abstractmethod
     async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],

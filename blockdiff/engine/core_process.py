@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from blockdiff.config import EngineConfig
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestFailed, StreamOverflow
-from blockdiff.engine.client import EngineLimits, EngineStats
+from blockdiff.engine.client import EngineLimits, EngineStats, structured_specs
 from blockdiff.image import ImageError
 from blockdiff.sampling_params import InvalidParam
 
@@ -211,6 +211,9 @@ class _Replica:
         stream = None
         try:
             try:
+                # A new structured output's automaton is built off this replica's loop first.
+                for spec in structured_specs(requests):
+                    await self.client.prepare(spec)
                 stream = await self.client.add(requests, client)
             except Exception as e:
                 self.send(("refused", call, wire_error(e)))

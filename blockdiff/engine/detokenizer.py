@@ -16,8 +16,10 @@ from blockdiff.tokenizer import Tokenizer
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer | None, max_tokens: int, stop_token_ids: set[int], stop: list[str] | None,
-                 want_logprobs: bool, skip_special_tokens: bool = True):
+                 want_logprobs: bool, skip_special_tokens: bool = True, min_tokens: int = 0):
+        """min_tokens: no stop token or stop string ends the output before this many tokens."""
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self.max_tokens = max_tokens
         self.stop_token_ids = stop_token_ids
@@ -30,6 +32,7 @@ class IncrementalDetokenizer:
         self._prefix = 0  # token offsets: where the decoded context starts...
         self._read = 0  # ...and the first token whose text is in neither `pieces` nor `pending`
         self.ends_with_stop_token = False  # a stop or EOS token ends the output; its text is left out
+        self.stop_reason: str | int | None = None  # the stop string or token id that ended the output
 
     def append(self, canvas: list[int], logprobs: list[TokenLogprob] | None = None) -> str | None:
         """Add a committed canvas; -> "length", "stop", or None to go on. Trims the output at the
@@ -38,11 +41,13 @@ class IncrementalDetokenizer:
         room = self.max_tokens - len(self.token_ids)
         if len(canvas) >= room:
             canvas, reason = canvas[:room], "length"
-        cut = next((i for i, t in enumerate(canvas) if t in self.stop_token_ids), None)
+        start = len(self.token_ids)
+        early = max(0, self.min_tokens - start)  # positions of this canvas where nothing may stop the output
+        cut = next((i for i, t in enumerate(canvas) if i >= early and t in self.stop_token_ids), None)
         if cut is not None:
             # As in vLLM, a stop token stays in token_ids but its text is left out of the output text.
             canvas, reason, self.ends_with_stop_token = canvas[: cut + 1], "stop", True
-        start = len(self.token_ids)
+            self.stop_reason = canvas[cut]
         self.token_ids.extend(canvas)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.extend(logprobs[: len(canvas)])
@@ -56,7 +61,9 @@ class IncrementalDetokenizer:
                 end -= 1
         delta = self._decode(self._prefix, end)[len(context):]
         window = self.pending + delta
-        hit = self._first_stop(window)
+        # A stop string must end after the text of the first min_tokens tokens.
+        after = 0 if early == 0 else len(self.pending) + len(self._decode(self._prefix, min(self.min_tokens, end))) - len(context)
+        hit = self._first_stop(window, after)
         if hit is not None:
             stop_start, stop_end = hit
             kept = self._tokens_reaching(start, stop_end - len(self.pending), context)
@@ -64,6 +71,7 @@ class IncrementalDetokenizer:
             if self.logprobs is not None:
                 del self.logprobs[kept:]
             self.ends_with_stop_token = False
+            self.stop_reason = window[stop_start:stop_end]
             self.pieces.append(window[:stop_start])
             self.pending = ""
             return "stop"
@@ -76,11 +84,11 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         return self.tokenizer.decode(self.token_ids[start:end], self.skip_special_tokens)
 
-    def _first_stop(self, window: str) -> tuple[int, int] | None:
-        """(start, end) in `window` of the stop string that ends first."""
+    def _first_stop(self, window: str, after: int = 0) -> tuple[int, int] | None:
+        """(start, end) in `window` of the stop string that ends first, past character `after`."""
         best = None
         for s in self.stop:
-            i = window.find(s)
+            i = window.find(s, max(0, after - len(s) + 1))
             if i >= 0 and (best is None or i + len(s) < best[1]):
                 best = (i, i + len(s))
         return best

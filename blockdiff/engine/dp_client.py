@@ -42,7 +42,7 @@ from blockdiff.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
 from blockdiff.image import ProcessedImage
 from blockdiff.model.registry import load_config
-from blockdiff.sampling_params import ResolvedParams, SamplingParams
+from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -279,6 +279,11 @@ class DPClient(EngineClient):
         rep.sock.setblocking(False)
         rep.reader, rep.writer = await asyncio.open_connection(sock=rep.sock)
         await self._read(rep)
+
+    async def prepare(self, spec: StructuredOutputsParams) -> None:
+        """Nothing here: the replica a request goes to builds its automaton, off its own loop, before
+        it queues the request (core_process), and a spec it cannot serve comes back as the call's
+        InvalidParam."""
 
     async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
                   client: str | None = None) -> RequestStream:

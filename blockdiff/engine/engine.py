@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -31,7 +32,9 @@ from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, generation_defaults
-from blockdiff.step import StepPlan
+from blockdiff.step import MinTokens, ScorePlan, StepPlan
+from blockdiff.structured.compiler import StructuredOutputs
+from blockdiff.structured.plan import AutomataSent
 from blockdiff.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,9 +47,13 @@ class LLMEngine:
         self.model_config = load_config(cfg.model)
         if cfg.num_layers_override is not None:
             self.model_config = self.model_config.first_layers(cfg.num_layers_override)
+        if cfg.canvas_length is not None:
+            self.model_config = replace(self.model_config, canvas_length=cfg.canvas_length)
         self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
         self.sampler = make_sampler(cfg.diffusion_sampler or default_sampler(self.model_config))
-        self.defaults = generation_defaults(cfg.model, self.sampler.fields)
+        source = {"auto": cfg.model, "vllm": None}.get(cfg.generation_config, cfg.generation_config)
+        self.defaults = generation_defaults(source, self.sampler.fields)
+        eos = generation_defaults(cfg.model, ()).get("eos_token_ids", self.model_config.eos_token_ids)
         self.canvas_length = self.model_config.canvas_length
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = cfg.max_model_len if cfg.max_model_len is not None else min(self.model_config.max_position_embeddings, 8192)
@@ -67,12 +74,16 @@ class LLMEngine:
                                  BlockPool(cache.sliding_blocks, cache.block_size, caching),
                                  self.model_config.window_past(self.max_model_len))
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
+        self.structured = None if self.tokenizer is None else StructuredOutputs(self.tokenizer, self.vocab_size,
+                                                                                cfg.structured_outputs_timeout)
+        self.automata_sent = AutomataSent()  # the automata the workers hold
         self.inputs = InputProcessor(
             self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
-            tuple(self.defaults.get("eos_token_ids", self.model_config.eos_token_ids)),
+            tuple(eos),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
             # Replicas draw different seeds for the requests that bring none.
             cache.num_blocks * cache.block_size, cfg.seed + cfg.replica, ImageIntake.from_pretrained(cfg, self.model_config),
+            self.structured,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -117,6 +128,7 @@ class LLMEngine:
             self.abort(req.request_id)
         self.kv.forget()  # the prefixes the old workers held are gone too
         self._publish_kv_events()
+        self.automata_sent = AutomataSent()
         return lost
 
     def has_unfinished(self) -> bool:
@@ -150,8 +162,9 @@ class LLMEngine:
         except WorkerError:  # a lost tensor-parallel worker stops the whole engine
             raise
         except Exception as e:
-            log.exception("an engine step failed; its %d requests end with an error", len(sched.encoder) + len(sched.decoder))
-            ran = [r for r, _ in sched.encoder] + sched.decoder
+            log.exception("an engine step failed; its %d requests end with an error",
+                          len(sched.encoder) + len(sched.score) + len(sched.decoder))
+            ran = list({r: None for r, _ in [*sched.encoder, *sched.score]}) + sched.decoder
             fail(self.scheduler, ran, f"the engine step failed: {type(e).__name__}: {e}")
             return self._outputs(ran)
         finally:
@@ -168,6 +181,15 @@ class LLMEngine:
             ids.extend(req.tokens(req.num_cached, req.num_cached + n))
             rows.append(Row(req.slot, req.num_cached, n, False, tuple(req.blocks), tuple(req.sliding_blocks),
                             bidirectional=bidirectional))
+        score_ids, lengths = [], []
+        for req, (start, end) in sched.score:
+            rows.append(Row(req.slot, start, end - start, True, tuple(req.blocks), tuple(req.sliding_blocks)))
+            score_ids.extend(req.tokens(start, end))
+            lengths.append(end - start)
+        score = None
+        if sched.score:
+            score = ScorePlan(torch.tensor(score_ids, dtype=torch.long), lengths,
+                              max(r.params.prompt_logprobs for r, _ in sched.score))
         new_rows, new_canvases, randoms = [], [], []
         for i, req in enumerate(sched.decoder):
             rows.append(Row(req.slot, req.num_cached, cl, True, tuple(req.blocks), tuple(req.sliding_blocks)))
@@ -180,6 +202,9 @@ class LLMEngine:
         if sched.decoder:
             denoise = self.sampler.step_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
                                                randoms)
+        constraints = [req.constraint.canvas(i, req.params.max_tokens - len(req.output.token_ids))
+                       for i, req in enumerate(sched.decoder) if req.constraint is not None]
+        automata, forget = self.automata_sent.update([r.constraint.automaton for r in sched.decoder if r.constraint])
         return StepPlan(
             rows=rows,
             encoder_ids=torch.tensor(ids, dtype=torch.long),
@@ -189,6 +214,11 @@ class LLMEngine:
             top_logprobs=max((r.params.logprobs for r in sched.decoder if r.params.logprobs is not None), default=-1),
             draft_details=any(r.params.draft_details for r in sched.decoder),
             images=images.inputs(),
+            score=score,
+            min_tokens=_min_tokens(sched.decoder, cl),
+            constraints=constraints,
+            automata=automata,
+            forget_automata=forget,
         )
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
@@ -232,6 +262,21 @@ class LLMEngine:
         if self.kv_publisher is not None:
             self.kv_publisher.shutdown()
         self.executor.shutdown()
+
+
+def _min_tokens(decoder: list[Request], canvas_length: int) -> MinTokens | None:
+    """The canvases of this step that may not commit a stop token in their first positions yet."""
+    rules = []
+    for req in decoder:
+        before = min(canvas_length, req.params.min_tokens - len(req.output.token_ids))
+        rules.append((sorted(req.output.stop_token_ids), max(0, before)))
+    if not any(before for _, before in rules):
+        return None
+    width = max(1, max(len(ids) for ids, _ in rules))
+    banned = torch.full((len(rules), width), -1, dtype=torch.long)
+    for i, (ids, _) in enumerate(rules):
+        banned[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return MinTokens(banned, torch.tensor([before for _, before in rules], dtype=torch.long))
 
 
 class _ImagesOfStep:

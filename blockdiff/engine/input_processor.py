@@ -10,16 +10,20 @@ from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.engine.images import ImageIntake
 from blockdiff.engine.request import Request
 from blockdiff.sampling_params import InvalidParam, ResolvedParams, SamplingParams
+from blockdiff.structured.compiler import OutputConstraint, StructuredOutputs, check_ends, tokens_needed
 from blockdiff.tokenizer import Tokenizer
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, sampler: DiffusionSampler, defaults: dict,
                  eos_token_ids: tuple[int, ...], vocab_size: int, canvas_length: int, max_model_len: int,
-                 max_steps: int, cache_tokens: int, seed: int, images: ImageIntake | None = None):
+                 max_steps: int, cache_tokens: int, seed: int, images: ImageIntake | None = None,
+                 structured: StructuredOutputs | None = None):
         """defaults: the values of the sampler's fields that a request leaves unset (server flags over
-        generation_config.json over the table's defaults)."""
+        generation_config.json over the table's defaults). structured: the automata of structured
+        outputs (None: the checkpoint has no tokenizer, so no text to constrain)."""
         self.tokenizer = tokenizer
+        self.structured = structured
         self.sampler = sampler
         self.images = images
         self.defaults = defaults
@@ -87,16 +91,36 @@ class InputProcessor:
         stops = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
+        if params.min_tokens > params.max_tokens:
+            raise InvalidParam("min_tokens", f"min_tokens ({params.min_tokens}) must be at most max_tokens "
+                                             f"({params.max_tokens})")
+        if params.prompt_logprobs is not None and images:
+            raise InvalidParam("prompt_logprobs", "prompt_logprobs: a prompt with images cannot be scored")
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
-                                        params.skip_special_tokens)
+                                        params.skip_special_tokens, params.min_tokens)
+        constraint = None if params.structured_outputs is None else self._constraint(params, stops)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output, self.sampler)
+        req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output, self.sampler,
+                      constraint=constraint)
         if mm is not None:
             req.images, req.image_spans = mm.images, mm.spans
         if req.max_cached_tokens > self.cache_tokens:
             raise ValueError(f"request needs {req.max_cached_tokens} cached tokens, more than the whole KV cache "
                              f"({self.cache_tokens})")
         return req
+
+    def _constraint(self, params: SamplingParams, stops: set[int]) -> OutputConstraint:
+        """The request's structured-output constraint (its automaton built now unless cached)."""
+        if self.structured is None:
+            raise InvalidParam("structured_outputs", "structured outputs need the checkpoint's tokenizer, and this "
+                                                     "checkpoint has none")
+        automaton = self.structured.automaton(params.structured_outputs)
+        ends = check_ends(automaton, stops)
+        need = tokens_needed(automaton)
+        if need > params.max_tokens:
+            raise InvalidParam("max_tokens", f"max_tokens ({params.max_tokens}) is too small for the structured output, "
+                                             f"whose shortest text takes {need} tokens")
+        return OutputConstraint(automaton, ends)
 
     def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
         """`params` with every default filled in, for a prompt of `prompt_len` tokens: the one place

@@ -40,7 +40,8 @@ class KVCacheManager:
                 break
             full.append(block)
         for k in range(len(full), 0, -1):
-            if req.splits_image(k * self.block_size):  # an image is encoded whole (Request.chunk)
+            # an image is encoded whole (Request.chunk); a piece of the prompt to score needs its prefix only
+            if req.splits_image(k * self.block_size) or k * self.block_size > req.max_hit:
                 continue
             lo = max(0, k * self.block_size - self.past) // self.block_size
             sliding = [self.sliding.lookup(key) for key in keys[lo:k]]

@@ -3,9 +3,9 @@ RequestOutputs. The only place where a step changes request state."""
 
 from __future__ import annotations
 
-from blockdiff.engine.request import Request
+from blockdiff.engine.request import Request, State
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
-from blockdiff.outputs import RequestOutput, TokenLogprob
+from blockdiff.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from blockdiff.step import StepOutput
 
 
@@ -13,11 +13,23 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     """Count the encoder rows' tokens as cached, the decoder rows' step as done, and commit every
     canvas that converged; finished requests are released. -> the requests with news: a committed
     canvas, an end, or (streaming drafts) a new argmax canvas."""
+    news = []
     for req, n in sched.encoder:
         scheduler.cached(req, n)
-    news = []
+        if req.params.max_tokens == 0 and req.state == State.DENOISE:  # a prompt with nothing to score, no output
+            req.finish("length")
+            scheduler.release(req)
+            news.append(req)
     if out is None:
         return news
+    offset = 0
+    for req, (start, end) in sched.score:
+        n = end - start
+        if req.add_scores(_scores(req, req.tokens(start, end), out, offset)):  # it asked for no output: done
+            req.finish("length")
+            scheduler.release(req)
+            news.append(req)
+        offset += n
     finished = out.finished.tolist()
     for i, req in enumerate(sched.decoder):
         req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None)
@@ -46,6 +58,24 @@ def _logprobs(req: Request, out: StepOutput, row: int) -> list[TokenLogprob] | N
     return [TokenLogprob(t, lp, dict(zip(ti, tl))) for t, lp, (ti, tl) in zip(ids, lps, tops)]
 
 
+def _scores(req: Request, ids: list[int], out: StepOutput, offset: int) -> list[TokenLogprob]:
+    n = len(ids)
+    lps = out.score_logprob[offset : offset + n].tolist()
+    k = req.params.prompt_logprobs
+    if not k:
+        return [TokenLogprob(t, lp) for t, lp in zip(ids, lps)]
+    tops = zip(out.score_top_ids[offset : offset + n, :k].tolist(), out.score_top_logprobs[offset : offset + n, :k].tolist())
+    return [TokenLogprob(t, lp, dict(zip(ti, tl))) for t, lp, (ti, tl) in zip(ids, lps, tops)]
+
+
+def _prompt_scores(req: Request, kind: str) -> list[TokenLogprob] | None:
+    """The prompt's scores once all are in: in every output, or (delta) in the first one."""
+    if req.prompt_scores is None or req.next_score_start is not None or (kind == "delta" and req.sent_prompt_scores):
+        return None
+    req.sent_prompt_scores = True
+    return req.prompt_scores
+
+
 def make_output(req: Request) -> RequestOutput | None:
     """The request's output in its params' output_kind; None when that kind reports nothing now
     (final_only before the end)."""
@@ -65,16 +95,18 @@ def make_output(req: Request) -> RequestOutput | None:
         token_ids, logprobs = o.token_ids, o.logprobs
     else:
         token_ids, logprobs = list(o.token_ids), None if o.logprobs is None else list(o.logprobs)
+    stop = o.stop_reason if isinstance(o.stop_reason, str) or o.stop_reason in (req.params.stop_token_ids or ()) else None
+    # The sum over the whole output, once it is final for a stream of deltas (each delta would re-add it).
+    cumulative = None if logprobs is None or (kind == "delta" and not done) else sum(lp.logprob for lp in o.logprobs)
+    completion = CompletionOutput(0, text, token_ids, cumulative, logprobs, req.finish_reason, stop if done else None)
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,
         prompt_token_ids=req.prompt_token_ids,
-        text=text,
-        token_ids=token_ids,
-        finish_reason=req.finish_reason,
+        outputs=[completion],
         finished=done,
         metrics=req.metrics.as_dict(),
-        logprobs=logprobs,
+        prompt_token_logprobs=_prompt_scores(req, kind),
         draft_token_ids=req.draft_token_ids,
         draft_entropy=req.draft_entropy,
         draft_accepted=req.draft_accepted,

@@ -25,7 +25,9 @@ import torch
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.image import ProcessedImage
+from blockdiff.outputs import TokenLogprob
 from blockdiff.sampling_params import SamplingParams
+from blockdiff.structured.compiler import OutputConstraint
 
 
 class State(enum.Enum):
@@ -117,9 +119,18 @@ class Request:
     images: list[ProcessedImage] = field(default_factory=list)  # of the prompt, in order
     image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each one's soft tokens
     client: str | None = None  # whose share of the slots it counts against (engine/scheduler.py); None: nobody's
+    # Scoring the prompt (params.prompt_logprobs): its pieces [start, end), scored in turn while the
+    # prompt is prefilled, and the scores of the pieces done (TokenLogprob per prompt token from the second).
+    score_pieces: list[tuple[int, int]] = field(default_factory=list)
+    prompt_scores: list[TokenLogprob] | None = None
+    sent_prompt_scores: bool = False
+    constraint: OutputConstraint | None = None  # structured outputs: what the committed text must be
 
     def __post_init__(self) -> None:
         self.generator.manual_seed(self.seed % 2**64)
+        if self.params.prompt_logprobs is not None:
+            self.score_pieces = score_pieces(len(self.prompt_token_ids), self.canvas_length)
+            self.prompt_scores = []
 
     def to(self, state: State) -> None:
         if state not in _LEGAL[self.state]:
@@ -163,9 +174,49 @@ class Request:
         """The image span that a cut before position `pos` falls inside, if any."""
         return next(((a, b) for a, b in self.image_spans if a < pos < b), None)
 
+    # ---- scoring the prompt ---------------------------------------------------------------------
+    @property
+    def next_score_start(self) -> int | None:
+        """Where the next piece to score starts: the prefix the cache must hold, and no more, when it
+        is scored. None when nothing is left to score."""
+        if self.prompt_scores is None:
+            return None
+        done = 1 + len(self.prompt_scores)  # the first prompt token is never scored
+        return done if done < len(self.prompt_token_ids) else None
+
+    def piece_to_score(self) -> tuple[int, int] | None:
+        """The piece [start, end) to score now: the cache holds exactly the prompt before it."""
+        start = self.next_score_start
+        if start is None or self.num_cached != start:
+            return None
+        return next(p for p in self.score_pieces if p[0] == start)
+
+    def prefills_after_scoring(self, piece: tuple[int, int]) -> bool:
+        """Whether a piece goes through the encoder once scored: all but the last of a request that
+        generates nothing."""
+        return not (self.params.max_tokens == 0 and piece[1] == len(self.prompt_token_ids))
+
+    def add_scores(self, scores: list[TokenLogprob]) -> bool:
+        """A piece was scored; -> whether the request is done (it asked for no output)."""
+        self.prompt_scores.extend(scores)
+        return self.next_score_start is None and self.params.max_tokens == 0
+
+    @property
+    def max_hit(self) -> int:
+        """The most tokens a prefix-cache hit may cover: a piece still to score needs the cache to
+        hold the prompt before it only."""
+        start = self.next_score_start
+        return self.num_tokens if start is None else start
+
     def chunk(self, start: int, n: int) -> int:
         """A prompt chunk of `n` tokens from `start`, moved so it never ends inside an image: an
-        image's tokens attend to each other and are encoded in one pass."""
+        image's tokens attend to each other and are encoded in one pass; nor past the start of a
+        piece of the prompt still to score."""
+        score = self.next_score_start
+        if score is not None:  # the next piece start past `start`: the cache must hold no more when it is scored
+            bound = next((a for a, _ in self.score_pieces if a > start and a >= score), None)
+            if bound is not None and start + n > bound:
+                n = bound - start
         span = self.splits_image(start + n)
         if span is None:
             return n
@@ -230,7 +281,12 @@ class Request:
         else:
             m.canvas_gaps.append(now - m.last_canvas_time)
         m.last_canvas_time = now
+        before = len(self.output.token_ids)
         reason = self.output.append(canvas, logprobs)
+        if self.constraint is not None:
+            self.constraint.commit(self.output.token_ids[before:])
+            if reason == "length" and self.constraint.complete:
+                reason = "stop"  # the structured output is whole: nothing could have followed
         m.committed_tokens = len(self.output.token_ids)
         self.steps_left = 0
         if reason is None:
@@ -241,3 +297,12 @@ class Request:
         self.to(State.ABORTED if reason == "abort" else State.FINISHED)
         self.finish_reason, self.error = reason, error
         self.metrics.finished_time = time.monotonic()
+
+
+def score_pieces(prompt_len: int, canvas_length: int) -> list[tuple[int, int]]:
+    """The pieces [start, end) a prompt is scored in: its tokens from the second on, cut into
+    canvases counted back from its end (so the end, where a continuation is, sits in a whole canvas
+    with as much of the prompt before it in the cache as possible); the first piece holds the rest."""
+    starts = list(range(prompt_len - canvas_length, 1, -canvas_length))[::-1]
+    bounds = [1, *starts, prompt_len] if prompt_len > 1 else []
+    return list(zip(bounds[:-1], bounds[1:]))

@@ -25,7 +25,7 @@ every request queued before it.
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.request import Request, State
@@ -36,6 +36,9 @@ class SchedulerOutput:
     encoder: list[tuple[Request, int]]  # requests with uncached tokens, and how many run this step
     decoder: list[Request]  # requests whose canvas is denoised this step
     preempted: list[Request]
+    # Requests scoring a piece [start, end) of their prompt this step: the decoder over the piece, which
+    # reads the cache before it; the same step may prefill the piece (the cache is written after reads)
+    score: list[tuple[Request, tuple[int, int]]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -113,7 +116,7 @@ class Scheduler:
         """-> this step's requests, or None if nothing can run."""
         preempted = self._preempt_for_waiting()
         out_of_memory = False
-        encoder, decoder = [], []
+        encoder, decoder, score = [], [], []
         budget = self.max_prefill_tokens
         i = 0
         while i < len(self.running):
@@ -123,12 +126,16 @@ class Scheduler:
                 i += 1
                 continue
             n = req.num_tokens - req.num_cached
+            piece = req.piece_to_score() if req.state == State.PREFILL else None
             if req.state == State.PREFILL:
-                n = min(n, budget)
+                n = min(n, budget) if piece is None or req.prefills_after_scoring(piece) else 0
+                if n > 0:
+                    n = req.chunk(req.num_cached, n)
                 if n <= 0:
+                    if piece is not None:
+                        score.append((req, piece))
                     i += 1
                     continue
-                n = req.chunk(req.num_cached, n)
             while not self.kv.grow(req, req.num_cached + n):  # out of blocks: the newest request goes
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -139,6 +146,8 @@ class Scheduler:
             if req.state == State.WAITING:  # it was the newest: nothing after it runs either
                 break
             encoder.append((req, n))
+            if piece is not None:
+                score.append((req, piece))
             if req.state == State.PREFILL:
                 budget -= n
             i += 1
@@ -154,10 +163,15 @@ class Scheduler:
             running[req.client] += 1
             if req.state == State.DENOISE:  # everything was cached
                 decoder.append(req)
-            else:
+                continue
+            piece = req.piece_to_score()  # the cache holds the prompt before its next piece to score
+            if piece is not None:
+                score.append((req, piece))
+            if piece is None or req.prefills_after_scoring(piece):
                 n = req.chunk(req.num_cached, min(req.num_tokens - req.num_cached, budget))
-                encoder.append((req, n))
-                budget -= n
-        if not encoder and not decoder:
+                if n > 0:
+                    encoder.append((req, n))
+                    budget -= n
+        if not encoder and not decoder and not score:
             return None
-        return SchedulerOutput(encoder, decoder, preempted)
+        return SchedulerOutput(encoder, decoder, preempted, score)

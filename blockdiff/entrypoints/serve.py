@@ -11,6 +11,7 @@ from blockdiff.arg_utils import (add_chat_template_arg, add_engine_args, add_sam
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.reasoning import REASONING_PARSERS
 from blockdiff.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+from blockdiff.vllm_options import json_object
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="format of the thinking in the output, read into message.reasoning_content (default: as "
                         "--tool-call-parser)")
+    p.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help='vLLM\'s: chat template variables every chat gets unless it sets them, e.g. '
+                        '\'{"enable_thinking": true}\' (only variables the template reads)')
     p.set_defaults(func=run)
 
 
@@ -105,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level or args.log_level,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=json_object(args.default_chat_template_kwargs, "--default-chat-template-kwargs"),
     )
     serve(dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args)), cfg)
     return 0

@@ -13,7 +13,7 @@ from torch import nn
 
 from blockdiff.config import ModelConfig
 from blockdiff.diffusion.self_conditioning import soft_embedding
-from blockdiff.matmul import has_grouped_mm
+from blockdiff.kernels import expert_kernel, static_kernel, target
 from blockdiff.model.attention import Attention, AttentionMetadata
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.interface import LayerCacheSpec
@@ -129,8 +129,9 @@ class DiffusionGemma(nn.Module):
 
     def static_shapes(self, device: torch.device) -> bool:
         """Whether a step can run with static shapes and no host sync on `device`: every MoE block
-        runs grouped expert products (not FP8 experts, and torch has grouped_mm there)."""
-        return all(layer.experts.groupable for layer in self.layers) and has_grouped_mm(device, self.dtype)
+        runs grouped expert products there (blockdiff/kernels.py)."""
+        where = target(device)
+        return all(static_kernel(expert_kernel(where, self.dtype, layer.experts.shape)[0]) for layer in self.layers)
 
     def soft_embed(self, probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """Self-conditioning input from this rank's unnormalised probabilities [rows, CL, local

@@ -140,3 +140,6 @@ def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             target.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=g)
             if not direct:
                 param.copy_(target)
+    for module in model.modules():  # padding for the kernels (model/moe.py) stays zero
+        if hasattr(module, "zero_padding"):
+            module.zero_padding()

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdiff.model.gemma_config import GemmaConfig
-from blockdiff.fp8 import FP8, fp8_linear, sharded_token_scales
-from blockdiff.matmul import grouped_linear, has_grouped_mm, linear
+from blockdiff.fp8 import FP8, fp8_linear, scaled_grouped_linear, sharded_token_scales
+from blockdiff.kernels import PER_EXPERT, ExpertShape, kernel_on, padded
+from blockdiff.matmul import grouped_linear, linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.parallel.group import TPGroup
@@ -81,47 +82,76 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Experts stored as 3-D tensors like the checkpoint: gate_up [E, 2I, H], down [E, H, I]."""
+    """Experts stored as 3-D tensors like the checkpoint: gate_up [E, 2W, H'], down [E, H', W].
+
+    Each rank owns `owned` of every expert's `moe_intermediate_size` columns (ceil(I / ranks); the
+    last ranks may own fewer), stored in a width W padded to what the grouped kernels accept
+    (blockdiff/kernels.py), and H' is the hidden size padded the same way. The padding is zeros:
+    zero rows of gate/up give activations gelu(0) * 0 = 0, zero columns of down add nothing, and the
+    input's padded columns are zero, so every product equals the unpadded one."""
 
     def __init__(self, config: GemmaConfig, group: TPGroup, dtype: torch.dtype):
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        if i % group.size:
-            raise ValueError(f"moe_intermediate_size {i} cannot be split over {group.size} ranks")
         self.num_experts, self.hidden, self.inter = e, h, i
-        self.local = i // group.size
+        share = -(-i // group.size)
+        self.lo = min(group.rank * share, i)  # this rank's first column of every expert's intermediate dimension
+        self.owned = min(self.lo + share, i) - self.lo
+        self.local = padded(share, dtype)
+        self.hidden_in = padded(h, dtype)
         self.rank = group.rank
         self.group = group
         self.reduce = group.size > 1
         self.act = activation(config.hidden_activation)
         # [E, out, in] like the checkpoint: each expert's slice is a plain linear weight.
-        self.gate_up = nn.Parameter(torch.empty(e, 2 * self.local, h, dtype=dtype), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(e, h, self.local, dtype=dtype), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.zeros(e, 2 * self.local, self.hidden_in, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.zeros(e, self.hidden_in, self.local, dtype=dtype), requires_grad=False)
         self.gate_up.weight_loader = self.load_gate_up
         self.down.weight_loader = self.load_down
+        self.shape = ExpertShape(self.hidden_in, self.local, dtype)  # what blockdiff/kernels.py decides on
+
+    def _halves(self) -> tuple[slice, slice]:
+        """The rows of gate_up that hold this rank's gate and up columns."""
+        return slice(0, self.owned), slice(self.local, self.local + self.owned)
 
     def load_gate_up(self, param: torch.Tensor, source, name: str) -> None:
         check_shape(name, source, (self.num_experts, 2 * self.inter, self.hidden))
-        lo = self.rank * self.local
-        copy_into(param.data[:, : self.local], source[:, lo : lo + self.local])
-        copy_into(param.data[:, self.local :], source[:, self.inter + lo : self.inter + lo + self.local])
+        lo, n, h = self.lo, self.owned, self.hidden
+        gate, up = self._halves()
+        copy_into(param.data[:, gate, :h], source[:, lo : lo + n])
+        copy_into(param.data[:, up, :h], source[:, self.inter + lo : self.inter + lo + n])
 
     def load_down(self, param: torch.Tensor, source, name: str) -> None:
         check_shape(name, source, (self.num_experts, self.hidden, self.inter))
-        lo = self.rank * self.local
-        copy_into(param.data, source[:, :, lo : lo + self.local])
+        copy_into(param.data[:, : self.hidden, : self.owned], source[:, :, self.lo : self.lo + self.owned])
 
-    # Whether the experts can run as grouped products (Fp8Experts dequantize one expert at a time).
-    groupable = True
+    @torch.no_grad()
+    def zero_padding(self) -> None:
+        """Zero the padded rows and columns again (after the dummy loader filled every entry)."""
+        n, w, h = self.owned, self.local, self.hidden
+        for p in (self.gate_up.data[:, n:w], self.gate_up.data[:, w + n :], self.gate_up.data[..., h:],
+                  self.down.data[:, h:], self.down.data[..., n:]):
+            p.zero_()
+
+    def checkpoint_tensor(self, name: str) -> torch.Tensor:
+        """The checkpoint's tensor of `name` ("gate_up" or "down") without the padding; one rank only."""
+        h, n = self.hidden, self.owned
+        if name == "down":
+            return self.down.data[:, :h, :n]
+        gate, up = self._halves()
+        return torch.cat((self.gate_up.data[:, gate, :h], self.gate_up.data[:, up, :h]), dim=1)
+
+    def kernel(self, x: torch.Tensor) -> str:
+        """The products' kernel for x (blockdiff/kernels.py): grouped wherever torch runs them
+        without a host sync; on this CPU they measured faster than per-expert oneDNN products in
+        float32 as well (docs/benchmarks.md, "MoE: grouped against per-expert products"). Training
+        (the demo's) takes the per-expert products: the grouped ops have no backward."""
+        if torch.is_grad_enabled() and self.gate_up.requires_grad:
+            return PER_EXPERT
+        return kernel_on(x.device, x.dtype, self.shape)
 
     def grouped(self, x: torch.Tensor) -> bool:
-        """Grouped products wherever torch has them: they need no host sync, and on this CPU they
-        measured faster than per-expert oneDNN products in float32 as well (docs/benchmarks.md,
-        "MoE: grouped against per-expert products"). Training (the demo's) takes the per-expert
-        products: the grouped op has no backward."""
-        if torch.is_grad_enabled() and self.gate_up.requires_grad:
-            return False
-        return self.groupable and (torch.compiler.is_compiling() or has_grouped_mm(x.device, x.dtype))
+        return self.kernel(x) != PER_EXPERT
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Tokens are sorted by expert into one buffer where each expert's rows start on a multiple
@@ -141,18 +171,23 @@ class Experts(nn.Module):
         # Row gathers through index_select (a copy per row) rather than advanced indexing (index
         # arithmetic per element, ~5x slower on CPU); gap rows repeat token 0 and are dropped.
         source = torch.zeros(capacity, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
+        if self.hidden_in != self.hidden:  # zero columns for the padded weights (blockdiff/kernels.py)
+            x = F.pad(x, (0, self.hidden_in - self.hidden))
         xs = x.index_select(0, source)
         if self.grouped(x):
-            ends32 = ends.to(torch.int32)
-            gate, up = grouped_linear(xs, self.gate_up, ends32).split(self.local, dim=-1)
-            y = grouped_linear(self.act(gate) * up, self.down, ends32)
+            y = self._grouped(xs, ends.to(torch.int32))
         else:
             y = self._per_expert(xs, rows.tolist())
-        y = y.index_select(0, dest) * weights.reshape(-1)[order, None]
+        y = y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]
         out = x.new_zeros(n, self.hidden).index_add_(0, token, y.to(x.dtype))
         if self.reduce:
             self.group.all_reduce(out)
         return out
+
+    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Both products of every expert as one grouped call each (groups end at `ends`, int32)."""
+        gate, up = grouped_linear(xs, self.gate_up, ends).split(self.local, dim=-1)
+        return grouped_linear(self.act(gate) * up, self.down, ends)
 
     def _per_expert(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Two plain products per busy expert over its own rows (the first sum(sizes) rows of xs)."""
@@ -176,14 +211,14 @@ class Fp8Experts(Experts):
     gate / up, part e of down is its down. Each product dequantizes one expert's weight only, so no
     full-precision copy of the layer's experts ever exists."""
 
-    groupable = False
-
     def __init__(self, config: GemmaConfig, group: TPGroup, quant: Fp8Config):
         super().__init__(config, group, FP8)
-        e, h = self.num_experts, self.hidden
+        e = self.num_experts
         self.activations = quant.activations
-        self.gate_up_scale = nn.Parameter(torch.empty(e, 2 * self.local, 1), requires_grad=False)
-        self.down_scale = nn.Parameter(torch.empty(e, h, 1), requires_grad=False)
+        self.shape = ExpertShape(self.hidden_in, self.local, FP8, quant.activations)
+        # Padded rows get a scale of one: their weights are zero, and 0 * an uninitialised scale could be NaN.
+        self.gate_up_scale = nn.Parameter(torch.ones(e, 2 * self.local, 1), requires_grad=False)
+        self.down_scale = nn.Parameter(torch.ones(e, self.hidden_in, 1), requires_grad=False)
         self.gate_up_scale.weight_loader = self.load_gate_up_scale
         self.down_scale.weight_loader = self.load_down_scale
         params = [self.gate_up, self.gate_up_scale, self.down, self.down_scale]
@@ -198,29 +233,37 @@ class Fp8Experts(Experts):
             p.num_parts = parts
 
     def _gate_up_rows(self, part: int) -> tuple[int, slice]:
-        """part -> (expert, its rows in the local gate_up)."""
+        """part -> (expert, the rows of its gate or up in the local gate_up)."""
         expert, which = divmod(part, 2)
-        return expert, slice(which * self.local, (which + 1) * self.local)
+        return expert, self._halves()[which]
 
     def load_gate_up(self, param: torch.Tensor, source, name: str, part: int) -> None:
         check_fp8(name, source)
         check_shape(name, source, (self.inter, self.hidden))
         expert, rows = self._gate_up_rows(part)
-        lo = self.rank * self.local
-        copy_into(param.data[expert, rows], source[lo : lo + self.local])
+        copy_into(param.data[expert, rows, : self.hidden], source[self.lo : self.lo + self.owned])
 
     def load_gate_up_scale(self, param: torch.Tensor, source, name: str, part: int) -> None:
         expert, rows = self._gate_up_rows(part)
-        load_scale(param.data[expert, rows], source, name, self.inter, self.rank * self.local, self.local)
+        load_scale(param.data[expert, rows], source, name, self.inter, self.lo, self.owned)
 
     def load_down(self, param: torch.Tensor, source, name: str, part: int) -> None:
         check_fp8(name, source)
         check_shape(name, source, (self.hidden, self.inter))
-        lo = self.rank * self.local
-        copy_into(param.data[part], source[:, lo : lo + self.local])
+        copy_into(param.data[part, : self.hidden, : self.owned], source[:, self.lo : self.lo + self.owned])
 
     def load_down_scale(self, param: torch.Tensor, source, name: str, part: int) -> None:
-        load_scale(param.data[part], source, name, self.hidden, 0, self.hidden)
+        load_scale(param.data[part, : self.hidden], source, name, self.hidden, 0, self.hidden)
+
+    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """torch._scaled_grouped_mm twice (kernels.SCALED_GROUPED): the activations quantized to FP8
+        per row (or with the static input scale), the weights' row scales applied in the product."""
+        hidden = scaled_grouped_linear(xs, self.gate_up, self.gate_up_scale, ends, self.activations, self.gate_up_input_scale)
+        gate, up = hidden.split(self.local, dim=-1)
+        act = self.act(gate) * up
+        # Under TP each rank holds a slice of every expert's width: one max-reduce of the row scales.
+        scales = sharded_token_scales(act, self.group) if self.reduce and self.activations == "dynamic" else None
+        return scaled_grouped_linear(act, self.down, self.down_scale, ends, self.activations, self.down_input_scale, scales)
 
     def gate_up_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return fp8_linear(x, self.gate_up[e], self.gate_up_scale[e], self.activations, self.gate_up_input_scale)

@@ -66,8 +66,9 @@ def _export(model: DiffusionGemma, name: str, param: torch.Tensor):
     prefix = f"{DECODER}layers.{layer}."
     if rest in _FUSED:
         return _split(model, name, param, [prefix + n for n in _FUSED[rest]])
-    if rest in _RENAMED:
-        return [(prefix + _RENAMED[rest], None, param)]
+    if rest in _RENAMED:  # without the padding the kernels need (model/moe.py)
+        experts = model.get_submodule(f"layers.{layer}.experts")
+        return [(prefix + _RENAMED[rest], None, experts.checkpoint_tensor(rest.removeprefix("experts.")))]
     return [(prefix + rest.replace("attn.", "self_attn.", 1), None, param)]
 
 

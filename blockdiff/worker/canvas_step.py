@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams
-from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.model.attention import CacheGeometry, Row, canvas_metadata
 from blockdiff.model.interface import BlockDiffusionModel
 
@@ -46,6 +46,7 @@ class CanvasOutputs:
     logprob: torch.Tensor  # [B, CL] of each token
     entropy: torch.Tensor  # [B, CL] computed anyway; read back only for drafts that ask (draft_details)
     accepted: torch.Tensor  # [B, CL] bool
+    dist: Distribution  # the step's distribution statistics, which a constrained commit reads
 
 
 def canvas_step(
@@ -73,7 +74,21 @@ def canvas_step(
         # For every canvas, finished ones included: their slots are reset when the next canvas starts.
         updates["soft"] = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
     return CanvasOutputs(updates, sampler.commit(res, inputs.params), res.finished, res.logprob, res.dist.entropy,
-                         res.accepted)
+                         res.accepted, res.dist)
+
+
+def shape_count(num_slots: int, max_context: int, block_size: int) -> int:
+    """How many (bucket, context, restrict) shapes a step of canvases can take: every bucket up to
+    that of `num_slots` canvases, every context up to `max_context` positions, with and without
+    top-k/p sampling. The compiled step is allowed exactly this many graphs."""
+    buckets = len({bucket(n) for n in range(1, num_slots + 1)})
+    contexts = 1 + (max(1, -(-max_context // block_size)) - 1).bit_length() + 1  # 0, then 1, 2, 4, ... blocks
+    return buckets * contexts * 2
+
+
+# Each shape compiles to its own static-shape graph (what a CUDA graph replays anyway): no symbolic
+# sizes, whose guards and generic kernels buy nothing when the shapes are a small known set.
+COMPILE_OPTIONS = dict(fullgraph=True, dynamic=False)
 
 
 def all_canvases(rows: list[Row]) -> bool:
@@ -133,7 +148,13 @@ class CanvasSteps:
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.sampler, self.vocab, self.kv, self.geometry, self.kinds = model, sampler, vocab, kv, geometry, kinds
         self.state, self.device = state, device
-        self.fn = torch.compile(canvas_step, fullgraph=True) if compile else canvas_step
+        self.fn = torch.compile(canvas_step, **COMPILE_OPTIONS) if compile else canvas_step
+        # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
+        # these calls only; a shape beyond them would be a bug and still fails.
+        context = max(k.shape[0] for k, _ in kv) if kv else 0
+        self.limits = dict(recompile_limit=shape_count(state.scratch, context, geometry.block_size))
+        self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                         2 * self.limits["recompile_limit"])
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         self.shapes: dict[tuple[int, int, bool], tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
 
@@ -149,9 +170,11 @@ class CanvasSteps:
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
-            return inputs, self.fn(*self.step_args(context, inputs))
+            with torch._dynamo.config.patch(**self.limits):
+                return inputs, self.fn(*self.step_args(context, inputs))
         if graph is None:
-            graph, outputs = self._capture(context, inputs)
+            with torch._dynamo.config.patch(**self.limits):
+                graph, outputs = self._capture(context, inputs)
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs

@@ -70,10 +70,11 @@ def geometry(model: BlockDiffusionModel, cfg: CacheConfig) -> CacheGeometry:
 
 
 def allocate(model: BlockDiffusionModel, cfg: CacheConfig, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V) flat storage: [entries, local KV heads, head dim]."""
+    """Per layer (K, V) flat storage: [local KV heads, entries, head dim]. Head-major, so that one
+    copy of a row's cache blocks is already the [keys, head dim] operand of each KV head's product."""
     out = []
     for spec in model.kv_cache_spec():
         entries = (cfg.sliding_blocks if spec.sliding else cfg.num_blocks) * cfg.block_size
-        shape = (entries, spec.kv_heads, spec.head_dim)
+        shape = (spec.kv_heads, entries, spec.head_dim)
         out.append((torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device)))
     return out

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from blockdiff.config import COMPILE_BY_DEFAULT
+from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
 from blockdiff.diffusion.strategy import DiffusionSampler
-from blockdiff.diffusion.vocab_parallel import VocabParallel, workspace_bytes
+from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
+from blockdiff.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
-from blockdiff.step import CacheConfig, StepOutput, StepPlan
+from blockdiff.step import CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
 from blockdiff.worker.canvas_step import CanvasSteps, all_canvases
 from blockdiff.worker.cpu_heap import keep_freed_memory
 from blockdiff.worker.kv_cache import allocate, geometry
@@ -49,29 +50,36 @@ class ModelRunner:
         self.canvas_length = model.config.canvas_length
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
                                        self.device)
+        self.automata: dict[str, DeviceAutomaton] = {}  # structured outputs' automata, by key (StepPlan.automata)
         self.canvas_steps = None
-        static = model.static_shapes(self.device)
-        if compile is None:
-            compile = COMPILE_BY_DEFAULT.get(self.device.type, False) and static
-        elif compile and not static:
-            raise ValueError("compile=True needs grouped expert products, which this model cannot run on "
-                             f"{self.device} (FP8 experts, or no torch._grouped_mm in this torch)")
-        cuda_graphs = cuda_graphs and static  # the default on CUDA: models without static shapes run eagerly
-        if compile or cuda_graphs:
+        # Models whose step is not static (their experts read group sizes on the host) run eagerly.
+        modes = step_modes(target(self.device), model.static_shapes(self.device), compile, cuda_graphs)
+        if modes.compile or modes.cuda_graphs:
             self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, tuple(sorted(self.kinds)),
-                                            self.state, self.device, compile, cuda_graphs)
+                                            self.state, self.device, modes.compile, modes.cuda_graphs)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
-        dec_rows = [r for r in plan.rows if r.decoder]
+        for key in plan.forget_automata:
+            self.automata.pop(key, None)
+        for key, automaton in plan.automata.items():
+            self.automata[key] = DeviceAutomaton(automaton, self.vocab, self.device)
+        # Decoder rows: the pieces of prompts scored this step first, then the canvases.
+        scored = 0 if plan.score is None else len(plan.score.lengths)
+        dec_rows = [r for r in plan.rows if r.decoder][scored:]
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
             starting = slots[torch.tensor(plan.new_canvas_rows, device=self.device)]
             self.state.start(starting, plan.new_canvases.to(self.device))
-        if self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0:
+        if (self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0 and plan.score is None
+                and plan.min_tokens is None):
             return self._canvas_step(plan)
 
         ids = plan.encoder_ids.to(self.device)
+        score_tokens = 0
+        if plan.score is not None:
+            ids = torch.cat((ids, plan.score.ids.to(self.device)))
+            score_tokens = plan.score.ids.shape[0]
         soft = None
         if dec_rows:
             ids = torch.cat((ids, self.state.canvas[slots].reshape(-1)))
@@ -79,19 +87,30 @@ class ModelRunner:
             # soft embeddings (a finished one starts a new canvas next: the scheduler's steps_left).
             if self.sampler.self_conditioning and len(plan.new_canvas_rows) < len(dec_rows):
                 soft = self.state.soft[slots].reshape(-1, self.state.soft.shape[-1])
+                if score_tokens:  # a scored piece is a canvas's first step: no self-conditioning (zeros)
+                    soft = torch.cat((soft.new_zeros(score_tokens, soft.shape[-1]), soft))
         meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device)
         if meta.num_tokens > ids.shape[0]:
             ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
         images = None if plan.images is None else plan.images.to(self.device)
         logits = self.model(ids, meta, self.kv, soft, images)
+        score = self._score(logits[:score_tokens], plan.score) if plan.score is not None else {}
+        logits = logits[score_tokens:]
         if not dec_rows:
-            return None
+            if not score:
+                return None
+            return StepOutput(finished=torch.zeros(0, dtype=torch.bool), tokens=torch.zeros(0, self.canvas_length,
+                              dtype=torch.long), logprob=None, top_logprobs=None, top_ids=None, **score)
 
         params = plan.denoise.to(self.device)
         res = self.sampler.step(logits.view(len(dec_rows), self.canvas_length, -1), self.state, slots, params, self.vocab)
-        tokens = self.sampler.commit(res, params)
         self.state.put(slots, res.updates)
         finished = res.finished.cpu()  # the only host sync the control flow below needs
+        tokens, logprob = self.sampler.commit(res, params), res.logprob
+        if plan.min_tokens is not None:
+            tokens, logprob = self._no_early_stops(tokens, logprob, res.dist, finished, plan.min_tokens)
+        # Last: a constrained canvas commits what its automaton accepts, whatever came before.
+        tokens, logprob = self._constrain(plan, finished, res.dist, tokens, logprob)
         if self.sampler.self_conditioning:
             # A finished canvas is committed and the next one starts without self-conditioning, so
             # only the canvases that go on need their soft embeddings (the product is as big as the
@@ -102,15 +121,15 @@ class ModelRunner:
                 keep = slots if rows is None else slots[rows]
                 self.state.soft[keep] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
 
-        logprob = top_lp = top_ids = None
-        if plan.top_logprobs >= 0:
-            logprob = res.logprob
-            if plan.top_logprobs > 0 and bool(finished.any()):
-                # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
-                done = finished.nonzero().squeeze(1).to(self.device)
-                done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
-                top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
-                top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
+        top_lp = top_ids = None
+        if plan.top_logprobs < 0:
+            logprob = None
+        elif plan.top_logprobs > 0 and bool(finished.any()):
+            # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
+            done = finished.nonzero().squeeze(1).to(self.device)
+            done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
+            top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
+            top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
         return StepOutput(
             finished=finished,
             tokens=tokens.cpu(),
@@ -119,17 +138,66 @@ class ModelRunner:
             top_ids=None if top_ids is None else top_ids.cpu(),
             entropy=res.dist.entropy.cpu() if plan.draft_details else None,
             accepted=res.accepted.cpu() if plan.draft_details else None,
+            **score,
         )
+
+    def _score(self, logits: torch.Tensor, plan: ScorePlan) -> dict[str, torch.Tensor]:
+        """The log-probability of each scored token under the model's distribution (temperature 1) at
+        its own position, and its top alternatives: the logits stay sharded."""
+        dist = self.vocab.distribution(logits.unsqueeze(0))
+        out = {"score_logprob": self.vocab.token_logprob(dist, plan.ids.to(self.device).unsqueeze(0))[0].cpu()}
+        if plan.top > 0:
+            lp, ids = self.vocab.top_logprobs(dist, plan.top, torch.zeros(1, dtype=torch.long, device=self.device))
+            out.update(score_top_logprobs=lp[0].cpu(), score_top_ids=ids[0].cpu())
+        return out
+
+    def _no_early_stops(self, tokens: torch.Tensor, logprob: torch.Tensor, dist: Distribution, finished: torch.Tensor,
+                        rule: MinTokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """Finished canvases that would commit a banned token before their row's `before` position
+        take the most likely token that is not banned there instead (SamplingParams.min_tokens)."""
+        rows = (finished & (rule.before > 0)).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return tokens, logprob
+        rows_d = rows.to(self.device)
+        banned = rule.banned.to(self.device)[rows_d]  # [n, K]
+        lp, ids = self.vocab.top_logprobs(dist, banned.shape[1] + 1, rows_d)  # [n, CL, K + 1]
+        allowed = ~(ids.unsqueeze(-1) == banned[:, None, None, :]).any(-1)
+        first = allowed.int().argmax(-1, keepdim=True)  # K + 1 candidates hold at least one allowed token
+        alt_ids, alt_lp = ids.gather(-1, first).squeeze(-1), lp.gather(-1, first).squeeze(-1)
+        early = torch.arange(self.canvas_length, device=self.device) < rule.before.to(self.device)[rows_d, None]
+        sub = tokens[rows_d]
+        bad = early & (sub.unsqueeze(-1) == banned[:, None, :]).any(-1)
+        tokens, logprob = tokens.clone(), logprob.clone()
+        tokens[rows_d] = torch.where(bad, alt_ids, sub)
+        logprob[rows_d] = torch.where(bad, alt_lp, logprob[rows_d])
+        return tokens, logprob
+
+    def _constrain(self, plan: StepPlan, finished: torch.Tensor, dist: Distribution, tokens: torch.Tensor,
+                   logprob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`tokens` and `logprob` [canvases, CL] with those of the finished constrained canvases
+        replaced by their constrained commits (diffusion/constrained.py); the others as they are."""
+        done = [c for c in plan.constraints if finished[c.row]]
+        if not done:
+            return tokens, logprob
+        tokens, logprob = tokens.clone(), logprob.clone()
+        for key in dict.fromkeys(c.automaton for c in done):  # the same order on every rank
+            group = [c for c in done if c.automaton == key]
+            rows = torch.tensor([c.row for c in group], device=tokens.device)
+            new, lp = constrained_tokens(dist, tokens[rows], group, self.automata[key], self.vocab)
+            tokens[rows], logprob[rows] = new, lp
+        return tokens, logprob
 
     def _canvas_step(self, plan: StepPlan) -> StepOutput:
         """The static step; only the finished flags and committed tokens (and logprobs) come back."""
         n = len(plan.rows)
         inputs, out = self.canvas_steps(plan.rows, plan.denoise)
         self.state.put(inputs.slots[:n], {name: value[:n] for name, value in out.updates.items()})
+        finished = out.finished[:n].cpu()
+        tokens, logprob = self._constrain(plan, finished, out.dist, out.tokens[:n], out.logprob[:n])
         return StepOutput(
-            finished=out.finished[:n].cpu(),
-            tokens=out.tokens[:n].cpu(),
-            logprob=out.logprob[:n].cpu() if plan.top_logprobs == 0 else None,
+            finished=finished,
+            tokens=tokens.cpu(),
+            logprob=logprob.cpu() if plan.top_logprobs == 0 else None,
             top_logprobs=None,
             top_ids=None,
             entropy=out.entropy[:n].cpu() if plan.draft_details else None,

@@ -3,7 +3,7 @@ importing FastAPI and uvicorn)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -31,3 +31,5 @@ class ServerConfig:
     log_level: str = "info"
     tool_call_parser: str | None = None  # None: the checkpoint's own format (Gemma 4's) if its tokenizer has it
     reasoning_parser: str | None = None  # the same
+    # vLLM's --default-chat-template-kwargs: template variables every chat gets unless it sets them
+    default_chat_template_kwargs: dict = field(default_factory=dict)

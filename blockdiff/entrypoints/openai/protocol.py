@@ -32,6 +32,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk
 
 
 # Fields a request may set directly for any model (diffusion extensions), typed as in SamplingParams:
@@ -47,8 +48,44 @@ _SamplerExtensions = create_model(
 )
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's response_format.json_schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's structured_outputs: exactly one of these (docs/structured_outputs.md)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
 class _GenerationRequest(_SamplerExtensions):
     """Fields both endpoints accept."""
+
+    # Structured outputs (OpenAI's response_format; vLLM's structured_outputs and its older guided_*)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     model: str | None = None
     n: int | None = None
@@ -65,14 +102,17 @@ class _GenerationRequest(_SamplerExtensions):
     repetition_penalty: float | None = None  # vLLM's; `vllm bench serve` sends 1.0, the only value accepted
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None  # OpenAI's: stored nowhere, so ignored
     return_token_ids: bool | None = None  # extension: token ids in every choice and chunk
+    min_tokens: int | None = None  # vLLM's: no EOS, stop token or stop string before this many tokens
+    skip_special_tokens: bool | None = None  # vLLM's; unset: true, and false where a chat's output is parsed
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | Annotated[list[str], Field(max_length=MAX_CHOICES)] | list[int] | Annotated[list[list[int]], Field(max_length=MAX_CHOICES)]
     max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt before the completion, with logprobs its tokens' scores
     suffix: str | None = None
     best_of: int | None = None
 
@@ -153,6 +193,9 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # variables the chat template reads (enable_thinking)
+    # OpenAI's; thinking on or off through the template's switch (docs/server.md, "Tool calls and thinking")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    echo: bool | None = None  # vLLM's: the reply starts with the last message's content when it is the assistant's
 
 
 def sampler_extensions(table: tuple[SamplerField, ...]) -> tuple[str, ...]:
@@ -198,8 +241,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: the prompt's first token, which nothing scores (echo)
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -37,7 +37,8 @@ from blockdiff.outputs import RequestOutput
 # Stored responses keep at most this much JSON (responses and their conversations); the oldest go first.
 STORE_BYTES = 256 * 2**20
 # The chat request's names of the fields whose errors a Responses request knows by other names.
-_RESPONSES_NAMES = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens"}
+_RESPONSES_NAMES = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens",
+                    "response_format": "text.format"}
 # `include` values that need nothing: reasoning is returned as plain text, never encrypted.
 _HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
 _ITEMS = TypeAdapter(r.InputItem)
@@ -330,16 +331,15 @@ class OpenAIServingResponses:
         with _responses_names():
             rules = s._output_rules(chat)
             images = await s._chat_images(chat.messages, client)
+            constraint = s._chat_constraint(chat, rules)
             prompts, requests = await s.pool.run(client, s._chat_requests, chat, images, 1, chat.max_tokens, None, rules,
-                                                 response_id)
-        release = s.clients.hold(client, len(requests))  # until the response ends, however it ends
+                                                 response_id, constraint)
         try:
-            return rules, prompts, await s.engine.add(requests, client), release
-        except BaseException as e:
-            release()
-            if isinstance(e, ValueError):
-                raise bad_value(e, REQUEST_FIELDS, {"prompt": "input", "max_tokens": "max_output_tokens"}) from None
-            raise
+            stream, release = await s.add(requests, client)  # the share is held until the response ends
+        except ValueError as e:
+            raise bad_value(e, REQUEST_FIELDS, {"prompt": "input", "max_tokens": "max_output_tokens",
+                                                "structured_outputs": "text.format"}) from None
+        return rules, prompts, stream, release
 
     def _stored(self, response_id: str, param: str) -> _Stored:
         stored = self.store.get(response_id)
@@ -370,6 +370,9 @@ class OpenAIServingResponses:
             body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
         elif req.tool_choice is not None:
             body["tool_choice"] = req.tool_choice
+        response_format = _response_format(req.text)
+        if response_format is not None:
+            body["response_format"] = response_format
         thinking = self._thinking(req.reasoning)
         if thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": thinking}
@@ -446,6 +449,17 @@ def _not_stored(response_id: str, param: str) -> APIError:
                          "and the oldest are dropped once the store is full)", param=param, code="response_not_found")
 
 
+def _response_format(text: r.TextConfig | None) -> dict | None:
+    """`text.format` as the chat endpoint's response_format (structured output: docs/structured_outputs.md);
+    None for plain text. The Responses API spells a JSON schema flat: {type, name, schema, strict}."""
+    if text is None or text.format is None or text.format.type == "text":
+        return None
+    if text.format.type == "json_object":
+        return {"type": "json_object"}
+    extra = text.format.model_extra or {}
+    return {"type": "json_schema", "json_schema": {k: extra[k] for k in ("name", "description", "schema", "strict") if k in extra}}
+
+
 def _refuse_unsupported(req: r.ResponsesRequest) -> None:
     """400s for what the server cannot do, each naming its field."""
     hosted = next((i for i, tool in enumerate(req.tools or ()) if isinstance(tool, r.HostedTool)), None)
@@ -464,9 +478,6 @@ def _refuse_unsupported(req: r.ResponsesRequest) -> None:
                        param="prompt")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options needs stream: true", param="stream_options")
-    if req.text is not None and req.text.format is not None and req.text.format.type != "text":
-        raise APIError(400, f"text.format {req.text.format.type!r} (structured output) is not supported yet; only "
-                            "{'type': 'text'} is", param="text.format")
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         raise APIError(400, f"text.verbosity {req.text.verbosity!r} is not supported (the model has no verbosity "
                             "control); leave it unset", param="text.verbosity")

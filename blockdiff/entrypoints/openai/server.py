@@ -112,7 +112,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
     serving = OpenAIServing(engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
                             cfg.reasoning_parser, pool, images, ClientLimit(cfg.max_client_concurrency),
-                            cfg.max_stream_buffer)
+                            cfg.max_stream_buffer, cfg.default_chat_template_kwargs)
     tokenization = OpenAIServingTokenization(serving)
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.engine.async_engine import EngineUnavailable, RequestFailed, RequestStream
-from blockdiff.engine.client import EngineClient
+from blockdiff.engine.client import EngineClient, structured_specs
 from blockdiff.engine.images import IMAGE_PART_TYPES, template_content
 from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import limits, protocol as p
@@ -26,7 +26,8 @@ from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
 from blockdiff.entrypoints.openai.media import ChatImages
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
-from blockdiff.entrypoints.openai import reasoning, tool_parsers
+from blockdiff.entrypoints.openai import reasoning, tool_parsers, vllm_fields
+from blockdiff.entrypoints.openai.structured import constraint_field, request_constraint, tool_call_constraint
 from blockdiff.outputs import RequestOutput, TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -46,6 +47,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's scores (echo), in a choice's first piece
 
 
 class ChoiceState:
@@ -60,8 +62,8 @@ class ChoiceState:
 
     def advance(self, out: RequestOutput) -> Piece:
         self.canvases = out.metrics["canvases"]
-        return Piece(text=out.text or "", token_ids=out.token_ids, logprobs=out.logprobs,
-                     finish_reason=out.finish_reason if out.finished else None)
+        return Piece(text=out.text or "", token_ids=out.token_ids, logprobs=out.outputs[0].token_logprobs,
+                     finish_reason=out.finish_reason if out.finished else None, prompt_logprobs=out.prompt_token_logprobs)
 
 
 def usage(prompts: list[list[int]], finals: dict[int, RequestOutput], choices: int) -> p.Usage:
@@ -97,20 +99,30 @@ class _Format:
 class _CompletionFormat(_Format):
     draft_object = "text_completion.draft"
 
-    def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None):
+    def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None,
+                 echo: list[tuple[str, list[int]]] | None = None, n: int = 1):
         super().__init__(serving, request_id, model, return_token_ids)
         self.logprobs = logprobs
+        self.echo, self.n = echo, n  # echo: each prompt's text and ids, which its choices start with
         # text_offset runs over the token strings sent so far, per choice; it is not the text sent,
         # which lags behind the tokens while a stop string may still cut it.
         self._offsets: dict[int, int] = {}
 
     def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
+        first = index not in self._offsets
+        offset = self._offsets.setdefault(index, 0)
+        echo = self.echo[index // self.n] if self.echo is not None and first else None  # in a choice's first piece
+        text = piece.text if echo is None else echo[0] + piece.text
         lp = None
         if self.logprobs is not None:
-            start = self._offsets.get(index, 0)
-            lp = self.serving.completion_logprobs(piece.logprobs or [], start, self.logprobs > 0)
+            top = self.logprobs > 0
+            head = None if echo is None else vllm_fields.echo_logprobs(echo[1], piece.prompt_logprobs,
+                                                                        self.serving.token_text, top)
+            start = offset + (0 if head is None else sum(map(len, head.tokens)))
+            lp = self.serving.completion_logprobs(piece.logprobs or [], start, top)
             self._offsets[index] = start + sum(map(len, lp.tokens))
-        return p.CompletionChoice(index=index, text=piece.text, logprobs=lp, finish_reason=piece.finish_reason,
+            lp = lp if head is None else vllm_fields.joined(head, lp)
+        return p.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=piece.finish_reason,
                                   token_ids=self._ids(piece))
 
     def chunk(self, index: int, piece: Piece) -> BaseModel:
@@ -127,10 +139,12 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     draft_object = "chat.completion.draft"
 
-    def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool, rules: OutputRules):
+    def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool, rules: OutputRules,
+                 echo: str | None = None):
         super().__init__(serving, request_id, model, return_token_ids)
         self.logprobs = logprobs
         self.rules = rules
+        self.echo = echo  # vLLM's chat echo: the last (assistant) message's content, which each reply starts with
         self._outputs: dict[int, ChatOutput] = {}
 
     def _parse(self, index: int, piece: Piece):
@@ -147,7 +161,8 @@ class _ChatFormat(_Format):
         return p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
 
     def begin(self, count: int) -> list[BaseModel]:
-        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=""))]) for i in range(count)]
+        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=self.echo or ""))])
+                for i in range(count)]
 
     def chunk(self, index: int, piece: Piece) -> BaseModel:
         parsed, first_call, finish_reason = self._parse(index, piece)
@@ -167,6 +182,8 @@ class _ChatFormat(_Format):
         calls = [p.ToolCallOut(id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments_json)) for c in parsed.calls]
         # As vLLM: no content beside calls when the text outside them is blank, or thinking took it all.
         content = None if (calls or parsed.reasoning) and not parsed.content.strip() else parsed.content
+        if self.echo:
+            content = self.echo + (content or "")
         message = p.AssistantMessage(content=content, reasoning_content=parsed.reasoning or None,
                                      reasoning=parsed.reasoning or None, tool_calls=calls)
         return p.ChatChoice(index=index, message=message, logprobs=self._logprobs(piece), finish_reason=finish_reason,
@@ -219,16 +236,25 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _prompt_list(prompt: str | list) -> list:
+    """A completion request's prompts, each a string or token ids."""
+    return [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
+
+
 def _prompt_count(prompt: str | list) -> int:
     """Prompts in a completion request's `prompt`, counted before any is tokenized."""
-    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+    return len(_prompt_list(prompt))
 
 
 def _request_names(req: p._GenerationRequest) -> dict[str, str]:
-    """The request fields that engine errors about `prompt` and `max_tokens` are about."""
+    """The request fields that engine errors about `prompt`, `max_tokens` and `structured_outputs` are about."""
+    field = constraint_field(req)
+    if field is None and isinstance(req, p.ChatCompletionRequest) and req.tool_choice not in (None, "none", "auto"):
+        field = "tool_choice"
+    names = {} if field is None else {"structured_outputs": field}
     if not isinstance(req, p.ChatCompletionRequest):
-        return {}
-    names = {"prompt": "messages"}
+        return names
+    names["prompt"] = "messages"
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     return names
@@ -264,7 +290,8 @@ _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_g
 class OpenAIServing:
     def __init__(self, engine: EngineClient, served_model_names: list[str], max_request_cost: int | None,
                  tool_call_parser: str | None, reasoning_parser: str | None, pool: WorkPool, images: ChatImages,
-                 clients: ClientLimit, max_stream_buffer: int):
+                 clients: ClientLimit, max_stream_buffer: int, default_chat_template_kwargs: dict | None = None):
+        """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
         self.engine = engine
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
         # (preprocess.py), its images in `images` (media.py); `clients` counts its engine requests.
@@ -286,6 +313,14 @@ class OpenAIServing:
         # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
         # tokenizer (which holds the GIL, stalling every other request) sees it.
         self.max_prompt_chars = None if self.tokenizer is None else self.limits.max_model_len * self.tokenizer.max_token_chars
+        self.default_template_kwargs = {}
+        if default_chat_template_kwargs:
+            if self.tokenizer is None:
+                raise ValueError("--default-chat-template-kwargs: this checkpoint has no tokenizer, so no chat template")
+            try:
+                self.default_template_kwargs = self._template_kwargs(default_chat_template_kwargs)
+            except APIError as e:
+                raise ValueError(f"--default-chat-template-kwargs: {e.message}") from None
 
     def _parser(self, kind: str, name: str | None, by_name, checkpoint_format):
         """The parser named by the server flag; with none named, the checkpoint's own format when its
@@ -306,22 +341,26 @@ class OpenAIServing:
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
         model = self.model_name(req.model)
         n = self._check_common(req)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        vllm_fields.completion_max_tokens(req)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of not in (None, n):
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
         _check_choices(_prompt_count(req.prompt), n)
         request_id = p.new_id("cmpl")
-        prompts, requests = await self.pool.run(client_of(raw), self._completion_requests, req, n, request_id)
-        fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs)
+        constraint = request_constraint(req)
+        prompts, requests, echo = await self.pool.run(client_of(raw), self._completion_requests, req, n, request_id,
+                                                      constraint)
+        fmt = _CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs, echo, n)
         return await self._respond(req, prompts, requests, fmt, raw)
 
-    def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str):
-        """(In the pool) -> (the prompts' ids, the engine requests)."""
+    def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str, constraint):
+        """(In the pool) -> (the prompts' ids, the engine requests, with echo each prompt's text and ids)."""
         prompts = self._completion_prompts(req.prompt, request_id)
-        return prompts, self._engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs)
+        requests = self._engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs,
+                                         prompt_logprobs=vllm_fields.prompt_logprobs(req), structured_outputs=constraint)
+        echo = [(self._prompt_text(x, ids), ids) for x, ids in zip(_prompt_list(req.prompt), prompts)] if req.echo else None
+        return prompts, requests, echo
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         model = self.model_name(req.model)
@@ -334,21 +373,39 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rules = self._output_rules(req)
+        constraint = self._chat_constraint(req, rules)
         request_id = p.new_id("chatcmpl")
         images = await self._chat_images(req.messages, client_of(raw))
         prompts, requests = await self.pool.run(client_of(raw), self._chat_requests, req, images, n, max_tokens, logprobs,
-                                                rules, request_id)
-        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules)
+                                                rules, request_id, constraint)
+        last = req.messages[-1]
+        echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
+        fmt = _ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules, echo)
         return await self._respond(req, prompts, requests, fmt, raw)
 
     def _chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
-                       logprobs: int | None, rules: OutputRules, request_id: str):
+                       logprobs: int | None, rules: OutputRules, request_id: str, constraint=None):
         """(In the pool) -> (the prompt ids usage counts, the engine requests)."""
-        ids = self._chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None and self.tokenizer is not None:
+            kwargs = vllm_fields.reasoning_kwargs(req.reasoning_effort, self.tokenizer.template_variables, kwargs or {})
+        ids = self._chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=kwargs)
         prompt, prompts = self._with_images(ids, images)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
         return prompts, self._engine_requests(req, [prompt], prompts, n, max_tokens, logprobs,
-                                              skip_special_tokens=not rules.parses)
+                                              skip_special_tokens=not rules.parses, structured_outputs=constraint)
+
+    @staticmethod
+    def _chat_constraint(req: p.ChatCompletionRequest, rules: OutputRules):
+        """What the chat's output must be: its structured output, or with a forced tool_choice the
+        calls, their arguments as the tools' parameter schemas say; None: anything."""
+        constraint = request_constraint(req)
+        if rules.forced:
+            if constraint is not None:
+                raise APIError(400, "a forced tool_choice and a structured output both constrain the output: give one",
+                               param="tool_choice")
+            constraint = tool_call_constraint(req.tools, rules.allowed, rules.parallel)
+        return constraint
 
     def _output_rules(self, req: p.ChatCompletionRequest) -> OutputRules:
         """Which parsers read this request's output, and what its tool_choice demands."""
@@ -401,16 +458,20 @@ class OpenAIServing:
         return n
 
     def _engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
-                         max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True) -> list:
+                         max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True,
+                         prompt_logprobs: int | None = None, structured_outputs=None) -> list:
         """n engine requests per prompt, checked against the limits first. The choices share one
-        validated SamplingParams but their seeds (and so its draft and stop lists); prompt-major."""
+        validated SamplingParams but their seeds (and so its draft and stop lists); prompt-major.
+        skip_special_tokens: the endpoint's default, under the request's own (vLLM's field)."""
         limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.limits.max_model_len)
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
+        skip = skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens
         try:
             params = SamplingParams.of(**values, max_tokens=max_tokens, seed=req.seed, stop=req.stop, logprobs=logprobs,
-                                       output_kind="delta" if req.stream else "final_only",
-                                       skip_special_tokens=skip_special_tokens)
+                                       min_tokens=req.min_tokens or 0, prompt_logprobs=prompt_logprobs,
+                                       output_kind="delta" if req.stream else "final_only", skip_special_tokens=skip,
+                                       structured_outputs=structured_outputs)
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
         self._check_cost(req, prompts, params, n)
@@ -444,6 +505,12 @@ class OpenAIServing:
                                 f"max_denoising_steps x canvas length), more than this server's limit of "
                                 f"{self.max_request_cost} per request: lower n, max_tokens or max_denoising_steps",
                            param="max_tokens", code="request_too_costly")
+
+    def _prompt_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        """What echo returns of a prompt: its text, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _encode(self, text: str, request_id: str) -> list[int]:
         if self.tokenizer is None:
@@ -479,7 +546,7 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
-        kwargs = self._template_kwargs(chat_template_kwargs or {})
+        kwargs = {**self.default_template_kwargs, **self._template_kwargs(chat_template_kwargs or {})}
         tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         # Everything the template reads counts, before it, the arguments' decoding or the tokenizer run.
         limits.check_template_text(rendered, tools, kwargs, self.max_prompt_chars, self.limits.max_model_len,
@@ -544,26 +611,36 @@ class OpenAIServing:
         return kwargs
 
     # ---- engine outputs -> responses ----------------------------------------------------------
-    async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
-        client = client_of(raw)
-        release = self.clients.hold(client, len(requests))  # until the response ends, however it ends
+    async def add(self, requests: list, client: str) -> tuple[RequestStream, Callable[[], None]]:
+        """Queue one API call's engine requests against `client`'s share (held until `release()`,
+        which the response calls however it ends); a new structured output's automaton is built off
+        the event loop first, within the engine's time bound. -> (their stream, release). Raises what
+        the engine raises (ValueError for bad parameters), with the share released."""
+        release = self.clients.hold(client, len(requests))
         try:
-            stream = await self.engine.add(requests, client)
-        except BaseException as e:
+            for spec in structured_specs(requests):
+                await self.engine.prepare(spec)
+            return await self.engine.add(requests, client), release
+        except BaseException:
             release()
-            if isinstance(e, ValueError):
-                raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
             raise
+
+    async def _respond(self, req, prompts: list[list[int]], requests, fmt: _Format, raw: Request) -> Response:
+        try:
+            stream, release = await self.add(requests, client_of(raw))
+        except ValueError as e:
+            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
         states = [ChoiceState() for _ in requests]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
             def close() -> None:
                 stream.abort()
                 release()
 
             stream.max_unread = self.max_stream_buffer
-            return _EventStream(self._events(stream, states, prompts, fmt, include_usage), stream, close)
+            return _EventStream(self._events(stream, states, prompts, fmt, include_usage, continuous), stream, close)
         try:
             finals = await self._collect(stream, raw)
         finally:
@@ -575,16 +652,24 @@ class OpenAIServing:
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _events(self, stream: RequestStream, states: list[ChoiceState], prompts, fmt: _Format,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
+        """continuous: usage so far in every chunk (vLLM's continuous_usage_stats)."""
         try:
+            latest: dict[int, RequestOutput] = {}  # each choice's latest output: its usage so far
             for chunk in fmt.begin(len(states)):
+                if continuous:
+                    chunk.usage = usage(prompts, latest, len(states))
                 yield _sse(chunk)
             finals = {}
             async for index, out in stream:
                 if states[index].is_draft(out):
                     yield _sse(self._draft(fmt, index, out), event="draft")
                     continue
-                yield _sse(fmt.chunk(index, states[index].advance(out)))
+                chunk = fmt.chunk(index, states[index].advance(out))
+                if continuous:
+                    latest[index] = out
+                    chunk.usage = usage(prompts, latest, len(states))
+                yield _sse(chunk)
                 if out.finished:
                     finals[index] = out
             if include_usage:

@@ -1,0 +1,183 @@
+"""Which kernels a model runs on a device, decided in one place: `choose`.
+
+From the device type, its compute capability, the dtype and the shapes it decides how a layer's
+experts multiply, and whether a step of canvases can run as one static step, compiled and/or
+captured as a CUDA graph:
+
+- "grouped": `torch._grouped_mm`, all experts in one call with the offsets on the device. On the
+  CPU wherever torch has the kernel (float32 and bfloat16). On CUDA only where torch runs it
+  without reading the offsets on the host: bfloat16 on compute capability 9.x and 10.x (its
+  `_grouped_mm_cuda` "fast path"); elsewhere it falls back to a loop that copies the offsets to the
+  host, a sync that cannot be captured in a graph.
+- "scaled_grouped": FP8 experts as `torch._scaled_grouped_mm` with row-wise scales: CUDA 9.x / 10.x,
+  bfloat16 activations that are quantized (a "dynamic" or "static" scheme), dimensions divisible by 16.
+- "per_expert": two products per busy expert, which reads the group sizes on the host: everything
+  else. Such a step has a host sync in every layer, so it is neither compiled nor captured.
+
+Every grouped product reads its matrices with leading strides of 16 bytes (and FP8 dimensions
+divisible by 16); model/moe.py pads each expert's widths at load time to `padded(n, dtype)`, which
+is exact (zero columns of gate/up, zero rows of down), so an unpadded width is a shape `choose` only
+meets when something skipped the padding, and it then takes the per-expert path.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from blockdiff.config import COMPILE_BY_DEFAULT
+
+ALIGN_BYTES = 16  # torch's grouped products: leading strides (and FP8 dimensions) of 16 bytes
+FP8 = torch.float8_e4m3fn
+
+GROUPED, SCALED_GROUPED, PER_EXPERT = "grouped", "scaled_grouped", "per_expert"
+# torch's grouped kernels without a host sync: compute capability 9.x (Hopper) and 10.x (Blackwell).
+_GROUPED_MAJORS = (9, 10)
+
+
+def padded(n: int, dtype: torch.dtype) -> int:
+    """n rounded up to a whole number of 16-byte rows of `dtype` (16 elements of FP8, 8 of bf16, 4 of float32)."""
+    step = max(1, ALIGN_BYTES // dtype.itemsize)
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the kernels run: a device type and, on CUDA, its compute capability."""
+
+    type: str
+    capability: tuple[int, int] | None = None
+
+
+def target(device: torch.device | str) -> Target:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return Target(device.type)
+    return Target("cuda", tuple(torch.cuda.get_device_capability(device)))
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """What the experts' products look like on one rank."""
+
+    hidden: int  # the gate/up products' inner dimension (and down's output)
+    width: int  # the per-rank intermediate width (down's inner dimension)
+    weight_dtype: torch.dtype  # FP8 for FP8 experts
+    activations: str | None = None  # FP8 experts: "dynamic", "static" or None (weights only)
+
+
+@dataclass(frozen=True)
+class Ops:
+    """Which of the ops `choose` weighs this torch has."""
+
+    grouped_mm: bool
+    scaled_grouped_mm: bool
+    cpu_grouped_mm: tuple[torch.dtype, ...]  # the dtypes torch's CPU grouped kernel runs
+
+
+def _cpu_grouped_mm_runs(dtype: torch.dtype) -> bool:
+    """torch._grouped_mm is missing before torch 2.8 and had no CPU kernel at first: probed once, at
+    import, where no fake or tracing mode can answer for the real kernel."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(16, 16, dtype=dtype)
+        w = torch.ones(2, 16, 16, dtype=dtype)
+        out = torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([8, 16], dtype=torch.int32))
+        return bool((out == 16).all())
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+INSTALLED = Ops(hasattr(torch, "_grouped_mm"), hasattr(torch, "_scaled_grouped_mm"),
+                tuple(d for d in (torch.float32, torch.bfloat16) if _cpu_grouped_mm_runs(d)))
+
+
+def _aligned(n: int, dtype: torch.dtype) -> bool:
+    return n * dtype.itemsize % ALIGN_BYTES == 0
+
+
+@functools.cache
+def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Ops | None = None) -> tuple[str, str]:
+    """(kernel, why) for experts of `shape` with activations of `dtype` on `where`."""
+    ops = ops or INSTALLED
+    hopper = where.type == "cuda" and where.capability is not None and where.capability[0] in _GROUPED_MAJORS
+    if shape.weight_dtype == FP8:
+        if not (hopper and ops.scaled_grouped_mm):
+            return PER_EXPERT, "torch._scaled_grouped_mm runs on CUDA compute capability 9.x and 10.x only"
+        if shape.activations is None:
+            return PER_EXPERT, "weight-only FP8 dequantizes one expert at a time (no FP8 activations to multiply)"
+        if dtype != torch.bfloat16:
+            return PER_EXPERT, f"torch._scaled_grouped_mm writes bfloat16, the model runs {dtype}"
+        if shape.hidden % 16 or shape.width % 16:
+            return PER_EXPERT, f"torch._scaled_grouped_mm needs dimensions divisible by 16, not {shape.hidden} x {shape.width}"
+        return SCALED_GROUPED, "FP8 row-wise scaled grouped products, offsets on the device"
+    if not (_aligned(shape.hidden, shape.weight_dtype) and _aligned(shape.width, shape.weight_dtype)):
+        return PER_EXPERT, f"widths {shape.hidden} x {shape.width} of {shape.weight_dtype} miss 16-byte rows (unpadded)"
+    if where.type == "cpu":
+        if dtype in ops.cpu_grouped_mm:
+            return GROUPED, "torch._grouped_mm's CPU kernel, offsets on the device"
+        return PER_EXPERT, f"this torch has no CPU grouped_mm for {dtype}"
+    if where.type == "cuda" and ops.grouped_mm:
+        if not hopper:
+            return PER_EXPERT, (f"torch._grouped_mm on compute capability {where.capability} falls back to a loop "
+                                "that reads the offsets on the host")
+        if dtype != torch.bfloat16:
+            return PER_EXPERT, f"torch._grouped_mm on CUDA runs {dtype} in a loop that reads the offsets on the host"
+        return GROUPED, "torch._grouped_mm's bfloat16 kernel, offsets on the device"
+    return PER_EXPERT, f"no grouped kernel on {where.type}"
+
+
+@torch.compiler.assume_constant_result  # traced code takes the answer as a constant
+def kernel_on(device: torch.device, dtype: torch.dtype, shape: ExpertShape) -> str:
+    """The experts' kernel for tensors of `dtype` on `device`."""
+    return expert_kernel(target(device), dtype, shape)[0]
+
+
+def static_kernel(kernel: str) -> bool:
+    """Whether a step whose experts use `kernel` has static shapes and no host sync."""
+    return kernel != PER_EXPERT
+
+
+@dataclass(frozen=True)
+class StepModes:
+    compile: bool  # steps of canvases compiled with torch.compile(fullgraph=True)
+    cuda_graphs: bool  # ...and/or captured once per shape as CUDA graphs and replayed
+    why: str
+
+
+def step_modes(where: Target, static: bool, compile: bool | None, cuda_graphs: bool) -> StepModes:
+    """How steps of canvases run, from what the user asked (`compile` None: the device's default;
+    `cuda_graphs`: unless --enforce-eager) and whether the model's step is `static`. At every
+    tensor-parallel size: under compile the collectives are functional ones (parallel/group.py)."""
+    if compile and not static:
+        raise ValueError(f"compile=True needs a step with static shapes, which this model cannot run on {where.type}: "
+                         "its experts read group sizes on the host (see blockdiff/kernels.py)")
+    if compile is None:
+        compile = COMPILE_BY_DEFAULT.get(where.type, False) and static
+    graphs = cuda_graphs and static and where.type == "cuda"
+    if not static:
+        why = "eager: the experts read group sizes on the host"
+    else:
+        why = " and ".join(m for m, on in (("compiled", compile), ("CUDA graphs", graphs)) if on) or "eager"
+    return StepModes(bool(compile), graphs, why)
+
+
+@dataclass(frozen=True)
+class Plan:
+    experts: str | None
+    experts_why: str
+    compile: bool
+    cuda_graphs: bool
+    steps_why: str
+
+
+def choose(where: Target, dtype: torch.dtype, shape: ExpertShape | None, compile: bool | None = None,
+           cuda_graphs: bool = False, ops: Ops | None = None) -> Plan:
+    """The whole decision for a model with experts of `shape` (None: no experts) run in `dtype` on
+    `where`: the experts' kernel, and how steps of canvases run."""
+    kernel, why = (None, "no experts") if shape is None else expert_kernel(where, dtype, shape, ops)
+    modes = step_modes(where, kernel is None or static_kernel(kernel), compile, cuda_graphs)
+    return Plan(kernel, why, modes.compile, modes.cuda_graphs, modes.why)
