@@ -8,7 +8,7 @@ import dataclasses
 import json
 import os
 
-from blockdiff.config import EngineConfig
+from blockdiff.config import EngineConfig, KVEventsConfig
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.sampling_params import ENGINE_FIELDS, SamplingParams
@@ -148,7 +148,15 @@ def sampler_name(text: str) -> str:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(SAMPLERS)}, got {text!r}")
     return text
 
-_PARSERS = {"sampler": sampler_name, "size": parse_size, "positive": positive_float, "seconds": positive_seconds, "device": device, "images": limit_mm}
+def kv_events_config(text: str) -> KVEventsConfig:
+    """argparse type of --kv-events-config: vLLM's JSON."""
+    try:
+        return KVEventsConfig.of(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_PARSERS = {"kv_events": kv_events_config, "sampler": sampler_name, "size": parse_size, "positive": positive_float, "seconds": positive_seconds, "device": device, "images": limit_mm}
 
 
 def _flag_kind(f: dataclasses.Field, spec) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -137,6 +137,68 @@ def flag(default, help: str, **kwargs):
 
 
 _IMAGES = "images (docs/images.md)"
+_SCALING = "replicas and routers (docs/scaling.md)"
+
+KV_EVENT_ENCODINGS = ("map", "array")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig (`--kv-events-config`): whether and where the engine publishes its KV
+    cache events (engine/kv_events.py), with vLLM's names and defaults, and one key of ours."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: zmq when events are enabled
+    endpoint: str = "tcp://*:5557"  # PUB socket; bound with a wildcard host (or ipc://), else connected
+    replay_endpoint: str | None = None  # ROUTER socket that resends buffered batches from a sequence number
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches queued for the publisher thread
+    topic: str = ""
+    # How each event is written: "map" (named fields, vLLM since 0.24) or "array" (positional,
+    # vLLM 0.11 to 0.23, for consumers that decode only that). The batch is an array in both.
+    encoding: str = "map"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"enable_kv_cache_events must be true or false, got {self.enable_kv_cache_events!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
+            raise ValueError(f"replay_endpoint must be a string, got {self.replay_endpoint!r}")
+        if self.encoding not in KV_EVENT_ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(KV_EVENT_ENCODINGS)}, got {self.encoding!r}")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def of(cls, value: "KVEventsConfig | dict | str") -> "KVEventsConfig":
+        """From vLLM's JSON text, a dict of its keys, or itself; ValueError names an unknown key."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_events_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        return cls(**value)
 
 
 @dataclass
@@ -147,6 +209,22 @@ class EngineConfig:
     model: str
     tensor_parallel_size: int = flag(1, "processes the model is split over (gloo on CPU, one GPU each on CUDA)",
                                      names=("--tensor-parallel-size", "-tp"), minimum=1)
+    # Engine replicas, each a process with its own tensor-parallel group (engine/dp_client.py).
+    data_parallel_size: int = flag(1, "engine replicas behind one front end, each with its own tensor-parallel group "
+                                      "(replica r on GPUs r x TP to r x TP + TP - 1; on the CPU, processes sharing "
+                                      "the cores); requests go to the replica that caches their prefix, else the "
+                                      "least loaded", names=("--data-parallel-size", "-dp"), minimum=1, group=_SCALING)
+    # This engine is replica `data_parallel_rank` of data_parallel_size (external load balancing, or
+    # a replica of the front end): it names the engine in /metrics and in its KV events, offsets
+    # their ports, and offsets the seed drawn for requests that bring none.
+    data_parallel_rank: int | None = flag(None, "run only replica RANK of --data-parallel-size, for a load balancer "
+                                                "of your own in front of one server per rank: it offsets the KV "
+                                                "events' ports and names the engine in /metrics and its events",
+                                          minimum=0, metavar="RANK", group=_SCALING)
+    kv_events_config: KVEventsConfig | None = flag(
+        None, 'publish the KV cache\'s block events as vLLM does (ZMQ, msgpack), for KV-aware routers; JSON with '
+              'vLLM\'s keys, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
+        parse="kv_events", metavar="JSON", group=_SCALING)
     dtype: str = flag("auto", "weights and activations; auto takes the checkpoint's", choices=DTYPE_CHOICES)
     device: str = flag("auto", "auto (cuda if available), cpu, cuda or cuda:N", parse="device")
     max_num_seqs: int = flag(16, "requests that run at once", minimum=1)
@@ -250,6 +328,13 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.data_parallel_size, int) or isinstance(self.data_parallel_size, bool) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size!r}")
+        rank = self.data_parallel_rank
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.data_parallel_size):
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}), got {rank!r}")
+        if self.kv_events_config is not None:
+            self.kv_events_config = KVEventsConfig.of(self.kv_events_config)
         n = self.limit_images_per_prompt
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"limit_images_per_prompt must be a non-negative integer, got {n!r}")
@@ -280,6 +365,11 @@ class EngineConfig:
         if not (os.path.isdir(self.model) or (self.load_format == "dummy" and os.path.isfile(self.model))):
             raise ValueError(f"model {self.model!r} is not a checkpoint directory (nor, with load_format='dummy', "
                              "a config.json file)")
+
+    @property
+    def replica(self) -> int:
+        """This engine's data-parallel rank (0 when there is one engine)."""
+        return self.data_parallel_rank or 0
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 from blockdiff.config import EngineConfig
 from blockdiff.engine.images import split_chat_images
+from blockdiff.engine.sync_client import SyncClient
 from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import SamplingParams
-from blockdiff.startup import start_engine
+from blockdiff.startup import start_client, start_engine
 from blockdiff.vllm_options import engine_keywords
 
 # A prompt: text, token ids, or (vLLM's form) {"prompt": text or "prompt_token_ids": ids,
@@ -42,8 +43,15 @@ class LLM:
             options["tokenizer"] = resolve_tokenizer(options["tokenizer"], download_dir)
         cfg = EngineConfig(model=resolve_model(model, download_dir), tensor_parallel_size=tensor_parallel_size,
                            dtype=dtype, device=device, seed=seed, **options)
-        self.engine = start_engine(cfg)
-        self.tokenizer = self.engine.tokenizer
+        # data_parallel_size=N: N engine processes behind a front end (engine/dp_client.py); `engine`
+        # is then None and requests go through `replicas`.
+        self.engine, self.replicas = None, None
+        if cfg.data_parallel_size > 1 and cfg.data_parallel_rank is None:
+            self.replicas = SyncClient(start_client(cfg))
+            self.tokenizer, self._images = self.replicas.client.tokenizer, self.replicas.client.images
+        else:
+            self.engine = start_engine(cfg)
+            self.tokenizer, self._images = self.engine.tokenizer, self.engine.inputs.images
 
     @property
     def llm_engine(self):
@@ -68,6 +76,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        if self.replicas is not None:
+            return self._run_replicas([(prompt, replace(p or SamplingParams(), output_kind="final_only"))
+                                       for prompt, p in zip(prompts, params)], use_tqdm)
         requests = []
         try:
             for prompt, p in zip(prompts, params):
@@ -101,7 +112,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts, texts = [], []
         for i, conversation in enumerate(conversations):
-            rendered, images = split_chat_images(conversation, self.engine.inputs.images.fetch)
+            rendered, images = split_chat_images(conversation, self._images.fetch)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
                                                       **(chat_template_kwargs or {}))
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
@@ -117,6 +128,9 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding what each committed canvas adds (output_kind "delta");
         the last output has finished=True. Closing the iterator early aborts the request."""
+        if self.replicas is not None:
+            yield from self.replicas.stream(prompt, replace(sampling_params or SamplingParams(), output_kind="delta"))
+            return
         req = self.engine.add_request(prompt, replace(sampling_params or SamplingParams(), output_kind="delta"))
         try:
             while True:
@@ -164,8 +178,23 @@ class LLM:
                 bar.close()
         return [results[r.request_id] for r in requests]
 
+    def _run_replicas(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+        bar = None
+        if use_tqdm and len(requests) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc="Generating", unit="req")
+        try:
+            return self.replicas.generate(requests, lambda done: bar.update(done - bar.n) if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.replicas is not None:
+            self.replicas.shutdown()
+        else:
+            self.engine.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

@@ -11,6 +11,9 @@ from dataclasses import replace
 import torch
 
 from blockdiff.config import EngineConfig, ModelConfig, parse_dtype
+from blockdiff.engine.async_engine import AsyncEngine
+from blockdiff.engine.client import EngineClient
+from blockdiff.engine.dp_client import DPClient
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.model.registry import load_config
 
@@ -60,6 +63,24 @@ def start_engine(cfg: EngineConfig) -> LLMEngine:
     for line in summary(engine, f"{threads} ({why})"):
         log.info("%s", line)
     return engine
+
+
+def start_client(cfg: EngineConfig, max_queued_requests: int | None = None) -> EngineClient:
+    """The engine client a server runs: one local engine (`AsyncEngine`), or with
+    data_parallel_size > 1 and no data_parallel_rank, the front end of that many replica processes
+    (each queueing at most `max_queued_requests`)."""
+    if cfg.data_parallel_size == 1 or cfg.data_parallel_rank is not None:
+        return AsyncEngine(start_engine(cfg), max_queued_requests)
+    check_device(cfg.device)
+    cfg.check_model()
+    env = {}
+    if cfg.resolved_device() == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        # The replicas share the cores: each takes its share of what one engine would take.
+        threads, _ = choose_threads(cfg, load_config(cfg.model))
+        env["OMP_NUM_THREADS"] = str(max(1, threads // cfg.data_parallel_size))
+    log.info("starting %d engine replicas%s", cfg.data_parallel_size,
+             f" with {env['OMP_NUM_THREADS']} threads each" if env else "")
+    return DPClient(cfg, start_engine, max_queued_requests, env)
 
 
 def summary(engine: LLMEngine, threads: str) -> list[str]:

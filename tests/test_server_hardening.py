@@ -18,6 +18,7 @@ from server_process import HealthProbe, ServerProcess
 
 from blockdiff.config import EngineConfig
 from blockdiff.engine.engine import LLMEngine
+from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.entrypoints.openai.server import ServerConfig, build_app
 
 KEY = "hardening-key"
@@ -270,7 +271,7 @@ def test_a_500_is_counted_and_the_app_survives(tiny, monkeypatch):
         raise TypeError("tokenizer broke")
 
     monkeypatch.setattr(engine.tokenizer, "encode", broken)
-    app = build_app(engine, ServerConfig(["tiny"]))
+    app = build_app(AsyncEngine(engine), ServerConfig(["tiny"]))
 
     async def main():
         async with app.router.lifespan_context(app):

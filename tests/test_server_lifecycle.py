@@ -16,6 +16,7 @@ from server_process import ServerProcess, free_port
 
 from blockdiff.config import EngineConfig
 from blockdiff.engine.engine import LLMEngine
+from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.entrypoints.openai.server import ServerConfig, build_app
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -64,7 +65,7 @@ def test_a_failed_step_fails_its_request_and_serving_goes_on(tiny, monkeypatch):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(engine.executor, "execute", execute)
-    app = build_app(engine, ServerConfig(["tiny"]))
+    app = build_app(AsyncEngine(engine), ServerConfig(["tiny"]))
     body = {"prompt": [5, 6, 7], "max_tokens": 8}
 
     async def main():

@@ -139,7 +139,7 @@ VLLM_HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency
 
 
 def test_vllm_metric_names_are_reported_beside_ours_and_increase(server):
-    label = '{model_name="demo"}'
+    label = '{model_name="demo",engine="0"}'
     before = server.wait_idle()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
@@ -152,8 +152,8 @@ def test_vllm_metric_names_are_reported_beside_ours_and_increase(server):
         assert after[name + label] > before[name + label], name
     for name in VLLM_HISTOGRAMS:
         assert after[f"{name}_count{label}"] > before[f"{name}_count{label}"], name
-        assert after[f'{name}_bucket{{model_name="demo",le="+Inf"}}'] == after[f"{name}_count{label}"]
-    success = 'vllm:request_success_total{model_name="demo",finished_reason="length"}'
+        assert after[f'{name}_bucket{{model_name="demo",engine="0",le="+Inf"}}'] == after[f"{name}_count{label}"]
+    success = 'vllm:request_success_total{model_name="demo",engine="0",finished_reason="length"}'
     assert after[success] == before[success] + 1
     # The aliases count what ours count.
     assert after["vllm:generation_tokens_total" + label] - before["vllm:generation_tokens_total" + label] == \

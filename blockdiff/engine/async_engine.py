@@ -61,7 +61,7 @@ class RequestStream(EngineStream):
     """The engine requests of one API call. Iterate for (index, RequestOutput) in the order the
     engine produces them; iteration ends once every request has finished."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], client: str | None = None):
+    def __init__(self, engine: EngineClient, request_ids: list[str], client: str | None = None):
         self._engine = engine
         self.request_ids = request_ids
         self.client = client  # whose share of the engine its requests count against
@@ -107,11 +107,8 @@ class RequestStream(EngineStream):
 
 
 class AsyncEngine(EngineClient):
-    """Owns `engine` from `start()` on: `stop()` shuts it down.
-
-    on_step(seconds) is called after every engine step; on_finish(finish_reason, prompt_tokens,
-    generated_tokens, metrics) once per request that finished or was aborted after it was added
-    (both on the event loop; finish_reason is "abort" for the latter)."""
+    """Owns `engine` from `start()` on: `stop()` shuts it down. It is engine `str(data_parallel_rank)`
+    to on_step and on_finish (EngineClient)."""
 
     def __init__(
         self,
@@ -125,9 +122,11 @@ class AsyncEngine(EngineClient):
         self.limits = engine.limits
         self.sampler = engine.sampler
         self.images = engine.inputs.images
+        self.defaults = engine.inputs.defaults
+        self.name = str(engine.cfg.replica)
         self.max_queued_requests = max_queued_requests
-        self._on_step = on_step or (lambda seconds: None)
-        self._on_finish = on_finish or (lambda finish_reason, prompt_tokens, generated_tokens, metrics: None)
+        self.on_step = on_step or (lambda seconds, engine="0": None)
+        self.on_finish = on_finish or (lambda finish_reason, prompt_tokens, generated_tokens, metrics, engine="0": None)
         self._streams: dict[str, RequestStream] = {}
         self._adds: list[tuple[RequestStream, list[tuple[Prompt, SamplingParams]], asyncio.Future]] = []
         self._aborts: list[str] = []
@@ -150,8 +149,8 @@ class AsyncEngine(EngineClient):
     def cost(self, params: ResolvedParams) -> int:
         return self.engine.inputs.cost(params)
 
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
+    def engine_stats(self) -> dict[str, EngineStats]:
+        return {self.name: self.engine.stats()}
 
     @property
     def dead(self) -> bool:
@@ -275,7 +274,7 @@ class AsyncEngine(EngineClient):
                         break
                     await self._recover(e)
                     continue
-                self._on_step(self.engine.last_step_time)
+                self.on_step(self.engine.last_step_time, self.name)
                 for out in outputs:
                     self._deliver(out)
         except Exception as e:
@@ -329,7 +328,8 @@ class AsyncEngine(EngineClient):
         stream._put(out if out.error is None else RequestFailed(out.error))
         if out.finished:
             del self._streams[out.request_id]
-            self._on_finish(out.finish_reason, len(out.prompt_token_ids), out.metrics["committed_tokens"], out.metrics)
+            self.on_finish(out.finish_reason, len(out.prompt_token_ids), out.metrics["committed_tokens"], out.metrics,
+                           self.name)
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []
@@ -346,7 +346,7 @@ class AsyncEngine(EngineClient):
 
     def _count_abort(self, req) -> None:
         """on_finish for a request that ends without an output (its text is never decoded)."""
-        self._on_finish("abort", len(req.prompt_token_ids), len(req.output.token_ids), req.metrics.as_dict())
+        self.on_finish("abort", len(req.prompt_token_ids), len(req.output.token_ids), req.metrics.as_dict(), self.name)
 
     async def _apply_adds(self) -> None:
         """Add the waiting calls' requests to the engine. The engine's thread does it, between two

@@ -13,6 +13,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from blockdiff.engine.kv_events import AllBlocksCleared, KVEvent, removed
+
 # A block's identity: SHA-256 over its parent block's key (none for the first) and its token ids
 # (an image's soft tokens: the image's digest, Request.key_tokens). A block that another request
 # computed is read only under this key, so nobody can make a request read K/V of tokens it does
@@ -51,6 +53,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[BlockKey, int] = {}  # key -> block holding it
         self.key_of: dict[int, BlockKey] = {}
+        self.events: list[KVEvent] | None = None  # where evictions and clears are recorded, if anywhere
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -73,6 +76,8 @@ class BlockPool:
             key = self.key_of.pop(block, None)
             if key is not None:  # evicted: its cached tokens are gone
                 del self.cached[key]
+                if self.events is not None:
+                    removed(self.events, key)
             self.refs[block] = 1
             out.append(block)
         return out
@@ -102,9 +107,14 @@ class BlockPool:
         """The blocks' contents are gone (new workers, an empty cache): no block holds a prefix now."""
         self.cached.clear()
         self.key_of.clear()
+        if self.events is not None and self.caching:
+            self.events.append(AllBlocksCleared())
 
-    def register(self, block: int, key: BlockKey) -> None:
-        """`block` now holds the full block `key`; if another block already does, that one stays cached."""
+    def register(self, block: int, key: BlockKey) -> bool:
+        """`block` now holds the full block `key`; if another block already does, that one stays cached.
+        -> whether `block` was registered."""
         if self.caching and key not in self.cached and block not in self.key_of:
             self.cached[key] = block
             self.key_of[block] = key
+            return True
+        return False

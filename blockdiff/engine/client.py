@@ -14,7 +14,7 @@ they are: the engine resolves only what comes unresolved.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from blockdiff.diffusion.strategy import DiffusionSampler
@@ -41,7 +41,7 @@ class EngineLimits:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's state when asked (gauges), and the totals it counts (counters)."""
+    """The engine's state when asked (gauges), the totals it counts (counters), and its cache's shape."""
 
     num_running: int
     num_waiting: int
@@ -51,6 +51,20 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up at first admissions
     prefix_cache_hits: int
     num_preemptions: int
+    block_size: int
+    prefix_caching: bool
+    kv_cache_free_blocks: int  # full-attention blocks that can be handed out (cached ones among them)
+
+    @staticmethod
+    def total(stats: list[EngineStats]) -> EngineStats:
+        """Several engines' stats as one engine's: counts added, usage over all their blocks."""
+        blocks = sum(s.kv_cache_blocks for s in stats)
+        used = sum(s.kv_cache_usage * s.kv_cache_blocks for s in stats)
+        return EngineStats(
+            sum(s.num_running for s in stats), sum(s.num_waiting for s in stats), sum(s.num_free_slots for s in stats),
+            used / max(1, blocks), blocks, sum(s.prefix_cache_queries for s in stats),
+            sum(s.prefix_cache_hits for s in stats), sum(s.num_preemptions for s in stats),
+            stats[0].block_size, stats[0].prefix_caching, sum(s.kv_cache_free_blocks for s in stats))
 
 
 class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):
@@ -63,14 +77,28 @@ class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):
     def abort(self) -> None: ...
 
 
+
+def structured_specs(requests: list[tuple[Prompt, SamplingParams]]) -> list[StructuredOutputsParams]:
+    """The distinct structured outputs of one call's requests: what `EngineClient.prepare` builds."""
+    return list({params.structured_outputs.key(): params.structured_outputs for _, params in requests
+                 if params.structured_outputs is not None}.values())
+
 class EngineClient(abc.ABC):
     """What a server uses of the engine(s) behind it. `add` raises ValueError (InvalidParam naming
-    the field, for bad parameters; nothing is added then), QueueFull or EngineUnavailable."""
+    the field, for bad parameters; nothing is added then), QueueFull or EngineUnavailable.
+
+    `on_step(seconds, engine)` is called after every step of an engine, `on_finish(finish_reason,
+    prompt_tokens, generated_tokens, metrics, engine)` once per request that finished or was aborted
+    after it was added (both on the event loop; finish_reason is "abort" for the latter); `engine`
+    names the engine as `engine_stats` does. The server sets them (its metrics)."""
 
     tokenizer: Tokenizer | None
     limits: EngineLimits
     sampler: DiffusionSampler  # its field table is what the API offers for this model
     images: ImageIntake | None  # None: the model takes no images
+    defaults: dict  # the sampler's field values a request that sets none of them gets
+    on_step: Callable[..., None]
+    on_finish: Callable[..., None]
 
     @abc.abstractmethod
     def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
@@ -81,8 +109,13 @@ class EngineClient(abc.ABC):
     def cost(self, params: ResolvedParams) -> int:
         """Canvas positions the decoder evaluates for a request at most."""
 
+    def stats(self) -> EngineStats:
+        """The engines' stats added up."""
+        return EngineStats.total(list(self.engine_stats().values()))
+
     @abc.abstractmethod
-    def stats(self) -> EngineStats: ...
+    def engine_stats(self) -> dict[str, EngineStats]:
+        """Each engine's stats, by its name ("0", "1", ...: its data-parallel rank)."""
 
     @abc.abstractmethod
     async def prepare(self, spec: StructuredOutputsParams) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -20,6 +21,7 @@ from blockdiff.engine.client import EngineLimits, EngineStats
 from blockdiff.engine.images import ImageIntake, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
+from blockdiff.engine.kv_events import KVEvent, make_publisher
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
 from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
@@ -79,12 +81,23 @@ class LLMEngine:
             self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
             tuple(eos),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
-            cache.num_blocks * cache.block_size, cfg.seed, ImageIntake.from_pretrained(cfg, self.model_config),
+            # Replicas draw different seeds for the requests that bring none.
+            cache.num_blocks * cache.block_size, cfg.seed + cfg.replica, ImageIntake.from_pretrained(cfg, self.model_config),
             self.structured,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_time = 0.0
+        # Who gets the KV cache's block events after each step: the ZMQ publisher of
+        # --kv-events-config, and whoever else subscribes (the data-parallel front end).
+        self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
+        try:
+            self.kv_publisher = make_publisher(cfg.kv_events_config, cfg.replica)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        if self.kv_publisher is not None:
+            self.kv_event_sinks.append(self.kv_publisher.publish)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | ResolvedParams | None = None,
@@ -114,6 +127,7 @@ class LLMEngine:
         for req in lost:
             self.abort(req.request_id)
         self.kv.forget()  # the prefixes the old workers held are gone too
+        self._publish_kv_events()
         self.automata_sent = AutomataSent()
         return lost
 
@@ -124,7 +138,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward over every running request; -> outputs of requests that committed a
         canvas, finished, or (with stream_drafts) have a new draft. A step that raises ends the
-        requests it ran with finish_reason "error"; the others go on."""
+        requests it ran with finish_reason "error"; the others go on. The step's KV events go to
+        the sinks before its outputs are returned."""
+        try:
+            return self._step()
+        finally:
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        events = self.kv.take_events()
+        if events:
+            for sink in self.kv_event_sinks:
+                sink(events)
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched is None:
             return []
@@ -212,7 +239,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(self.num_running, self.num_waiting, self.num_free_slots, self.kv_cache_usage,
-                           self.kv.full.num_blocks, self.kv.queries, self.kv.hits, self.scheduler.num_preemptions)
+                           self.kv.full.num_blocks, self.kv.queries, self.kv.hits, self.scheduler.num_preemptions,
+                           self.kv.block_size, self.kv.full.caching, self.kv.full.num_free)
 
     @property
     def num_running(self) -> int:
@@ -231,6 +259,8 @@ class LLMEngine:
         return self.kv.usage
 
     def shutdown(self) -> None:
+        if self.kv_publisher is not None:
+            self.kv_publisher.shutdown()
         self.executor.shutdown()
 
 

@@ -6,11 +6,14 @@ soon as no query of the request can reach it (`past` positions back). Once a blo
 `block_size` committed tokens it is registered under the SHA-256 of its tokens chained to its
 parent's key (block_allocator.block_keys), in both pools; a request admitted later reuses the longest registered prefix whose full blocks are
 all cached and whose sliding blocks are cached for the last `past` positions before its end.
+The full pool's registrations and evictions are recorded as KV events (kv_events.py), which the
+engine takes after each step.
 """
 
 from __future__ import annotations
 
 from blockdiff.engine.block_allocator import BlockPool, block_keys
+from blockdiff.engine.kv_events import BlockStored, KVEvent
 from blockdiff.engine.request import Request
 
 
@@ -20,6 +23,8 @@ class KVCacheManager:
         self.block_size = full.block_size
         self.queries = 0  # prompt tokens of first admissions...
         self.hits = 0  # ...and how many of them were found cached
+        self.events: list[KVEvent] = []  # since the last take_events()
+        full.events = self.events
 
     def _hit(self, req: Request) -> tuple[int, list[int], list[int], list[bytes]]:
         """-> (blocks hit, their full blocks, their sliding table (-1 out of reach), their keys)."""
@@ -110,16 +115,44 @@ class KVCacheManager:
         if self.full.caching and len(req.block_hashes) < done // bs:
             first = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else b""
+            stored = []
             for i, key in enumerate(block_keys(req.key_tokens(first * bs, done // bs * bs), bs, parent), first):
-                self.full.register(req.blocks[i], key)
+                if self.full.register(req.blocks[i], key):
+                    stored.append(i)
                 if req.sliding_blocks[i] >= 0:
                     self.sliding.register(req.sliding_blocks[i], key)
                 req.block_hashes.append(key)
+            self._stored(req, stored)
         i = max(0, done - self.past) // bs - 1  # the last block out of reach; those before went first
         while i >= 0 and req.sliding_blocks[i] >= 0:
             self.sliding.free([req.sliding_blocks[i]])
             req.sliding_blocks[i] = -1
             i -= 1
+
+    def _stored(self, req: Request, blocks: list[int]) -> None:
+        """Record the blocks `req` registered, one BlockStored per run of consecutive ones (a block
+        whose key another block holds already is not registered, and breaks the run)."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in blocks:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            extra = [tuple(image.digest.hex() for image, (a, b) in zip(req.images, req.image_spans)
+                           if a < (i + 1) * bs and b > i * bs) or None for i in run]
+            self.events.append(BlockStored([req.block_hashes[i] for i in run],
+                                           req.block_hashes[run[0] - 1] if run[0] else None,
+                                           req.tokens(run[0] * bs, (run[-1] + 1) * bs), bs, extra))
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call."""
+        if not self.events:
+            return []
+        out = list(self.events)
+        self.events.clear()  # the pool holds this list
+        return out
 
     def free(self, req: Request) -> None:
         self.full.free(req.blocks[::-1])

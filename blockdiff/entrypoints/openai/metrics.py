@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+from blockdiff.engine.client import EngineClient, EngineStats
+
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OUTCOMES = ("stop", "length", "abort", "error")
@@ -43,22 +45,33 @@ class Counter:
     def inc(self, amount: float = 1.0, label: str = "") -> None:
         self.values[label] = self.values.get(label, 0.0) + amount
 
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+
+    def samples(self) -> list[str]:
+        return [f"{self.name}{_labels([*self.const, *([(self.label, value)] if self.label else [])])} {_number(total)}"
+                for value, total in sorted(self.values.items())]
+
     def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        for value, total in sorted(self.values.items()):
-            lines.append(f"{self.name}{_labels([*self.const, *([(self.label, value)] if self.label else [])])} {_number(total)}")
-        return lines
+        return self.header() + self.samples()
 
 
 class Gauge:
-    """A value read from the engine at each scrape; kind "counter" for a total the engine keeps."""
+    """A value read from the engine at each scrape; kind "counter" for a total the engine keeps. A
+    read that gives None (an engine that is not there now) writes no sample."""
 
-    def __init__(self, name: str, help: str, read: Callable[[], float], kind: str = "gauge", const: Labels = ()):
+    def __init__(self, name: str, help: str, read: Callable[[], float | None], kind: str = "gauge", const: Labels = ()):
         self.name, self.help, self.read, self.kind, self.const = name, help, read, kind, const
 
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+    def samples(self) -> list[str]:
+        value = self.read()
+        return [] if value is None else [f"{self.name}{_labels(self.const)} {_number(value)}"]
+
     def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}",
-                f"{self.name}{_labels(self.const)} {_number(self.read())}"]
+        return self.header() + self.samples()
 
 
 class Histogram:
@@ -74,13 +87,18 @@ class Histogram:
             if value <= bound:
                 self.counts[i] += 1
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        for bound, count in zip(self.bounds, self.counts):
-            lines.append(f"{self.name}_bucket{_labels([*self.const, ('le', _number(bound))])} {count}")
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+
+    def samples(self) -> list[str]:
+        lines = [f"{self.name}_bucket{_labels([*self.const, ('le', _number(bound))])} {count}"
+                 for bound, count in zip(self.bounds, self.counts)]
         lines.append(f"{self.name}_sum{_labels(self.const)} {_number(self.sum)}")
         lines.append(f"{self.name}_count{_labels(self.const)} {self.counts[-1]}")
         return lines
+
+    def render(self) -> list[str]:
+        return self.header() + self.samples()
 
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -100,13 +118,28 @@ def _token_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 class VllmMetrics:
-    """vLLM's metric names for the events ServingMetrics counts, labelled with the served model's
-    name. A diffusion model outputs a canvas at a time: a "token" latency here is a canvas's (time to
-    the first committed canvas, time between committed canvases), as vLLM reports DiffusionGemma."""
+    """vLLM's metric names for the events ServingMetrics counts, of one engine, labelled as vLLM
+    labels them: the served model's name and the engine's index (`engine`, one per data-parallel
+    replica). A diffusion model outputs a canvas at a time: a "token" latency here is a canvas's (time
+    to the first committed canvas, time between committed canvases), as vLLM reports DiffusionGemma.
+    `stats()` is the engine's EngineStats now, None while it is not there (its gauges then write nothing)."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str, engine: str, max_model_len: int):
         v = "vllm:"
-        m = (("model_name", model_name),)
+        m = (("model_name", model_name), ("engine", engine))
+
+        def read(field: str) -> Callable[[], float | None]:
+            return lambda: None if (now := stats()) is None else getattr(now, field)
+
+        def cache_info() -> float | None:  # vLLM's info gauge: 1, its labels say what
+            now = stats()
+            if now is None:
+                return None
+            labels = {"block_size": now.block_size, "cache_dtype": "auto", "enable_prefix_caching": now.prefix_caching,
+                      "num_gpu_blocks": now.kv_cache_blocks, "prefix_caching_hash_algo": "sha256"}
+            info.const = (*m, *((k, str(v)) for k, v in labels.items()))
+            return 1
+
         self.success = Counter(v + "request_success_total", "Requests that ended, by finish reason.", "finished_reason",
                                OUTCOMES, const=m)
         self.prompt_tokens = Counter(v + "prompt_tokens_total", "Prompt tokens of ended requests.", const=m)
@@ -117,19 +150,21 @@ class VllmMetrics:
                                  const=m)
         self.committed = Counter(v + "diffusion_num_committed_tokens_total",
                                  "Tokens committed to the outputs of ended requests (after EOS and stop trimming).", const=m)
+        info = Gauge(v + "cache_config_info", "Information of the KV cache (its labels; the value is 1).", cache_info)
         self.gauges = [
-            Gauge(v + "num_requests_running", "Requests holding a slot and KV cache.", lambda: engine.num_running, const=m),
-            Gauge(v + "num_requests_waiting", "Requests waiting for a slot or KV cache.", lambda: engine.num_waiting, const=m),
+            Gauge(v + "num_requests_running", "Requests holding a slot and KV cache.", read("num_running"), const=m),
+            Gauge(v + "num_requests_waiting", "Requests waiting for a slot or KV cache.", read("num_waiting"), const=m),
             Gauge(v + "kv_cache_usage_perc", "Fraction of full-attention KV cache blocks reserved (1 = full).",
-                  lambda: engine.kv_cache_usage, const=m),
+                  read("kv_cache_usage"), const=m),
             Gauge(v + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (first admissions).",
-                  lambda: engine.kv.queries, kind="counter", const=m),
+                  read("prefix_cache_queries"), kind="counter", const=m),
             Gauge(v + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (first admissions).",
-                  lambda: engine.kv.hits, kind="counter", const=m),
+                  read("prefix_cache_hits"), kind="counter", const=m),
             Gauge(v + "num_preemptions_total", "Requests preempted (fairness or KV cache exhausted).",
-                  lambda: engine.scheduler.num_preemptions, kind="counter", const=m),
+                  read("num_preemptions"), kind="counter", const=m),
+            info,
         ]
-        tokens = _token_buckets(engine.max_model_len)
+        tokens = _token_buckets(max_model_len)
         self.ttft = Histogram(v + "time_to_first_token_seconds", "Arrival to the first committed canvas.", _TTFT_BUCKETS, m)
         self.itl = Histogram(v + "inter_token_latency_seconds", "Time between consecutive committed canvases.",
                              _CANVAS_BUCKETS, m)
@@ -182,10 +217,21 @@ class VllmMetrics:
 
 
 class ServingMetrics:
-    """What /metrics reports. `engine` is anything with num_running, num_waiting, kv_cache_usage,
-    max_model_len and a `kv` cache manager and `scheduler` (the LLMEngine)."""
+    """What /metrics reports, of the engines behind an EngineClient: blockdiff's families with the
+    engines added up, and vLLM's labelled per engine. Counters and histograms are fed on the event
+    loop by the client's on_step and on_finish; gauges are read from `client.engine_stats()` at each
+    scrape."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, client: EngineClient, model_name: str):
+        self.client, self.model_name = client, model_name
+        self._now: dict[str, EngineStats] = {}  # the engines' stats at this scrape
+        self.vllm: dict[str, VllmMetrics] = {}
+        for engine in client.engine_stats():
+            self._engine(engine)
+
+        def total(field: str) -> Callable[[], float]:
+            return lambda: getattr(EngineStats.total(list(self._now.values())), field) if self._now else 0
+
         p = "blockdiff_"
         self.requests = Counter(p + "requests_total", "Engine requests that ended, by outcome (stop, length, abort, error).",
                                 "outcome", OUTCOMES)
@@ -207,28 +253,33 @@ class ServingMetrics:
         self.request_time = Histogram(p + "request_duration_seconds", "Arrival to finish of finished requests.",
                                       _REQUEST_BUCKETS)
         self.gauges = [
-            Gauge(p + "requests_running", "Requests holding a slot and KV cache.", lambda: engine.num_running),
-            Gauge(p + "requests_waiting", "Requests waiting for a slot or KV cache.", lambda: engine.num_waiting),
+            Gauge(p + "requests_running", "Requests holding a slot and KV cache.", total("num_running")),
+            Gauge(p + "requests_waiting", "Requests waiting for a slot or KV cache.", total("num_waiting")),
             Gauge(p + "kv_cache_usage_ratio", "Fraction of full-attention KV cache blocks reserved.",
-                  lambda: engine.kv_cache_usage),
-            Gauge(p + "kv_cache_blocks", "Full-attention KV cache blocks in all.", lambda: engine.kv.full.num_blocks),
+                  total("kv_cache_usage")),
+            Gauge(p + "kv_cache_blocks", "Full-attention KV cache blocks in all.", total("kv_cache_blocks")),
         ]
-        # Counted by the engine; read at each scrape, as counters.
+        # Counted by the engines; read at each scrape, as counters.
         self.engine_counters = [
             Gauge(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (first admissions).",
-                  lambda: engine.kv.queries, kind="counter"),
+                  total("prefix_cache_queries"), kind="counter"),
             Gauge(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (first admissions).",
-                  lambda: engine.kv.hits, kind="counter"),
+                  total("prefix_cache_hits"), kind="counter"),
             Gauge(p + "num_preemptions_total", "Requests preempted (fairness or KV cache exhausted).",
-                  lambda: engine.scheduler.num_preemptions, kind="counter"),
+                  total("num_preemptions"), kind="counter"),
         ]
-        self.vllm = VllmMetrics(engine, model_name)
 
-    def step(self, seconds: float) -> None:
+    def _engine(self, engine: str) -> VllmMetrics:
+        if engine not in self.vllm:
+            self.vllm[engine] = VllmMetrics(lambda: self._now.get(engine), self.model_name, engine,
+                                            self.client.limits.max_model_len)
+        return self.vllm[engine]
+
+    def step(self, seconds: float, engine: str = "0") -> None:
         self.step_time.observe(seconds)
 
-    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, m: dict) -> None:
-        """A request ended: finish_reason is stop, length or abort; m its RequestOutput.metrics."""
+    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, m: dict, engine: str = "0") -> None:
+        """A request of `engine` ended: finish_reason is stop, length or abort; m its RequestOutput.metrics."""
         self.requests.inc(label=finish_reason)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
@@ -239,7 +290,7 @@ class ServingMetrics:
             self.first_canvas.observe(m["time_to_first_canvas"])
         if m["total_time"] is not None:
             self.request_time.observe(m["total_time"])
-        self.vllm.finished(finish_reason, prompt_tokens, generated_tokens, m)
+        self._engine(engine).finished(finish_reason, prompt_tokens, generated_tokens, m)
 
     def response(self, status: int) -> None:
         self.http.inc(label=str(status))
@@ -251,7 +302,21 @@ class ServingMetrics:
         self.closed.inc(label=reason)
 
     def render(self) -> str:
+        self._now = self.client.engine_stats()
+        for engine in self._now:
+            self._engine(engine)
         families = [self.requests, self.prompt_tokens, self.generation_tokens, self.denoising_steps, self.canvases,
                     self.positions, *self.gauges, *self.engine_counters, self.step_time, self.first_canvas, self.request_time, self.http,
-                    self.refusals, self.closed, *self.vllm.families()]
-        return "\n".join(line for family in families for line in family.render()) + "\n"
+                    self.refusals, self.closed]
+        lines = [line for family in families for line in family.render()]
+        # vLLM's families: each once, with the samples of every engine.
+        engines = [self.vllm[e] for e in sorted(self.vllm, key=_engine_order)]
+        for same in zip(*(e.families() for e in engines)):
+            lines += same[0].header()
+            for family in same:
+                lines += family.samples()
+        return "\n".join(lines) + "\n"
+
+
+def _engine_order(name: str) -> tuple:
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)

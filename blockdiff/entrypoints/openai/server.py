@@ -17,9 +17,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic.json_schema import models_json_schema
 
 from blockdiff import __version__
-from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.config import EngineConfig
-from blockdiff.engine.engine import LLMEngine
+from blockdiff.engine.client import EngineClient
 from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, BodyAdmission, connection_limit, guarded_protocol
@@ -34,7 +33,7 @@ from blockdiff.entrypoints.openai.responses import OpenAIServingResponses
 from blockdiff.entrypoints.openai.responses_protocol import DeletedResponse, ResponseObject, responses_request_type
 from blockdiff.entrypoints.openai.serving import OpenAIServing
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
-from blockdiff.startup import start_engine
+from blockdiff.startup import start_client
 
 log = logging.getLogger(__name__)
 
@@ -103,29 +102,30 @@ class RequireAPIKey(_Middleware):
         await self.app(scope, receive, send)
 
 
-def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
-    """The app owns `engine` from here on: it is shut down when the app's lifespan ends."""
+def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
+    """The app owns the client `engine` from here on: it is started and stopped by the app's lifespan."""
+    limits = engine.limits
     metrics = ServingMetrics(engine, cfg.served_model_names[0])
-    async_engine = AsyncEngine(engine, cfg.max_queued_requests, on_step=metrics.step, on_finish=metrics.finished)
+    engine.on_step, engine.on_finish = metrics.step, metrics.finished
     pool = WorkPool(cfg.preprocess_threads, cfg.preprocess_timeout, "blockdiff-preprocess")
-    images = ChatImages(engine.inputs.images, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
+    images = ChatImages(engine.images, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
-    serving = OpenAIServing(async_engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
+    serving = OpenAIServing(engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
                             cfg.reasoning_parser, pool, images, ClientLimit(cfg.max_client_concurrency),
                             cfg.max_stream_buffer, cfg.default_chat_template_kwargs)
     tokenization = OpenAIServingTokenization(serving)
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
-    sampling_defaults = {f.name: engine.inputs.defaults[f.name] for f in engine.sampler.fields}
+    sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
-        async_engine.start()
-        log.info("serving %s as %s on http://%s:%d", engine.cfg.model, cfg.served_model_names, cfg.host, cfg.port)
+        engine.start()
+        log.info("serving %s as %s on http://%s:%d", limits.model, cfg.served_model_names, cfg.host, cfg.port)
         try:
             yield
         finally:
-            await async_engine.stop()
+            await engine.stop()
             for p in (pool, images.decode, images.fetch):
                 p.shutdown()
 
@@ -135,16 +135,16 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     responses = OpenAIServingResponses(serving, ChatCompletionRequest)
     app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics),
                bodies=(CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest))
-    app.state.async_engine = async_engine
+    app.state.engine = engine
     app.state.metrics = metrics
     errors.install(app)
     # One item past the longest list a field takes: the field then says what its limit is.
-    parse = body.BodyParser(pool, max(engine.max_model_len, MAX_CHOICES, MAX_MESSAGES) + 1)
+    parse = body.BodyParser(pool, max(limits.max_model_len, MAX_CHOICES, MAX_MESSAGES) + 1)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if not async_engine.available:
-            return errors.error_response(503, async_engine.unavailable_reason(), code="engine_unavailable")
+        if not engine.available:
+            return errors.error_response(503, engine.unavailable_reason(), code="engine_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.api_route("/ping", methods=["GET", "POST"])
@@ -163,8 +163,8 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> ModelList:
         created = now()
-        return ModelList(data=[ModelCard(id=name, created=created, root=engine.cfg.model, max_model_len=engine.max_model_len,
-                                         canvas_length=engine.canvas_length, sampling_defaults=sampling_defaults)
+        return ModelList(data=[ModelCard(id=name, created=created, root=limits.model, max_model_len=limits.max_model_len,
+                                         canvas_length=limits.canvas_length, sampling_defaults=sampling_defaults)
                                for name in cfg.served_model_names])
 
     # Bodies are parsed by `body.BodyParser` (bounded, off the loop when large), not by FastAPI; the
@@ -242,7 +242,7 @@ class _Server(uvicorn.Server):
     also tells the engine, whose requests then get `grace` seconds before they end with an error
     (so streams close cleanly instead of being cancelled mid-write)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float):
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace: float):
         super().__init__(config)
         self._engine, self._grace = engine, grace
 
@@ -252,7 +252,7 @@ class _Server(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self._engine.dead and not self.should_exit:
-            log.error("the tensor-parallel workers could not be restarted: exiting so that a supervisor restarts the server")
+            log.error("the engine could not be restarted: exiting so that a supervisor restarts the server")
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -269,11 +269,11 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
     sock = _bind(cfg.host, cfg.port)
     try:
         cfg = replace(cfg, port=sock.getsockname()[1])
-        engine = start_engine(engine_cfg)
+        engine = start_client(engine_cfg, cfg.max_queued_requests)
         try:
             app = build_app(engine, cfg)
         except BaseException:
-            engine.shutdown()  # stops tensor-parallel workers too
+            engine.shutdown()  # stops tensor-parallel workers and replicas too
             raise
         # What is loaded now (torch, the model, the tokenizer) lives as long as the server: kept out of
         # the cyclic collector's sight, a full collection, which stops every thread, takes no 150 ms.
@@ -292,12 +292,12 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
                                 http=guarded_protocol(cfg.header_timeout, connection_limit(cfg.max_connections),
                                                       metrics.connection_closed, refused))
         try:
-            _Server(config, app.state.async_engine, cfg.shutdown_timeout).run(sockets=[sock])
+            _Server(config, app.state.engine, cfg.shutdown_timeout).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the shutdown already ran
             pass
         finally:
             # Normally the lifespan already stopped the engine; this covers a server that never started.
-            app.state.async_engine.shutdown()
+            app.state.engine.shutdown()
     finally:
         sock.close()
 

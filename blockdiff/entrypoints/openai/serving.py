@@ -15,7 +15,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from blockdiff.diffusion.registry import SAMPLERS
-from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
+from blockdiff.engine.async_engine import EngineUnavailable, RequestFailed, RequestStream
+from blockdiff.engine.client import EngineClient, structured_specs
 from blockdiff.engine.images import IMAGE_PART_TYPES, template_content
 from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import limits, protocol as p
@@ -287,7 +288,7 @@ _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_g
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_request_cost: int | None,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], max_request_cost: int | None,
                  tool_call_parser: str | None, reasoning_parser: str | None, pool: WorkPool, images: ChatImages,
                  clients: ClientLimit, max_stream_buffer: int, default_chat_template_kwargs: dict | None = None):
         """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
@@ -298,21 +299,20 @@ class OpenAIServing:
         self.images = images
         self.clients = clients
         self.max_stream_buffer = max_stream_buffer  # bytes a stream's client may leave unread
-        self.llm = engine.engine
-        self.tokenizer = self.llm.tokenizer
+        self.limits = engine.limits
+        self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
-        self.sampler_extensions = p.sampler_extensions(self.llm.sampler.fields)  # what the bodies add
+        self.sampler_extensions = p.sampler_extensions(engine.sampler.fields)  # what the bodies add
         self.tool_parser = self._parser("tool-call", tool_call_parser, tool_parsers.tool_call_parser,
                                         tool_parsers.Gemma4ToolParser)
         self.reasoning_parser = self._parser("reasoning", reasoning_parser, reasoning.reasoning_parser,
                                              reasoning.Gemma4ReasoningParser)
         # By default, one API request may ask for a full batch of the largest requests this server allows.
-        inputs = self.llm.inputs
-        largest = SamplingParams(max_tokens=self.llm.max_model_len, max_denoising_steps=inputs.max_steps)
-        self.max_request_cost = max_request_cost or self.llm.cfg.max_num_seqs * inputs.cost(largest)
+        largest = SamplingParams(max_tokens=self.limits.max_model_len, max_denoising_steps=self.limits.max_denoising_steps)
+        self.max_request_cost = max_request_cost or self.limits.max_num_seqs * engine.cost(largest)
         # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
         # tokenizer (which holds the GIL, stalling every other request) sees it.
-        self.max_prompt_chars = None if self.tokenizer is None else self.llm.max_model_len * self.tokenizer.max_token_chars
+        self.max_prompt_chars = None if self.tokenizer is None else self.limits.max_model_len * self.tokenizer.max_token_chars
         self.default_template_kwargs = {}
         if default_chat_template_kwargs:
             if self.tokenizer is None:
@@ -463,7 +463,7 @@ class OpenAIServing:
         """n engine requests per prompt, checked against the limits first. The choices share one
         validated SamplingParams but their seeds (and so its draft and stop lists); prompt-major.
         skip_special_tokens: the endpoint's default, under the request's own (vLLM's field)."""
-        limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.llm.max_model_len)
+        limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.limits.max_model_len)
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
         skip = skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens
@@ -495,9 +495,9 @@ class OpenAIServing:
             for prompt in prompts:
                 # Lengths beyond the context are the engine's to refuse, with its own message.
                 length = self._prompt_length(prompt)
-                room = max(1, self.llm.max_model_len - length)
-                resolved = self.llm.inputs.resolve(params, length)
-                cost += n * self.llm.inputs.cost(replace(resolved, max_tokens=min(resolved.max_tokens, room)))
+                room = max(1, self.limits.max_model_len - length)
+                resolved = self.engine.resolve(params, length)
+                cost += n * self.engine.cost(replace(resolved, max_tokens=min(resolved.max_tokens, room)))
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
         if cost > self.max_request_cost:
@@ -524,7 +524,7 @@ class OpenAIServing:
 
     def _check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
-            raise APIError(400, f"{param} of {chars} characters cannot fit in max_model_len={self.llm.max_model_len} "
+            raise APIError(400, f"{param} of {chars} characters cannot fit in max_model_len={self.limits.max_model_len} "
                                 f"tokens (no token covers more than {self.tokenizer.max_token_chars} characters)",
                            param=param)
 
@@ -549,7 +549,7 @@ class OpenAIServing:
         kwargs = {**self.default_template_kwargs, **self._template_kwargs(chat_template_kwargs or {})}
         tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         # Everything the template reads counts, before it, the arguments' decoding or the tokenizer run.
-        limits.check_template_text(rendered, tools, kwargs, self.max_prompt_chars, self.llm.max_model_len,
+        limits.check_template_text(rendered, tools, kwargs, self.max_prompt_chars, self.limits.max_model_len,
                                    self.tokenizer.max_token_chars)
         _decode_arguments(rendered)
         try:
@@ -574,7 +574,7 @@ class OpenAIServing:
         if not images:
             return ids, [ids]
         try:
-            expanded = self.llm.inputs.images.expand(ids, images).token_ids
+            expanded = self.engine.images.expand(ids, images).token_ids
         except ImageError as e:
             raise APIError(400, str(e), param="messages", code="invalid_image") from None
         return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, [expanded]
@@ -582,7 +582,7 @@ class OpenAIServing:
     def _prompt_length(self, prompt: list[int] | dict) -> int:
         """Tokens of an engine prompt, each image counting its expanded placeholder."""
         if isinstance(prompt, dict):
-            return len(self.llm.inputs.images.expand(prompt["prompt_token_ids"], prompt["multi_modal_data"]["image"]).token_ids)
+            return len(self.engine.images.expand(prompt["prompt_token_ids"], prompt["multi_modal_data"]["image"]).token_ids)
         return len(prompt)
 
     def _template_message(self, i: int, m: p.ChatMessage) -> dict:
@@ -618,8 +618,7 @@ class OpenAIServing:
         the engine raises (ValueError for bad parameters), with the share released."""
         release = self.clients.hold(client, len(requests))
         try:
-            for spec in {params.structured_outputs.key(): params.structured_outputs for _, params in requests
-                         if params.structured_outputs is not None}.values():
+            for spec in structured_specs(requests):
                 await self.engine.prepare(spec)
             return await self.engine.add(requests, client), release
         except BaseException:

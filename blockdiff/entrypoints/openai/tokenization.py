@@ -14,7 +14,7 @@ class OpenAIServingTokenization:
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
         self.tokenizer = serving.tokenizer
-        self.max_model_len = serving.llm.max_model_len
+        self.max_model_len = serving.limits.max_model_len
 
     def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
         self.serving.model_name(req.model)
