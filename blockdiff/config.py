@@ -79,6 +79,21 @@ def read_config_json(path: str) -> dict:
     return read_json(config_path)
 
 
+def json_object(text: str | dict | None, what: str) -> dict:
+    """A JSON object given as text (a flag) or as a dict (LLM's keyword); ValueError naming `what`."""
+    if text is None:
+        return {}
+    value = text
+    if isinstance(text, str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} must be a JSON object ({e}), got {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {text!r}")
+    return value
+
+
 def read_json(path: str) -> dict:
     """A checkpoint's JSON file; a ConfigError names the file and where it is broken."""
     with open(path) as f:
@@ -187,13 +202,7 @@ class KVEventsConfig:
         """From vLLM's JSON text, a dict of its keys, or itself; ValueError names an unknown key."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "kv_events_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -17,9 +17,9 @@ Any other key is refused with the blockdiff flag to use, or with why there is no
 
 from __future__ import annotations
 
-import json
 import logging
 
+from blockdiff.config import json_object
 from blockdiff.diffusion.registry import SAMPLERS
 
 log = logging.getLogger("blockdiff")
@@ -64,21 +64,6 @@ def refused_reason(name: str) -> str | None:
     """Why vLLM option `name` (a field name) is refused, or None if it is not."""
     flag = "--" + name.replace("_", "-")
     return next((why for flags, why in REFUSED if flag in flags), None)
-
-
-def json_object(text: str | dict | None, what: str) -> dict:
-    """A JSON object given as text (a flag) or as a dict (LLM's keyword); ValueError naming `what`."""
-    if text is None:
-        return {}
-    value = text
-    if isinstance(text, str):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{what} must be a JSON object ({e}), got {text!r}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object, got {text!r}")
-    return value
 
 
 def _sampler_fields() -> dict[str, type]:

@@ -150,7 +150,7 @@ def test_the_array_encoding_of_vllm_0_11_to_0_23_and_the_rank_offset(tiny):
 
 def test_bad_configs_are_one_line_errors(capsys, tiny):
     for config, message in [('{"enable_kv_cache_events": true, "bogus": 1}', "kv_events_config: unknown key 'bogus'"),
-                            ("{not json", "kv_events_config is not JSON"),
+                            ("{not json", "kv_events_config must be a JSON object"),
                             ('{"publisher": "kafka"}', "publisher must be 'zmq' or 'null', got 'kafka'")]:
         with pytest.raises(SystemExit) as exit:
             main(["serve", "--kv-events-config", config])
