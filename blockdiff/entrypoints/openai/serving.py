@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.engine.async_engine import EngineUnavailable, RequestFailed, RequestStream
 from blockdiff.engine.client import EngineClient, structured_specs
-from blockdiff.engine.images import IMAGE_PART_TYPES, template_content
+from blockdiff.engine.images import IMAGE_PART_TYPES, PromptImages, template_content
 from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import limits, protocol as p
 from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
@@ -29,7 +29,7 @@ from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
 from blockdiff.entrypoints.openai import reasoning, tool_parsers, vllm_fields
 from blockdiff.entrypoints.openai.structured import constraint_field, request_constraint, tool_call_constraint
 from blockdiff.outputs import RequestOutput, TokenLogprob
-from blockdiff.sampling_params import MAX_LOGPROBS, SamplingParams
+from blockdiff.sampling_params import MAX_LOGPROBS, ResolvedParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +260,11 @@ def _request_names(req: p._GenerationRequest) -> dict[str, str]:
     return names
 
 
+def _prompt_length(prompt: list[int] | PromptImages) -> int:
+    """Tokens of an engine prompt, each image counting its expanded placeholder."""
+    return len(prompt.token_ids if isinstance(prompt, PromptImages) else prompt)
+
+
 def _check_choices(prompts: int, n: int) -> None:
     if prompts * n > p.MAX_CHOICES:
         raise APIError(400, f"{prompts} prompts x n={n} = {prompts * n} choices, more than the {p.MAX_CHOICES} one "
@@ -460,8 +465,9 @@ class OpenAIServing:
     def _engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
                          max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True,
                          prompt_logprobs: int | None = None, structured_outputs=None) -> list:
-        """n engine requests per prompt, checked against the limits first. The choices share one
-        validated SamplingParams but their seeds (and so its draft and stop lists); prompt-major.
+        """n engine requests per prompt, checked against the limits first, their parameters resolved
+        once per prompt (for its length) and taken by the engine as they are. The choices of a prompt
+        share its ResolvedParams but their seeds (and so its draft and stop lists); prompt-major.
         skip_special_tokens: the endpoint's default, under the request's own (vLLM's field)."""
         limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.limits.max_model_len)
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
@@ -472,14 +478,15 @@ class OpenAIServing:
                                        min_tokens=req.min_tokens or 0, prompt_logprobs=prompt_logprobs,
                                        output_kind="delta" if req.stream else "final_only", skip_special_tokens=skip,
                                        structured_outputs=structured_outputs)
+            resolved = [self.engine.resolve(params, _prompt_length(prompt)) for prompt in prompts]
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
-        self._check_cost(req, prompts, params, n)
-        choices = [params] if n == 1 else [self._with_seed(params, i) for i in range(n)]
-        return [(prompt, choice) for prompt in prompts for choice in choices]
+        self._check_cost(resolved, n)
+        return [(prompt, params if n == 1 else self._with_seed(params, i))
+                for prompt, params in zip(prompts, resolved) for i in range(n)]
 
     @staticmethod
-    def _with_seed(params: SamplingParams, choice: int) -> SamplingParams:
+    def _with_seed(params: ResolvedParams, choice: int) -> ResolvedParams:
         """Choice i of a request seeded s draws from s + i; a shallow copy shares the checked lists."""
         if params.seed is None:
             return params
@@ -487,19 +494,14 @@ class OpenAIServing:
         out.seed = params.seed + choice
         return out
 
-    def _check_cost(self, req: p._GenerationRequest, prompts: list, params: SamplingParams, n: int) -> None:
+    def _check_cost(self, resolved: list[ResolvedParams], n: int) -> None:
         """Refuse an API request that would hold the decoder longer than the limit allows. The choices
         of a prompt differ only in their seeds, so they cost the same."""
         cost = 0
-        try:
-            for prompt in prompts:
-                # Lengths beyond the context are the engine's to refuse, with its own message.
-                length = self._prompt_length(prompt)
-                room = max(1, self.limits.max_model_len - length)
-                resolved = self.engine.resolve(params, length)
-                cost += n * self.engine.cost(replace(resolved, max_tokens=min(resolved.max_tokens, room)))
-        except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS, _request_names(req)) from None
+        for params in resolved:
+            # Lengths beyond the context are the engine's to refuse, with its own message.
+            room = max(1, self.limits.max_model_len - params.prompt_len)
+            cost += n * self.engine.cost(replace(params, max_tokens=min(params.max_tokens, room)))
         if cost > self.max_request_cost:
             raise APIError(400, f"this request asks for up to {cost} canvas positions of denoising (choices x canvases x "
                                 f"max_denoising_steps x canvas length), more than this server's limit of "
@@ -569,21 +571,16 @@ class OpenAIServing:
             return []
         return await self.images.load([m.model_dump(exclude_none=True) for m in messages], client)
 
-    def _with_images(self, ids: list[int], images: list) -> tuple[list[int] | dict, list[list[int]]]:
-        """-> (the engine's prompt, the prompt ids that usage counts: placeholders expanded)."""
+    def _with_images(self, ids: list[int], images: list) -> tuple[list[int] | PromptImages, list[list[int]]]:
+        """-> (the engine's prompt: with images, their placeholders expanded, here and only here; the
+        prompt ids that usage counts)."""
         if not images:
             return ids, [ids]
         try:
-            expanded = self.engine.images.expand(ids, images).token_ids
+            expanded = self.engine.images.expand(ids, images)
         except ImageError as e:
             raise APIError(400, str(e), param="messages", code="invalid_image") from None
-        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, [expanded]
-
-    def _prompt_length(self, prompt: list[int] | dict) -> int:
-        """Tokens of an engine prompt, each image counting its expanded placeholder."""
-        if isinstance(prompt, dict):
-            return len(self.engine.images.expand(prompt["prompt_token_ids"], prompt["multi_modal_data"]["image"]).token_ids)
-        return len(prompt)
+        return expanded, [expanded.token_ids]
 
     def _template_message(self, i: int, m: p.ChatMessage) -> dict:
         """A message as the chat template reads it: content parts as `template_content` renders them
