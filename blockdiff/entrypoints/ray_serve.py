@@ -37,6 +37,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from blockdiff.chat_parts import MediaPolicy
 from blockdiff.config import EngineConfig
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from blockdiff.engine.client import EngineClient, EngineStats, Prompt
@@ -389,8 +390,10 @@ class OpenAIIngress:
 
     async def __init__(self, engine, engine_args: dict, server: dict):
         hs = await engine.handshake.remote()
-        self.client = RayEngineClient(engine, engine_config(engine_args), hs)
-        self.server = ServerConfig(**{"served_model_names": [engine_args.get("model") or "demo"], **server})
+        cfg = engine_config(engine_args)
+        self.client = RayEngineClient(engine, cfg, hs)
+        self.server = ServerConfig(**{"served_model_names": [engine_args.get("model") or "demo"], "media": MediaPolicy.of(cfg),
+                                      **server})
 
     def __serve_build_asgi_app__(self):
         return build_app(self.client, self.server)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic.json_schema import models_json_schema
 
 from blockdiff import __version__
+from blockdiff.chat_parts import MediaPolicy
 from blockdiff.config import EngineConfig
 from blockdiff.engine.client import EngineClient
 from blockdiff.entrypoints.openai import body, errors, playground
@@ -108,7 +109,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     metrics = ServingMetrics(engine, cfg.served_model_names[0])
     engine.on_step, engine.on_finish = metrics.step, metrics.finished
     pool = WorkPool(cfg.preprocess_threads, cfg.preprocess_timeout, "blockdiff-preprocess")
-    images = ChatImages(engine.images, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
+    images = ChatImages(engine.images, cfg.media, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
     serving = OpenAIServing(engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
                             cfg.reasoning_parser, pool, images, ClientLimit(cfg.max_client_concurrency),
@@ -268,7 +269,8 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
     and the `serving ... on http://...` line names the port really bound (--port 0: a free one)."""
     sock = _bind(cfg.host, cfg.port)
     try:
-        cfg = replace(cfg, port=sock.getsockname()[1])
+        # Image URLs are the server's to fetch, under the engine flags that allow them.
+        cfg = replace(cfg, port=sock.getsockname()[1], media=MediaPolicy.of(engine_cfg))
         engine = start_client(engine_cfg, cfg.max_queued_requests)
         try:
             app = build_app(engine, cfg)

@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.engine.async_engine import EngineUnavailable, RequestFailed, RequestStream
 from blockdiff.engine.client import EngineClient, structured_specs
-from blockdiff.engine.images import IMAGE_PART_TYPES, PromptImages, template_content
+from blockdiff.chat_parts import IMAGE_PART_TYPES, template_content
+from blockdiff.engine.images import PromptImages
 from blockdiff.image import ImageError
 from blockdiff.entrypoints.openai import limits, protocol as p
 from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
