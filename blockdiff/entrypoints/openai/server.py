@@ -29,10 +29,12 @@ from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, De
                                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now,
                                                    request_types)
 from blockdiff.entrypoints.openai.preprocess import WorkPool
+from blockdiff.entrypoints.openai.preprocessing import Preprocessor
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.responses import OpenAIServingResponses
 from blockdiff.entrypoints.openai.responses_protocol import DeletedResponse, ResponseObject, responses_request_type
-from blockdiff.entrypoints.openai.serving import OpenAIServing
+from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
+from blockdiff.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
 from blockdiff.startup import start_client
 
@@ -111,10 +113,12 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     pool = WorkPool(cfg.preprocess_threads, cfg.preprocess_timeout, "blockdiff-preprocess")
     images = ChatImages(engine.images, cfg.media, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
-    serving = OpenAIServing(engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
-                            cfg.reasoning_parser, pool, images, ClientLimit(cfg.max_client_concurrency),
-                            cfg.max_stream_buffer, cfg.default_chat_template_kwargs)
-    tokenization = OpenAIServingTokenization(serving)
+    preprocess = Preprocessor(engine, pool, images, cfg.max_request_cost, cfg.default_chat_template_kwargs)
+    clients = ClientLimit(cfg.max_client_concurrency)
+    shared = (engine, cfg.served_model_names, preprocess, clients, cfg.max_stream_buffer)
+    completion = OpenAIServingCompletion(*shared)
+    chat_serving = OpenAIServingChat(*shared, cfg.tool_call_parser, cfg.reasoning_parser)
+    tokenization = OpenAIServingTokenization(chat_serving)
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}
 
@@ -133,7 +137,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     # The generation bodies take the fields of the model's sampler (protocol.request_types).
     CompletionRequest, ChatCompletionRequest = request_types(engine.sampler.fields)
     ResponsesRequest = responses_request_type(engine.sampler.fields)
-    responses = OpenAIServingResponses(serving, ChatCompletionRequest)
+    responses = OpenAIServingResponses(chat_serving, ChatCompletionRequest)
     app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics),
                bodies=(CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest))
     app.state.engine = engine
@@ -172,11 +176,11 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     # schema still documents them.
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await serving.completions(await parse(await request.body(), CompletionRequest, client_of(request)), request)
+        return await completion.completions(await parse(await request.body(), CompletionRequest, client_of(request)), request)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
-        return await serving.chat(await parse(await request.body(), ChatCompletionRequest, client_of(request)), request)
+        return await chat_serving.chat(await parse(await request.body(), ChatCompletionRequest, client_of(request)), request)
 
     @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
     async def create_response(request: Request) -> Response:
