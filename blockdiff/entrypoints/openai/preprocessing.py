@@ -159,7 +159,7 @@ class Preprocessor:
 
     # ---- chats -------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True,
-                     tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+                    tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
@@ -224,8 +224,8 @@ class Preprocessor:
 
     # ---- sampling parameters: resolved once, priced ----------------------------------------------
     def engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
-                         max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True,
-                         prompt_logprobs: int | None = None, structured_outputs=None) -> list:
+                        max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True,
+                        prompt_logprobs: int | None = None, structured_outputs=None) -> list:
         """n engine requests per prompt, checked against the limits first, their parameters resolved
         once per prompt (for its length) and taken by the engine as they are. The choices of a prompt
         share its ResolvedParams but their seeds (and so its draft and stop lists); prompt-major.
