@@ -11,7 +11,6 @@ import base64
 import io
 import os
 import textwrap
-import time
 
 import numpy as np
 import openai
@@ -60,9 +59,8 @@ class Calls:
         self._seen = len(self._read()) if os.path.exists(self.path) else 0
 
     def since(self) -> dict[str, int]:
-        """-> calls of each kind since the last mark (then marks again)."""
-        # The replicas append after the response's last chunk may have left: a moment for them.
-        time.sleep(0.3)
+        """-> calls of each kind since the last mark (then marks again). Every call a request makes, in
+        any process, is written before its response can be sent."""
         lines = self._read()
         new = lines[self._seen:]
         self._seen = len(lines)
