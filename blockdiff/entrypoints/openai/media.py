@@ -59,7 +59,6 @@ class ChatImages:
             if resident_bytes() - before > _TRIM_AFTER:  # a large image: give back what decoding it took
                 release_freed_memory()
 
-
     def _fetch_url(self, url: str, what: str) -> bytes:
         return fetch_url(url, self.policy, self.intake.limits.max_bytes, what)
 

@@ -111,7 +111,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     metrics = ServingMetrics(engine, cfg.served_model_names[0])
     engine.on_step, engine.on_finish = metrics.step, metrics.finished
     pool = WorkPool(cfg.preprocess_threads, cfg.preprocess_timeout, "blockdiff-preprocess")
-    images = ChatImages(engine.images, cfg.media, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
+    images = ChatImages(engine.images, cfg.media,
+                        WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
     preprocess = Preprocessor(engine, pool, images, cfg.max_request_cost, cfg.default_chat_template_kwargs)
     clients = ClientLimit(cfg.max_client_concurrency)
