@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from blockdiff.config import EngineConfig
-from blockdiff.engine.images import split_chat_images
+from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_images
 from blockdiff.engine.sync_client import SyncClient
 from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.outputs import RequestOutput
@@ -52,6 +52,7 @@ class LLM:
         else:
             self.engine = start_engine(cfg)
             self.tokenizer, self._images = self.engine.tokenizer, self.engine.inputs.images
+        self._media = MediaPolicy.of(cfg)  # where LLM.chat's image URLs may point
 
     @property
     def llm_engine(self):
@@ -112,7 +113,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts, texts = [], []
         for i, conversation in enumerate(conversations):
-            rendered, images = split_chat_images(conversation, self._images.fetch)
+            rendered, images = split_chat_images(conversation, self._fetch)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
                                                       **(chat_template_kwargs or {}))
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
@@ -124,6 +125,9 @@ class LLM:
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
+
+    def _fetch(self, url: str, what: str) -> bytes:
+        return fetch_url(url, self._media, self._images.limits.max_bytes, what)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding what each committed canvas adds (output_kind "delta");

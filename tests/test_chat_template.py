@@ -222,7 +222,7 @@ def image_pair(request, tmp_path_factory, tokenizer_dir):
 def test_image_conversations_match_transformers(image_pair, name):
     """The messages blockdiff's chat path renders (image parts split off by split_chat_images, the one
     the server and LLM.chat use) give the text and ids transformers renders from the same conversation."""
-    from blockdiff.engine.images import MediaPolicy, fetch_url, split_chat_images
+    from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_images
 
     ours, theirs = image_pair
     messages = IMAGE_CONVERSATIONS[name]

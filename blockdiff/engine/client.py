@@ -8,7 +8,8 @@ engines is one more class implementing it.
 
 Parameters are resolved once: `resolve` turns a request's SamplingParams into `ResolvedParams` for
 its prompt length (what a server needs anyway to check a request's cost), and `add` takes those as
-they are: the engine resolves only what comes unresolved.
+they are: the engine resolves only what comes unresolved. Images are expanded once the same way:
+`images.expand` gives the prompt (a PromptImages) that `add` takes as it is.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from blockdiff.diffusion.strategy import DiffusionSampler
-from blockdiff.engine.images import ImageIntake
+from blockdiff.engine.images import ImageIntake, PromptImages
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
 
-# A prompt: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data": {"image": [...]}}.
-Prompt = str | list[int] | dict
+# A prompt: text, token ids, vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data": {"image": [...]}},
+# or token ids with their images preprocessed and placeholders expanded (`images.expand`), taken as they are.
+Prompt = str | list[int] | dict | PromptImages
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from blockdiff.engine.async_engine import RESTART_TRIES, EngineUnavailable, Requ
 from blockdiff.engine.block_allocator import block_keys
 from blockdiff.engine.client import EngineClient, EngineStats, Prompt
 from blockdiff.engine.core_process import COMMAND, Bootstrap, Handshake, encode_frame, error_of, read_frame, recv_frame, send_frame
-from blockdiff.engine.images import ImageIntake, split_prompt
+from blockdiff.engine.images import ImageIntake, PromptImages, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
@@ -70,9 +70,11 @@ class FrontEnd:
         self.block_size, self.prefix_caching = hs.stats.block_size, hs.stats.prefix_caching
 
 
-def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, images: ImageIntake, block_size: int) -> tuple:
+def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, images: ImageIntake | None, block_size: int) -> tuple:
     """The keys of the prompt's full blocks, as the engine will key them; for a prompt with images not
     yet preprocessed, those of the blocks before the first image."""
+    if isinstance(prompt, PromptImages):  # expanded at the edge
+        return tuple(block_keys(_image_keyed(prompt), block_size))
     text, given = split_prompt(prompt)
     if isinstance(text, str):
         if tokenizer is None:
@@ -82,13 +84,18 @@ def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, images: Image
         ids = list(text)
     if given:
         if isinstance(given, list) and all(isinstance(im, ProcessedImage) for im in given):
-            expanded = images.expand(ids, given)
-            ids = list(expanded.token_ids)
-            for image, (a, b) in zip(expanded.images, expanded.spans):
-                ids[a:b] = [image.digest] * (b - a)
+            ids = _image_keyed(images.expand(ids, given))
         elif images.vision is not None and images.vision.image_token_id in ids:
             ids = ids[:ids.index(images.vision.image_token_id)]
     return tuple(block_keys(ids, block_size))
+
+
+def _image_keyed(prompt: PromptImages) -> list:
+    """The prompt's ids with each image's soft tokens keyed by the image, as the engine keys them."""
+    ids = list(prompt.token_ids)
+    for image, (a, b) in zip(prompt.images, prompt.spans):
+        ids[a:b] = [image.digest] * (b - a)
+    return ids
 
 
 def replica_device(cfg: EngineConfig, rank: int) -> str:

@@ -7,7 +7,7 @@ import random
 
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
-from blockdiff.engine.images import ImageIntake
+from blockdiff.engine.images import ImageIntake, PromptImages
 from blockdiff.engine.request import Request
 from blockdiff.sampling_params import InvalidParam, ResolvedParams, SamplingParams
 from blockdiff.structured.compiler import OutputConstraint, StructuredOutputs, check_ends, tokens_needed
@@ -45,27 +45,13 @@ class InputProcessor:
         except ValueError as e:
             raise ValueError(f"invalid sampler flags (over the checkpoint's generation_config.json): {e}") from None
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | ResolvedParams | None,
-                images: list | None = None) -> Request:
-        """`images`: PIL images, encoded bytes or file paths, one per image placeholder of the prompt.
-        `params` already resolved (`resolve`, for this prompt's length) are taken as they are."""
-        if images and self.images is None:
-            raise ValueError("this engine takes no images")
-        if self.images is not None:
-            self.images.check_count(len(images or []))
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer: pass the prompt as a list of token ids")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-        else:
-            raise InvalidParam("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidParam("prompt", "prompt is empty")
-        mm = self.images.expand(ids, self.images.load(images or [])) if self.images is not None else None
-        if mm is not None:
-            ids = mm.token_ids
+    def process(self, request_id: str, prompt: str | list[int] | PromptImages,
+                params: SamplingParams | ResolvedParams | None, images: list | None = None) -> Request:
+        """`images`: PIL images, encoded bytes or file paths, one per image placeholder of the prompt;
+        or `prompt` is a PromptImages, its images preprocessed and its placeholders expanded already
+        (`self.images.expand`), taken as it is. `params` already resolved (`resolve`, for this prompt's
+        length) are taken as they are."""
+        text, ids, mm = self._prompt(prompt, images)
         if len(ids) >= self.max_model_len:
             raise InvalidParam("prompt", f"prompt of {len(ids)} tokens leaves no room for output in "
                                          f"max_model_len={self.max_model_len}")
@@ -94,7 +80,7 @@ class InputProcessor:
         if params.min_tokens > params.max_tokens:
             raise InvalidParam("min_tokens", f"min_tokens ({params.min_tokens}) must be at most max_tokens "
                                              f"({params.max_tokens})")
-        if params.prompt_logprobs is not None and images:
+        if params.prompt_logprobs is not None and mm is not None and mm.images:
             raise InvalidParam("prompt_logprobs", "prompt_logprobs: a prompt with images cannot be scored")
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
                                         params.skip_special_tokens, params.min_tokens)
@@ -108,6 +94,35 @@ class InputProcessor:
             raise ValueError(f"request needs {req.max_cached_tokens} cached tokens, more than the whole KV cache "
                              f"({self.cache_tokens})")
         return req
+
+    def _prompt(self, prompt: str | list[int] | PromptImages,
+                images: list | None) -> tuple[str | None, list[int], PromptImages | None]:
+        """-> (the prompt's text, if it came as text; its token ids, image placeholders expanded; its
+        images, None for an engine that takes none)."""
+        if isinstance(prompt, PromptImages):  # expanded at the edge: taken as it is
+            if images or self.images is None:
+                raise ValueError("a prompt with its images expanded takes no other images, and only an engine "
+                                 "that takes images takes it")
+            self.images.check_count(len(prompt.images))
+            return None, list(prompt.token_ids), prompt
+        if images and self.images is None:
+            raise ValueError("this engine takes no images")
+        if self.images is not None:
+            self.images.check_count(len(images or []))
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass the prompt as a list of token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise InvalidParam("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidParam("prompt", "prompt is empty")
+        if self.images is None:
+            return text, ids, None
+        mm = self.images.expand(ids, self.images.load(images or []))
+        return text, mm.token_ids, mm
 
     def _constraint(self, params: SamplingParams, stops: set[int]) -> OutputConstraint:
         """The request's structured-output constraint (its automaton built now unless cached)."""

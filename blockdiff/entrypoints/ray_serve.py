@@ -37,9 +37,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from blockdiff.chat_parts import MediaPolicy
 from blockdiff.config import EngineConfig
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from blockdiff.engine.client import EngineClient, EngineStats, Prompt
+from blockdiff.engine.client import EngineClient, EngineStats, Prompt, structured_specs
 from blockdiff.engine.core_process import Handshake, error_of, wire_error
 from blockdiff.engine.dp_client import FrontEnd, prompt_block_keys
 from blockdiff.engine.kv_events import decode_batch, external_hash
@@ -47,7 +48,7 @@ from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter,
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.server import build_app
 from blockdiff.hub import resolve_model
-from blockdiff.sampling_params import ResolvedParams, SamplingParams
+from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.startup import start_engine
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class EngineReplica:
 
     async def generate(self, requests: list, client: str | None):
         try:
+            # A new structured output's automaton is built off this replica's loop first.
+            for spec in structured_specs(requests):
+                await self.client.prepare(spec)
             stream = await self.client.add(requests, client)
         except Exception as e:
             yield ("refused", wire_error(e))
@@ -310,6 +314,10 @@ class RayEngineClient(EngineClient):
     def engine_stats(self) -> dict[str, EngineStats]:
         return dict(self._stats)
 
+    async def prepare(self, spec: StructuredOutputsParams) -> None:
+        """Nothing here: the replica a call goes to builds its automaton before it adds the call
+        (EngineReplica.generate), and a spec it cannot serve comes back as the call's InvalidParam."""
+
     async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
                   client: str | None = None) -> RequestStream:
         if not self._open:
@@ -389,8 +397,10 @@ class OpenAIIngress:
 
     async def __init__(self, engine, engine_args: dict, server: dict):
         hs = await engine.handshake.remote()
-        self.client = RayEngineClient(engine, engine_config(engine_args), hs)
-        self.server = ServerConfig(**{"served_model_names": [engine_args.get("model") or "demo"], **server})
+        cfg = engine_config(engine_args)
+        self.client = RayEngineClient(engine, cfg, hs)
+        self.server = ServerConfig(**{"served_model_names": [engine_args.get("model") or "demo"], "media": MediaPolicy.of(cfg),
+                                      **server})
 
     def __serve_build_asgi_app__(self):
         return build_app(self.client, self.server)

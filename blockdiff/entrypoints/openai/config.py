@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from blockdiff.chat_parts import MediaPolicy
+
 
 @dataclass
 class ServerConfig:
@@ -33,3 +35,4 @@ class ServerConfig:
     reasoning_parser: str | None = None  # the same
     # vLLM's --default-chat-template-kwargs: template variables every chat gets unless it sets them
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    media: MediaPolicy = MediaPolicy()  # where chat image URLs may point (the engine flags --allowed-media-*)

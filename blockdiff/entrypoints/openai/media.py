@@ -12,7 +12,8 @@ at once is bounded; the heap is trimmed after large ones, as the server otherwis
 
 from __future__ import annotations
 
-from blockdiff.engine.images import ImageIntake, split_chat_images
+from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_images
+from blockdiff.engine.images import ImageIntake
 from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.entrypoints.openai.preprocess import Deadline, WorkPool
 from blockdiff.image import ImageError
@@ -22,8 +23,9 @@ _TRIM_AFTER = 32 * 2**20  # growth of the process while decoding a request's ima
 
 
 class ChatImages:
-    def __init__(self, intake: ImageIntake | None, decode: WorkPool, fetch: WorkPool):
-        self.intake, self.decode, self.fetch = intake, decode, fetch
+    def __init__(self, intake: ImageIntake | None, policy: MediaPolicy, decode: WorkPool, fetch: WorkPool):
+        """intake: the engine's (its limits, its preprocessing); policy: where image URLs may point."""
+        self.intake, self.policy, self.decode, self.fetch = intake, policy, decode, fetch
 
     async def load(self, messages: list[dict], client: str) -> list:
         """The images of the messages' image_url parts, in order, preprocessed; 400 naming a bad one."""
@@ -41,21 +43,24 @@ class ChatImages:
             raise APIError(400, str(e), param="messages") from None
 
     async def _fetch(self, url: str, what: str, client: str) -> bytes:
-        timeout = self.intake.policy.timeout
+        timeout = self.policy.timeout
         try:
-            return await self.fetch.run(client, self.intake.fetch, url, what, deadline=Deadline(timeout))
+            return await self.fetch.run(client, self._fetch_url, url, what, deadline=Deadline(timeout))
         except APIError:  # the fetch pool's deadline: the thread gives up within one more read
             raise ImageError(f"{what}: the image did not arrive within {timeout:g} s") from None
 
     def _decode(self, sources: list) -> list:
         """(In the decode pool) data: URLs decoded, then every image, one after another."""
         before = resident_bytes()
-        data = [s if isinstance(s, bytes) else self.intake.fetch(*s) for s in sources]
+        data = [s if isinstance(s, bytes) else self._fetch_url(*s) for s in sources]
         try:
             return self.intake.load(data, "image")
         finally:
             if resident_bytes() - before > _TRIM_AFTER:  # a large image: give back what decoding it took
                 release_freed_memory()
+
+    def _fetch_url(self, url: str, what: str) -> bytes:
+        return fetch_url(url, self.policy, self.intake.limits.max_bytes, what)
 
 
 def _remote(url) -> bool:

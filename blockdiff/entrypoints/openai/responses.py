@@ -30,7 +30,9 @@ from blockdiff.entrypoints.openai import responses_protocol as r
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
-from blockdiff.entrypoints.openai.serving import REQUEST_FIELDS, ChoiceState, OpenAIServing, Piece, _EventStream, _sse, usage
+from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS
+from blockdiff.entrypoints.openai.serving import ChoiceState, EventStream, Piece, sse, usage
+from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.outputs import RequestOutput
 
@@ -261,7 +263,7 @@ def _status(out: RequestOutput) -> str:
 
 
 class OpenAIServingResponses:
-    def __init__(self, serving: OpenAIServing, chat_request: type[p.ChatCompletionRequest],
+    def __init__(self, serving: OpenAIServingChat, chat_request: type[p.ChatCompletionRequest],
                  store: ResponseStore | None = None):
         """`chat_request`: the server's chat body (protocol.request_types), which the requests become."""
         self.serving = serving
@@ -300,9 +302,9 @@ class OpenAIServingResponses:
                 release()
 
             stream.max_unread = self.serving.max_stream_buffer
-            return _EventStream(self._events(stream, output, begun, finish), stream, close)
+            return EventStream(self._events(stream, output, begun, finish), stream, close)
         try:
-            finals = await self.serving._collect(stream, raw)
+            finals = await self.serving.collect(stream, raw)
         finally:
             release()
         if finals is None:  # the client went away; nobody reads this
@@ -329,11 +331,11 @@ class OpenAIServingResponses:
         s = self.serving
         client = client_of(raw)
         with _responses_names():
-            rules = s._output_rules(chat)
-            images = await s._chat_images(chat.messages, client)
-            constraint = s._chat_constraint(chat, rules)
-            prompts, requests = await s.pool.run(client, s._chat_requests, chat, images, 1, chat.max_tokens, None, rules,
-                                                 response_id, constraint)
+            rules = s.output_rules(chat)
+            images = await s.preprocess.chat_images(chat.messages, client)
+            constraint = s.chat_constraint(chat, rules)
+            prompts, requests = await s.preprocess.pool.run(client, s.chat_requests, chat, images, 1, chat.max_tokens, None,
+                                                            rules, response_id, constraint)
         try:
             stream, release = await s.add(requests, client)  # the share is held until the response ends
         except ValueError as e:
@@ -358,7 +360,7 @@ class OpenAIServingResponses:
         if len(messages) > p.MAX_MESSAGES:
             raise APIError(400, f"the conversation has {len(messages)} messages, more than the {p.MAX_MESSAGES} "
                                 "one request may hold", param="input")
-        shared = (*_CHAT_FIELDS, *r.EXTENSIONS, *self.serving.sampler_extensions)
+        shared = (*_CHAT_FIELDS, *r.EXTENSIONS, *self.serving.preprocess.sampler_extensions)
         body = {name: getattr(req, name) for name in shared if getattr(req, name) is not None}
         body["messages"] = messages
         if req.max_output_tokens is not None:
@@ -420,7 +422,7 @@ class OpenAIServingResponses:
         sequence = itertools.count()
 
         def send(event: dict) -> str:
-            return _sse({**event, "sequence_number": next(sequence)}, event=event["type"])
+            return sse({**event, "sequence_number": next(sequence)}, event=event["type"])
 
         yield send({"type": "response.created", "response": begun.model_dump()})
         yield send({"type": "response.in_progress", "response": begun.model_dump()})

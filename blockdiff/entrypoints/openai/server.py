@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic.json_schema import models_json_schema
 
 from blockdiff import __version__
+from blockdiff.chat_parts import MediaPolicy
 from blockdiff.config import EngineConfig
 from blockdiff.engine.client import EngineClient
 from blockdiff.entrypoints.openai import body, errors, playground
@@ -28,10 +29,12 @@ from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, De
                                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now,
                                                    request_types)
 from blockdiff.entrypoints.openai.preprocess import WorkPool
+from blockdiff.entrypoints.openai.preprocessing import Preprocessor
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.responses import OpenAIServingResponses
 from blockdiff.entrypoints.openai.responses_protocol import DeletedResponse, ResponseObject, responses_request_type
-from blockdiff.entrypoints.openai.serving import OpenAIServing
+from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
+from blockdiff.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
 from blockdiff.startup import start_client
 
@@ -108,12 +111,15 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     metrics = ServingMetrics(engine, cfg.served_model_names[0])
     engine.on_step, engine.on_finish = metrics.step, metrics.finished
     pool = WorkPool(cfg.preprocess_threads, cfg.preprocess_timeout, "blockdiff-preprocess")
-    images = ChatImages(engine.images, WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
+    images = ChatImages(engine.images, cfg.media,
+                        WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
-    serving = OpenAIServing(engine, cfg.served_model_names, cfg.max_request_cost, cfg.tool_call_parser,
-                            cfg.reasoning_parser, pool, images, ClientLimit(cfg.max_client_concurrency),
-                            cfg.max_stream_buffer, cfg.default_chat_template_kwargs)
-    tokenization = OpenAIServingTokenization(serving)
+    preprocess = Preprocessor(engine, pool, images, cfg.max_request_cost, cfg.default_chat_template_kwargs)
+    clients = ClientLimit(cfg.max_client_concurrency)
+    shared = (engine, cfg.served_model_names, preprocess, clients, cfg.max_stream_buffer)
+    completion = OpenAIServingCompletion(*shared)
+    chat_serving = OpenAIServingChat(*shared, cfg.tool_call_parser, cfg.reasoning_parser)
+    tokenization = OpenAIServingTokenization(chat_serving)
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}
 
@@ -132,7 +138,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     # The generation bodies take the fields of the model's sampler (protocol.request_types).
     CompletionRequest, ChatCompletionRequest = request_types(engine.sampler.fields)
     ResponsesRequest = responses_request_type(engine.sampler.fields)
-    responses = OpenAIServingResponses(serving, ChatCompletionRequest)
+    responses = OpenAIServingResponses(chat_serving, ChatCompletionRequest)
     app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics),
                bodies=(CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest))
     app.state.engine = engine
@@ -171,11 +177,11 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     # schema still documents them.
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await serving.completions(await parse(await request.body(), CompletionRequest, client_of(request)), request)
+        return await completion.completions(await parse(await request.body(), CompletionRequest, client_of(request)), request)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
-        return await serving.chat(await parse(await request.body(), ChatCompletionRequest, client_of(request)), request)
+        return await chat_serving.chat(await parse(await request.body(), ChatCompletionRequest, client_of(request)), request)
 
     @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
     async def create_response(request: Request) -> Response:
@@ -268,7 +274,8 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
     and the `serving ... on http://...` line names the port really bound (--port 0: a free one)."""
     sock = _bind(cfg.host, cfg.port)
     try:
-        cfg = replace(cfg, port=sock.getsockname()[1])
+        # Image URLs are the server's to fetch, under the engine flags that allow them.
+        cfg = replace(cfg, port=sock.getsockname()[1], media=MediaPolicy.of(engine_cfg))
         engine = start_client(engine_cfg, cfg.max_queued_requests)
         try:
             app = build_app(engine, cfg)

@@ -26,7 +26,7 @@ class OpenAIServingTokenization:
             given = next((name for name in _CHAT_ONLY if getattr(req, name) is not None), None)
             if given:
                 raise APIError(400, f"{given} applies to messages, not to a prompt", param=given)
-            self.serving._check_chars(len(req.prompt), "prompt")
+            self.serving.preprocess.check_chars(len(req.prompt), "prompt")
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=add_special)
         else:
@@ -34,8 +34,8 @@ class OpenAIServingTokenization:
                 raise APIError(400, "continue_final_message is not supported: the chat template closes every message",
                                param="continue_final_message")
             generation = True if req.add_generation_prompt is None else req.add_generation_prompt
-            ids = self.serving._chat_prompt(req.messages, "tokenize", add_generation_prompt=generation, tools=req.tools,
-                                            chat_template_kwargs=req.chat_template_kwargs)
+            ids = self.serving.preprocess.chat_prompt(req.messages, "tokenize", add_generation_prompt=generation,
+                                                       tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
             tok = self.tokenizer
             if req.add_special_tokens and tok.add_bos and ids[:1] != [tok.bos_token_id]:  # on top of the template's
                 ids = [tok.bos_token_id, *ids]

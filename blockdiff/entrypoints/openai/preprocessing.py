@@ -1,0 +1,270 @@
+"""An API request's preprocessing, shared by the generation endpoints (completions, chat, responses)
+and /tokenize: its prompts tokenized, or its chat rendered by the chat template; its images loaded
+and their placeholders expanded; its sampling parameters built, resolved once per prompt and
+priced; the result, engine requests that the engine takes as they are. The CPU work runs in the
+server's preprocessing pool (preprocess.py), images in theirs (media.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import fields, replace
+
+from blockdiff.chat_parts import IMAGE_PART_TYPES, template_content
+from blockdiff.diffusion.registry import SAMPLERS
+from blockdiff.engine.client import EngineClient
+from blockdiff.engine.images import PromptImages
+from blockdiff.entrypoints.openai import limits, protocol as p
+from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
+from blockdiff.entrypoints.openai.errors import APIError, bad_value
+from blockdiff.entrypoints.openai.media import ChatImages
+from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
+from blockdiff.entrypoints.openai.structured import constraint_field
+from blockdiff.image import ImageError
+from blockdiff.sampling_params import ResolvedParams, SamplingParams
+
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
+    f.name for f in fields(SamplingParams)
+} | {f.name for sampler in SAMPLERS.values() for f in sampler.fields}
+
+
+def request_names(req: p._GenerationRequest) -> dict[str, str]:
+    """The request fields that engine errors about `prompt`, `max_tokens` and `structured_outputs` are about."""
+    field = constraint_field(req)
+    if field is None and isinstance(req, p.ChatCompletionRequest) and req.tool_choice not in (None, "none", "auto"):
+        field = "tool_choice"
+    names = {} if field is None else {"structured_outputs": field}
+    if not isinstance(req, p.ChatCompletionRequest):
+        return names
+    names["prompt"] = "messages"
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
+
+
+def prompt_length(prompt: list[int] | PromptImages) -> int:
+    """Tokens of an engine prompt, each image counting its expanded placeholder."""
+    return len(prompt.token_ids if isinstance(prompt, PromptImages) else prompt)
+
+
+def check_choices(prompts: int, n: int) -> None:
+    if prompts * n > p.MAX_CHOICES:
+        raise APIError(400, f"{prompts} prompts x n={n} = {prompts * n} choices, more than the {p.MAX_CHOICES} one "
+                            "request may ask for", param="prompt" if n == 1 else "n")
+
+
+def _decode_arguments(messages: list[dict]) -> None:
+    """The arguments of earlier tool calls, JSON text as OpenAI clients send them, decoded in place
+    into objects (vLLM decodes them too, so templates can format each argument): all of a request's
+    within one budget of containers and nesting, their strings checked as the body's are."""
+    budget = Budget(max_items=MAX_JSON_VALUES)  # no list of their own is too long: their text is bounded already
+    for i, message in enumerate(messages):
+        for k, call in enumerate(message.get("tool_calls", [])):
+            what = f"messages[{i}].tool_calls[{k}].function.arguments"
+            try:
+                call["function"]["arguments"] = decode_json(call["function"]["arguments"], what, budget)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"{what} is not JSON: {e}", param="messages") from None
+            except APIError as e:
+                raise APIError(400, e.message, param="messages") from None
+
+
+# Names the server gives the chat template itself; chat_template_kwargs may not set them.
+_SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                        "eos_token", "unk_token"})
+
+
+def check_common(req: p._GenerationRequest) -> int:
+    """Reject what the diffusion sampler cannot honour; -> n."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
+    if req.repetition_penalty not in (None, 1.0):
+        raise APIError(400, f"repetition_penalty is not supported (got {req.repetition_penalty}; allowed: 1)",
+                       param="repetition_penalty")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options needs stream: true", param="stream_options")
+    if req.stream_drafts and not req.stream:
+        raise APIError(400, "stream_drafts needs stream: true", param="stream_drafts")
+    return n
+
+
+class Preprocessor:
+    """API requests -> engine requests, for every endpoint of one server."""
+
+    def __init__(self, engine: EngineClient, pool: WorkPool, images: ChatImages, max_request_cost: int | None,
+                 default_chat_template_kwargs: dict | None = None):
+        """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
+        self.engine = engine
+        # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
+        # (preprocess.py), its images in `images` (media.py).
+        self.pool = pool
+        self.images = images
+        self.limits = engine.limits
+        self.tokenizer = engine.tokenizer
+        self.sampler_extensions = p.sampler_extensions(engine.sampler.fields)  # what the bodies add
+        # By default, one API request may ask for a full batch of the largest requests this server allows.
+        largest = SamplingParams(max_tokens=self.limits.max_model_len, max_denoising_steps=self.limits.max_denoising_steps)
+        self.max_request_cost = max_request_cost or self.limits.max_num_seqs * engine.cost(largest)
+        # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
+        # tokenizer (which holds the GIL, stalling every other request) sees it.
+        self.max_prompt_chars = None if self.tokenizer is None else self.limits.max_model_len * self.tokenizer.max_token_chars
+        self.default_template_kwargs = {}
+        if default_chat_template_kwargs:
+            if self.tokenizer is None:
+                raise ValueError("--default-chat-template-kwargs: this checkpoint has no tokenizer, so no chat template")
+            try:
+                self.default_template_kwargs = self._template_kwargs(default_chat_template_kwargs)
+            except APIError as e:
+                raise ValueError(f"--default-chat-template-kwargs: {e.message}") from None
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def encode(self, text: str, request_id: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this checkpoint has no tokenizer: send the prompt as token ids", param="prompt")
+        if not text:  # as an empty list of ids: the BOS token alone is no prompt
+            raise APIError(400, "prompt is empty", param="prompt")
+        self.check_chars(len(text), "prompt")
+        ids = self.tokenizer.encode(text)
+        self.tokenizer.warn_unknown(f"request {request_id}", text, ids)
+        return ids
+
+    def check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"{param} of {chars} characters cannot fit in max_model_len={self.limits.max_model_len} "
+                                f"tokens (no token covers more than {self.tokenizer.max_token_chars} characters)",
+                           param=param)
+
+    def completion_prompts(self, prompt: str | list, request_id: str) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.encode(prompt, request_id)]
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        out = []
+        for x in prompt:
+            check_deadline()
+            out.append(self.encode(x, request_id) if isinstance(x, str) else x)
+        return out
+
+    def prompt_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        """What echo returns of a prompt: its text, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ---- chats -------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True,
+                    tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
+        rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
+        kwargs = {**self.default_template_kwargs, **self._template_kwargs(chat_template_kwargs or {})}
+        tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        # Everything the template reads counts, before it, the arguments' decoding or the tokenizer run.
+        limits.check_template_text(rendered, tools, kwargs, self.max_prompt_chars, self.limits.max_model_len,
+                                   self.tokenizer.max_token_chars)
+        _decode_arguments(rendered)
+        try:
+            ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             guard=check_deadline, max_chars=self.max_prompt_chars, **kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
+        self.tokenizer.warn_unknown(f"request {request_id}", contents, ids)
+        return ids
+
+    def _template_message(self, i: int, m: p.ChatMessage) -> dict:
+        """A message as the chat template reads it: content parts as `template_content` renders them
+        (the arguments of its tool calls are still JSON text; `_decode_arguments` decodes them)."""
+        message = m.model_dump(exclude_none=True)
+        if isinstance(message.get("content"), list):
+            try:
+                message["content"] = template_content(i, message["content"])
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+        message.setdefault("content", "")
+        return message
+
+    def _template_kwargs(self, kwargs: dict) -> dict:
+        """chat_template_kwargs, each a variable the template reads and the server does not set."""
+        reserved = sorted(_SERVER_TEMPLATE_VARIABLES & kwargs.keys())
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
+                           param="chat_template_kwargs")
+        unread = sorted(kwargs.keys() - self.tokenizer.template_variables)
+        if unread:
+            raise APIError(400, f"chat_template_kwargs: this model's chat template does not read {', '.join(unread)}"
+                                f"; it reads {', '.join(sorted(self.tokenizer.template_variables - _SERVER_TEMPLATE_VARIABLES)) or 'nothing else'}",
+                           param="chat_template_kwargs")
+        return kwargs
+
+    # ---- images in chat messages (docs/images.md) -----------------------------------------------
+    async def chat_images(self, messages: list[p.ChatMessage], client: str) -> list:
+        """The images of the messages' image_url parts, fetched, decoded and preprocessed off the
+        event loop (media.py); a bad one is a 400 naming it."""
+        if not any(isinstance(m.content, list) and any(part.type in IMAGE_PART_TYPES for part in m.content) for m in messages):
+            return []
+        return await self.images.load([m.model_dump(exclude_none=True) for m in messages], client)
+
+    def with_images(self, ids: list[int], images: list) -> tuple[list[int] | PromptImages, list[list[int]]]:
+        """-> (the engine's prompt: with images, their placeholders expanded, here and only here; the
+        prompt ids that usage counts)."""
+        if not images:
+            return ids, [ids]
+        try:
+            expanded = self.engine.images.expand(ids, images)
+        except ImageError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_image") from None
+        return expanded, [expanded.token_ids]
+
+    # ---- sampling parameters: resolved once, priced ----------------------------------------------
+    def engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
+                        max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True,
+                        prompt_logprobs: int | None = None, structured_outputs=None) -> list:
+        """n engine requests per prompt, checked against the limits first, their parameters resolved
+        once per prompt (for its length) and taken by the engine as they are. The choices of a prompt
+        share its ResolvedParams but their seeds (and so its draft and stop lists); prompt-major.
+        skip_special_tokens: the endpoint's default, under the request's own (vLLM's field)."""
+        limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.limits.max_model_len)
+        names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
+        values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
+        skip = skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens
+        try:
+            params = SamplingParams.of(**values, max_tokens=max_tokens, seed=req.seed, stop=req.stop, logprobs=logprobs,
+                                       min_tokens=req.min_tokens or 0, prompt_logprobs=prompt_logprobs,
+                                       output_kind="delta" if req.stream else "final_only", skip_special_tokens=skip,
+                                       structured_outputs=structured_outputs)
+            resolved = [self.engine.resolve(params, prompt_length(prompt)) for prompt in prompts]
+        except ValueError as e:
+            raise bad_value(e, REQUEST_FIELDS, request_names(req)) from None
+        self._check_cost(resolved, n)
+        return [(prompt, params if n == 1 else self._with_seed(params, i))
+                for prompt, params in zip(prompts, resolved) for i in range(n)]
+
+    @staticmethod
+    def _with_seed(params: ResolvedParams, choice: int) -> ResolvedParams:
+        """Choice i of a request seeded s draws from s + i; a shallow copy shares the checked lists."""
+        if params.seed is None:
+            return params
+        out = copy.copy(params)
+        out.seed = params.seed + choice
+        return out
+
+    def _check_cost(self, resolved: list[ResolvedParams], n: int) -> None:
+        """Refuse an API request that would hold the decoder longer than the limit allows. The choices
+        of a prompt differ only in their seeds, so they cost the same."""
+        cost = 0
+        for params in resolved:
+            # Lengths beyond the context are the engine's to refuse, with its own message.
+            room = max(1, self.limits.max_model_len - params.prompt_len)
+            cost += n * self.engine.cost(replace(params, max_tokens=min(params.max_tokens, room)))
+        if cost > self.max_request_cost:
+            raise APIError(400, f"this request asks for up to {cost} canvas positions of denoising (choices x canvases x "
+                                f"max_denoising_steps x canvas length), more than this server's limit of "
+                                f"{self.max_request_cost} per request: lower n, max_tokens or max_denoising_steps",
+                           param="max_tokens", code="request_too_costly")
