@@ -147,8 +147,7 @@ def step_plans(prompt: int, vocab: int, blocks: tuple[int, ...]) -> tuple[StepPl
 
     def denoise() -> DenoiseParams:
         params = EntropyBound().resolve(SamplingParams(max_denoising_steps=16), REFERENCE_DEFAULTS)
-        return denoise_params([8], [params], torch.rand(1, CANVAS, generator=g),
-                              torch.randint(0, vocab, (1, CANVAS), generator=g))
+        return denoise_params([8], [params], [0])
 
     prefill = StepPlan([Row(0, 0, prompt, False, blocks)], torch.randint(0, vocab, (prompt,), generator=g), [], empty, None)
     decode = [Row(0, prompt, CANVAS, True, blocks)]

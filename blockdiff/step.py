@@ -50,7 +50,7 @@ class StepPlan:
     rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised
     encoder_ids: torch.Tensor  # [encoder tokens] int64
     new_canvas_rows: list[int]  # decoder rows (0-based among decoder rows) that start a canvas
-    new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64
+    new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64 draft tokens; -1: the sampler's noise
     denoise: StepParams | None  # the sampler's inputs of the step's canvases
     top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
     draft_details: bool = False  # some canvas asks for its step's entropy and accepted positions

@@ -307,8 +307,7 @@ def _step_bound(config, batch: int, args, gbs: float, gflops: float, weight_byte
     rows = [Row(i, _prompt_len(args) + cl, cl, True) for i in range(batch)]
     params = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
     plan = StepPlan(rows, torch.zeros(0, dtype=torch.long), [], torch.zeros(0, cl, dtype=torch.long),
-                    denoise_params([max(2, steps // 2)] * batch, [params] * batch, torch.zeros(batch, cl),
-                                   torch.zeros(batch, cl, dtype=torch.long)))
+                    denoise_params([max(2, steps // 2)] * batch, [params] * batch, list(range(batch))))
     cost = plan_cost(config, plan, 2, weight_bytes)
     b = bound(cost, gbs, gflops)
     return {"bytes": cost.bytes, "flops": cost.flops, "memory_ms": 1e3 * b.memory_s, "compute_ms": 1e3 * b.compute_s,

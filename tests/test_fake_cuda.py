@@ -72,7 +72,7 @@ def _blocks(slot: int, n: int) -> tuple[int, ...]:
 
 def _params(n: int, cl: int):
     p = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
-    return denoise_params([16] * n, [p] * n, torch.rand(n, cl), torch.randint(0, 262144, (n, cl)))
+    return denoise_params([16] * n, [p] * n, list(range(n)))
 
 
 def _canvas_rows(cl: int) -> list[Row]:

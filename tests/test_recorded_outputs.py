@@ -4,8 +4,10 @@ eagerly (the same bits: attention's result for a query depends on its own keys o
 tensor-parallel ranks (gloo), on the tiny checkpoint and on the demo model.
 
 Recorded first from the code before the sampler became a strategy (issue 27); issue 28 re-recorded
-it, as its issue allows once: attention now reduces over fixed key blocks in position order (so a
-recomputed prefix caches the same bits), which moves the logits in their last bits.
+it, the one change of seeded outputs its issue allows: attention reduces over fixed key blocks in
+position order (so a recomputed prefix caches the same bits), which moves the logits in their last
+bits, and every random number is counted on the device by (seed, canvas, step, position)
+(diffusion/randoms.py) instead of drawn from a host generator per request.
 
 The recording is data/recorded_outputs.json; `python tests/test_recorded_outputs.py` rewrites it
 (only ever from code whose outputs are known to be right)."""

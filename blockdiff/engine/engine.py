@@ -156,18 +156,18 @@ class LLMEngine:
         if sched.score:
             score = ScorePlan(torch.tensor(score_ids, dtype=torch.long), lengths,
                               max(r.params.prompt_logprobs for r, _ in sched.score))
-        new_rows, new_canvases, randoms = [], [], []
+        new_rows, new_canvases = [], []
         for i, req in enumerate(sched.decoder):
             rows.append(Row(req.slot, req.num_cached, cl, True, tuple(req.blocks), tuple(req.sliding_blocks)))
             if req.new_canvas is not None:
                 new_rows.append(i)
                 new_canvases.append(req.new_canvas)
                 req.new_canvas = None
-            randoms.append(self.sampler.step_randoms(req.generator, cl, self.vocab_size))
         denoise = None
         if sched.decoder:
-            denoise = self.sampler.step_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
-                                               randoms)
+            dec = sched.decoder
+            denoise = self.sampler.step_params([r.steps_left for r in dec], [r.params for r in dec], [r.seed for r in dec],
+                                               [r.metrics.canvases for r in dec])
         return StepPlan(
             rows=rows,
             encoder_ids=torch.tensor(ids, dtype=torch.long),

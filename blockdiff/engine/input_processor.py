@@ -95,7 +95,7 @@ class InputProcessor:
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
                                         params.skip_special_tokens, params.min_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output, self.sampler)
+        req = Request(request_id, text, ids, params, self.canvas_length, seed, output)
         if mm is not None:
             req.images, req.image_spans = mm.images, mm.spans
         if req.max_cached_tokens > self.cache_tokens:

@@ -63,8 +63,7 @@ class ModelRunner:
         dec_rows = [r for r in plan.rows if r.decoder][scored:]
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
-            starting = slots[torch.tensor(plan.new_canvas_rows, device=self.device)]
-            self.state.start(starting, plan.new_canvases.to(self.device))
+            self._start_canvases(plan, slots)
         if (self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0 and plan.score is None
                 and plan.min_tokens is None):
             return self._canvas_step(plan)
@@ -133,6 +132,16 @@ class ModelRunner:
             accepted=res.accepted.cpu() if plan.draft_details else None,
             **score,
         )
+
+    def _start_canvases(self, plan: StepPlan, slots: torch.Tensor) -> None:
+        """The canvases that start this step take the sampler's noise, counted from their request's
+        seed and canvas index, where their draft has no token."""
+        rows = torch.tensor(plan.new_canvas_rows, device=self.device)
+        params = plan.denoise
+        noise = self.sampler.start_canvas(params.seed.to(self.device)[rows], params.canvas.to(self.device)[rows],
+                                          self.canvas_length, self.vocab.shard.vocab_size)
+        draft = plan.new_canvases.to(self.device)
+        self.state.start(slots[rows], torch.where(draft >= 0, draft, noise))
 
     def _score(self, logits: torch.Tensor, plan: ScorePlan) -> dict[str, torch.Tensor]:
         """The log-probability of each scored token under the model's distribution (temperature 1) at
