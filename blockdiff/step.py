@@ -46,8 +46,35 @@ class MinTokens:
 
 
 @dataclass
+class TableDelta:
+    """What changed in the block tables of a step's requests since the workers last heard. Each
+    rank keeps one table per layer kind for every slot on its device (worker/block_tables.py), so a
+    plan carries only this, and a steady-state step's message does not grow with the context.
+    Applied in order: the slots in `reset` (a request took them) are cleared to -1, then entry
+    [slot, index] of the full or sliding table takes its block id."""
+
+    reset: list[int]
+    full: torch.Tensor  # [n, 3] int64 rows of (slot, index, block)
+    sliding: torch.Tensor  # [m, 3] int64; a sliding block given back later is left as it was: out of every query's reach
+
+    @classmethod
+    def of(cls, reset: list[int], full: list[tuple[int, int, int]], sliding: list[tuple[int, int, int]]) -> "TableDelta":
+        return cls(reset, torch.tensor(full, dtype=torch.long).view(-1, 3), torch.tensor(sliding, dtype=torch.long).view(-1, 3))
+
+    @classmethod
+    def whole(cls, rows: list[Row]) -> "TableDelta":
+        """The rows' own tables (`Row.blocks`, `Row.sliding_blocks`) written whole: for plans
+        built by hand, outside an engine."""
+        by_slot = {r.slot: r for r in rows}
+        full = [(s, i, b) for s, r in by_slot.items() for i, b in enumerate(r.blocks)]
+        sliding = [(s, i, b) for s, r in by_slot.items()
+                   for i, b in enumerate(r.blocks if r.sliding_blocks is None else r.sliding_blocks)]
+        return cls.of(list(by_slot), full, sliding)
+
+
+@dataclass
 class StepPlan:
-    rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised
+    rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised (no block tables: `tables`)
     encoder_ids: torch.Tensor  # [encoder tokens] int64
     new_canvas_rows: list[int]  # decoder rows (0-based among decoder rows) that start a canvas
     new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64 draft tokens; -1: the sampler's noise
@@ -57,6 +84,7 @@ class StepPlan:
     images: ImageInputs | None = None  # the images of this step's prompt chunks (every rank encodes them)
     score: ScorePlan | None = None  # its rows are the first decoder rows, before the canvases
     min_tokens: MinTokens | None = None  # over the canvas rows
+    tables: TableDelta | None = None  # None: no table changed
 
 
 @dataclass

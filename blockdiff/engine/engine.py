@@ -23,6 +23,7 @@ from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
 from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
+from blockdiff.engine.sent_tables import SentTables
 from blockdiff.executor import make_executor
 from blockdiff.model.attention import Row
 from blockdiff.model.vision import ImageInputs
@@ -70,6 +71,7 @@ class LLMEngine:
                                  BlockPool(cache.sliding_blocks, cache.block_size, caching),
                                  self.model_config.window_past(self.max_model_len))
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
+        self.sent_tables = SentTables()
         self.inputs = InputProcessor(
             self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
             tuple(eos),
@@ -108,6 +110,7 @@ class LLMEngine:
         for req in lost:
             self.abort(req.request_id)
         self.kv.forget()  # the prefixes the old workers held are gone too
+        self.sent_tables.forget()
         return lost
 
     def has_unfinished(self) -> bool:
@@ -145,11 +148,10 @@ class LLMEngine:
             spans = images.add(req, req.num_cached, n, len(ids))
             bidirectional = spans if self.model_config.vision and self.model_config.vision.bidirectional else ()
             ids.extend(req.tokens(req.num_cached, req.num_cached + n))
-            rows.append(Row(req.slot, req.num_cached, n, False, tuple(req.blocks), tuple(req.sliding_blocks),
-                            bidirectional=bidirectional))
+            rows.append(Row(req.slot, req.num_cached, n, False, bidirectional=bidirectional))
         score_ids, lengths = [], []
         for req, (start, end) in sched.score:
-            rows.append(Row(req.slot, start, end - start, True, tuple(req.blocks), tuple(req.sliding_blocks)))
+            rows.append(Row(req.slot, start, end - start, True))
             score_ids.extend(req.tokens(start, end))
             lengths.append(end - start)
         score = None
@@ -158,7 +160,7 @@ class LLMEngine:
                               max(r.params.prompt_logprobs for r, _ in sched.score))
         new_rows, new_canvases = [], []
         for i, req in enumerate(sched.decoder):
-            rows.append(Row(req.slot, req.num_cached, cl, True, tuple(req.blocks), tuple(req.sliding_blocks)))
+            rows.append(Row(req.slot, req.num_cached, cl, True))
             if req.new_canvas is not None:
                 new_rows.append(i)
                 new_canvases.append(req.new_canvas)
@@ -179,6 +181,7 @@ class LLMEngine:
             images=images.inputs(),
             score=score,
             min_tokens=_min_tokens(sched.decoder, cl),
+            tables=self.sent_tables.delta([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder),
         )
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:

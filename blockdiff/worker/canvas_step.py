@@ -3,9 +3,10 @@ product over a bucket of canvases, with no host sync and no Python loop over row
 
 When every row of a step is a canvas being denoised, the step's shape is fixed by the number of
 canvases (padded up to a bucket) and the prefix length its attention reads (padded up to a power
-of two of blocks). Its inputs are copied into persistent device buffers of that shape; the function
-reads the per-slot state, computes everything for every canvas, padded ones included, and hands
-back fresh tensors that the runner scatters into the state. So `torch.compile(fullgraph=True)`
+of two of blocks). Its inputs (slots, starts, sampler parameters: a few numbers per canvas) are
+copied into persistent device buffers of that shape; the function reads the per-slot state and the
+rank's block tables (worker/block_tables.py) at the canvases' slots, computes everything for every
+canvas, padded ones included, and hands back fresh tensors that the runner scatters into the state. So `torch.compile(fullgraph=True)`
 accepts it, and on CUDA each shape is captured once as a CUDA graph and replayed.
 """
 
@@ -34,7 +35,6 @@ class CanvasInputs:
 
     slots: torch.Tensor  # [B] int64; padding: the scratch slot
     starts: torch.Tensor  # [B] int64 cached positions before each canvas; padding: 0
-    tables: dict[bool, torch.Tensor]  # layer kind (True: sliding) -> [B, context / block size] int64
     params: StepParams  # [B, ...]; padding rows repeat the first canvas's
 
 
@@ -54,14 +54,17 @@ def canvas_step(
     vocab: VocabParallel,
     kv: list[tuple[torch.Tensor, torch.Tensor]],
     geometry: CacheGeometry,
+    tables: dict[bool, torch.Tensor],
     context: int,
     state: SlotState,
     inputs: CanvasInputs,
 ) -> CanvasOutputs:
-    """One denoising step of every canvas in `inputs`; reads `state` and `kv`, writes neither."""
+    """One denoising step of every canvas in `inputs`; reads `state`, `kv` and the block `tables`
+    (layer kind -> [slots + 1, blocks per sequence]), writes none of them."""
     rows = inputs.slots.shape[0]
     cl = state.canvas.shape[1]
-    meta = canvas_metadata(inputs.starts, inputs.tables, cl, context, geometry)
+    mine = {sliding: table.index_select(0, inputs.slots) for sliding, table in tables.items()}
+    meta = canvas_metadata(inputs.starts, mine, cl, context, geometry)
     ids = state.canvas.index_select(0, inputs.slots).reshape(-1)
     # A canvas's first step reads the zeros its slot was reset to: the self-conditioning MLP of
     # zeros is exactly zero, so that equals the reference's step without a previous one.
@@ -100,21 +103,12 @@ def context_of(rows: list[Row], block_size: int) -> int:
     return 0 if blocks == 0 else (1 << (blocks - 1).bit_length()) * block_size
 
 
-def host_inputs(rows: list[Row], params: StepParams, size: int, context: int, kinds: tuple[bool, ...],
-                block_size: int, scratch: int) -> CanvasInputs:
-    """The step's inputs on the host, padded to `size` canvases and `context` prefix positions."""
+def host_inputs(rows: list[Row], params: StepParams, size: int, scratch: int) -> CanvasInputs:
+    """The step's inputs on the host, padded to `size` canvases."""
     pad = size - len(rows)
-    width = context // block_size
     slots = torch.tensor([r.slot for r in rows] + [scratch] * pad, dtype=torch.long)
     starts = torch.tensor([r.start for r in rows] + [0] * pad, dtype=torch.long)
-    tables = {}
-    for sliding in kinds:
-        tables[sliding] = table = torch.zeros(size, width, dtype=torch.long)
-        for i, r in enumerate(rows):
-            used = (r.sliding_blocks if sliding and r.sliding_blocks is not None else r.blocks)[:width]
-            if used:
-                table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-    return CanvasInputs(slots, starts, tables, params.padded(size))
+    return CanvasInputs(slots, starts, params.padded(size))
 
 
 def allocate_inputs(like: CanvasInputs, device: torch.device) -> CanvasInputs:
@@ -122,15 +116,12 @@ def allocate_inputs(like: CanvasInputs, device: torch.device) -> CanvasInputs:
     def empty(t: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(t, device=device)
 
-    return CanvasInputs(empty(like.slots), empty(like.starts), {k: empty(v) for k, v in like.tables.items()},
-                        like.params.empty_like(device))
+    return CanvasInputs(empty(like.slots), empty(like.starts), like.params.empty_like(device))
 
 
 def copy_inputs(dst: CanvasInputs, src: CanvasInputs) -> None:
     dst.slots.copy_(src.slots, non_blocking=True)
     dst.starts.copy_(src.starts, non_blocking=True)
-    for k, v in src.tables.items():
-        dst.tables[k].copy_(v, non_blocking=True)
     dst.params.copy_(src.params)
 
 
@@ -141,11 +132,12 @@ class CanvasSteps:
     captured."""
 
     def __init__(self, model: BlockDiffusionModel, sampler: DiffusionSampler, vocab: VocabParallel,
-                 kv: list[tuple[torch.Tensor, torch.Tensor]], geometry: CacheGeometry, kinds: tuple[bool, ...],
+                 kv: list[tuple[torch.Tensor, torch.Tensor]], geometry: CacheGeometry, tables: dict[bool, torch.Tensor],
                  state: SlotState, device: torch.device, compile: bool, cuda_graphs: bool):
+        """tables: the rank's block tables (BlockTables.tables), read where they are at every step."""
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
-        self.model, self.sampler, self.vocab, self.kv, self.geometry, self.kinds = model, sampler, vocab, kv, geometry, kinds
+        self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables = model, sampler, vocab, kv, geometry, tables
         self.state, self.device = state, device
         self.fn = torch.compile(canvas_step, **COMPILE_OPTIONS) if compile else canvas_step
         # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
@@ -162,7 +154,7 @@ class CanvasSteps:
         the inputs used (padded) and the outputs, whose first len(rows) rows are the canvases'."""
         context = context_of(rows, self.geometry.block_size)
         size = bucket(len(rows))
-        host = host_inputs(rows, params, size, context, self.kinds, self.geometry.block_size, self.state.scratch)
+        host = host_inputs(rows, params, size, self.state.scratch)
         key = (size, context, params.key())  # the params' Python values (e.g. restrict: top-k/p, min-p): a graph each
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
@@ -180,7 +172,7 @@ class CanvasSteps:
 
     def step_args(self, context: int, inputs: CanvasInputs) -> tuple:
         """canvas_step's arguments for a step of `inputs` reading `context` prefix positions."""
-        return self.model, self.sampler, self.vocab, self.kv, self.geometry, context, self.state, inputs
+        return self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state, inputs
 
     def _capture(self, context: int, inputs: CanvasInputs) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         args = self.step_args(context, inputs)

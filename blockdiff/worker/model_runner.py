@@ -20,6 +20,7 @@ from blockdiff.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
+from blockdiff.worker.block_tables import BlockTables
 from blockdiff.worker.canvas_step import CanvasSteps, all_canvases
 from blockdiff.worker.cpu_heap import keep_freed_memory
 from blockdiff.worker.kv_cache import allocate, geometry
@@ -45,6 +46,7 @@ class ModelRunner:
         self.kv = allocate(model, cache, self.device)
         self.geometry = geometry(model, cache)
         self.kinds = layer_kinds(model)
+        self.tables = BlockTables(cache, self.kinds, self.device)
         self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device))
         self.canvas_length = model.config.canvas_length
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
@@ -53,11 +55,12 @@ class ModelRunner:
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
         modes = step_modes(target(self.device), model.static_shapes(self.device), compile, cuda_graphs)
         if modes.compile or modes.cuda_graphs:
-            self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, tuple(sorted(self.kinds)),
+            self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, self.tables.tables,
                                             self.state, self.device, modes.compile, modes.cuda_graphs)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
+        self.tables.apply(plan.tables)
         # Decoder rows: the pieces of prompts scored this step first, then the canvases.
         scored = 0 if plan.score is None else len(plan.score.lengths)
         dec_rows = [r for r in plan.rows if r.decoder][scored:]
@@ -82,7 +85,7 @@ class ModelRunner:
                 soft = self.state.soft[slots].reshape(-1, self.state.soft.shape[-1])
                 if score_tokens:  # a scored piece is a canvas's first step: no self-conditioning (zeros)
                     soft = torch.cat((soft.new_zeros(score_tokens, soft.shape[-1]), soft))
-        meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device)
+        meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device, self.tables.tables)
         if meta.num_tokens > ids.shape[0]:
             ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
         images = None if plan.images is None else plan.images.to(self.device)
