@@ -85,6 +85,7 @@ class StepPlan:
     score: ScorePlan | None = None  # its rows are the first decoder rows, before the canvases
     min_tokens: MinTokens | None = None  # over the canvas rows
     tables: TableDelta | None = None  # None: no table changed
+    steps: int = 1  # denoising steps run back to back (only where every row is a canvas: the static step)
 
 
 @dataclass
@@ -103,3 +104,5 @@ class StepOutput:
     score_logprob: torch.Tensor | None = None
     score_top_logprobs: torch.Tensor | None = None
     score_top_ids: torch.Tensor | None = None
+    # [decoder rows] int32: denoising steps each canvas ran, up to the one that finished it (plan.steps > 1)
+    steps: torch.Tensor | None = None

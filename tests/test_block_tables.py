@@ -63,7 +63,7 @@ def _steady_bytes(llm: LLM, prompt_len: int) -> set[int]:
     engine.executor.execute = measure
     try:
         llm.generate([[5 + i % 250 for i in range(prompt_len)]],
-                     SamplingParams(max_tokens=16, max_denoising_steps=4, seed=1, ignore_eos=True), use_tqdm=False)
+                     SamplingParams(max_tokens=16, max_denoising_steps=16, seed=1, ignore_eos=True), use_tqdm=False)
     finally:
         engine.executor.execute = execute
     return sizes

@@ -74,16 +74,18 @@ def _static_steps(llm: LLM) -> None:
 
 
 def _run_all(tiny: str) -> dict:
+    """One step per launch (num_scheduler_steps=1), except at two ranks: there the CPU's default
+    number of steps per launch, whose outputs are those of one step at a time."""
     got = {}
-    with LLM(tiny) as llm:
+    with LLM(tiny, num_scheduler_steps=1) as llm:
         got["tiny_eager"] = _outputs(llm, TINY_REQUESTS)
         got["tiny_alone"] = _outputs(llm, TINY_REQUESTS[2:3])
-    with LLM(tiny) as llm:
+    with LLM(tiny, num_scheduler_steps=1) as llm:
         _static_steps(llm)
         got["tiny_static"] = _outputs(llm, TINY_REQUESTS)
     with LLM(tiny, tensor_parallel_size=2) as llm:
         got["tiny_tp2"] = _outputs(llm, TINY_REQUESTS)
-    with LLM() as llm:
+    with LLM(num_scheduler_steps=1) as llm:
         got["demo_eager"] = _outputs(llm, DEMO_REQUESTS)
     return got
 
@@ -100,6 +102,17 @@ def test_seeded_outputs_equal_the_recording(runs, name):
     with open(RECORDING) as f:
         want = json.load(f)[name]
     assert runs[name] == want
+
+
+def test_several_steps_per_launch_give_the_recording(checkpoints):
+    """Five steps back to back per launch (issue 28, item 4), through the static step: the tokens,
+    logprobs and step counts of one step at a time."""
+    with open(RECORDING) as f:
+        want = json.load(f)
+    with LLM(checkpoints("default", **TINY), num_scheduler_steps=5) as llm:
+        assert _outputs(llm, TINY_REQUESTS) == want["tiny_eager"]
+    with LLM(num_scheduler_steps=5) as llm:
+        assert _outputs(llm, DEMO_REQUESTS) == want["demo_eager"]
 
 
 def test_the_recording_exercises_the_sampler(runs):

@@ -54,6 +54,11 @@ class StepParams:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
 
+    def later(self, steps: int) -> "StepParams":
+        """The same canvases `steps` steps on: n counts down (to 1 at least: a canvas that finished
+        before runs on masked, its results unused)."""
+        return dataclasses.replace(self, step=(self.step - steps).clamp(min=1))
+
     def key(self) -> tuple:
         return tuple(v for v in self.__dict__.values() if not isinstance(v, torch.Tensor))
 
@@ -98,6 +103,10 @@ class SlotState:
         for f in dataclasses.fields(self):
             if "start" in f.metadata:
                 getattr(self, f.name)[slots] = f.metadata["start"]
+
+    def rows(self, slots: torch.Tensor) -> "SlotState":
+        """The rows of `slots` as a state of their own (the working copy of several steps in one launch)."""
+        return type(self)(**{f.name: getattr(self, f.name).index_select(0, slots) for f in dataclasses.fields(self)})
 
     def put(self, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
         """Write the rows of `slots` (the tensors of a step's `StepResult.updates`)."""

@@ -165,6 +165,8 @@ class LLMEngine:
                 new_rows.append(i)
                 new_canvases.append(req.new_canvas)
                 req.new_canvas = None
+        min_tokens = _min_tokens(sched.decoder, cl)
+        steps = self._steps_per_launch(sched, min_tokens is not None)
         denoise = None
         if sched.decoder:
             dec = sched.decoder
@@ -180,9 +182,21 @@ class LLMEngine:
             draft_details=any(r.params.draft_details for r in sched.decoder),
             images=images.inputs(),
             score=score,
-            min_tokens=_min_tokens(sched.decoder, cl),
+            min_tokens=min_tokens,
             tables=self.sent_tables.delta([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder),
+            steps=steps,
         )
+
+    def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:
+        """K steps back to back in the steady state (every row a canvas, nobody reading a step's own
+        results: top logprobs, drafts, min_tokens rules; no request a free slot could admit), at
+        most as many as the canvases have steps left (more would compute finished ones only); else one."""
+        k, dec = self.executor.steps_per_launch, sched.decoder
+        if k == 1 or sched.encoder or sched.score or not dec or (self.scheduler.waiting and self.scheduler.free_slots):
+            return 1
+        if min_tokens or any(r.params.stream_drafts or r.params.draft_details or (r.params.logprobs or 0) > 0 for r in dec):
+            return 1
+        return min(k, max(r.steps_left for r in dec))
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
         outputs = []

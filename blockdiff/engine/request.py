@@ -254,11 +254,11 @@ class Request:
         self.new_canvas = canvas
         self.steps_left = self.params.max_denoising_steps
 
-    def denoised(self, argmax: list[int] | None) -> None:
-        """One denoising step ran; `argmax` is its argmax canvas when drafts are streamed."""
-        self.steps_left -= 1
-        self.metrics.denoising_steps += 1
-        self.metrics.canvas_positions_evaluated += self.canvas_length
+    def denoised(self, argmax: list[int] | None, steps: int = 1) -> None:
+        """`steps` denoising steps ran; `argmax` is the last one's argmax canvas when drafts are streamed."""
+        self.steps_left -= steps
+        self.metrics.denoising_steps += steps
+        self.metrics.canvas_positions_evaluated += steps * self.canvas_length
         if argmax is not None:
             self.draft_token_ids = argmax
 

@@ -46,6 +46,7 @@ class CanvasOutputs:
     logprob: torch.Tensor  # [B, CL] of each token
     entropy: torch.Tensor  # [B, CL] computed anyway; read back only for drafts that ask (draft_details)
     accepted: torch.Tensor  # [B, CL] bool
+    steps: torch.Tensor  # [B] int32 denoising steps each canvas ran (up to the one that finished it)
 
 
 def canvas_step(
@@ -58,25 +59,55 @@ def canvas_step(
     context: int,
     state: SlotState,
     inputs: CanvasInputs,
+    steps: int = 1,
 ) -> CanvasOutputs:
-    """One denoising step of every canvas in `inputs`; reads `state`, `kv` and the block `tables`
-    (layer kind -> [slots + 1, blocks per sequence]), writes none of them."""
+    """`steps` denoising steps of every canvas in `inputs`, back to back; reads `state`, `kv` and the
+    block `tables` (layer kind -> [slots + 1, blocks per sequence]), writes none of them. A canvas
+    that finishes at one of the steps keeps its state and its results from that step on (the later
+    steps still compute it, masked), so its results are those of one step at a time."""
     rows = inputs.slots.shape[0]
     cl = state.canvas.shape[1]
     mine = {sliding: table.index_select(0, inputs.slots) for sliding, table in tables.items()}
     meta = canvas_metadata(inputs.starts, mine, cl, context, geometry)
-    ids = state.canvas.index_select(0, inputs.slots).reshape(-1)
+    work = state.rows(inputs.slots)  # the canvases' state through the steps
+    here = torch.arange(rows, device=inputs.slots.device)
+    out = None
+    for i in range(steps):
+        params = inputs.params if i == 0 else inputs.params.later(i)
+        now = _one_step(model, sampler, vocab, kv, meta, work, here, params)
+        if out is None:
+            out = now
+        else:
+            done = out.finished  # before this step: they keep what they had
+            out = CanvasOutputs({k: _where(done, out.updates[k], v) for k, v in now.updates.items()},
+                                *(_where(done, getattr(out, k), getattr(now, k)) for k in _RESULTS),
+                                out.steps + (~done).to(torch.int32))
+        work.put(here, out.updates)
+    return out
+
+
+_RESULTS = ("tokens", "finished", "logprob", "entropy", "accepted")
+
+
+def _where(keep: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep.view(-1, *([1] * (new.dim() - 1))), old, new)
+
+
+def _one_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, meta, state: SlotState, slots: torch.Tensor,
+              params: StepParams) -> CanvasOutputs:
+    rows, cl = slots.shape[0], state.canvas.shape[1]
+    ids = state.canvas.index_select(0, slots).reshape(-1)
     # A canvas's first step reads the zeros its slot was reset to: the self-conditioning MLP of
     # zeros is exactly zero, so that equals the reference's step without a previous one.
-    soft = state.soft.index_select(0, inputs.slots).reshape(rows * cl, -1) if sampler.self_conditioning else None
+    soft = state.soft.index_select(0, slots).reshape(rows * cl, -1) if sampler.self_conditioning else None
     logits = model(ids, meta, kv, soft)
-    res = sampler.step(logits.view(rows, cl, -1), state, inputs.slots, inputs.params, vocab)
+    res = sampler.step(logits.view(rows, cl, -1), state, slots, params, vocab)
     updates = dict(res.updates)
     if sampler.self_conditioning:
         # For every canvas, finished ones included: their slots are reset when the next canvas starts.
         updates["soft"] = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
-    return CanvasOutputs(updates, sampler.commit(res, inputs.params), res.finished, res.logprob, res.dist.entropy,
-                         res.accepted)
+    return CanvasOutputs(updates, sampler.commit(res, params), res.finished, res.logprob, res.dist.entropy,
+                         res.accepted, torch.ones(rows, dtype=torch.int32, device=slots.device))
 
 
 def shape_count(num_slots: int, max_context: int, block_size: int) -> int:
@@ -133,8 +164,10 @@ class CanvasSteps:
 
     def __init__(self, model: BlockDiffusionModel, sampler: DiffusionSampler, vocab: VocabParallel,
                  kv: list[tuple[torch.Tensor, torch.Tensor]], geometry: CacheGeometry, tables: dict[bool, torch.Tensor],
-                 state: SlotState, device: torch.device, compile: bool, cuda_graphs: bool):
-        """tables: the rank's block tables (BlockTables.tables), read where they are at every step."""
+                 state: SlotState, device: torch.device, compile: bool, cuda_graphs: bool, steps_per_launch: int = 1):
+        """tables: the rank's block tables (BlockTables.tables), read where they are at every step.
+        steps_per_launch: the most steps one launch runs (EngineConfig.num_scheduler_steps): each
+        shape has a graph for each number of steps up to it."""
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables = model, sampler, vocab, kv, geometry, tables
@@ -143,39 +176,39 @@ class CanvasSteps:
         # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
         # these calls only; a shape beyond them would be a bug and still fails.
         context = max(k.shape[0] for k, _ in kv) if kv else 0
-        self.limits = dict(recompile_limit=shape_count(state.scratch, context, geometry.block_size))
+        self.limits = dict(recompile_limit=steps_per_launch * shape_count(state.scratch, context, geometry.block_size))
         self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
                                                          2 * self.limits["recompile_limit"])
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
-        self.shapes: dict[tuple[int, int, bool], tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
+        self.shapes: dict[tuple, tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
 
-    def __call__(self, rows: list[Row], params: StepParams) -> tuple[CanvasInputs, CanvasOutputs]:
-        """One step of the canvases `rows` (their state reset already where a canvas starts):
+    def __call__(self, rows: list[Row], params: StepParams, steps: int = 1) -> tuple[CanvasInputs, CanvasOutputs]:
+        """`steps` steps of the canvases `rows` (their state reset already where a canvas starts):
         the inputs used (padded) and the outputs, whose first len(rows) rows are the canvases'."""
         context = context_of(rows, self.geometry.block_size)
         size = bucket(len(rows))
         host = host_inputs(rows, params, size, self.state.scratch)
-        key = (size, context, params.key())  # the params' Python values (e.g. restrict: top-k/p, min-p): a graph each
+        # the params' Python values (e.g. restrict: top-k/p, min-p) and the steps per launch: a graph each
+        key = (size, context, params.key(), steps)
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
             with torch._dynamo.config.patch(**self.limits):
-                return inputs, self.fn(*self.step_args(context, inputs))
+                return inputs, self.fn(*self.step_args(context, inputs, steps))
         if graph is None:
             with torch._dynamo.config.patch(**self.limits):
-                graph, outputs = self._capture(context, inputs)
+                graph, outputs = self._capture(self.step_args(context, inputs, steps))
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs
 
-    def step_args(self, context: int, inputs: CanvasInputs) -> tuple:
-        """canvas_step's arguments for a step of `inputs` reading `context` prefix positions."""
-        return self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state, inputs
+    def step_args(self, context: int, inputs: CanvasInputs, steps: int = 1) -> tuple:
+        """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions."""
+        return self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state, inputs, steps
 
-    def _capture(self, context: int, inputs: CanvasInputs) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
-        args = self.step_args(context, inputs)
+    def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

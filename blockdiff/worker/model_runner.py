@@ -29,12 +29,14 @@ from blockdiff.worker.kv_cache import allocate, geometry
 class ModelRunner:
     def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str,
                  sampler: DiffusionSampler, tune_cpu_heap: bool = False, sampler_memory_gb: float | None = None,
-                 compile: bool | None = False, cuda_graphs: bool = False):
+                 compile: bool | None = False, cuda_graphs: bool = False, steps_per_launch: int = 1):
         """sampler: how canvases are denoised (the engine's, `diffusion/registry.py`).
         sampler_memory_gb: the sampler's workspace (EngineConfig). compile / cuda_graphs
         (EngineConfig.step_modes): run all-canvas steps as the static step, compiled / replayed as
         CUDA graphs. Both need a model with static shapes (`model.static_shapes`); compile None:
-        the device's default where the model has them."""
+        the device's default where the model has them. steps_per_launch (EngineConfig): denoising
+        steps a steady-state step may run back to back, through the static step (eager unless
+        compiled or graphed); 1 for a model without static shapes."""
         self.model = model
         self.sampler = sampler
         self.device = torch.device(device)
@@ -53,10 +55,13 @@ class ModelRunner:
                                        self.device)
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
-        modes = step_modes(target(self.device), model.static_shapes(self.device), compile, cuda_graphs)
-        if modes.compile or modes.cuda_graphs:
+        static = model.static_shapes(self.device)
+        modes = step_modes(target(self.device), static, compile, cuda_graphs)
+        self.steps_per_launch = steps_per_launch if static else 1
+        if modes.compile or modes.cuda_graphs or self.steps_per_launch > 1:
             self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, self.tables.tables,
-                                            self.state, self.device, modes.compile, modes.cuda_graphs)
+                                            self.state, self.device, modes.compile, modes.cuda_graphs,
+                                            self.steps_per_launch)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
@@ -70,6 +75,8 @@ class ModelRunner:
         if (self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0 and plan.score is None
                 and plan.min_tokens is None):
             return self._canvas_step(plan)
+        if plan.steps > 1:
+            raise ValueError(f"{plan.steps} steps per launch need a step of canvases only, run as the static step")
 
         ids = plan.encoder_ids.to(self.device)
         score_tokens = 0
@@ -178,9 +185,10 @@ class ModelRunner:
         return tokens, logprob
 
     def _canvas_step(self, plan: StepPlan) -> StepOutput:
-        """The static step; only the finished flags and committed tokens (and logprobs) come back."""
+        """The static step (plan.steps of them back to back); only the finished flags, the steps run,
+        the committed tokens (and logprobs) come back, once."""
         n = len(plan.rows)
-        inputs, out = self.canvas_steps(plan.rows, plan.denoise)
+        inputs, out = self.canvas_steps(plan.rows, plan.denoise, plan.steps)
         self.state.put(inputs.slots[:n], {name: value[:n] for name, value in out.updates.items()})
         return StepOutput(
             finished=out.finished[:n].cpu(),
@@ -190,4 +198,5 @@ class ModelRunner:
             top_ids=None,
             entropy=out.entropy[:n].cpu() if plan.draft_details else None,
             accepted=out.accepted[:n].cpu() if plan.draft_details else None,
+            steps=out.steps[:n].cpu() if plan.steps > 1 else None,
         )
