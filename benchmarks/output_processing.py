@@ -33,7 +33,7 @@ def one_run(tok: Tokenizer, seed: int) -> list[float]:
     params = EntropyBound().resolve(SamplingParams(max_tokens=CANVAS * CANVASES, stop=["<never>", "\x00\x00"],
                                                    output_kind="delta", ignore_eos=True), REFERENCE_DEFAULTS)
     out = IncrementalDetokenizer(tok, params.max_tokens, set(), params.stop, False)
-    req = Request("bench", None, [1, 2, 3], params, CANVAS, tok.vocab_size, seed, out, EntropyBound())
+    req = Request("bench", None, [1, 2, 3], params, CANVAS, seed, out)
     req.admit(0, 0)
     req.cached(3)
     times, full = [], []

@@ -35,7 +35,7 @@ from blockdiff.diffusion.entropy_bound import DenoiseParams, EntropyBound, denoi
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.diffusion.vocab_parallel import Distribution, exp_statistics, first_argmax, inverse_cdf, per_chunk
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
-from blockdiff.step import CacheConfig, StepPlan
+from blockdiff.step import CacheConfig, StepPlan, TableDelta
 from blockdiff.worker.model_runner import ModelRunner
 from blockdiff.matmul import linear
 from blockdiff.model.attention import Row
@@ -147,10 +147,10 @@ def step_plans(prompt: int, vocab: int, blocks: tuple[int, ...]) -> tuple[StepPl
 
     def denoise() -> DenoiseParams:
         params = EntropyBound().resolve(SamplingParams(max_denoising_steps=16), REFERENCE_DEFAULTS)
-        return denoise_params([8], [params], torch.rand(1, CANVAS, generator=g),
-                              torch.randint(0, vocab, (1, CANVAS), generator=g))
+        return denoise_params([8], [params], [0])
 
-    prefill = StepPlan([Row(0, 0, prompt, False, blocks)], torch.randint(0, vocab, (prompt,), generator=g), [], empty, None)
+    prefill = StepPlan([Row(0, 0, prompt, False, blocks)], torch.randint(0, vocab, (prompt,), generator=g), [], empty, None,
+                       tables=TableDelta.whole([Row(0, 0, prompt, False, blocks)]))
     decode = [Row(0, prompt, CANVAS, True, blocks)]
     first = StepPlan(decode, torch.empty(0, dtype=torch.long), [0], torch.randint(0, vocab, (1, CANVAS), generator=g), denoise())
     later = StepPlan(decode, torch.empty(0, dtype=torch.long), [], empty, denoise())

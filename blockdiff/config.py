@@ -123,6 +123,11 @@ def parse_dtype(name: str | torch.dtype, config: ModelConfig) -> torch.dtype:
 # buys there has not been measured yet (scripts/device_check.sh's "compiled" part measures it).
 COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
 
+# Denoising steps a steady-state step runs back to back unless the user says, per device type: on
+# the CPU the fastest K measured (docs/benchmarks.md, "Steps per launch"); on CUDA one until a
+# device measures K (scripts/device_check.py's "steps per launch" part).
+STEPS_PER_LAUNCH = {"cpu": 4, "cuda": 1}
+
 LOAD_FORMATS = ("auto", "dummy")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -271,6 +276,12 @@ class EngineConfig:
     # then they are compiled only when compile=True), as vLLM's --enforce-eager.
     enforce_eager: bool = flag(False, "CUDA: no CUDA graphs for the static denoising steps (and no compile unless "
                                       "--compile)")
+    # Denoising steps run back to back on the device per engine step while every row is a canvas
+    # (worker/canvas_step.py): the host plans and reads results once per K steps; outputs are the
+    # same for every K. vLLM's name for multi-step scheduling. None: STEPS_PER_LAUNCH of the device.
+    num_scheduler_steps: int | None = flag(None, "denoising steps run back to back per engine step while every "
+                                                 "request is denoising (default: the device's; outputs are the "
+                                                 "same for any value)", minimum=1)
     num_threads: int | None = None  # tensor-parallel workers' intra-op threads; None: from their environment
     # seconds a tensor-parallel worker may stay silent before it counts as lost
     worker_timeout: float = flag(60.0, "seconds a tensor-parallel worker may not answer before it counts as lost and "
@@ -330,10 +341,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
                      "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
-                     "max_image_decoded_bytes", "num_layers_override", "canvas_length"):
+                     "max_image_decoded_bytes", "num_layers_override", "canvas_length", "num_scheduler_steps"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
-                                          "num_layers_override", "canvas_length"):
+                                          "num_layers_override", "canvas_length", "num_scheduler_steps"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -368,6 +379,12 @@ class EngineConfig:
         can run static steps."""
         cuda_graphs = torch.device(device).type == "cuda" and not self.enforce_eager
         return (bool(self.compile) if self.enforce_eager else self.compile), cuda_graphs
+
+    def steps_per_launch(self, device: str) -> int:
+        """Denoising steps a steady-state step runs back to back on `device`."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        return STEPS_PER_LAUNCH.get(torch.device(device).type, 1)
 
     def check_model(self) -> None:
         """The model is a checkpoint directory, or with dummy weights a config.json file alone."""

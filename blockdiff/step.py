@@ -47,11 +47,38 @@ class MinTokens:
 
 
 @dataclass
+class TableDelta:
+    """What changed in the block tables of a step's requests since the workers last heard. Each
+    rank keeps one table per layer kind for every slot on its device (worker/block_tables.py), so a
+    plan carries only this, and a steady-state step's message does not grow with the context.
+    Applied in order: the slots in `reset` (a request took them) are cleared to -1, then entry
+    [slot, index] of the full or sliding table takes its block id."""
+
+    reset: list[int]
+    full: torch.Tensor  # [n, 3] int64 rows of (slot, index, block)
+    sliding: torch.Tensor  # [m, 3] int64; a sliding block given back later is left as it was: out of every query's reach
+
+    @classmethod
+    def of(cls, reset: list[int], full: list[tuple[int, int, int]], sliding: list[tuple[int, int, int]]) -> "TableDelta":
+        return cls(reset, torch.tensor(full, dtype=torch.long).view(-1, 3), torch.tensor(sliding, dtype=torch.long).view(-1, 3))
+
+    @classmethod
+    def whole(cls, rows: list[Row]) -> "TableDelta":
+        """The rows' own tables (`Row.blocks`, `Row.sliding_blocks`) written whole: for plans
+        built by hand, outside an engine."""
+        by_slot = {r.slot: r for r in rows}
+        full = [(s, i, b) for s, r in by_slot.items() for i, b in enumerate(r.blocks)]
+        sliding = [(s, i, b) for s, r in by_slot.items()
+                   for i, b in enumerate(r.blocks if r.sliding_blocks is None else r.sliding_blocks)]
+        return cls.of(list(by_slot), full, sliding)
+
+
+@dataclass
 class StepPlan:
-    rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised
+    rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised (no block tables: `tables`)
     encoder_ids: torch.Tensor  # [encoder tokens] int64
     new_canvas_rows: list[int]  # decoder rows (0-based among decoder rows) that start a canvas
-    new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64
+    new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64 draft tokens; -1: the sampler's noise
     denoise: StepParams | None  # the sampler's inputs of the step's canvases
     top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
     draft_details: bool = False  # some canvas asks for its step's entropy and accepted positions
@@ -63,6 +90,8 @@ class StepPlan:
     constraints: list[CanvasConstraint] = field(default_factory=list)
     automata: dict[str, Automaton] = field(default_factory=dict)
     forget_automata: tuple[str, ...] = ()
+    tables: TableDelta | None = None  # None: no table changed
+    steps: int = 1  # denoising steps run back to back (only where every row is a canvas: the static step)
 
 
 @dataclass
@@ -81,3 +110,5 @@ class StepOutput:
     score_logprob: torch.Tensor | None = None
     score_top_logprobs: torch.Tensor | None = None
     score_top_ids: torch.Tensor | None = None
+    # [decoder rows] int32: denoising steps each canvas ran, up to the one that finished it (plan.steps > 1)
+    steps: torch.Tensor | None = None

@@ -12,13 +12,16 @@ and records its own results; a part that fails records the tail of its traceback
    before it is timed: ms per denoising step and per 256-token canvas at 16 steps (two canvases
    minus one: a canvas's 16 steps and its commit), against the larger of the bytes bound and the
    FLOP bound of the step (blockdiff/bench/roofline.py).
-3. transformers: `generate` on the same config, batch 1, timed the same way, for the ratio.
-4. tests: the parity and generation tests against transformers, the CUDA-graph replay test and the
+3. steps_per_launch: the same model at batches 1 and 16, one denoising step per launch against
+   the CPU's chosen number (blockdiff/config.py STEPS_PER_LAUNCH, or --steps-per-launch), their
+   runs alternating in one engine: ms per denoising step each, and the ratio (issue 28).
+4. transformers: `generate` on the same config, batch 1, timed the same way, for the ratio.
+5. tests: the parity and generation tests against transformers, the CUDA-graph replay test and the
    FP8 experts test, with BLOCKDIFF_TEST_DEVICE=<device> (--small: collected only; the default
    suite runs them on the CPU).
-5. fp8: the same model with FP8-dynamic dummy weights, batches 1 and 16.
-6. compiled: 6 layers, compiled steps against uncompiled ones: compile seconds and what it buys.
-7. fake_cuda: tests/test_fake_cuda.py and tests/test_kernels.py, the CUDA path on fake CUDA tensors.
+6. fp8: the same model with FP8-dynamic dummy weights, batches 1 and 16.
+7. compiled: 6 layers, compiled steps against uncompiled ones: compile seconds and what it buys.
+8. fake_cuda: tests/test_fake_cuda.py and tests/test_kernels.py, the CUDA path on fake CUDA tensors.
 
 --budget-s (default 480) bounds the whole run: a part whose estimate does not fit what is left is
 skipped and says so; --timeout-s caps any one part. --fail-part NAME makes part NAME raise before
@@ -41,11 +44,11 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIG = os.path.join(ROOT, "configs", "diffusiongemma-26b-a4b.json")
-PARTS = ("env", "headline", "transformers", "tests", "fp8", "compiled", "fake_cuda")
+PARTS = ("env", "headline", "steps_per_launch", "transformers", "tests", "fp8", "compiled", "fake_cuda")
 # Seconds each part is expected to take (device, --small); a part is skipped when its estimate
 # exceeds the budget left, and killed when it runs past twice its estimate, the budget left or --timeout-s.
 # The --small ones allow for a CPU shared with other jobs (the whole run takes ~1 min on a quiet one).
-ESTIMATES = {"env": (15, 20), "headline": (150, 40), "transformers": (120, 40), "tests": (150, 45),
+ESTIMATES = {"env": (15, 20), "headline": (150, 40), "steps_per_launch": (150, 40), "transformers": (120, 40), "tests": (150, 45),
              "fp8": (100, 40), "compiled": (200, 60), "fake_cuda": (60, 60)}
 STEPS = 16  # per canvas, as vLLM's published figure
 COMPILED_LAYERS = 6
@@ -179,6 +182,10 @@ def summary(data: dict) -> str:
                          f"{m['bound_ms']:.2f} ms ({m['bound_limit']}), {100 * m['fraction_of_bound']:.0f}% of it")
         if "ms_per_step" in r:
             lines.append(f"    {r['ms_per_step']:.2f} ms/step, {r['ms_per_canvas']:.1f} ms per canvas")
+        spl = r.get("steps_per_launch", {})
+        for b, m in spl.get("batches", {}).items():
+            lines.append(f"    batch {b}: K=1 {m['k1_ms_per_step']:.2f} ms/step, K={spl['k']} "
+                         f"{m['k' + str(spl['k']) + '_ms_per_step']:.2f} ({m['speedup']:.2f}x)")
         for sel, t in r.get("selections", {}).items():
             lines.append(f"    {sel}: {t['summary']}")
         if "compile_s" in r:
@@ -307,8 +314,7 @@ def _step_bound(config, batch: int, args, gbs: float, gflops: float, weight_byte
     rows = [Row(i, _prompt_len(args) + cl, cl, True) for i in range(batch)]
     params = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
     plan = StepPlan(rows, torch.zeros(0, dtype=torch.long), [], torch.zeros(0, cl, dtype=torch.long),
-                    denoise_params([max(2, steps // 2)] * batch, [params] * batch, torch.zeros(batch, cl),
-                                   torch.zeros(batch, cl, dtype=torch.long)))
+                    denoise_params([max(2, steps // 2)] * batch, [params] * batch, list(range(batch))))
     cost = plan_cost(config, plan, 2, weight_bytes)
     b = bound(cost, gbs, gflops)
     return {"bytes": cost.bytes, "flops": cost.flops, "memory_ms": 1e3 * b.memory_s, "compute_ms": 1e3 * b.compute_s,
@@ -428,6 +434,45 @@ def part_env(args, record) -> dict:
 
 def part_headline(args, record) -> dict:
     return _time_engine(args, record, False, _batches(args), args.layers)
+
+
+def part_steps_per_launch(args, record) -> dict:
+    """K = 1 against the chosen K at the first and last batch, alternating in one engine built for K
+    (the engine plans min(K, steps left) per launch from its executor's steps_per_launch)."""
+    from blockdiff import LLM
+    from blockdiff.config import STEPS_PER_LAUNCH
+    from blockdiff.demo import demo_checkpoint
+    from blockdiff.model.registry import load_config
+
+    k = args.steps_per_launch or STEPS_PER_LAUNCH["cpu"]
+    batches = _batches(args)
+    batches = sorted({batches[0], 16 if not args.small else batches[-1]})
+    path = _config_path(args)
+    config = load_config(path)
+    cl, steps, prompt_len = config.canvas_length, _steps(args), _prompt_len(args)
+    out = {"k": k, "batches": {}}
+    with LLM(path, load_format="dummy", dtype="bfloat16", device=args.device, tokenizer=demo_checkpoint(),
+             max_num_seqs=max(batches), max_model_len=prompt_len + 3 * cl, num_layers_override=args.layers,
+             num_scheduler_steps=k) as llm:
+        executor = llm.engine.executor
+        for batch in batches:
+            prompts = _prompts(batch, prompt_len, config.vocab_size)
+            times = {1: [], k: []}
+            for rep in range(3):  # the first round warms both up (and captures their graphs)
+                for launch in (1, k):
+                    executor.steps_per_launch = launch
+                    one = _timed(lambda: llm.generate(prompts, _params(1, cl, steps), use_tqdm=False), args.device)
+                    two = _timed(lambda: llm.generate(prompts, _params(2, cl, steps), use_tqdm=False), args.device)
+                    if rep:
+                        times[launch].append((two - one) * 1e3 / steps)
+            m = {f"k{launch}_ms_per_step": min(t) for launch, t in times.items()}
+            m["speedup"] = m["k1_ms_per_step"] / m[f"k{k}_ms_per_step"]
+            out["batches"][str(batch)] = m
+            record("steps_per_launch", out)
+            say(f"  batch {batch}: K=1 {m['k1_ms_per_step']:.2f} ms/step, K={k} {m[f'k{k}_ms_per_step']:.2f} "
+                f"({m['speedup']:.2f}x)")
+        executor.steps_per_launch = k
+    return {}
 
 
 def part_fp8(args, record) -> dict:
@@ -553,6 +598,8 @@ def main() -> int:
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8,16; --small: 1,2)")
     p.add_argument("--steps", type=int, default=None, help=f"denoising steps per canvas (default {STEPS}; --small: {SMALL_STEPS})")
     p.add_argument("--layers", type=int, default=None, help="--num-layers-override for the timed models")
+    p.add_argument("--steps-per-launch", type=int, default=None,
+                   help="the K the steps_per_launch part measures against 1 (default: the CPU's, config.STEPS_PER_LAUNCH)")
     p.add_argument("--hbm-gbs", type=float, default=None, help="nominal memory bandwidth, GB/s (H200: 4800); default: measured")
     p.add_argument("--peak-tflops", type=float, default=None, help="bfloat16 matmul rate for the FLOP bound; default: measured")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend of the compiled part (default inductor; --small: eager)")

@@ -89,7 +89,7 @@ def test_roofline_counts_per_canvas_work_once_per_canvas(tiny):
 
     def plan(rows: int, step: int) -> StepPlan:
         denoise = denoise_params([step] * rows, [EntropyBound().resolve(SamplingParams(), {**REFERENCE_DEFAULTS, "max_denoising_steps": 4})] * rows,
-                                 uniform=torch.zeros(rows, CANVAS), renoise=torch.zeros(rows, CANVAS, dtype=torch.long))
+                                 list(range(rows)))
         return StepPlan([Row(i, 12, CANVAS, True, (0,)) for i in range(rows)], torch.empty(0), [], torch.empty(0), denoise)
 
     one, three = plan_cost(config, plan(1, 2), 4), plan_cost(config, plan(3, 2), 4)
@@ -110,7 +110,7 @@ def test_the_26b_step_is_memory_bound_alone_and_compute_bound_at_batch_16():
 
     def cost(rows: int, weight_bytes: float | None = None):
         denoise = denoise_params([8] * rows, [EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)] * rows,
-                                 uniform=torch.zeros(rows, cl), renoise=torch.zeros(rows, cl, dtype=torch.long))
+                                 list(range(rows)))
         plan = StepPlan([Row(i, 128 + cl, cl, True) for i in range(rows)], torch.empty(0), [], torch.empty(0), denoise)
         return plan_cost(config, plan, 2, weight_bytes)
 

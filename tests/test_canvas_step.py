@@ -18,7 +18,8 @@ from blockdiff.arg_utils import add_engine_args, engine_config
 from blockdiff.kernels import expert_kernel, static_kernel, target
 from blockdiff.model.attention import canvas_metadata
 from blockdiff.model.loader import load_model
-from blockdiff.step import CacheConfig
+from blockdiff.step import CacheConfig, TableDelta
+from blockdiff.worker.block_tables import BlockTables
 from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.model.attention import Row
 from blockdiff.sampling_params import REFERENCE_DEFAULTS
@@ -209,8 +210,9 @@ def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
     sampler = EntropyBound()
     state = sampler.new_state(5, cl, hidden, model.dtype, torch.device("cpu"))
     state.canvas.copy_(torch.randint(3, 301, (5, cl)))
+    tables = BlockTables(cache, {False, True}, torch.device("cpu"))
     steps = CanvasSteps(model, sampler, VocabParallel(model.shard, model.group), allocate(model, cache, "cpu"),
-                        geometry(model, cache), (False, True), state, torch.device("cpu"), compile=True, cuda_graphs=False)
+                        geometry(model, cache), tables.tables, state, torch.device("cpu"), compile=True, cuda_graphs=False)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -223,7 +225,8 @@ def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
         for n, start, restrict in shapes:
             rows = [Row(slot, start, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(n)]
             params = denoise_params([3] * n, [EntropyBound().resolve(SamplingParams(top_k=5 if restrict else -1), REFERENCE_DEFAULTS)] * n,
-                                    torch.rand(n, cl, generator=torch.Generator().manual_seed(n)), torch.randint(3, 301, (n, cl)))
+                                    list(range(n)))
+            tables.apply(TableDelta.whole(rows))
             steps(rows, params)
     assert len(steps.shapes) == len(graphs) == 12 > torch._dynamo.config.recompile_limit
     for (size, context, (restrict,)), (inputs, _, _) in steps.shapes.items():  # keys: (size, context, (restrict,))

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["env", "headline", "transformers", "tests", "fp8", "compiled", "fake_cuda"]
+PARTS = ["env", "headline", "steps_per_launch", "transformers", "tests", "fp8", "compiled", "fake_cuda"]
 
 
 def _check(out, *args, timeout: float = 600, **env) -> tuple[subprocess.CompletedProcess, dict]:

@@ -35,7 +35,7 @@ CL = 4
 def _request(rid: str, prompt: int = 3, max_tokens: int = 8, tokenizer=None, **params) -> Request:
     p = EntropyBound().resolve(SamplingParams(max_tokens=max_tokens, **params), REFERENCE_DEFAULTS)
     out = IncrementalDetokenizer(tokenizer, p.max_tokens, {0}, p.stop, False)
-    return Request(rid, None, list(range(1, prompt + 1)), p, CL, 50, 0, out, EntropyBound())
+    return Request(rid, None, list(range(1, prompt + 1)), p, CL, 0, out)
 
 
 # ---- the request state machine ------------------------------------------------------------------
@@ -167,13 +167,12 @@ def test_exhausted_blocks_preempt_the_newest_request_which_is_recomputed_later()
     for r, n in out.encoder:
         s.cached(r, n)
     assert s.schedule().decoder == [big, small, late]
-    late.denoised(None)  # late is mid-canvas: preempting it rewinds its random stream
+    late.denoised(None)  # late is mid-canvas: preempted, it denoises that canvas again from its start
     big.commit([7] * CL, None)  # positions 7..10: a third block, and none is free
-    first_canvas = late.canvas_rng_state
     out = s.schedule()
     assert out.preempted == [late] and late.state == State.WAITING and late.metrics.preemptions == 1
     assert _ids(out) == ["big"] and out.decoder == [small] and list(s.waiting) == [late]
-    assert torch.equal(late.generator.get_state(), first_canvas) and late.blocks == [] and s.num_preemptions == 1
+    assert late.new_canvas is None and late.metrics.canvases == 0 and late.blocks == [] and s.num_preemptions == 1
     s.cached(big, CL)
     small.finish("abort")
     s.release(small)
@@ -412,7 +411,7 @@ def test_the_plain_dataclasses_follow_the_sampler_field_table():
     for f, table in zip(fields, SAMPLER_FIELDS):
         assert hints[f.name] == (table.type | None) and f.default is None, f.name
     denoise = dataclasses.fields(DenoiseParams)
-    assert [f.name for f in denoise] == ["step", "uniform", "renoise", *(f.name for f in PER_CANVAS_FIELDS), "restrict"]
+    assert [f.name for f in denoise] == ["step", "seed", "canvas", *(f.name for f in PER_CANVAS_FIELDS), "restrict"]
     assert all(typing.get_type_hints(DenoiseParams)[f.name] is torch.Tensor for f in denoise[:-1])
 
 
@@ -432,7 +431,7 @@ def test_every_surface_is_built_from_the_sampler_field_table():
         args = parser.parse_args([arg for name, v in given.items() for arg in ("--" + name.replace("_", "-"), str(v))])
         assert sampling_overrides(args) == given
     params = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
-    d = denoise_params([3], [params], torch.zeros(1, CL), torch.zeros(1, CL, dtype=torch.long))
+    d = denoise_params([3], [params], [0])
     for f in PER_CANVAS_FIELDS:
         assert getattr(d, f.name).dtype == getattr(torch, f.dtype) and getattr(d, f.name).item() == pytest.approx(f.default)
 
@@ -469,7 +468,7 @@ def test_the_lowest_accepted_temperature_gives_finite_sampler_output():
 
     params = EntropyBound().resolve(SamplingParams(t_min=0.0, t_max=2e-20 * 48 * 1.01, max_denoising_steps=48), REFERENCE_DEFAULTS)
     logits = (torch.rand(2, CL, 37) * 60 - 30)
-    d = denoise_params([1, 1], [params, params], torch.rand(2, CL), torch.zeros(2, CL, dtype=torch.long))
+    d = denoise_params([1, 1], [params, params], [1, 2])
     res = denoise_step(logits.clone(), torch.full((2, CL), -1), torch.zeros(2, dtype=torch.long), d,
                        VocabParallel(VocabShard.make(0, 1, 37), TPGroup()))
     assert torch.isfinite(res.entropy).all() and torch.equal(res.argmax, logits.argmax(-1))

@@ -39,7 +39,7 @@ from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.quantize import FP8_DYNAMIC
 from blockdiff.parallel.group import TPGroup
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
-from blockdiff.step import CacheConfig, StepPlan
+from blockdiff.step import CacheConfig, StepPlan, TableDelta
 from blockdiff.worker import canvas_step as canvas_step_module
 from blockdiff.worker.canvas_step import CanvasSteps
 from blockdiff.worker.model_runner import ModelRunner
@@ -72,7 +72,7 @@ def _blocks(slot: int, n: int) -> tuple[int, ...]:
 
 def _params(n: int, cl: int):
     p = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
-    return denoise_params([16] * n, [p] * n, torch.rand(n, cl), torch.randint(0, 262144, (n, cl)))
+    return denoise_params([16] * n, [p] * n, list(range(n)))
 
 
 def _canvas_rows(cl: int) -> list[Row]:
@@ -81,10 +81,11 @@ def _canvas_rows(cl: int) -> list[Row]:
 
 
 def _static_step(runner: ModelRunner):
-    steps = CanvasSteps(runner.model, runner.sampler, runner.vocab, runner.kv, runner.geometry, tuple(sorted(runner.kinds)), runner.state,
+    steps = CanvasSteps(runner.model, runner.sampler, runner.vocab, runner.kv, runner.geometry, runner.tables.tables, runner.state,
                         runner.device, compile=False, cuda_graphs=False)
     rows = _canvas_rows(runner.canvas_length)
     params = _params(len(rows), runner.canvas_length)
+    runner.tables.apply(TableDelta.whole(rows))
     with NoHostReads():
         return steps(rows, params)
 
@@ -174,7 +175,7 @@ def test_mixed_step_on_a_fake_h200(tp):
                 Row(2, 40, cl, True, _blocks(2, 3)),  # a new canvas
                 Row(3, 1200, cl, True, _blocks(3, 75))]  # a canvas going on
         plan = StepPlan(rows, torch.randint(0, 262144, (300 + cl,)), [0], torch.randint(0, 262144, (1, cl)),
-                        _params(2, cl), top_logprobs=0)
+                        _params(2, cl), top_logprobs=0, tables=TableDelta.whole(rows))
         with reads, _no_reads_inside(runner.model):
             out = runner.execute(plan)
     assert out.finished.shape == (2,) and out.tokens.shape == (2, cl) and out.logprob.shape == (2, cl)

@@ -4,8 +4,10 @@ eagerly (the same bits: attention's result for a query depends on its own keys o
 tensor-parallel ranks (gloo), on the tiny checkpoint and on the demo model.
 
 Recorded first from the code before the sampler became a strategy (issue 27); issue 28 re-recorded
-it, as its issue allows once: attention now reduces over fixed key blocks in position order (so a
-recomputed prefix caches the same bits), which moves the logits in their last bits.
+it, the one change of seeded outputs its issue allows: attention reduces over fixed key blocks in
+position order (so a recomputed prefix caches the same bits), which moves the logits in their last
+bits, and every random number is counted on the device by (seed, canvas, step, position)
+(diffusion/randoms.py) instead of drawn from a host generator per request.
 
 The recording is data/recorded_outputs.json; `python tests/test_recorded_outputs.py` rewrites it
 (only ever from code whose outputs are known to be right)."""
@@ -67,21 +69,23 @@ def _static_steps(llm: LLM) -> None:
     """Steps of canvases only through worker/canvas_step.py, run eagerly (on this CPU only
     --compile reaches it otherwise)."""
     r = llm.engine.executor.runner
-    r.canvas_steps = CanvasSteps(r.model, r.sampler, r.vocab, r.kv, r.geometry, tuple(sorted(r.kinds)), r.state,
+    r.canvas_steps = CanvasSteps(r.model, r.sampler, r.vocab, r.kv, r.geometry, r.tables.tables, r.state,
                                  r.device, False, False)
 
 
 def _run_all(tiny: str) -> dict:
+    """One step per launch (num_scheduler_steps=1), except at two ranks: there the CPU's default
+    number of steps per launch, whose outputs are those of one step at a time."""
     got = {}
-    with LLM(tiny) as llm:
+    with LLM(tiny, num_scheduler_steps=1) as llm:
         got["tiny_eager"] = _outputs(llm, TINY_REQUESTS)
         got["tiny_alone"] = _outputs(llm, TINY_REQUESTS[2:3])
-    with LLM(tiny) as llm:
+    with LLM(tiny, num_scheduler_steps=1) as llm:
         _static_steps(llm)
         got["tiny_static"] = _outputs(llm, TINY_REQUESTS)
     with LLM(tiny, tensor_parallel_size=2) as llm:
         got["tiny_tp2"] = _outputs(llm, TINY_REQUESTS)
-    with LLM() as llm:
+    with LLM(num_scheduler_steps=1) as llm:
         got["demo_eager"] = _outputs(llm, DEMO_REQUESTS)
     return got
 
@@ -98,6 +102,17 @@ def test_seeded_outputs_equal_the_recording(runs, name):
     with open(RECORDING) as f:
         want = json.load(f)[name]
     assert runs[name] == want
+
+
+def test_several_steps_per_launch_give_the_recording(checkpoints):
+    """Five steps back to back per launch (issue 28, item 4), through the static step: the tokens,
+    logprobs and step counts of one step at a time."""
+    with open(RECORDING) as f:
+        want = json.load(f)
+    with LLM(checkpoints("default", **TINY), num_scheduler_steps=5) as llm:
+        assert _outputs(llm, TINY_REQUESTS) == want["tiny_eager"]
+    with LLM(num_scheduler_steps=5) as llm:
+        assert _outputs(llm, DEMO_REQUESTS) == want["demo_eager"]
 
 
 def test_the_recording_exercises_the_sampler(runs):

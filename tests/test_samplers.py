@@ -45,7 +45,7 @@ def _logits(top: list[list[float]]) -> torch.Tensor:
 def _step(state, logits, steps, threshold, seed=0):
     slots = torch.arange(logits.shape[0])
     params = CT.step_params([steps] * len(slots), [CT.resolve(SamplingParams.of(threshold=threshold), CT_DEFAULTS)] * len(slots),
-                            [CT.step_randoms(torch.Generator().manual_seed(seed + i), CL, V) for i in range(len(slots))])
+                            [seed + i for i in range(len(slots))], [0] * len(slots))
     vocab = VocabParallel(VocabShard.make(0, 1, V), TPGroup())
     res = CT.step(logits.clone(), state, slots, params, vocab)
     state.put(slots, res.updates)
@@ -106,7 +106,7 @@ def test_every_sampler_builds_its_step_inputs_from_its_table():
         assert [f.name for f in sampler.fields[:2]] == ["max_tokens", "max_denoising_steps"]
         defaults = {f.name: f.default for f in sampler.fields} | {"max_tokens": 8}
         params = sampler.resolve(SamplingParams(), defaults)
-        step = sampler.step_params([3], [params], [sampler.step_randoms(torch.Generator(), CL, V)])
+        step = sampler.step_params([3], [params], [0], [0])
         for f in (f for f in sampler.fields if f.per_canvas):
             value = step.tensors()[f.name]
             assert value.dtype == getattr(torch, f.dtype) and value.item() == pytest.approx(f.default), (sampler.name, f.name)
@@ -135,7 +135,7 @@ def test_confidence_threshold_runs_eager_static_and_on_two_ranks(tiny, single_th
         eager = _tokens(llm, PROMPTS, threshold=0.05)
         assert eager == _tokens(llm, PROMPTS, threshold=0.05)  # seeded: the same again
         r = llm.engine.executor.runner
-        r.canvas_steps = CanvasSteps(r.model, r.sampler, r.vocab, r.kv, r.geometry, tuple(sorted(r.kinds)), r.state,
+        r.canvas_steps = CanvasSteps(r.model, r.sampler, r.vocab, r.kv, r.geometry, r.tables.tables, r.state,
                                      r.device, False, False)
         assert _tokens(llm, PROMPTS, threshold=0.05) == eager
     with LLM(tiny, diffusion_sampler="confidence_threshold", tensor_parallel_size=2) as llm:

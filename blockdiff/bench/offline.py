@@ -53,10 +53,11 @@ class PhaseTiming:
     seconds: float = 0.0
     cost: Cost = dataclasses.field(default_factory=Cost)
 
-    def add(self, seconds: float, cost: Cost) -> None:
-        self.steps += 1
+    def add(self, seconds: float, cost: Cost, steps: int = 1) -> None:
+        """One launch of `steps` steps that each cost `cost`."""
+        self.steps += steps
         self.seconds += seconds
-        self.cost = self.cost + cost
+        self.cost = self.cost + Cost(cost.flops * steps, cost.bytes * steps)
 
     def as_dict(self, peak_gflops: float) -> dict:
         per_step = self.seconds / max(1, self.steps)
@@ -100,7 +101,8 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], d
         t0 = time.perf_counter()
         out = execute(plan)
         kind = _step_kind(plan, states)
-        phases.setdefault(kind, PhaseTiming()).add(time.perf_counter() - t0, plan_cost(engine.model_config, plan, dtype_bytes))
+        phases.setdefault(kind, PhaseTiming()).add(time.perf_counter() - t0, plan_cost(engine.model_config, plan, dtype_bytes),
+                                                   plan.steps)
         return out
 
     executor.execute = timed
@@ -161,6 +163,7 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
         "dtype": str(dtype).removeprefix("torch."),
         "device": device,
         "threads": torch.get_num_threads(),
+        "steps_per_launch": engine.executor.steps_per_launch,
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "input_len": args.input_len,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, per_canvas, start
+from blockdiff.diffusion import randoms
+from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, start
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.sampling_params import ENGINE_FIELDS, InvalidParam, SamplerField, SamplingParams
 
@@ -33,8 +34,6 @@ FIELDS = ENGINE_FIELDS + (
 
 @dataclass
 class ConfidenceParams(StepParams):
-    step: torch.Tensor  # [canvases] int32, steps remaining including this one (n)
-    renoise: torch.Tensor  # [canvases, CL] int64 uniform random tokens for the open positions
     max_denoising_steps: torch.Tensor  # [canvases] int32
     threshold: torch.Tensor  # [canvases] float32
 
@@ -48,20 +47,13 @@ class ConfidenceState(SlotState):
 class ConfidenceThreshold(DiffusionSampler):
     name = "confidence_threshold"
     fields = FIELDS
+    params_type = ConfidenceParams
 
     def finish(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
         if given.temperature not in (None, 0):
             raise InvalidParam("temperature", f"temperature {given.temperature}: the {self.name} sampler commits "
                                               "each position's most likely token (greedy); only 0 is accepted")
         return resolved
-
-    def step_randoms(self, generator: torch.Generator, canvas_length: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
-        return (torch.randint(0, vocab_size, (canvas_length,), generator=generator),)
-
-    def step_params(self, steps: list[int], params: list[SamplingParams],
-                    randoms: list[tuple[torch.Tensor, ...]]) -> ConfidenceParams:
-        return ConfidenceParams(step=torch.tensor(steps, dtype=torch.int32),
-                                renoise=torch.stack([r for (r,) in randoms]), **per_canvas(FIELDS, params))
 
     def new_state(self, rows: int, canvas_length: int, hidden_size: int, dtype: torch.dtype,
                   device: torch.device) -> ConfidenceState:
@@ -85,6 +77,7 @@ class ConfidenceThreshold(DiffusionSampler):
         tokens = torch.where(fixed, canvas, argmax)  # committed tokens stay; open positions: the argmax
         logprob = torch.where(new, top, state.logprob.index_select(0, slots))
         finished = now_fixed.all(dim=-1) | (params.step <= 1)
+        renoise = randoms.below(params.words(canvas.shape[1])[1], vocab.shard.vocab_size)  # the renoise word
         return StepResult(
-            updates={"canvas": torch.where(now_fixed, tokens, params.renoise), "fixed": now_fixed, "logprob": logprob},
+            updates={"canvas": torch.where(now_fixed, tokens, renoise), "fixed": now_fixed, "logprob": logprob},
             tokens=tokens, logprob=torch.where(now_fixed, logprob, top), accepted=now_fixed, finished=finished, dist=dist)

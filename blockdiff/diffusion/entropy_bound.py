@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, per_canvas, start
+from blockdiff.diffusion import randoms
+from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, start
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.sampling_params import (FIELDS_BY_NAME, MAX_TEMPERATURE, MIN_TEMPERATURE, SAMPLER_FIELDS, InvalidParam,
                                        SamplingParams, within)
@@ -32,13 +33,10 @@ GREEDY_SCALE = 1e-6
 
 @dataclass
 class DenoiseParams(StepParams):
-    """Per-canvas parameters and random draws of one step, [canvases] or [canvases, canvas_length]:
-    the step count n, the draws, and one tensor per per-canvas field of the sampler-field table, by
-    its name and in its order (tests/test_engine_core.py checks it)."""
+    """Per-canvas parameters of one step, [canvases]: the step count n and the counters of the
+    step's random numbers (StepParams), and one tensor per per-canvas field of the sampler-field
+    table, by its name and in its order (tests/test_engine_core.py checks it)."""
 
-    step: torch.Tensor  # int32, steps remaining including this one (n)
-    uniform: torch.Tensor  # [canvases, CL] float32 in [0, 1), for candidate sampling
-    renoise: torch.Tensor  # [canvases, CL] int64 uniform random tokens
     max_denoising_steps: torch.Tensor  # int32
     entropy_bound: torch.Tensor
     t_min: torch.Tensor
@@ -60,11 +58,10 @@ class EntropyBoundState(SlotState):
     soft: torch.Tensor = start(0)  # [slots + 1, CL, hidden]: the self-conditioning input
 
 
-def denoise_params(step: list[int], params: list, uniform: torch.Tensor, renoise: torch.Tensor) -> DenoiseParams:
-    """The sampler's inputs for canvases at steps `step` of requests with SamplingParams `params`."""
-    restrict = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
-    return DenoiseParams(step=torch.tensor(step, dtype=torch.int32), uniform=uniform, renoise=renoise,
-                         **per_canvas(SAMPLER_FIELDS, params), restrict=restrict)
+def denoise_params(step: list[int], params: list, seeds: list[int], canvases: list[int] | None = None) -> DenoiseParams:
+    """The sampler's inputs for canvases at steps `step` of requests with SamplingParams `params`
+    and `seeds`, at canvas indices `canvases` (default: their first)."""
+    return EntropyBound().step_params(step, params, seeds, canvases or [0] * len(step))
 
 
 @dataclass
@@ -105,13 +102,15 @@ def denoise_step(
 ) -> DenoiseResult:
     """logits [canvases, CL, local vocab] float32 (overwritten)."""
     t = temperature(params.step, params.max_denoising_steps, params.t_min, params.t_max)
+    words = params.words(logits.shape[1])
+    uniform, renoise = randoms.uniform(words[0]), randoms.below(words[1], vocab.shard.vocab_size)
     dist = vocab.distribution(logits.div_(t[:, None, None]))
     # top-k, top-p and min-p narrow the candidates only: the argmax, the entropies that accept
     # candidates and stop the canvas, and the self-conditioning input keep the full distribution.
     draw = vocab.restricted_draw(dist, params.top_k, params.top_p, params.min_p) if params.restrict else None
-    argmax, candidates = vocab.argmax_and_sample(dist, params.uniform, draw)
+    argmax, candidates = vocab.argmax_and_sample(dist, uniform, draw)
     accepted = entropy_bound_accept(dist.entropy, params.entropy_bound)
-    canvas = torch.where(accepted, candidates, params.renoise)
+    canvas = torch.where(accepted, candidates, renoise)
     same = (argmax == last_argmax).all(dim=-1)
     run = torch.where(same, run + 1, torch.zeros_like(run))
     stable = run >= params.stability_threshold
@@ -127,6 +126,7 @@ class EntropyBound(DiffusionSampler):
     name = "entropy_bound"
     fields = SAMPLER_FIELDS
     self_conditioning = True
+    params_type = DenoiseParams
 
     def finish(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
         """The request temperature applied to the schedule, and the schedule checked as a whole."""
@@ -148,16 +148,9 @@ class EntropyBound(DiffusionSampler):
                                     f"stay >= {MIN_TEMPERATURE}")
         return out
 
-    def step_randoms(self, generator: torch.Generator, canvas_length: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
-        """Candidate-sampling uniforms and renoise tokens."""
-        uniform = torch.rand(canvas_length, generator=generator)
-        renoise = torch.randint(0, vocab_size, (canvas_length,), generator=generator)
-        return uniform, renoise
-
-    def step_params(self, steps: list[int], params: list[SamplingParams],
-                    randoms: list[tuple[torch.Tensor, ...]]) -> DenoiseParams:
-        uniform, renoise = zip(*randoms)
-        return denoise_params(steps, params, torch.stack(uniform), torch.stack(renoise))
+    def step_options(self, params: list[SamplingParams]) -> dict:
+        """Whether any canvas restricts its draw (top_k, top_p, min_p)."""
+        return {"restrict": any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)}
 
     def new_state(self, rows: int, canvas_length: int, hidden_size: int, dtype: torch.dtype,
                   device: torch.device) -> EntropyBoundState:

@@ -6,8 +6,9 @@ dLLMs their `DllmAlgorithm`. A sampler owns:
 
 - its field table (`fields`): what SamplingParams, the API's extra body and the CLI's sampler flags
   offer for a model that runs it, and how a request's values are resolved (`resolve`);
-- how a canvas starts and the random numbers of each step (`start_canvas`, `step_randoms`), drawn
-  on the host from the request's generator today;
+- how a canvas starts (`start_canvas`) and which random numbers a step draws: counter-based ones
+  (diffusion/randoms.py), keyed by the request's seed and counted by (canvas, step, position), made
+  inside the step on the device, so nothing is drawn on the host;
 - its per-step inputs (`StepParams`, built by `step_params` when the engine plans a step) and its
   per-slot device state (`SlotState`, made by `new_state` on every rank);
 - `step()`: one denoising step of a batch of canvases on one rank, from their logits over this
@@ -29,6 +30,7 @@ from typing import ClassVar
 
 import torch
 
+from blockdiff.diffusion import randoms
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.sampling_params import (INT32_MAX, SAMPLER_FIELDS, InvalidParam, SamplerField, SamplingParams, check_field,
                                        field_value, with_field_values)
@@ -38,10 +40,25 @@ from blockdiff.sampling_params import (INT32_MAX, SAMPLER_FIELDS, InvalidParam, 
 class StepParams:
     """A sampler's inputs of one step: tensors whose first dimension is the step's canvases, and
     Python values decided on the host that choose a code path (a static step keeps one graph for
-    each distinct tuple of them, `key()`)."""
+    each distinct tuple of them, `key()`). Every sampler's start with the step count and the
+    counters of the step's random numbers."""
+
+    step: torch.Tensor  # [canvases] int32, steps remaining including this one (n)
+    seed: torch.Tensor  # [canvases, 2] int64: the request's seed as two 32-bit words (randoms.seed_words)
+    canvas: torch.Tensor  # [canvases] int64: the canvas's index in its request (0: the first)
+
+    def words(self, canvas_length: int) -> tuple[torch.Tensor, ...]:
+        """This step's four random 32-bit words per canvas position [canvases, CL] (randoms.STEP):
+        the same for a request alone, in any batch, after a preemption and on every rank."""
+        return randoms.canvas_words(self.seed, self.canvas, self.step, randoms.STEP, canvas_length)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+
+    def later(self, steps: int) -> "StepParams":
+        """The same canvases `steps` steps on: n counts down (to 1 at least: a canvas that finished
+        before runs on masked, its results unused)."""
+        return dataclasses.replace(self, step=(self.step - steps).clamp(min=1))
 
     def key(self) -> tuple:
         return tuple(v for v in self.__dict__.values() if not isinstance(v, torch.Tensor))
@@ -87,6 +104,10 @@ class SlotState:
         for f in dataclasses.fields(self):
             if "start" in f.metadata:
                 getattr(self, f.name)[slots] = f.metadata["start"]
+
+    def rows(self, slots: torch.Tensor) -> "SlotState":
+        """The rows of `slots` as a state of their own (the working copy of several steps in one launch)."""
+        return type(self)(**{f.name: getattr(self, f.name).index_select(0, slots) for f in dataclasses.fields(self)})
 
     def put(self, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
         """Write the rows of `slots` (the tensors of a step's `StepResult.updates`)."""
@@ -145,21 +166,30 @@ class DiffusionSampler:
         """What the sampler does beyond filling its fields (`given`: the request's own values)."""
         return resolved
 
-    def start_canvas(self, generator: torch.Generator, canvas_length: int, vocab_size: int) -> torch.Tensor:
-        """A canvas's first input [CL] int64: uniform random tokens (a uniform-noise diffusion model)."""
-        return torch.randint(0, vocab_size, (canvas_length,), generator=generator)
+    params_type: ClassVar[type[StepParams]]  # what `step` takes
 
-    def step_randoms(self, generator: torch.Generator, canvas_length: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
-        """The random numbers one canvas draws for one step, in a fixed order."""
-        raise NotImplementedError
+    def step_params(self, steps: list[int], params: list[SamplingParams], seeds: list[int],
+                    canvases: list[int]) -> StepParams:
+        """The step's inputs for canvases at steps `steps` (n, counting down), canvas indices
+        `canvases` of requests with resolved `params` and `seeds`: one tensor per per-canvas field
+        of the sampler's table, and the Python values of `step_options`."""
+        return self.params_type(step=torch.tensor(steps, dtype=torch.int32),
+                                seed=torch.tensor([randoms.seed_words(s) for s in seeds], dtype=torch.long),
+                                canvas=torch.tensor(canvases, dtype=torch.long), **per_canvas(self.fields, params),
+                                **self.step_options(params))
 
-    def step_params(self, steps: list[int], params: list[SamplingParams],
-                    randoms: list[tuple[torch.Tensor, ...]]) -> StepParams:
-        """The step's inputs for canvases at steps `steps` (n, counting down) of requests with
-        resolved `params`, which drew `randoms`."""
-        raise NotImplementedError
+    def step_options(self, params: list[SamplingParams]) -> dict:
+        """The Python values of a step's StepParams (they choose a code path) for its requests' `params`."""
+        return {}
 
     # ---- one rank (worker) --------------------------------------------------------------------
+    def start_canvas(self, seed: torch.Tensor, canvas: torch.Tensor, canvas_length: int, vocab_size: int) -> torch.Tensor:
+        """The first input [canvases, CL] int64 of canvases `canvas` [canvases] of requests with
+        `seed` [canvases, 2]: uniform random tokens (a uniform-noise diffusion model), counted
+        (randoms.START) so that a canvas starts from the same noise wherever it runs."""
+        words = randoms.canvas_words(seed, canvas, torch.zeros_like(canvas), randoms.START, canvas_length)
+        return randoms.below(words[0], vocab_size)
+
     def new_state(self, rows: int, canvas_length: int, hidden_size: int, dtype: torch.dtype,
                   device: torch.device) -> SlotState:
         raise NotImplementedError

@@ -25,6 +25,7 @@ from blockdiff.engine.kv_events import KVEvent, make_publisher
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
 from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
+from blockdiff.engine.sent_tables import SentTables
 from blockdiff.executor import make_executor
 from blockdiff.model.attention import Row
 from blockdiff.model.vision import ImageInputs
@@ -77,6 +78,7 @@ class LLMEngine:
         self.structured = None if self.tokenizer is None else StructuredOutputs(self.tokenizer, self.vocab_size,
                                                                                 cfg.structured_outputs_timeout)
         self.automata_sent = AutomataSent()  # the automata the workers hold
+        self.sent_tables = SentTables()
         self.inputs = InputProcessor(
             self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
             tuple(eos),
@@ -129,6 +131,7 @@ class LLMEngine:
         self.kv.forget()  # the prefixes the old workers held are gone too
         self._publish_kv_events()
         self.automata_sent = AutomataSent()
+        self.sent_tables.forget()
         return lost
 
     def has_unfinished(self) -> bool:
@@ -179,29 +182,30 @@ class LLMEngine:
             spans = images.add(req, req.num_cached, n, len(ids))
             bidirectional = spans if self.model_config.vision and self.model_config.vision.bidirectional else ()
             ids.extend(req.tokens(req.num_cached, req.num_cached + n))
-            rows.append(Row(req.slot, req.num_cached, n, False, tuple(req.blocks), tuple(req.sliding_blocks),
-                            bidirectional=bidirectional))
+            rows.append(Row(req.slot, req.num_cached, n, False, bidirectional=bidirectional))
         score_ids, lengths = [], []
         for req, (start, end) in sched.score:
-            rows.append(Row(req.slot, start, end - start, True, tuple(req.blocks), tuple(req.sliding_blocks)))
+            rows.append(Row(req.slot, start, end - start, True))
             score_ids.extend(req.tokens(start, end))
             lengths.append(end - start)
         score = None
         if sched.score:
             score = ScorePlan(torch.tensor(score_ids, dtype=torch.long), lengths,
                               max(r.params.prompt_logprobs for r, _ in sched.score))
-        new_rows, new_canvases, randoms = [], [], []
+        new_rows, new_canvases = [], []
         for i, req in enumerate(sched.decoder):
-            rows.append(Row(req.slot, req.num_cached, cl, True, tuple(req.blocks), tuple(req.sliding_blocks)))
+            rows.append(Row(req.slot, req.num_cached, cl, True))
             if req.new_canvas is not None:
                 new_rows.append(i)
                 new_canvases.append(req.new_canvas)
                 req.new_canvas = None
-            randoms.append(self.sampler.step_randoms(req.generator, cl, self.vocab_size))
+        min_tokens = _min_tokens(sched.decoder, cl)
+        steps = self._steps_per_launch(sched, min_tokens is not None)
         denoise = None
         if sched.decoder:
-            denoise = self.sampler.step_params([r.steps_left for r in sched.decoder], [r.params for r in sched.decoder],
-                                               randoms)
+            dec = sched.decoder
+            denoise = self.sampler.step_params([r.steps_left for r in dec], [r.params for r in dec], [r.seed for r in dec],
+                                               [r.metrics.canvases for r in dec])
         constraints = [req.constraint.canvas(i, req.params.max_tokens - len(req.output.token_ids))
                        for i, req in enumerate(sched.decoder) if req.constraint is not None]
         automata, forget = self.automata_sent.update([r.constraint.automaton for r in sched.decoder if r.constraint])
@@ -215,11 +219,26 @@ class LLMEngine:
             draft_details=any(r.params.draft_details for r in sched.decoder),
             images=images.inputs(),
             score=score,
-            min_tokens=_min_tokens(sched.decoder, cl),
+            min_tokens=min_tokens,
+            tables=self.sent_tables.delta([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder),
+            steps=steps,
             constraints=constraints,
             automata=automata,
             forget_automata=forget,
         )
+
+    def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:
+        """K steps back to back in the steady state (every row a canvas, nobody reading a step's own
+        results: top logprobs, drafts, min_tokens rules, a structured output's commit; no request a
+        free slot could admit), at most as many as the canvases have steps left (more would compute
+        finished ones only); else one."""
+        k, dec = self.executor.steps_per_launch, sched.decoder
+        if k == 1 or sched.encoder or sched.score or not dec or (self.scheduler.waiting and self.scheduler.free_slots):
+            return 1
+        if min_tokens or any(r.params.stream_drafts or r.params.draft_details or (r.params.logprobs or 0) > 0
+                             or r.constraint is not None for r in dec):
+            return 1
+        return min(k, max(r.steps_left for r in dec))
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
         outputs = []

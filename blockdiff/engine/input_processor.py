@@ -86,8 +86,7 @@ class InputProcessor:
                                         params.skip_special_tokens, params.min_tokens)
         constraint = None if params.structured_outputs is None else self._constraint(params, stops)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, text, ids, params, self.canvas_length, self.vocab_size, seed, output, self.sampler,
-                      constraint=constraint)
+        req = Request(request_id, text, ids, params, self.canvas_length, seed, output, constraint=constraint)
         if mm is not None:
             req.images, req.image_spans = mm.images, mm.spans
         if req.max_cached_tokens > self.cache_tokens:

@@ -31,8 +31,9 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
             news.append(req)
         offset += n
     finished = out.finished.tolist()
+    steps = [1] * len(sched.decoder) if out.steps is None else out.steps.tolist()
     for i, req in enumerate(sched.decoder):
-        req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None)
+        req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None, steps[i])
         if req.params.draft_details:
             req.draft_entropy, req.draft_accepted = out.entropy[i].tolist(), out.accepted[i].tolist()
         if not finished[i]:

@@ -10,8 +10,9 @@ PREFILL runs the request's uncached tokens through the encoder (the prompt, in c
 preemption, the prompt and every committed canvas), minus a cached prefix found at admission;
 DENOISE runs decoder steps on the current canvas until it converges; COMMIT runs the finished canvas
 through the encoder so the next canvas can see it. A request preempted while denoising drops its
-canvas and rewinds its random stream to the canvas's start, so that it draws the same canvas and
-steps again. Every transition goes through `to()`, which refuses illegal ones.
+canvas and denoises it again from its start: its random numbers are counted by (seed, canvas,
+step, position) on the device (diffusion/randoms.py), so it draws the same ones again, with nothing
+to rewind. Every transition goes through `to()`, which refuses illegal ones.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.image import ProcessedImage
 from blockdiff.outputs import TokenLogprob
@@ -89,10 +89,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams  # with every default filled in
     canvas_length: int
-    vocab_size: int
-    seed: int  # params.seed, or one drawn by the engine
+    seed: int  # params.seed, or one drawn by the engine: the key of the request's random numbers
     output: IncrementalDetokenizer
-    sampler: DiffusionSampler  # the engine's: how this request's canvases start and what they draw
     state: State = State.WAITING
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)  # full-layer block table (engine/kv_cache_manager.py)
@@ -103,17 +101,17 @@ class Request:
     prefix_keys: list = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    canvas_rng_state: torch.Tensor | None = None  # the generator where the current canvas started
     canvases_since_admitted: int = 0
     steps_left: int = 0  # n of the canvas being denoised
-    new_canvas: torch.Tensor | None = None  # the first input of a canvas not yet sent to the workers
+    # A canvas started and not yet sent to the workers: its draft tokens [CL] (-1 where it starts
+    # from the noise the workers draw).
+    new_canvas: torch.Tensor | None = None
     draft_token_ids: list[int] | None = None
     draft_entropy: list[float] | None = None  # of the step that made the draft (params.draft_details)
     draft_accepted: list[bool] | None = None
     finish_reason: str | None = None
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    generator: torch.Generator = field(default_factory=torch.Generator)
     sent_tokens: int = 0  # how much of the output delta outputs have reported
     sent_pieces: int = 0
     images: list[ProcessedImage] = field(default_factory=list)  # of the prompt, in order
@@ -127,7 +125,6 @@ class Request:
     constraint: OutputConstraint | None = None  # structured outputs: what the committed text must be
 
     def __post_init__(self) -> None:
-        self.generator.manual_seed(self.seed % 2**64)
         if self.params.prompt_logprobs is not None:
             self.score_pieces = score_pieces(len(self.prompt_token_ids), self.canvas_length)
             self.prompt_scores = []
@@ -234,9 +231,8 @@ class Request:
 
     def preempt(self) -> None:
         """Give up the slot (the scheduler took the blocks back); the cache is rebuilt from the
-        tokens on readmission. A canvas being denoised starts again from the same random numbers."""
+        tokens on readmission. A canvas being denoised starts again, from the same random numbers."""
         if self.state == State.DENOISE:
-            self.generator.set_state(self.canvas_rng_state)
             self.new_canvas = None
         self.to(State.WAITING)
         self.slot, self.num_cached = None, 0
@@ -250,10 +246,9 @@ class Request:
             self._start_canvas()
 
     def _start_canvas(self) -> None:
-        """Canvas k starts from draft[k*CL:(k+1)*CL], noise where the draft runs out."""
+        """Canvas k starts from draft[k*CL:(k+1)*CL], noise (the sampler's, on the workers) where the draft runs out."""
         cl = self.canvas_length
-        self.canvas_rng_state = self.generator.get_state()
-        canvas = self.sampler.start_canvas(self.generator, cl, self.vocab_size)
+        canvas = torch.full((cl,), -1, dtype=torch.long)
         draft = self.params.draft or []
         chunk = draft[self.metrics.canvases * cl : (self.metrics.canvases + 1) * cl]
         if chunk:
@@ -261,11 +256,11 @@ class Request:
         self.new_canvas = canvas
         self.steps_left = self.params.max_denoising_steps
 
-    def denoised(self, argmax: list[int] | None) -> None:
-        """One denoising step ran; `argmax` is its argmax canvas when drafts are streamed."""
-        self.steps_left -= 1
-        self.metrics.denoising_steps += 1
-        self.metrics.canvas_positions_evaluated += self.canvas_length
+    def denoised(self, argmax: list[int] | None, steps: int = 1) -> None:
+        """`steps` denoising steps ran; `argmax` is the last one's argmax canvas when drafts are streamed."""
+        self.steps_left -= steps
+        self.metrics.denoising_steps += steps
+        self.metrics.canvas_positions_evaluated += steps * self.canvas_length
         if argmax is not None:
             self.draft_token_ids = argmax
 

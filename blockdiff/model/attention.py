@@ -224,9 +224,9 @@ def _fold(x: torch.Tensor, dim: int) -> torch.Tensor:
     return total
 
 
-def _exp_shifted(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """exp(x - m), in x's own memory unless autograd (the demo's trainer) still needs x for the
-    maximum's gradient."""
+def _exp_minus(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """exp(x - m): in place when nothing differentiates through x (the max taken of x keeps x for
+    its gradient, so training, the demo trainer's, needs a new tensor)."""
     return (x - m).exp() if x.requires_grad else x.sub_(m).exp_()
 
 
@@ -260,12 +260,12 @@ def _attend(q, k, v, g: AttnGroup, cache: tuple[torch.Tensor, torch.Tensor], key
         m = canvas.amax(-1) if m is None else torch.maximum(m, canvas.amax(-1))
     total = out = None
     if g.blocks:
-        e = _exp_shifted(scores, m[:, :, None, :, None])
+        e = _exp_minus(scores, m[:, :, None, :, None])
         values = _cached(cache[1], g.cache_blocks, block_size).view(kv, rows, g.blocks, key_block, dim)
         reduce = _tree if g.tree else _fold
         total, out = reduce(e.sum(-1), 2), reduce(_products(e.to(values.dtype), values).to(acc), 2)
     if g.canvas:
-        e = _exp_shifted(canvas, m[..., None])
+        e = _exp_minus(canvas, m[..., None])
         own_total, own_out = e.sum(-1), _products(e.to(own_v.dtype), own_v).to(acc)
         total, out = (own_total, own_out) if total is None else (total + own_total, out + own_out)
     out = (out / total.unsqueeze(-1)).to(qs.dtype)

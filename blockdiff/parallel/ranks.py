@@ -412,6 +412,11 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
+def message_bytes(fn: Callable, *args) -> int:
+    """The size of the message `run(fn, *args)` sends to each worker."""
+    return len(_dumps((fn, args, False)))
+
+
 # ---- the worker side -----------------------------------------------------------------------------
 # Ctrl-C in a terminal reaches the whole process group: it is rank 0's to handle (it stops us), so
 # the worker ignores it from its first line on.

@@ -3,9 +3,10 @@ product over a bucket of canvases, with no host sync and no Python loop over row
 
 When every row of a step is a canvas being denoised, the step's shape is fixed by the number of
 canvases (padded up to a bucket) and the prefix length its attention reads (padded up to a power
-of two of blocks). Its inputs are copied into persistent device buffers of that shape; the function
-reads the per-slot state, computes everything for every canvas, padded ones included, and hands
-back fresh tensors that the runner scatters into the state. So `torch.compile(fullgraph=True)`
+of two of blocks). Its inputs (slots, starts, sampler parameters: a few numbers per canvas) are
+copied into persistent device buffers of that shape; the function reads the per-slot state and the
+rank's block tables (worker/block_tables.py) at the canvases' slots, computes everything for every
+canvas, padded ones included, and hands back fresh tensors that the runner scatters into the state. So `torch.compile(fullgraph=True)`
 accepts it, and on CUDA each shape is captured once as a CUDA graph and replayed.
 """
 
@@ -34,7 +35,6 @@ class CanvasInputs:
 
     slots: torch.Tensor  # [B] int64; padding: the scratch slot
     starts: torch.Tensor  # [B] int64 cached positions before each canvas; padding: 0
-    tables: dict[bool, torch.Tensor]  # layer kind (True: sliding) -> [B, context / block size] int64
     params: StepParams  # [B, ...]; padding rows repeat the first canvas's
 
 
@@ -46,7 +46,10 @@ class CanvasOutputs:
     logprob: torch.Tensor  # [B, CL] of each token
     entropy: torch.Tensor  # [B, CL] computed anyway; read back only for drafts that ask (draft_details)
     accepted: torch.Tensor  # [B, CL] bool
-    dist: Distribution  # the step's distribution statistics, which a constrained commit reads
+    # The distribution statistics of the last step run, which a constrained commit reads (a step
+    # with a constrained canvas runs one denoising step: engine._steps_per_launch).
+    dist: Distribution
+    steps: torch.Tensor  # [B] int32 denoising steps each canvas ran (up to the one that finished it)
 
 
 def canvas_step(
@@ -55,26 +58,59 @@ def canvas_step(
     vocab: VocabParallel,
     kv: list[tuple[torch.Tensor, torch.Tensor]],
     geometry: CacheGeometry,
+    tables: dict[bool, torch.Tensor],
     context: int,
     state: SlotState,
     inputs: CanvasInputs,
+    steps: int = 1,
 ) -> CanvasOutputs:
-    """One denoising step of every canvas in `inputs`; reads `state` and `kv`, writes neither."""
+    """`steps` denoising steps of every canvas in `inputs`, back to back; reads `state`, `kv` and the
+    block `tables` (layer kind -> [slots + 1, blocks per sequence]), writes none of them. A canvas
+    that finishes at one of the steps keeps its state and its results from that step on (the later
+    steps still compute it, masked), so its results are those of one step at a time."""
     rows = inputs.slots.shape[0]
     cl = state.canvas.shape[1]
-    meta = canvas_metadata(inputs.starts, inputs.tables, cl, context, geometry)
-    ids = state.canvas.index_select(0, inputs.slots).reshape(-1)
+    mine = {sliding: table.index_select(0, inputs.slots) for sliding, table in tables.items()}
+    meta = canvas_metadata(inputs.starts, mine, cl, context, geometry)
+    work = state.rows(inputs.slots)  # the canvases' state through the steps
+    here = torch.arange(rows, device=inputs.slots.device)
+    out = None
+    for i in range(steps):
+        params = inputs.params if i == 0 else inputs.params.later(i)
+        now = _one_step(model, sampler, vocab, kv, meta, work, here, params)
+        if out is None:
+            out = now
+        else:
+            done = out.finished  # before this step: they keep what they had
+            out = CanvasOutputs({k: _where(done, out.updates[k], v) for k, v in now.updates.items()},
+                                *(_where(done, getattr(out, k), getattr(now, k)) for k in _RESULTS),
+                                now.dist, out.steps + (~done).to(torch.int32))
+        work.put(here, out.updates)
+    return out
+
+
+_RESULTS = ("tokens", "finished", "logprob", "entropy", "accepted")
+
+
+def _where(keep: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep.view(-1, *([1] * (new.dim() - 1))), old, new)
+
+
+def _one_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, meta, state: SlotState, slots: torch.Tensor,
+              params: StepParams) -> CanvasOutputs:
+    rows, cl = slots.shape[0], state.canvas.shape[1]
+    ids = state.canvas.index_select(0, slots).reshape(-1)
     # A canvas's first step reads the zeros its slot was reset to: the self-conditioning MLP of
     # zeros is exactly zero, so that equals the reference's step without a previous one.
-    soft = state.soft.index_select(0, inputs.slots).reshape(rows * cl, -1) if sampler.self_conditioning else None
+    soft = state.soft.index_select(0, slots).reshape(rows * cl, -1) if sampler.self_conditioning else None
     logits = model(ids, meta, kv, soft)
-    res = sampler.step(logits.view(rows, cl, -1), state, inputs.slots, inputs.params, vocab)
+    res = sampler.step(logits.view(rows, cl, -1), state, slots, params, vocab)
     updates = dict(res.updates)
     if sampler.self_conditioning:
         # For every canvas, finished ones included: their slots are reset when the next canvas starts.
         updates["soft"] = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
-    return CanvasOutputs(updates, sampler.commit(res, inputs.params), res.finished, res.logprob, res.dist.entropy,
-                         res.accepted, res.dist)
+    return CanvasOutputs(updates, sampler.commit(res, params), res.finished, res.logprob, res.dist.entropy,
+                         res.accepted, res.dist, torch.ones(rows, dtype=torch.int32, device=slots.device))
 
 
 def shape_count(num_slots: int, max_context: int, block_size: int) -> int:
@@ -101,21 +137,12 @@ def context_of(rows: list[Row], block_size: int) -> int:
     return 0 if blocks == 0 else (1 << (blocks - 1).bit_length()) * block_size
 
 
-def host_inputs(rows: list[Row], params: StepParams, size: int, context: int, kinds: tuple[bool, ...],
-                block_size: int, scratch: int) -> CanvasInputs:
-    """The step's inputs on the host, padded to `size` canvases and `context` prefix positions."""
+def host_inputs(rows: list[Row], params: StepParams, size: int, scratch: int) -> CanvasInputs:
+    """The step's inputs on the host, padded to `size` canvases."""
     pad = size - len(rows)
-    width = context // block_size
     slots = torch.tensor([r.slot for r in rows] + [scratch] * pad, dtype=torch.long)
     starts = torch.tensor([r.start for r in rows] + [0] * pad, dtype=torch.long)
-    tables = {}
-    for sliding in kinds:
-        tables[sliding] = table = torch.zeros(size, width, dtype=torch.long)
-        for i, r in enumerate(rows):
-            used = (r.sliding_blocks if sliding and r.sliding_blocks is not None else r.blocks)[:width]
-            if used:
-                table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-    return CanvasInputs(slots, starts, tables, params.padded(size))
+    return CanvasInputs(slots, starts, params.padded(size))
 
 
 def allocate_inputs(like: CanvasInputs, device: torch.device) -> CanvasInputs:
@@ -123,15 +150,12 @@ def allocate_inputs(like: CanvasInputs, device: torch.device) -> CanvasInputs:
     def empty(t: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(t, device=device)
 
-    return CanvasInputs(empty(like.slots), empty(like.starts), {k: empty(v) for k, v in like.tables.items()},
-                        like.params.empty_like(device))
+    return CanvasInputs(empty(like.slots), empty(like.starts), like.params.empty_like(device))
 
 
 def copy_inputs(dst: CanvasInputs, src: CanvasInputs) -> None:
     dst.slots.copy_(src.slots, non_blocking=True)
     dst.starts.copy_(src.starts, non_blocking=True)
-    for k, v in src.tables.items():
-        dst.tables[k].copy_(v, non_blocking=True)
     dst.params.copy_(src.params)
 
 
@@ -142,49 +166,52 @@ class CanvasSteps:
     captured."""
 
     def __init__(self, model: BlockDiffusionModel, sampler: DiffusionSampler, vocab: VocabParallel,
-                 kv: list[tuple[torch.Tensor, torch.Tensor]], geometry: CacheGeometry, kinds: tuple[bool, ...],
-                 state: SlotState, device: torch.device, compile: bool, cuda_graphs: bool):
+                 kv: list[tuple[torch.Tensor, torch.Tensor]], geometry: CacheGeometry, tables: dict[bool, torch.Tensor],
+                 state: SlotState, device: torch.device, compile: bool, cuda_graphs: bool, steps_per_launch: int = 1):
+        """tables: the rank's block tables (BlockTables.tables), read where they are at every step.
+        steps_per_launch: the most steps one launch runs (EngineConfig.num_scheduler_steps): each
+        shape has a graph for each number of steps up to it."""
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
-        self.model, self.sampler, self.vocab, self.kv, self.geometry, self.kinds = model, sampler, vocab, kv, geometry, kinds
+        self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables = model, sampler, vocab, kv, geometry, tables
         self.state, self.device = state, device
         self.fn = torch.compile(canvas_step, **COMPILE_OPTIONS) if compile else canvas_step
         # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
         # these calls only; a shape beyond them would be a bug and still fails.
         context = max(k.shape[0] for k, _ in kv) if kv else 0
-        self.limits = dict(recompile_limit=shape_count(state.scratch, context, geometry.block_size))
+        self.limits = dict(recompile_limit=steps_per_launch * shape_count(state.scratch, context, geometry.block_size))
         self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
                                                          2 * self.limits["recompile_limit"])
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
-        self.shapes: dict[tuple[int, int, bool], tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
+        self.shapes: dict[tuple, tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
 
-    def __call__(self, rows: list[Row], params: StepParams) -> tuple[CanvasInputs, CanvasOutputs]:
-        """One step of the canvases `rows` (their state reset already where a canvas starts):
+    def __call__(self, rows: list[Row], params: StepParams, steps: int = 1) -> tuple[CanvasInputs, CanvasOutputs]:
+        """`steps` steps of the canvases `rows` (their state reset already where a canvas starts):
         the inputs used (padded) and the outputs, whose first len(rows) rows are the canvases'."""
         context = context_of(rows, self.geometry.block_size)
         size = bucket(len(rows))
-        host = host_inputs(rows, params, size, context, self.kinds, self.geometry.block_size, self.state.scratch)
-        key = (size, context, params.key())  # the params' Python values (e.g. restrict: top-k/p, min-p): a graph each
+        host = host_inputs(rows, params, size, self.state.scratch)
+        # the params' Python values (e.g. restrict: top-k/p, min-p) and the steps per launch: a graph each
+        key = (size, context, params.key(), steps)
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
             with torch._dynamo.config.patch(**self.limits):
-                return inputs, self.fn(*self.step_args(context, inputs))
+                return inputs, self.fn(*self.step_args(context, inputs, steps))
         if graph is None:
             with torch._dynamo.config.patch(**self.limits):
-                graph, outputs = self._capture(context, inputs)
+                graph, outputs = self._capture(self.step_args(context, inputs, steps))
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs
 
-    def step_args(self, context: int, inputs: CanvasInputs) -> tuple:
-        """canvas_step's arguments for a step of `inputs` reading `context` prefix positions."""
-        return self.model, self.sampler, self.vocab, self.kv, self.geometry, context, self.state, inputs
+    def step_args(self, context: int, inputs: CanvasInputs, steps: int = 1) -> tuple:
+        """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions."""
+        return self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state, inputs, steps
 
-    def _capture(self, context: int, inputs: CanvasInputs) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
-        args = self.step_args(context, inputs)
+    def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

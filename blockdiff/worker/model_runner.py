@@ -21,6 +21,7 @@ from blockdiff.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
+from blockdiff.worker.block_tables import BlockTables
 from blockdiff.worker.canvas_step import CanvasSteps, all_canvases
 from blockdiff.worker.cpu_heap import keep_freed_memory
 from blockdiff.worker.kv_cache import allocate, geometry
@@ -29,12 +30,14 @@ from blockdiff.worker.kv_cache import allocate, geometry
 class ModelRunner:
     def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str,
                  sampler: DiffusionSampler, tune_cpu_heap: bool = False, sampler_memory_gb: float | None = None,
-                 compile: bool | None = False, cuda_graphs: bool = False):
+                 compile: bool | None = False, cuda_graphs: bool = False, steps_per_launch: int = 1):
         """sampler: how canvases are denoised (the engine's, `diffusion/registry.py`).
         sampler_memory_gb: the sampler's workspace (EngineConfig). compile / cuda_graphs
         (EngineConfig.step_modes): run all-canvas steps as the static step, compiled / replayed as
         CUDA graphs. Both need a model with static shapes (`model.static_shapes`); compile None:
-        the device's default where the model has them."""
+        the device's default where the model has them. steps_per_launch (EngineConfig): denoising
+        steps a steady-state step may run back to back, through the static step (eager unless
+        compiled or graphed); 1 for a model without static shapes."""
         self.model = model
         self.sampler = sampler
         self.device = torch.device(device)
@@ -46,6 +49,7 @@ class ModelRunner:
         self.kv = allocate(model, cache, self.device)
         self.geometry = geometry(model, cache)
         self.kinds = layer_kinds(model)
+        self.tables = BlockTables(cache, self.kinds, self.device)
         self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device))
         self.canvas_length = model.config.canvas_length
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
@@ -53,13 +57,17 @@ class ModelRunner:
         self.automata: dict[str, DeviceAutomaton] = {}  # structured outputs' automata, by key (StepPlan.automata)
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
-        modes = step_modes(target(self.device), model.static_shapes(self.device), compile, cuda_graphs)
-        if modes.compile or modes.cuda_graphs:
-            self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, tuple(sorted(self.kinds)),
-                                            self.state, self.device, modes.compile, modes.cuda_graphs)
+        static = model.static_shapes(self.device)
+        modes = step_modes(target(self.device), static, compile, cuda_graphs)
+        self.steps_per_launch = steps_per_launch if static else 1
+        if modes.compile or modes.cuda_graphs or self.steps_per_launch > 1:
+            self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, self.tables.tables,
+                                            self.state, self.device, modes.compile, modes.cuda_graphs,
+                                            self.steps_per_launch)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
+        self.tables.apply(plan.tables)
         for key in plan.forget_automata:
             self.automata.pop(key, None)
         for key, automaton in plan.automata.items():
@@ -69,11 +77,12 @@ class ModelRunner:
         dec_rows = [r for r in plan.rows if r.decoder][scored:]
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
-            starting = slots[torch.tensor(plan.new_canvas_rows, device=self.device)]
-            self.state.start(starting, plan.new_canvases.to(self.device))
+            self._start_canvases(plan, slots)
         if (self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0 and plan.score is None
                 and plan.min_tokens is None):
             return self._canvas_step(plan)
+        if plan.steps > 1:
+            raise ValueError(f"{plan.steps} steps per launch need a step of canvases only, run as the static step")
 
         ids = plan.encoder_ids.to(self.device)
         score_tokens = 0
@@ -89,7 +98,7 @@ class ModelRunner:
                 soft = self.state.soft[slots].reshape(-1, self.state.soft.shape[-1])
                 if score_tokens:  # a scored piece is a canvas's first step: no self-conditioning (zeros)
                     soft = torch.cat((soft.new_zeros(score_tokens, soft.shape[-1]), soft))
-        meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device)
+        meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device, self.tables.tables)
         if meta.num_tokens > ids.shape[0]:
             ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
         images = None if plan.images is None else plan.images.to(self.device)
@@ -141,6 +150,16 @@ class ModelRunner:
             **score,
         )
 
+    def _start_canvases(self, plan: StepPlan, slots: torch.Tensor) -> None:
+        """The canvases that start this step take the sampler's noise, counted from their request's
+        seed and canvas index, where their draft has no token."""
+        rows = torch.tensor(plan.new_canvas_rows, device=self.device)
+        params = plan.denoise
+        noise = self.sampler.start_canvas(params.seed.to(self.device)[rows], params.canvas.to(self.device)[rows],
+                                          self.canvas_length, self.vocab.shard.vocab_size)
+        draft = plan.new_canvases.to(self.device)
+        self.state.start(slots[rows], torch.where(draft >= 0, draft, noise))
+
     def _score(self, logits: torch.Tensor, plan: ScorePlan) -> dict[str, torch.Tensor]:
         """The log-probability of each scored token under the model's distribution (temperature 1) at
         its own position, and its top alternatives: the logits stay sharded."""
@@ -188,9 +207,10 @@ class ModelRunner:
         return tokens, logprob
 
     def _canvas_step(self, plan: StepPlan) -> StepOutput:
-        """The static step; only the finished flags and committed tokens (and logprobs) come back."""
+        """The static step (plan.steps of them back to back); only the finished flags, the steps run,
+        the committed tokens (and logprobs) come back, once."""
         n = len(plan.rows)
-        inputs, out = self.canvas_steps(plan.rows, plan.denoise)
+        inputs, out = self.canvas_steps(plan.rows, plan.denoise, plan.steps)
         self.state.put(inputs.slots[:n], {name: value[:n] for name, value in out.updates.items()})
         finished = out.finished[:n].cpu()
         tokens, logprob = self._constrain(plan, finished, out.dist, out.tokens[:n], out.logprob[:n])
@@ -202,4 +222,5 @@ class ModelRunner:
             top_ids=None,
             entropy=out.entropy[:n].cpu() if plan.draft_details else None,
             accepted=out.accepted[:n].cpu() if plan.draft_details else None,
+            steps=out.steps[:n].cpu() if plan.steps > 1 else None,
         )

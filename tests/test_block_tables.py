@@ -1,0 +1,77 @@
+"""The step contract sends only what changed (issue 28, item 2): each rank keeps the block tables of
+every slot on its device (worker/block_tables.py) and a plan carries the new entries
+(step.TableDelta, from engine/sent_tables.py). The workers' tables equal the engine's after every
+step, through admissions, growth, sliding blocks given back, prefix-cache hits and preemptions; and a
+steady-state step's message to the tensor-parallel workers is the same size at a short and a long
+context."""
+
+from __future__ import annotations
+
+from blockdiff import LLM, SamplingParams
+from blockdiff.executor.tensor_parallel import _execute
+from blockdiff.model.loader import load_model
+from blockdiff.parallel.ranks import message_bytes
+from blockdiff.worker.kv_cache import cache_bytes_per_block, sliding_blocks_needed, sliding_bytes_per_block
+
+BS = 4
+
+
+def _check_tables(engine) -> int:
+    """Every running request's tables on the worker equal the engine's: -> how many were checked."""
+    tables = engine.executor.runner.tables.tables
+    checked = 0
+    for req in engine.scheduler.running:
+        full = tables[False][req.slot]
+        assert full[: len(req.blocks)].tolist() == req.blocks and bool((full[len(req.blocks):] == -1).all())
+        sliding = tables[True][req.slot, : len(req.sliding_blocks)].tolist()
+        # A sliding block given back stays in the worker's table: out of every query's reach.
+        assert all(b == s for b, s in zip(req.sliding_blocks, sliding) if b >= 0)
+        checked += 1
+    return checked
+
+
+def test_the_workers_tables_follow_the_engines_through_hits_and_preemptions(tiny):
+    prefix = [(7 * i) % 280 + 10 for i in range(21)]
+    prompts = [prefix + [3], prefix + [4, 5], [9] * 30, prefix[:13], [6, 7] * 9]
+    params = SamplingParams(max_tokens=24, max_denoising_steps=3, seed=5, ignore_eos=True)
+    # 20 blocks of 4 positions for four running requests of up to 56 positions: some are preempted.
+    model = load_model(tiny)
+    sliding = sliding_blocks_needed(model.config.window_past(64), model.config.canvas_length, BS, 4, 16)
+    memory = sliding_bytes_per_block(model, BS) * sliding + cache_bytes_per_block(model, BS) * 20
+    with LLM(tiny, block_size=BS, max_model_len=64, max_num_seqs=4, kv_cache_memory=memory, max_prefill_tokens=16) as llm:
+        engine = llm.engine
+        for p in prompts:
+            engine.add_request(p, params)
+        checked = steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            checked += _check_tables(engine)
+            steps += 1
+        assert engine.scheduler.num_preemptions > 0 and engine.kv.hits > 0 and checked > steps
+
+
+def _steady_bytes(llm: LLM, prompt_len: int) -> set[int]:
+    """Bytes of each all-canvas step's message that starts no canvas, for one request."""
+    engine, sizes = llm.engine, set()
+    execute = engine.executor.execute
+
+    def measure(plan):
+        if plan.denoise is not None and not plan.new_canvas_rows and all(r.decoder for r in plan.rows):
+            sizes.add(message_bytes(_execute, plan))
+        return execute(plan)
+
+    engine.executor.execute = measure
+    try:
+        llm.generate([[5 + i % 250 for i in range(prompt_len)]],
+                     SamplingParams(max_tokens=16, max_denoising_steps=16, seed=1, ignore_eos=True), use_tqdm=False)
+    finally:
+        engine.executor.execute = execute
+    return sizes
+
+
+def test_a_steady_state_step_sends_the_same_bytes_at_any_context(tiny):
+    with LLM(tiny, block_size=BS, max_model_len=1024) as llm:
+        short, long = _steady_bytes(llm, 20), _steady_bytes(llm, 900)
+    assert short and long
+    # Row.start grows from one to two bytes of pickle; the long request's table is 230 entries.
+    assert max(long) - min(short) <= 8, (short, long)
