@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -98,6 +99,21 @@ def test_json_object_and_string_schemas(llm):
                         use_tqdm=False)
     assert isinstance(json.loads(outs[0].text), dict)
     jsonschema.validate(json.loads(outs[1].text), SCHEMAS["list"])
+
+
+def test_every_steps_per_launch_commits_the_same(json_tiny):
+    """A canvas that finished inside a launch of several steps would commit from a later step's
+    distribution: a step with a constrained canvas runs one denoising step, so every K commits what
+    K = 1 does. The canvases stop at different steps (3 and 7), so a launch of 4 would hold a finish."""
+    params = [replace(constrained(1, json=SCHEMAS["nested"]), max_denoising_steps=3),
+              replace(constrained(2, regex=REGEXES[0]), max_denoising_steps=7),
+              SamplingParams(seed=3, max_tokens=24, max_denoising_steps=5, ignore_eos=True)]
+    outs = {}
+    for k in (1, 4):
+        with LLM(json_tiny, max_model_len=256, num_scheduler_steps=k) as llm:
+            outs[k] = [(o.token_ids, o.metrics["denoising_steps"]) for o in
+                       llm.generate(["a", "b", "c"], params, use_tqdm=False)]
+    assert outs[4] == outs[1]
 
 
 def test_unconstrained_requests_are_the_same_bits_beside_constrained_ones(llm):
