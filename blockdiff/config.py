@@ -124,8 +124,8 @@ def parse_dtype(name: str | torch.dtype, config: ModelConfig) -> torch.dtype:
 COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
 
 # Denoising steps a steady-state step runs back to back unless the user says, per device type: on
-# the CPU the fastest K measured (docs/benchmarks.md, "Steps per launch"); on CUDA one until a
-# device measures K (scripts/device_check.py's "steps per launch" part).
+# the CPU the K measured best (docs/benchmarks.md, "The host's share of a denoising step"); on CUDA one until a
+# device measures K (scripts/device_check.py's steps_per_launch part).
 STEPS_PER_LAUNCH = {"cpu": 4, "cuda": 1}
 
 LOAD_FORMATS = ("auto", "dummy")

@@ -158,7 +158,8 @@ def test_vocab_parallel_bytes_do_not_grow_with_the_vocabulary(tp_ranks):
 
 
 def test_bytes_per_denoising_step_do_not_grow_with_the_vocabulary(tp_ckpt, checkpoints):
-    """The executor's counter over whole denoising steps (forward, sampler, self-conditioning)."""
+    """The executor's counter over whole denoising steps (forward, sampler, self-conditioning), per
+    step of a launch that runs several (the static step: each computes every canvas's soft embedding)."""
     large = checkpoints("tp-large-vocab", **{**TP_SPEC, "vocab_size": 16 * VOCAB + 1})
     per_step = {}
     for path in (tp_ckpt, large):
@@ -172,7 +173,8 @@ def test_bytes_per_denoising_step_do_not_grow_with_the_vocabulary(tp_ckpt, check
                 counter.reset()
                 out = execute(plan)
                 if all(row.decoder for row in plan.rows):
-                    seen.append(counter.bytes)
+                    assert counter.bytes % plan.steps == 0
+                    seen.append(counter.bytes // plan.steps)
                 return out
 
             executor.execute = recording
