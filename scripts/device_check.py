@@ -20,8 +20,10 @@ and records its own results; a part that fails records the tail of its traceback
    FP8 experts test, with BLOCKDIFF_TEST_DEVICE=<device> (--small: collected only; the default
    suite runs them on the CPU).
 6. fp8: the same model with FP8-dynamic dummy weights, batches 1 and 16.
-7. compiled: 6 layers, compiled steps against uncompiled ones: compile seconds and what it buys.
-8. fake_cuda: tests/test_fake_cuda.py and tests/test_kernels.py, the CUDA path on fake CUDA tensors.
+7. compiled: 6 layers, compiled steps against uncompiled ones: compile seconds and what it buys
+   (--small: one layer and the eager backend; the default suite tests compiled steps).
+8. fake_cuda: tests/test_fake_cuda.py and tests/test_kernels.py, the CUDA path on fake CUDA tensors
+   (--small: collected only; the default suite runs them).
 
 --budget-s (default 480) bounds the whole run: a part whose estimate does not fit what is left is
 skipped and says so; --timeout-s caps any one part. --fail-part NAME makes part NAME raise before
@@ -52,6 +54,7 @@ ESTIMATES = {"env": (15, 20), "headline": (150, 40), "steps_per_launch": (150, 4
              "fp8": (100, 40), "compiled": (200, 60), "fake_cuda": (60, 60)}
 STEPS = 16  # per canvas, as vLLM's published figure
 COMPILED_LAYERS = 6
+SMALL_COMPILED_LAYERS = 1  # --small checks the part, not compiling: each layer adds seconds of tracing per shape
 # Tiny widths of the same structure: 5 sliding : 1 full, GQA, two head dims, MoE, tied embedding.
 SMALL = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, num_experts=8, top_k_experts=2, moe_intermediate_size=32, sliding_window=32)
@@ -514,6 +517,9 @@ def part_transformers(args, record) -> dict:
 def _pytest(args, selection: list[str], env: dict) -> dict:
     left = max(10.0, args.deadline - time.time() - 5)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
+    # The selections use no pytest plugin; importing every one the machine has installed (hypothesis,
+    # schemathesis, langsmith, ...) took seconds per run.
+    env = {**env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
@@ -551,10 +557,10 @@ def part_compiled(args, record) -> dict:
     from blockdiff.worker.canvas_step import COMPILE_OPTIONS, canvas_step
 
     path = _config_path(args)
-    layers = None if args.small else COMPILED_LAYERS
+    layers = SMALL_COMPILED_LAYERS if args.small else COMPILED_LAYERS
     config = load_config(path)
     cl, steps, prompts = config.canvas_length, _steps(args), _prompts(1, _prompt_len(args), config.vocab_size)
-    result = {"layers": layers or config.num_layers, "backend": args.compile_backend}
+    result = {"layers": layers, "backend": args.compile_backend}
     for name, compile in (("eager", False), ("compiled", True)):
         with LLM(path, load_format="dummy", dtype="bfloat16", device=args.device, tokenizer=demo_checkpoint(), max_num_seqs=1,
                  max_model_len=_prompt_len(args) + 3 * cl, num_layers_override=layers, compile=compile) as llm:
@@ -576,7 +582,7 @@ def part_compiled(args, record) -> dict:
 def part_fake_cuda(args, record) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "BLOCKDIFF_TEST_DEVICE": "cpu",  # the fake device, on a torch that sees no GPU
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    result = _pytest(args, ["tests/test_fake_cuda.py", "tests/test_kernels.py"], env)
+    result = _pytest(args, (["--collect-only"] if args.small else []) + ["tests/test_fake_cuda.py", "tests/test_kernels.py"], env)
     record("selections", {"fake CUDA and kernel choice": result})
     say(f"  {result['summary']}")
     if not result["passed"]:
