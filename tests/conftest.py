@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -10,7 +9,10 @@ import torch
 from blockdiff.model.tiny import TinySpec, make_tiny_model
 from blockdiff.parallel.ranks import RankProcesses
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread, as the engine itself picks for models this small (blockdiff/startup.py): on a
+# shared 2-core machine two threads made each tiny op wait for both to be scheduled, and tests
+# that run the model directly took 10 to 25 times longer.
+torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):

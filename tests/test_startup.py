@@ -15,8 +15,10 @@ from blockdiff.startup import _TORCH_DEFAULT_THREADS
 
 @pytest.fixture
 def threads_restored(monkeypatch):
+    """A fresh process's threads (tests/conftest.py sets one), put back afterwards."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
+    torch.set_num_threads(_TORCH_DEFAULT_THREADS)
     yield
     torch.set_num_threads(before)
 
