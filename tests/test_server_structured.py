@@ -12,17 +12,17 @@ import jsonschema
 import openai
 import pytest
 from server_process import ServerProcess
-from test_structured_outputs import CHOICES, CORPUS, REGEXES, SCHEMAS
-
-from blockdiff.model.tiny import TinySpec, build_tokenizer, make_tiny_model, save_tokenizer
+from test_structured_outputs import CHOICES, REGEXES, SCHEMAS, make_json_tiny
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = make_tiny_model(str(tmp_path_factory.mktemp("json_tiny")), TinySpec(vocab_size=320, canvas_length=8,
-                                                                                sliding_window=6, seed=3))
-    save_tokenizer(path, build_tokenizer(320, CORPUS))
-    proc = ServerProcess(path, "--max-model-len", "256", "--served-model-name", "tiny",
+def json_tiny(tmp_path_factory) -> str:
+    return make_json_tiny(str(tmp_path_factory.mktemp("json_tiny")))
+
+
+@pytest.fixture(scope="module")
+def server(json_tiny, tmp_path_factory):
+    proc = ServerProcess(json_tiny, "--max-model-len", "256", "--served-model-name", "tiny",
                          log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
     yield proc
     proc.close()
@@ -112,13 +112,11 @@ def test_langchain_with_structured_output(server):
         assert isinstance(person, Person)
 
 
-def test_two_ranks_through_the_server(tmp_path):
-    path = make_tiny_model(str(tmp_path / "tiny"), TinySpec(vocab_size=320, canvas_length=8, sliding_window=6, seed=3))
-    save_tokenizer(path, build_tokenizer(320, CORPUS))
-    proc = ServerProcess(path, "--max-model-len", "256", "--tensor-parallel-size", "2", log_path=str(tmp_path / "server.log"))
+def test_two_ranks_through_the_server(json_tiny, tmp_path):
+    proc = ServerProcess(json_tiny, "--max-model-len", "256", "--tensor-parallel-size", "2", log_path=str(tmp_path / "server.log"))
     try:
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        r = client.chat.completions.create(model=path, messages=[{"role": "user", "content": "JSON"}], n=2, seed=1,
+        r = client.chat.completions.create(model=json_tiny, messages=[{"role": "user", "content": "JSON"}], n=2, seed=1,
                                            max_tokens=64, response_format=json_schema("array_enum"))
         for choice in r.choices:
             jsonschema.validate(json.loads(choice.message.content), SCHEMAS["array_enum"])
