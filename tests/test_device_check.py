@@ -45,7 +45,7 @@ def _check(out, *args, **env) -> tuple[subprocess.CompletedProcess, dict]:
 def failing_check(tmp_path_factory):
     """The check of test_a_failing_or_hanging_part_leaves_every_other_result, started by the
     module's first test: its hanging part sleeps through its 45 s time-out, so it runs alongside
-    the full check instead of after it. -> (process, report) once it has ended."""
+    the full check instead of after it. Yields a function: -> (process, report), once it has ended."""
     out = tmp_path_factory.mktemp("failing_check")
     proc = _start(out, "--parts", "env,headline,fp8", "--fail-part", "env", "--hang-part", "headline",
                   "--timeout-s", "45")  # fp8's small shapes took over 15 s on a loaded 2-core machine
