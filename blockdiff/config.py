@@ -282,6 +282,11 @@ class EngineConfig:
     num_scheduler_steps: int | None = flag(None, "denoising steps run back to back per engine step while every "
                                                  "request is denoising (default: the device's; outputs are the "
                                                  "same for any value)", minimum=1)
+    # The engine starts step n+1 as soon as step n's results are applied, and makes step n's outputs
+    # while n+1 runs (its caller streams them, adds and aborts requests meanwhile): vLLM's async
+    # scheduling. Outputs are the same either way; a request added while a step runs starts one step later.
+    async_scheduling: bool = flag(True, "start each engine step as soon as the previous one's results are applied, "
+                                        "and make and stream that step's outputs while the next one runs")
     num_threads: int | None = None  # tensor-parallel workers' intra-op threads; None: from their environment
     # seconds a tensor-parallel worker may stay silent before it counts as lost
     worker_timeout: float = flag(60.0, "seconds a tensor-parallel worker may not answer before it counts as lost and "
