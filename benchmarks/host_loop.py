@@ -88,25 +88,27 @@ def _instrumented(llm: LLM) -> tuple[Clock, list[Execution]]:
     return compute, _watch_plans(llm.engine, compute)
 
 
-def _one_run(llm: LLM, runs: list[Execution], prompts, params) -> tuple[float, float, int]:
-    """-> (wall seconds, compute seconds, denoising steps) of the engine steps whose rows are all
-    canvases. A step's wall time is what the device sees: from the end of the step before it to its
-    own end, so the host's work between two steps counts, overlapped with the step or not."""
+def _one_run(llm: LLM, runs: list[Execution], prompts, params) -> tuple[float, float, float, int]:
+    """-> (wall seconds, compute seconds, idle seconds, denoising steps) of the engine steps whose
+    rows are all canvases. A step's wall time is what the device sees: from the end of the step
+    before it to its own end, so the host's work between two steps counts, overlapped with the step
+    or not; idle is the part of it before the step started (no plan in the executor's hands)."""
     engine = llm.engine
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
     first = len(runs)
     while engine.has_unfinished():
         engine.step()
-    wall = busy = 0.0
+    wall = busy = idle = 0.0
     steps = 0
     ran = runs[first:]
     for before, run in zip(ran, ran[1:]):
         if all(r.decoder for r in run.plan.rows):
             wall += run.end - before.end
             busy += run.compute
+            idle += run.start - before.end
             steps += getattr(run.plan, "steps", 1)
-    return wall, busy, steps
+    return wall, busy, idle, steps
 
 
 def _options(values: str | None, parse) -> list:
@@ -124,7 +126,8 @@ def share(args) -> None:
                    **({} if c[0] is None else {"num_scheduler_steps": c[0]}),
                    **({} if c[1] is None else {"async_scheduling": c[1]})) for c in configs}
     tools = {c: _instrumented(llm) for c, llm in llms.items()}
-    print(f"{'batch':>5} {'K':>3} {'async':>5} {'ms/step':>9} {'compute':>9} {'host':>8} {'host share':>10} {'s/run':>7}")
+    print(f"{'batch':>5} {'K':>3} {'async':>5} {'ms/step':>9} {'compute':>9} {'host':>8} {'host share':>10} "
+          f"{'idle':>7} {'s/run':>7}")
     for batch in batches:
         params = [SamplingParams(max_tokens=256, max_denoising_steps=8, stability_threshold=8, ignore_eos=True,
                                  seed=i) for i in range(batch)]
@@ -133,16 +136,16 @@ def share(args) -> None:
         for rep in range(args.reps + 1):
             for c in configs:
                 t = time.perf_counter()
-                wall, busy, steps = _one_run(llms[c], tools[c][1], prompts, params)
+                wall, busy, idle, steps = _one_run(llms[c], tools[c][1], prompts, params)
                 if rep:  # the first run warms up
-                    runs[c].append((wall / steps, busy / steps, time.perf_counter() - t))
+                    runs[c].append((wall / steps, busy / steps, idle / steps, time.perf_counter() - t))
         for c in configs:
-            wall, busy, total = (statistics.median(r[i] for r in runs[c]) for i in (0, 1, 2))
+            wall, busy, idle, total = (statistics.median(r[i] for r in runs[c]) for i in range(4))
             shown = getattr(_runner(llms[c]), "steps_per_launch", 1)
             overlap = getattr(llms[c].engine, "async_scheduling", None)
             overlap = "-" if overlap is None else ("on" if overlap else "off")
             print(f"{batch:>5} {shown:>3} {overlap:>5} {wall * 1e3:>9.2f} {busy * 1e3:>9.2f} {(wall - busy) * 1e3:>8.2f} "
-                  f"{(wall - busy) / wall:>10.1%} {total:>7.3f}")
+                  f"{(wall - busy) / wall:>10.1%} {idle * 1e3:>7.2f} {total:>7.3f}")
     for llm in llms.values():
         llm.shutdown()
 
