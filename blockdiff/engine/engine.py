@@ -98,8 +98,12 @@ class LLMEngine:
         self.last_step_time = 0.0
         self.async_scheduling = cfg.async_scheduling
         # One thread, so plans run in the order they were made; what it runs reads nothing the
-        # caller's thread changes (a plan is self-contained, the runner's state is its own).
-        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-step")
+        # caller's thread changes (a plan is self-contained, the runner's state is its own). It
+        # starts on the CUDA device this thread is on, as the executor left it (rank 0's).
+        cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-step",
+                                               initializer=None if cuda is None else torch.cuda.set_device,
+                                               initargs=() if cuda is None else (cuda,))
         self._in_flight: tuple[SchedulerOutput, Future] | None = None
         # Who gets the KV cache's block events after each step: the ZMQ publisher of
         # --kv-events-config, and whoever else subscribes (the data-parallel front end).
