@@ -3,10 +3,11 @@
     add_request: InputProcessor -> Request -> Scheduler queue
     step:        Scheduler.schedule -> StepPlan -> executor.execute -> update_from_output -> outputs
 
-The executor runs each plan on the engine's step thread, one at a time and in order. With async
-scheduling, `step()` applies step n's results, starts step n+1, and only then makes step n's
-outputs, which its caller delivers (and adds and aborts requests) while n+1 runs. Every change to
-the engine's state happens on the caller's thread; the step thread only executes a plan.
+With async scheduling, the executor runs each plan on the engine's step thread, one at a time and in
+order: `step()` applies step n's results, starts step n+1, and only then makes step n's outputs,
+which its caller delivers (and adds and aborts requests) while n+1 runs. Every change to the
+engine's state happens on the caller's thread; the step thread only executes a plan. Without it,
+`step()` runs its plan on the caller's thread.
 """
 
 from __future__ import annotations
@@ -186,7 +187,10 @@ class LLMEngine:
         if sched is None:
             return False
         plan = self._plan(sched)
-        self._in_flight = (sched, self._step_thread.submit(self._execute, plan))
+        if self.async_scheduling:
+            self._in_flight = (sched, self._step_thread.submit(self._execute, plan))
+        else:  # run here and now: no thread to wake, twice a step
+            self._in_flight = (sched, _run_now(self._execute, plan))
         return True
 
     def _execute(self, plan: StepPlan):
@@ -321,6 +325,16 @@ class LLMEngine:
         # The executor first: a step in flight that waits on a lost worker fails once the workers are gone.
         self.executor.shutdown()
         self._step_thread.shutdown(wait=True)
+
+
+def _run_now(fn: Callable, *args) -> Future:
+    """fn(*args) run on this thread, as a done future."""
+    future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:
+        future.set_exception(e)
+    return future
 
 
 def _min_tokens(decoder: list[Request], canvas_length: int) -> MinTokens | None:
