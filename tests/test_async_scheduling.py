@@ -153,19 +153,83 @@ def test_a_failing_step_in_flight_ends_only_its_requests(tiny):
         engine.shutdown()
 
 
-def test_the_llm_api_and_the_flag(tiny):
-    """`LLM(async_scheduling=...)` and `--async-scheduling` / `--no-async-scheduling` (vLLM's name)."""
+def test_the_llm_api_the_flag_and_the_default(tiny):
+    """`LLM(async_scheduling=...)` and `--async-scheduling` / `--no-async-scheduling` (vLLM's name);
+    unset, the device's default: off on the CPU (docs/benchmarks.md), on for CUDA."""
     import argparse
 
     from blockdiff.arg_utils import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert engine_config(p.parse_args(["--model", tiny])).async_scheduling is True
-    assert engine_config(p.parse_args(["--model", tiny, "--no-async-scheduling"])).async_scheduling is False
-    with LLM(tiny, async_scheduling=False) as llm:
-        off = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    cfg = engine_config(p.parse_args(["--model", tiny]))
+    assert cfg.async_scheduling is None and not cfg.overlaps_steps("cpu") and cfg.overlaps_steps("cuda:1")
+    assert engine_config(p.parse_args(["--model", tiny, "--async-scheduling"])).overlaps_steps("cpu")
+    assert not engine_config(p.parse_args(["--model", tiny, "--no-async-scheduling"])).overlaps_steps("cuda")
     with LLM(tiny) as llm:
+        assert not llm.engine.async_scheduling
+        off = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    with LLM(tiny, async_scheduling=True) as llm:
         assert llm.engine.async_scheduling
         on = llm.generate(PROMPTS, _params(), use_tqdm=False)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
+
+
+def test_the_server_with_async_scheduling(tiny, tmp_path):
+    """`blockdiff serve --async-scheduling` and the openai client: 12 requests at once (streamed or
+    not, chat or not, stop strings) on 6 slots and a small KV cache, each exactly as alone; a client
+    that hangs up mid-stream leaves nothing running and the cache empty."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from server_process import ServerProcess
+
+    from blockdiff.model.loader import load_model
+    from blockdiff.worker.kv_cache import cache_bytes_per_block, sliding_blocks_needed, sliding_bytes_per_block
+
+    model = load_model(tiny)  # 8 full blocks of 16 tokens
+    sliding = sliding_blocks_needed(model.config.window_past(256), model.config.canvas_length, 16, 6,
+                                    EngineConfig.max_prefill_tokens)
+    memory = sliding_bytes_per_block(model, 16) * sliding + cache_bytes_per_block(model, 16) * 8
+    server = ServerProcess(tiny, "--async-scheduling", "--max-num-seqs", "6", "--max-model-len", "256",
+                           "--kv-cache-memory", str(memory), "--max-denoising-steps", "4",
+                           log_path=str(tmp_path / "server.log"))
+    texts = ["Hello", "The quick brown fox", "Numbers such as 1 2 3", "Block diffusion"]
+
+    async def one(client, i: int):
+        kw = dict(model=tiny, max_tokens=8 + (5 * i) % 23, seed=i, stop=["e"] if i % 4 == 0 else None,
+                  stream=i % 2 == 1, extra_body={"return_token_ids": True})
+        chat = i % 3 == 2
+        api = client.chat.completions if chat else client.completions
+        args = {"messages": [{"role": "user", "content": texts[i % 4]}]} if chat else {"prompt": texts[i % 4]}
+        r = await api.create(**args, **kw)
+        chunks = [c async for c in r] if kw["stream"] else [r]
+        text, ids = "", []
+        for c in chunks:
+            for choice in c.choices:
+                if not chat:
+                    text += choice.text or ""
+                else:
+                    text += (choice.delta.content if kw["stream"] else choice.message.content) or ""
+                ids += choice.token_ids or []
+        return text, ids
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+            alone = [await one(client, i) for i in range(12)]
+            together = await asyncio.gather(*(one(client, i) for i in range(12)))
+        return alone, together
+
+    try:
+        alone, together = asyncio.run(main())
+        assert all(ids for _, ids in alone) and list(together) == alone
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+                "model": tiny, "prompt": "Hello", "max_tokens": 96, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+        m = server.wait_idle()
+        assert m["blockdiff_requests_running"] == 0 and m["blockdiff_kv_cache_usage_ratio"] == 0
+    finally:
+        server.close()

@@ -97,7 +97,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_time = 0.0
-        self.async_scheduling = cfg.async_scheduling
+        self.async_scheduling = cfg.overlaps_steps(cfg.resolved_device())
         # One thread, so plans run in the order they were made; what it runs reads nothing the
         # caller's thread changes (a plan is self-contained, the runner's state is its own). It
         # starts on the CUDA device this thread is on, as the executor left it (rank 0's).
