@@ -182,7 +182,8 @@ class LLMEngine:
         return self._outputs(news)
 
     def _launch(self) -> bool:
-        """Schedule the next step and start it on the step thread; False if nothing can run."""
+        """Schedule the next step and start it (on the step thread with async scheduling, else run it
+        here); False if nothing can run."""
         sched = self.scheduler.schedule()
         if sched is None:
             return False
