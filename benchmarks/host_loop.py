@@ -1,14 +1,16 @@
 """How much of a denoising step is the host's (issue 28), measured on the engine as it runs.
 
-    OMP_NUM_THREADS=1 python benchmarks/host_loop.py share MODEL [--batches 1,8] [--num-scheduler-steps 1,4,8]
+    OMP_NUM_THREADS=1 python benchmarks/host_loop.py share MODEL [--batches 1,8] [--num-scheduler-steps 1,4,8] [--async-scheduling off,on]
     OMP_NUM_THREADS=1 python benchmarks/host_loop.py long-output TINY_MODEL [--tokens 16384]
     OMP_NUM_THREADS=1 python benchmarks/host_loop.py tp-bytes TINY_MODEL [--contexts 1024,16384] [--num-scheduler-steps K]
 
 `share`: `LLM.generate` as `bench offline` runs it (128-token prompts, 256 new tokens, every canvas
-taking 8 steps); of each engine step whose rows are all canvases, the wall time of `engine.step()`
-and the time spent in the model's forward, the sampler's step and the soft-embedding product (the
-device's work on a GPU) — the rest is the host's: scheduling, planning, copies, metadata, output
-processing. Per denoising step of the batch, with several steps per launch divided among them.
+taking 8 steps); of each engine step whose rows are all canvases, its wall time as the device sees
+it (from the end of the step before to its own end) and the time spent in the model's forward, the
+sampler's step and the soft-embedding product (the device's work on a GPU) — the rest is the
+host's: scheduling, planning, copies, metadata, output processing, less what async scheduling
+overlaps with the step. Per denoising step of the batch, with several steps per launch divided
+among them.
 
 `long-output`: one request of `--tokens` new tokens at one denoising step per canvas; the cost of a
 committed canvas (its step and its commit) near 1,024 output tokens and near the end, and the time
@@ -54,72 +56,96 @@ def _runner(llm: LLM):
     return llm.engine.executor.runner
 
 
-def _watch_plans(engine) -> list:
-    """The plans the executor runs, appended as they go (the executor's execute, wrapped)."""
-    plans, execute = [], engine.executor.execute
+class Execution:
+    """One plan the executor ran: when it started and ended, and the compute time inside it."""
+
+    def __init__(self, plan, start: float, end: float, compute: float):
+        self.plan, self.start, self.end, self.compute = plan, start, end, compute
+
+
+def _watch_plans(engine, compute: Clock | None = None) -> list[Execution]:
+    """The plans the executor runs, appended as they end (the executor's execute, wrapped; it runs
+    on the engine's step thread where the engine has one)."""
+    runs, execute = [], engine.executor.execute
 
     def watched(plan):
-        plans.append(plan)
-        return execute(plan)
+        before, t = compute.seconds if compute else 0.0, time.perf_counter()
+        try:
+            return execute(plan)
+        finally:
+            runs.append(Execution(plan, t, time.perf_counter(), (compute.seconds if compute else 0.0) - before))
 
     engine.executor.execute = watched
-    return plans
+    return runs
 
 
-def _instrumented(llm: LLM) -> tuple[Clock, list]:
+def _instrumented(llm: LLM) -> tuple[Clock, list[Execution]]:
     runner = _runner(llm)
     compute = Clock()
     compute.wrap(runner.model, "forward")
     compute.wrap(runner.sampler, "step")
     compute.wrap(runner.vocab, "soft_embed")
-    return compute, _watch_plans(llm.engine)
+    return compute, _watch_plans(llm.engine, compute)
 
 
-def _one_run(llm: LLM, compute: Clock, plans: list, prompts, params) -> tuple[float, float, int]:
-    """-> (wall seconds, compute seconds, denoising steps) of the engine steps whose rows are all canvases."""
+def _one_run(llm: LLM, runs: list[Execution], prompts, params) -> tuple[float, float, float, int]:
+    """-> (wall seconds, compute seconds, idle seconds, denoising steps) of the engine steps whose
+    rows are all canvases. A step's wall time is what the device sees: from the end of the step
+    before it to its own end, so the host's work between two steps counts, overlapped with the step
+    or not; idle is the part of it before the step started (no plan in the executor's hands)."""
     engine = llm.engine
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
-    wall = busy = 0.0
-    steps = 0
+    first = len(runs)
     while engine.has_unfinished():
-        before, n = compute.seconds, len(plans)
-        t = time.perf_counter()
         engine.step()
-        dt = time.perf_counter() - t
-        ran = plans[n:]
-        if ran and all(r.decoder for r in ran[0].rows):
-            wall += dt
-            busy += compute.seconds - before
-            steps += getattr(ran[0], "steps", 1)
-    return wall, busy, steps
+    wall = busy = idle = 0.0
+    steps = 0
+    ran = runs[first:]
+    for before, run in zip(ran, ran[1:]):
+        if all(r.decoder for r in run.plan.rows):
+            wall += run.end - before.end
+            busy += run.compute
+            idle += run.start - before.end
+            steps += getattr(run.plan, "steps", 1)
+    return wall, busy, idle, steps
+
+
+def _options(values: str | None, parse) -> list:
+    return [None] if values is None else [parse(v) for v in values.split(",")]
 
 
 def share(args) -> None:
-    """Each K's engine in one process, their runs alternating, so that they share the machine's load."""
+    """Each configuration's engine in one process, their runs alternating, so that they share the
+    machine's load."""
     print(f"blockdiff from {blockdiff.__file__}")
     batches = [int(b) for b in args.batches.split(",")]
-    ks = [None] if args.num_scheduler_steps is None else [int(k) for k in args.num_scheduler_steps.split(",")]
-    llms = {k: LLM(args.model, max_num_seqs=max(batches), max_model_len=128 + 256,
-                   **({} if k is None else {"num_scheduler_steps": k})) for k in ks}
-    tools = {k: _instrumented(llm) for k, llm in llms.items()}
-    print(f"{'batch':>5} {'K':>3} {'ms/step':>9} {'compute':>9} {'host':>8} {'host share':>10} {'s/run':>7}")
+    configs = [(k, a) for k in _options(args.num_scheduler_steps, int)
+               for a in _options(args.async_scheduling, lambda v: {"on": True, "off": False}[v])]
+    llms = {c: LLM(args.model, max_num_seqs=max(batches), max_model_len=128 + 256,
+                   **({} if c[0] is None else {"num_scheduler_steps": c[0]}),
+                   **({} if c[1] is None else {"async_scheduling": c[1]})) for c in configs}
+    tools = {c: _instrumented(llm) for c, llm in llms.items()}
+    print(f"{'batch':>5} {'K':>3} {'async':>5} {'ms/step':>9} {'compute':>9} {'host':>8} {'host share':>10} "
+          f"{'idle':>7} {'s/run':>7}")
     for batch in batches:
         params = [SamplingParams(max_tokens=256, max_denoising_steps=8, stability_threshold=8, ignore_eos=True,
                                  seed=i) for i in range(batch)]
         prompts = [[(7 * i + 13 * j) % 8000 + 100 for j in range(128)] for i in range(batch)]
-        runs = {k: [] for k in ks}
+        runs = {c: [] for c in configs}
         for rep in range(args.reps + 1):
-            for k in ks:
+            for c in configs:
                 t = time.perf_counter()
-                wall, busy, steps = _one_run(llms[k], *tools[k], prompts, params)
+                wall, busy, idle, steps = _one_run(llms[c], tools[c][1], prompts, params)
                 if rep:  # the first run warms up
-                    runs[k].append((wall / steps, busy / steps, time.perf_counter() - t))
-        for k in ks:
-            wall, busy, total = (statistics.median(r[i] for r in runs[k]) for i in (0, 1, 2))
-            shown = getattr(_runner(llms[k]), "steps_per_launch", 1)
-            print(f"{batch:>5} {shown:>3} {wall * 1e3:>9.2f} {busy * 1e3:>9.2f} {(wall - busy) * 1e3:>8.2f} "
-                  f"{(wall - busy) / wall:>10.1%} {total:>7.3f}")
+                    runs[c].append((wall / steps, busy / steps, idle / steps, time.perf_counter() - t))
+        for c in configs:
+            wall, busy, idle, total = (statistics.median(r[i] for r in runs[c]) for i in range(4))
+            shown = getattr(_runner(llms[c]), "steps_per_launch", 1)
+            overlap = getattr(llms[c].engine, "async_scheduling", None)
+            overlap = "-" if overlap is None else ("on" if overlap else "off")
+            print(f"{batch:>5} {shown:>3} {overlap:>5} {wall * 1e3:>9.2f} {busy * 1e3:>9.2f} {(wall - busy) * 1e3:>8.2f} "
+                  f"{(wall - busy) / wall:>10.1%} {idle * 1e3:>7.2f} {total:>7.3f}")
     for llm in llms.values():
         llm.shutdown()
 
@@ -174,7 +200,7 @@ def tp_bytes(args) -> None:
             llm.generate([[5 + i % 250 for i in range(context)]],
                          SamplingParams(max_tokens=2 * engine.canvas_length, max_denoising_steps=16, ignore_eos=True,
                                         seed=0), use_tqdm=False)
-            steady = [p for p in plans[n:] if p.denoise is not None and not p.new_canvas_rows
+            steady = [p for p in (run.plan for run in plans[n:]) if p.denoise is not None and not p.new_canvas_rows
                       and all(r.decoder for r in p.rows)]
             size, steps = max((len(_dumps((_execute, (p,), False))), getattr(p, "steps", 1)) for p in steady)
             print(f"{context:>8,} {size:>13,} {steps:>13} {size / steps:>10,.0f}")
@@ -188,6 +214,7 @@ def main() -> None:
     s.add_argument("--batches", default="1,8")
     s.add_argument("--reps", type=int, default=3)
     s.add_argument("--num-scheduler-steps", default=None, help="comma-separated values of K, run alternating")
+    s.add_argument("--async-scheduling", default=None, help="on, off or both (on,off), run alternating")
     s = sub.add_parser("long-output")
     s.add_argument("model")
     s.add_argument("--tokens", type=int, default=16384)

@@ -127,6 +127,10 @@ COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
 # the CPU the K measured best (docs/benchmarks.md, "The host's share of a denoising step"); on CUDA one until a
 # device measures K (scripts/device_check.py's steps_per_launch part).
 STEPS_PER_LAUNCH = {"cpu": 4, "cuda": 1}
+# Async scheduling per device (docs/benchmarks.md, issue 28): on a CPU the model computes on the
+# host, so the overlap buys nothing there and the two thread wake-ups a step cost more; a GPU
+# computes while the host makes and streams the outputs.
+ASYNC_SCHEDULING = {"cpu": False, "cuda": True}
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -282,6 +286,13 @@ class EngineConfig:
     num_scheduler_steps: int | None = flag(None, "denoising steps run back to back per engine step while every "
                                                  "request is denoising (default: the device's; outputs are the "
                                                  "same for any value)", minimum=1)
+    # The engine starts step n+1 as soon as step n's results are applied, and makes step n's outputs
+    # while n+1 runs (its caller streams them, adds and aborts requests meanwhile): vLLM's async
+    # scheduling. Outputs are the same either way; a request added while a step runs starts one step
+    # later. None: ASYNC_SCHEDULING of the device.
+    async_scheduling: bool | None = flag(None, "start each engine step as soon as the previous one's results are "
+                                               "applied, and make and stream that step's outputs while the next one "
+                                               "runs (default: on for CUDA, off on the CPU)")
     num_threads: int | None = None  # tensor-parallel workers' intra-op threads; None: from their environment
     # seconds a tensor-parallel worker may stay silent before it counts as lost
     worker_timeout: float = flag(60.0, "seconds a tensor-parallel worker may not answer before it counts as lost and "
@@ -379,6 +390,12 @@ class EngineConfig:
         can run static steps."""
         cuda_graphs = torch.device(device).type == "cuda" and not self.enforce_eager
         return (bool(self.compile) if self.enforce_eager else self.compile), cuda_graphs
+
+    def overlaps_steps(self, device: str) -> bool:
+        """Whether the engine on `device` schedules asynchronously."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return ASYNC_SCHEDULING.get(torch.device(device).type, False)
 
     def steps_per_launch(self, device: str) -> int:
         """Denoising steps a steady-state step runs back to back on `device`."""

@@ -14,7 +14,8 @@ and records its own results; a part that fails records the tail of its traceback
    FLOP bound of the step (blockdiff/bench/roofline.py).
 3. steps_per_launch: the same model at batches 1 and 16, one denoising step per launch against
    the CPU's chosen number (blockdiff/config.py STEPS_PER_LAUNCH, or --steps-per-launch), their
-   runs alternating in one engine: ms per denoising step each, and the ratio (issue 28).
+   runs alternating in one engine: ms per denoising step each, and the ratio (issue 28); and one
+   step per launch without async scheduling, against it with.
 4. transformers: `generate` on the same config, batch 1, timed the same way, for the ratio.
 5. tests: the parity and generation tests against transformers, the CUDA-graph replay test and the
    FP8 experts test, with BLOCKDIFF_TEST_DEVICE=<device> (--small: collected only; the default
@@ -188,7 +189,8 @@ def summary(data: dict) -> str:
         spl = r.get("steps_per_launch", {})
         for b, m in spl.get("batches", {}).items():
             lines.append(f"    batch {b}: K=1 {m['k1_ms_per_step']:.2f} ms/step, K={spl['k']} "
-                         f"{m['k' + str(spl['k']) + '_ms_per_step']:.2f} ({m['speedup']:.2f}x)")
+                         f"{m['k' + str(spl['k']) + '_ms_per_step']:.2f} ({m['speedup']:.2f}x); K=1 without async "
+                         f"scheduling {m['k1_sync_ms_per_step']:.2f} ({m['async_speedup']:.2f}x)")
         for sel, t in r.get("selections", {}).items():
             lines.append(f"    {sel}: {t['summary']}")
         if "compile_s" in r:
@@ -441,7 +443,8 @@ def part_headline(args, record) -> dict:
 
 def part_steps_per_launch(args, record) -> dict:
     """K = 1 against the chosen K at the first and last batch, alternating in one engine built for K
-    (the engine plans min(K, steps left) per launch from its executor's steps_per_launch)."""
+    (the engine plans min(K, steps left) per launch from its executor's steps_per_launch); and K = 1
+    without async scheduling (the engine's `async_scheduling`, read at every step)."""
     from blockdiff import LLM
     from blockdiff.config import STEPS_PER_LAUNCH
     from blockdiff.demo import demo_checkpoint
@@ -460,21 +463,24 @@ def part_steps_per_launch(args, record) -> dict:
         executor = llm.engine.executor
         for batch in batches:
             prompts = _prompts(batch, prompt_len, config.vocab_size)
-            times = {1: [], k: []}
-            for rep in range(3):  # the first round warms both up (and captures their graphs)
-                for launch in (1, k):
-                    executor.steps_per_launch = launch
+            runs = {(1, True): "k1", (k, True): f"k{k}", (1, False): "k1_sync"}
+            times = {name: [] for name in runs.values()}
+            for rep in range(3):  # the first round warms them up (and captures their graphs)
+                for (launch, overlap), name in runs.items():
+                    executor.steps_per_launch, llm.engine.async_scheduling = launch, overlap
                     one = _timed(lambda: llm.generate(prompts, _params(1, cl, steps), use_tqdm=False), args.device)
                     two = _timed(lambda: llm.generate(prompts, _params(2, cl, steps), use_tqdm=False), args.device)
                     if rep:
-                        times[launch].append((two - one) * 1e3 / steps)
-            m = {f"k{launch}_ms_per_step": min(t) for launch, t in times.items()}
+                        times[name].append((two - one) * 1e3 / steps)
+            m = {f"{name}_ms_per_step": min(t) for name, t in times.items()}
             m["speedup"] = m["k1_ms_per_step"] / m[f"k{k}_ms_per_step"]
+            m["async_speedup"] = m["k1_sync_ms_per_step"] / m["k1_ms_per_step"]
             out["batches"][str(batch)] = m
             record("steps_per_launch", out)
             say(f"  batch {batch}: K=1 {m['k1_ms_per_step']:.2f} ms/step, K={k} {m[f'k{k}_ms_per_step']:.2f} "
-                f"({m['speedup']:.2f}x)")
-        executor.steps_per_launch = k
+                f"({m['speedup']:.2f}x); K=1 without async scheduling {m['k1_sync_ms_per_step']:.2f} "
+                f"({m['async_speedup']:.2f}x)")
+        executor.steps_per_launch, llm.engine.async_scheduling = k, True
     return {}
 
 

@@ -42,12 +42,20 @@ def test_the_workers_tables_follow_the_engines_through_hits_and_preemptions(tiny
         engine = llm.engine
         for p in prompts:
             engine.add_request(p, params)
-        checked = steps = 0
+        checked, steps, execute = [0], [0], engine.executor.execute
+
+        def checking(plan):
+            # When a step has run, its tables are the engine's as they were at its plan, and they stay
+            # so until the engine has its results (with async scheduling, the next plan is made then).
+            out = execute(plan)
+            checked[0] += _check_tables(engine)
+            steps[0] += 1
+            return out
+
+        engine.executor.execute = checking
         while engine.has_unfinished():
             engine.step()
-            checked += _check_tables(engine)
-            steps += 1
-        assert engine.scheduler.num_preemptions > 0 and engine.kv.hits > 0 and checked > steps
+        assert engine.scheduler.num_preemptions > 0 and engine.kv.hits > 0 and checked[0] > steps[0]
 
 
 def _steady_bytes(llm: LLM, prompt_len: int) -> set[int]:

@@ -91,16 +91,16 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], d
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     phases: dict[str, PhaseTiming] = {}
     ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
-    states: dict = {}
 
     executor = engine.executor
     execute = executor.execute
 
     def timed(plan):
-        """The executor's execute, timed and costed (the engine has no hooks: the benchmark wraps it)."""
+        """The executor's execute, timed and costed (the engine has no hooks: the benchmark wraps it).
+        It runs on the engine's step thread, while the requests' states are those the plan was made from."""
+        kind = _step_kind(plan, {r.slot: r.state for r in engine.scheduler.running})
         t0 = time.perf_counter()
         out = execute(plan)
-        kind = _step_kind(plan, states)
         phases.setdefault(kind, PhaseTiming()).add(time.perf_counter() - t0, plan_cost(engine.model_config, plan, dtype_bytes),
                                                    plan.steps)
         return out
@@ -108,7 +108,6 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], d
     executor.execute = timed
     try:
         while engine.has_unfinished():
-            states = {r.slot: r.state for r in engine.scheduler.running}
             engine.step()
     finally:  # finished requests are gone already; this drops any left by an error
         del executor.execute  # the class's method again

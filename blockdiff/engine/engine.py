@@ -2,6 +2,12 @@
 
     add_request: InputProcessor -> Request -> Scheduler queue
     step:        Scheduler.schedule -> StepPlan -> executor.execute -> update_from_output -> outputs
+
+With async scheduling, the executor runs each plan on the engine's step thread, one at a time and in
+order: `step()` applies step n's results, starts step n+1, and only then makes step n's outputs,
+which its caller delivers (and adds and aborts requests) while n+1 runs. Every change to the
+engine's state happens on the caller's thread; the step thread only executes a plan. Without it,
+`step()` runs its plan on the caller's thread.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -90,6 +97,15 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_time = 0.0
+        self.async_scheduling = cfg.overlaps_steps(cfg.resolved_device())
+        # One thread, so plans run in the order they were made; what it runs reads nothing the
+        # caller's thread changes (a plan is self-contained, the runner's state is its own). It
+        # starts on the CUDA device this thread is on, as the executor left it (rank 0's).
+        cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-step",
+                                               initializer=None if cuda is None else torch.cuda.set_device,
+                                               initargs=() if cuda is None else (cuda,))
+        self._in_flight: tuple[SchedulerOutput, Future] | None = None
         # Who gets the KV cache's block events after each step: the ZMQ publisher of
         # --kv-events-config, and whoever else subscribes (the data-parallel front end).
         self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
@@ -117,6 +133,8 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> None:
+        """Also while a step that runs it is in flight: that step's results for it are dropped, and
+        its blocks go back to the pool, which no plan takes from before that step has ended."""
         req = self.requests.pop(request_id, None)
         if req is not None and not req.finished:
             req.finish("abort")
@@ -135,7 +153,8 @@ class LLMEngine:
         return lost
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests are queued or running, or a step is in flight (whose end `step()` collects)."""
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -155,24 +174,48 @@ class LLMEngine:
                 sink(events)
 
     def _step(self) -> list[RequestOutput]:
+        if self._in_flight is None and not self._launch():
+            return []
+        news = self._collect()
+        if self.async_scheduling:
+            self._launch()  # step n+1 runs while step n's outputs are made and delivered
+        return self._outputs(news)
+
+    def _launch(self) -> bool:
+        """Schedule the next step and start it (on the step thread with async scheduling, else run it
+        here); False if nothing can run."""
         sched = self.scheduler.schedule()
         if sched is None:
-            return []
+            return False
         plan = self._plan(sched)
+        if self.async_scheduling:
+            self._in_flight = (sched, self._step_thread.submit(self._execute, plan))
+        else:  # run here and now: no thread to wake, twice a step
+            self._in_flight = (sched, _run_now(self._execute, plan))
+        return True
+
+    def _execute(self, plan: StepPlan):
         t0 = time.perf_counter()
         try:
-            out = self.executor.execute(plan)
+            return self.executor.execute(plan)
+        finally:
+            self.last_step_time = time.perf_counter() - t0
+
+    def _collect(self) -> list[Request]:
+        """Wait for the step in flight and apply its results; -> the requests with news."""
+        sched, future = self._in_flight
+        self._in_flight = None
+        try:
+            out = future.result()
         except WorkerError:  # a lost tensor-parallel worker stops the whole engine
             raise
         except Exception as e:
-            log.exception("an engine step failed; its %d requests end with an error",
-                          len(sched.encoder) + len(sched.score) + len(sched.decoder))
-            ran = list({r: None for r, _ in [*sched.encoder, *sched.score]}) + sched.decoder
+            ran = [r for r in list({r: None for r, _ in [*sched.encoder, *sched.score]}) + sched.decoder
+                   if not r.finished]
+            log.exception("an engine step failed; its %d requests end with an error", len(ran))
             fail(self.scheduler, ran, f"the engine step failed: {type(e).__name__}: {e}")
-            return self._outputs(ran)
-        finally:
-            self.last_step_time = time.perf_counter() - t0
-        return self._outputs(update_from_output(self.scheduler, sched, out))
+            return ran
+        return update_from_output(self.scheduler, sched, out)
 
     def _plan(self, sched: SchedulerOutput) -> StepPlan:
         cl = self.canvas_length
@@ -280,7 +323,19 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.kv_publisher is not None:
             self.kv_publisher.shutdown()
+        # The executor first: a step in flight that waits on a lost worker fails once the workers are gone.
         self.executor.shutdown()
+        self._step_thread.shutdown(wait=True)
+
+
+def _run_now(fn: Callable, *args) -> Future:
+    """fn(*args) run on this thread, as a done future."""
+    future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:
+        future.set_exception(e)
+    return future
 
 
 def _min_tokens(decoder: list[Request], canvas_length: int) -> MinTokens | None:

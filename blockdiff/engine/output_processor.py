@@ -11,10 +11,14 @@ from blockdiff.step import StepOutput
 
 def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOutput | None) -> list[Request]:
     """Count the encoder rows' tokens as cached, the decoder rows' step as done, and commit every
-    canvas that converged; finished requests are released. -> the requests with news: a committed
-    canvas, an end, or (streaming drafts) a new argmax canvas."""
+    canvas that converged; finished requests are released. A request that ended while the step
+    ran (aborted) takes nothing from it. -> the requests with news: a committed canvas, an end, or
+    (streaming drafts) a new argmax canvas."""
     news = []
+    gone = {r for r in [*(r for r, _ in sched.encoder), *(r for r, _ in sched.score), *sched.decoder] if r.finished}
     for req, n in sched.encoder:
+        if req in gone:
+            continue
         scheduler.cached(req, n)
         if req.params.max_tokens == 0 and req.state == State.DENOISE:  # a prompt with nothing to score, no output
             req.finish("length")
@@ -25,6 +29,9 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     offset = 0
     for req, (start, end) in sched.score:
         n = end - start
+        if req in gone:
+            offset += n
+            continue
         if req.add_scores(_scores(req, req.tokens(start, end), out, offset)):  # it asked for no output: done
             req.finish("length")
             scheduler.release(req)
@@ -33,6 +40,8 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     finished = out.finished.tolist()
     steps = [1] * len(sched.decoder) if out.steps is None else out.steps.tolist()
     for i, req in enumerate(sched.decoder):
+        if req in gone:
+            continue
         req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None, steps[i])
         if req.params.draft_details:
             req.draft_entropy, req.draft_accepted = out.entropy[i].tolist(), out.accepted[i].tolist()

@@ -220,6 +220,8 @@ class CanvasSteps:
                 self.fn(*args)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: with async scheduling the engine's thread goes on while this one captures
+        # (it makes no CUDA call then, but a capture must not depend on that).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = self.fn(*args)
         return graph, outputs
