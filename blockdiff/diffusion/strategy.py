@@ -63,6 +63,22 @@ class StepParams:
     def key(self) -> tuple:
         return tuple(v for v in self.__dict__.values() if not isinstance(v, torch.Tensor))
 
+    def options(self) -> dict:
+        """The Python values (what a plan carries: the ranks keep the tensors per slot)."""
+        return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}
+
+    def with_options(self, options: dict) -> "StepParams":
+        return dataclasses.replace(self, **options)
+
+    def select(self, index: torch.Tensor) -> "StepParams":
+        """The rows `index` (of a per-slot table: the rows of a step's slots)."""
+        return self._map(lambda v: v.index_select(0, index))
+
+    def put(self, index: torch.Tensor, rows: "StepParams") -> None:
+        """Write `rows` [len(index), ...] at rows `index` of this table (they may sit on the host)."""
+        for k, v in rows.tensors().items():
+            getattr(self, k).index_copy_(0, index, v.to(index.device, non_blocking=True))
+
     def _map(self, fn) -> "StepParams":
         return type(self)(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
 
@@ -177,6 +193,15 @@ class DiffusionSampler:
                                 seed=torch.tensor([randoms.seed_words(s) for s in seeds], dtype=torch.long),
                                 canvas=torch.tensor(canvases, dtype=torch.long), **per_canvas(self.fields, params),
                                 **self.step_options(params))
+
+    def params_table(self, rows: int, device: torch.device) -> StepParams:
+        """Each rank's per-slot parameters, `rows` rows on `device`: every field at its reference
+        default until a request takes the row (a padded canvas reads one that was never taken)."""
+        with torch.device(device):
+            fields = {f.name: torch.full((rows,), f.default, dtype=getattr(torch, f.dtype))
+                      for f in self.fields if f.per_canvas}
+            return self.params_type(step=torch.ones(rows, dtype=torch.int32), seed=torch.zeros(rows, 2, dtype=torch.long),
+                                    canvas=torch.zeros(rows, dtype=torch.long), **fields, **self.step_options([]))
 
     def step_options(self, params: list[SamplingParams]) -> dict:
         """The Python values of a step's StepParams (they choose a code path) for its requests' `params`."""
