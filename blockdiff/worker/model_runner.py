@@ -3,7 +3,9 @@
 Per-slot denoising state (the canvas, and the sampler's own: for the entropy-bound sampler the last
 argmax canvas, its run length and the self-conditioning input) lives in preallocated device tensors
 indexed by the request's slot, made by the sampler (one more, a scratch slot, takes the writes of
-padded canvases). A step whose rows are all canvases being denoised can run as the
+padded canvases). Each slot's position and sampler parameters live there too
+(worker/request_slots.py), as its block tables do (worker/block_tables.py): a plan names the slots
+that run. A step whose rows are all canvases being denoised can run as the
 static step of worker/canvas_step.py (compiled, or replayed as a CUDA graph); every other step
 (prompt chunks, committed canvases beside canvases) runs eagerly over rows grouped by shape. Every
 rank runs the same `execute` on the same `StepPlan`; with tensor parallelism the collectives inside
