@@ -239,6 +239,6 @@ def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
             eager = canvas_step(*steps.step_args(context, inputs, dict(options)))
         assert compiled.updates["soft"].shape[0] == size == inputs.slots.shape[0]
         for name, value in {**eager.updates, **eager.__dict__}.items():  # eager products: oneDNN on AVX-512
-            if name != "updates":
+            if isinstance(value, torch.Tensor):  # not the updates dict nor the distribution statistics
                 got = compiled.updates[name] if name in compiled.updates else getattr(compiled, name)
                 torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-5, msg=f"{size, context, name}")
