@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/host_loop.py share MODEL [--batches 1,8] [--num-scheduler-steps 1,4,8] [--async-scheduling off,on]
     OMP_NUM_THREADS=1 python benchmarks/host_loop.py long-output TINY_MODEL [--tokens 16384]
-    OMP_NUM_THREADS=1 python benchmarks/host_loop.py tp-bytes TINY_MODEL [--contexts 1024,16384] [--num-scheduler-steps K]
+    OMP_NUM_THREADS=1 python benchmarks/host_loop.py tp-bytes TINY_MODEL [--contexts 1024,16384] [--num-scheduler-steps K] [--canvases N]
 
 `share`: `LLM.generate` as `bench offline` runs it (128-token prompts, 256 new tokens, every canvas
 taking 8 steps); of each engine step whose rows are all canvases, its wall time as the device sees
@@ -16,8 +16,9 @@ among them.
 committed canvas (its step and its commit) near 1,024 output tokens and near the end, and the time
 inside attention beside it.
 
-`tp-bytes`: the message rank 0 sends to the tensor-parallel workers for a steady-state step (one
-canvas going on, none starting) of one request at each context length.
+`tp-bytes`: the message rank 0 sends to the tensor-parallel workers for a steady-state step (every
+canvas going on, none starting) of `--canvases` requests (each with its own seed and temperature)
+at each context length; of the steps with the most canvases at once (long prompts prefill in turns).
 
 Runs on this tree or, with PYTHONPATH pointing at another checkout, on that one (what "before" is
 in docs/benchmarks.md): it uses only what both have.
@@ -194,16 +195,20 @@ def tp_bytes(args) -> None:
     with LLM(args.model, max_model_len=max(contexts) + 128, **kw) as llm:
         engine = llm.engine
         plans = _watch_plans(engine)
-        print(f"{'context':>8} {'bytes/message':>13} {'steps/message':>13} {'bytes/step':>10}")
+        print(f"{'context':>8} {'canvases':>8} {'bytes/message':>13} {'steps/message':>13} {'bytes/step':>10}")
         for context in contexts:
             n = len(plans)
-            llm.generate([[5 + i % 250 for i in range(context)]],
-                         SamplingParams(max_tokens=2 * engine.canvas_length, max_denoising_steps=16, ignore_eos=True,
-                                        seed=0), use_tqdm=False)
+            # one request per canvas, each with its own seed and temperature
+            llm.generate([[5 + (i + c) % 250 for i in range(context)] for c in range(args.canvases)],
+                         [SamplingParams(max_tokens=2 * engine.canvas_length, max_denoising_steps=16, ignore_eos=True,
+                                         seed=c, temperature=1.0 - 0.05 * c) for c in range(args.canvases)],
+                         use_tqdm=False)
             steady = [p for p in (run.plan for run in plans[n:]) if p.denoise is not None and not p.new_canvas_rows
                       and all(r.decoder for r in p.rows)]
-            size, steps = max((len(_dumps((_execute, (p,), False))), getattr(p, "steps", 1)) for p in steady)
-            print(f"{context:>8,} {size:>13,} {steps:>13} {size / steps:>10,.0f}")
+            most = max(len(p.rows) for p in steady)  # long prompts prefill in turns: the most canvases at once
+            size, steps = max((len(_dumps((_execute, (p,), False))), getattr(p, "steps", 1)) for p in steady
+                              if len(p.rows) == most)
+            print(f"{context:>8,} {most:>8} {size:>13,} {steps:>13} {size / steps:>10,.0f}")
 
 
 def main() -> None:
@@ -222,6 +227,7 @@ def main() -> None:
     s.add_argument("model")
     s.add_argument("--contexts", default="1024,16384")
     s.add_argument("--num-scheduler-steps", type=int, default=None)
+    s.add_argument("--canvases", type=int, default=1, help="requests denoised together")
     args = p.parse_args()
     {"share": share, "long-output": long_output, "tp-bytes": tp_bytes}[args.what](args)
 

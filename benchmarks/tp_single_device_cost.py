@@ -35,7 +35,7 @@ from blockdiff.diffusion.entropy_bound import DenoiseParams, EntropyBound, denoi
 from blockdiff.diffusion.self_conditioning import soft_embedding
 from blockdiff.diffusion.vocab_parallel import Distribution, exp_statistics, first_argmax, inverse_cdf, per_chunk
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
-from blockdiff.step import CacheConfig, StepPlan, TableDelta
+from blockdiff.step import CacheConfig, NewRequests, StepPlan, StepRow, TableDelta
 from blockdiff.worker.model_runner import ModelRunner
 from blockdiff.matmul import linear
 from blockdiff.model.attention import Row
@@ -141,7 +141,8 @@ def bare_soft_embedding():
 
 
 def step_plans(prompt: int, vocab: int, blocks: tuple[int, ...]) -> tuple[StepPlan, StepPlan, StepPlan]:
-    """(prefill, a canvas's first step, a later step) for one request in slot 0."""
+    """(prefill, a canvas's first step, a later step) for one request in slot 0. The later step
+    sends the request again, so that every run of it is the same step n (the ranks count n down)."""
     g = torch.Generator().manual_seed(0)
     empty = torch.empty(0, CANVAS, dtype=torch.long)
 
@@ -149,11 +150,14 @@ def step_plans(prompt: int, vocab: int, blocks: tuple[int, ...]) -> tuple[StepPl
         params = EntropyBound().resolve(SamplingParams(max_denoising_steps=16), REFERENCE_DEFAULTS)
         return denoise_params([8], [params], [0])
 
-    prefill = StepPlan([Row(0, 0, prompt, False, blocks)], torch.randint(0, vocab, (prompt,), generator=g), [], empty, None,
-                       tables=TableDelta.whole([Row(0, 0, prompt, False, blocks)]))
-    decode = [Row(0, prompt, CANVAS, True, blocks)]
-    first = StepPlan(decode, torch.empty(0, dtype=torch.long), [0], torch.randint(0, vocab, (1, CANVAS), generator=g), denoise())
-    later = StepPlan(decode, torch.empty(0, dtype=torch.long), [], empty, denoise())
+    prefill = StepPlan([StepRow(0, prompt, False)], torch.randint(0, vocab, (prompt,), generator=g), [], empty, None,
+                       tables=TableDelta.whole([Row(0, 0, prompt, False, blocks)]),
+                       new_requests=NewRequests([0], [0], denoise()))
+    decode = [StepRow(0, CANVAS, True)]
+    first = StepPlan(decode, torch.empty(0, dtype=torch.long), [0], torch.randint(0, vocab, (1, CANVAS), generator=g),
+                     denoise().options(), new_canvas_steps=[8], new_canvas_index=[0])
+    later = StepPlan(decode, torch.empty(0, dtype=torch.long), [], empty, denoise().options(),
+                     new_requests=NewRequests([0], [prompt], denoise()))
     return prefill, first, later
 
 

@@ -74,12 +74,49 @@ class TableDelta:
 
 
 @dataclass
+class StepRow:
+    """One row of a step: the slot whose request it runs, its mode and its new tokens. It starts at
+    its slot's cached length, which every rank keeps (worker/request_slots.py): set when a request
+    takes the slot (`NewRequests`), advanced by the length of each of the slot's encoder rows."""
+
+    slot: int
+    length: int  # a prompt chunk, a canvas to commit, a scored piece, or a canvas to denoise
+    decoder: bool
+    bidirectional: tuple[tuple[int, int], ...] = ()  # as Row.bidirectional (an image's soft tokens)
+
+    @classmethod
+    def of(cls, row: Row) -> "StepRow":
+        return cls(row.slot, row.length, row.decoder, row.bidirectional)
+
+
+@dataclass
+class NewRequests:
+    """The requests that took a slot since the workers last heard (admitted, or readmitted after a
+    preemption): what each rank keeps of them per slot on its device, sent once. A plan of requests
+    that go on carries none of it; a request's later changes are the plan's canvas starts (their
+    steps n and canvas index) and the rank's own advances (positions by encoder rows, n by steps)."""
+
+    slots: list[int]
+    positions: list[int]  # tokens of each one already in the cache (a prefix-cache hit: more than 0)
+    params: StepParams  # [len(slots)] the sampler's per-request parameters: seed, per-canvas fields
+
+    @classmethod
+    def of(cls, rows: list[Row], params: StepParams) -> "NewRequests":
+        """The requests of `rows` (one per slot, in order of first appearance) from their rows' starts,
+        with `params` of one row per slot: for plans built by hand, outside an engine."""
+        starts = {r.slot: r.start for r in rows}
+        return cls(list(starts), list(starts.values()), params)
+
+
+@dataclass
 class StepPlan:
-    rows: list[Row]  # encoder rows first, then one decoder row per canvas being denoised (no block tables: `tables`)
+    rows: list[StepRow]  # encoder rows first, then the decoder rows: scored pieces, then the canvases being denoised
     encoder_ids: torch.Tensor  # [encoder tokens] int64
-    new_canvas_rows: list[int]  # decoder rows (0-based among decoder rows) that start a canvas
+    new_canvas_rows: list[int]  # canvas rows (0-based among them) that start a canvas
     new_canvases: torch.Tensor  # [len(new_canvas_rows), CL] int64 draft tokens; -1: the sampler's noise
-    denoise: StepParams | None  # the sampler's inputs of the step's canvases
+    # The sampler's step options (the Python values of its StepParams, `StepParams.options`) when the
+    # step denoises canvases; None: it denoises none. The per-canvas parameters are the ranks' own.
+    denoise: dict | None
     top_logprobs: int = -1  # -1: none; else the largest number of top logprobs asked for
     draft_details: bool = False  # some canvas asks for its step's entropy and accepted positions
     images: ImageInputs | None = None  # the images of this step's prompt chunks (every rank encodes them)
@@ -91,6 +128,10 @@ class StepPlan:
     automata: dict[str, Automaton] = field(default_factory=dict)
     forget_automata: tuple[str, ...] = ()
     tables: TableDelta | None = None  # None: no table changed
+    new_requests: NewRequests | None = None  # None: no request took a slot
+    # Of each canvas that starts (new_canvas_rows): its steps n (the first step's) and its index in its request.
+    new_canvas_steps: list[int] = field(default_factory=list)
+    new_canvas_index: list[int] = field(default_factory=list)
     steps: int = 1  # denoising steps run back to back (only where every row is a canvas: the static step)
 
 

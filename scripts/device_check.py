@@ -307,20 +307,12 @@ def _peak(args):
 
 def _step_bound(config, batch: int, args, gbs: float, gflops: float, weight_bytes: float | None = None) -> dict:
     """The bound of one denoising step of `batch` canvases halfway through the second canvas."""
-    import torch
-
     from blockdiff.bench.roofline import bound, plan_cost
-    from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
     from blockdiff.model.attention import Row
-    from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
-    from blockdiff.step import StepPlan
 
     cl, steps = config.canvas_length, _steps(args)
     rows = [Row(i, _prompt_len(args) + cl, cl, True) for i in range(batch)]
-    params = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
-    plan = StepPlan(rows, torch.zeros(0, dtype=torch.long), [], torch.zeros(0, cl, dtype=torch.long),
-                    denoise_params([max(2, steps // 2)] * batch, [params] * batch, list(range(batch))))
-    cost = plan_cost(config, plan, 2, weight_bytes)
+    cost = plan_cost(config, rows, [max(2, steps // 2)] * batch, 0, 2, weight_bytes)
     b = bound(cost, gbs, gflops)
     return {"bytes": cost.bytes, "flops": cost.flops, "memory_ms": 1e3 * b.memory_s, "compute_ms": 1e3 * b.compute_s,
             "bound_ms": 1e3 * b.seconds, "bound_limit": b.limit}

@@ -8,14 +8,10 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 from blockdiff.bench.offline import parse_batch_sizes
 from blockdiff.bench.roofline import _keys_seen, bound, parameter_count, plan_cost
 from blockdiff.model.registry import load_config
-from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
-from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
-from blockdiff.step import StepPlan
 from blockdiff.entrypoints.cli import main
 from blockdiff.model.attention import Row
 
@@ -87,16 +83,14 @@ def test_parameter_count_matches_the_model(checkpoints, tiny):
 def test_roofline_counts_per_canvas_work_once_per_canvas(tiny):
     config = load_config(tiny)
 
-    def plan(rows: int, step: int) -> StepPlan:
-        denoise = denoise_params([step] * rows, [EntropyBound().resolve(SamplingParams(), {**REFERENCE_DEFAULTS, "max_denoising_steps": 4})] * rows,
-                                 list(range(rows)))
-        return StepPlan([Row(i, 12, CANVAS, True, (0,)) for i in range(rows)], torch.empty(0), [], torch.empty(0), denoise)
+    def cost(rows: int, step: int):
+        return plan_cost(config, [Row(i, 12, CANVAS, True) for i in range(rows)], [step] * rows, 0, 4)
 
-    one, three = plan_cost(config, plan(1, 2), 4), plan_cost(config, plan(3, 2), 4)
+    one, three = cost(1, 2), cost(3, 2)
     assert three.flops == pytest.approx(3 * one.flops)
     assert one.bytes < three.bytes < 3 * one.bytes  # the weights are read once per step, not per canvas
     # the last step of a canvas skips the soft-embedding product: vocabulary x hidden MACs per token
-    last = plan_cost(config, plan(1, 1), 4)
+    last = cost(1, 1)
     assert one.flops - last.flops == pytest.approx(2 * CANVAS * config.vocab_size * config.hidden_size)
 
 
@@ -109,10 +103,7 @@ def test_the_26b_step_is_memory_bound_alone_and_compute_bound_at_batch_16():
     cl = config.canvas_length
 
     def cost(rows: int, weight_bytes: float | None = None):
-        denoise = denoise_params([8] * rows, [EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)] * rows,
-                                 list(range(rows)))
-        plan = StepPlan([Row(i, 128 + cl, cl, True) for i in range(rows)], torch.empty(0), [], torch.empty(0), denoise)
-        return plan_cost(config, plan, 2, weight_bytes)
+        return plan_cost(config, [Row(i, 128 + cl, cl, True) for i in range(rows)], [8] * rows, 0, 2, weight_bytes)
 
     one, sixteen = bound(cost(1), 4800, 790e3), bound(cost(16), 4800, 790e3)
     assert one.limit == "memory" and 9.5e-3 < one.seconds < 11.5e-3, one

@@ -18,7 +18,7 @@ from blockdiff.arg_utils import add_engine_args, engine_config
 from blockdiff.kernels import expert_kernel, static_kernel, target
 from blockdiff.model.attention import canvas_metadata
 from blockdiff.model.loader import load_model
-from blockdiff.step import CacheConfig, TableDelta
+from blockdiff.step import CacheConfig, NewRequests, TableDelta
 from blockdiff.worker.block_tables import BlockTables
 from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.model.attention import Row
@@ -26,6 +26,7 @@ from blockdiff.sampling_params import REFERENCE_DEFAULTS
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.worker.canvas_step import COMPILE_OPTIONS, CanvasSteps, canvas_step, shape_count
 from blockdiff.worker.kv_cache import allocate, geometry
+from blockdiff.worker.request_slots import RequestSlots
 
 GREEDY = dict(t_min=1e-6, t_max=2e-6)
 STEPS, MAX_TOKENS = 4, 16  # two canvases of 8
@@ -156,11 +157,11 @@ def test_cuda_graph_replay_equals_eager(tiny, compile):
         got = _generate(llm, prompts[:1]) + _generate(llm, prompts)
         steps = llm.engine.executor.runner.canvas_steps
         assert steps.shapes and all(graph is not None for _, graph, _ in steps.shapes.values())
-        for (_, context, _), (inputs, graph, outputs) in steps.shapes.items():  # keys: (size, context, restrict)
+        for (_, context, options, n), (inputs, graph, outputs) in steps.shapes.items():  # keys: (size, context, options, steps)
             graph.replay()
             replayed = {k: v.clone() for k, v in _tensors(outputs).items()}
             with torch.inference_mode():  # as the runner calls it
-                direct = steps.fn(*steps.step_args(context, inputs))
+                direct = steps.fn(*steps.step_args(context, inputs, dict(options), n))
             for name, value in _tensors(direct).items():
                 assert torch.equal(value, replayed[name]), name
     if compile:
@@ -211,8 +212,10 @@ def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
     state = sampler.new_state(5, cl, hidden, model.dtype, torch.device("cpu"))
     state.canvas.copy_(torch.randint(3, 301, (5, cl)))
     tables = BlockTables(cache, {False, True}, torch.device("cpu"))
+    requests = RequestSlots(sampler, 5, torch.device("cpu"))
     steps = CanvasSteps(model, sampler, VocabParallel(model.shard, model.group), allocate(model, cache, "cpu"),
-                        geometry(model, cache), tables.tables, state, torch.device("cpu"), compile=True, cuda_graphs=False)
+                        geometry(model, cache), tables.tables, state, requests, torch.device("cpu"), compile=True,
+                        cuda_graphs=False)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -227,14 +230,15 @@ def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
             params = denoise_params([3] * n, [EntropyBound().resolve(SamplingParams(top_k=5 if restrict else -1), REFERENCE_DEFAULTS)] * n,
                                     list(range(n)))
             tables.apply(TableDelta.whole(rows))
-            steps(rows, params)
+            requests.admit(NewRequests.of(rows, params))
+            steps(rows, params.options())
     assert len(steps.shapes) == len(graphs) == 12 > torch._dynamo.config.recompile_limit
-    for (size, context, (restrict,)), (inputs, _, _) in steps.shapes.items():  # keys: (size, context, (restrict,))
+    for (size, context, options, _), (inputs, _, _) in steps.shapes.items():  # keys: (size, context, options, steps)
         with torch.inference_mode():
-            compiled = steps.fn(*steps.step_args(context, inputs))
-            eager = canvas_step(*steps.step_args(context, inputs))
-        assert compiled.updates["soft"].shape[0] == size and inputs.params.restrict == restrict
+            compiled = steps.fn(*steps.step_args(context, inputs, dict(options)))
+            eager = canvas_step(*steps.step_args(context, inputs, dict(options)))
+        assert compiled.updates["soft"].shape[0] == size == inputs.slots.shape[0]
         for name, value in {**eager.updates, **eager.__dict__}.items():  # eager products: oneDNN on AVX-512
-            if name != "updates":
+            if isinstance(value, torch.Tensor):  # not the updates dict nor the distribution statistics
                 got = compiled.updates[name] if name in compiled.updates else getattr(compiled, name)
                 torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-5, msg=f"{size, context, name}")

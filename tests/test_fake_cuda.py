@@ -39,7 +39,7 @@ from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.quantize import FP8_DYNAMIC
 from blockdiff.parallel.group import TPGroup
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
-from blockdiff.step import CacheConfig, StepPlan, TableDelta
+from blockdiff.step import CacheConfig, NewRequests, StepPlan, StepRow, TableDelta
 from blockdiff.worker import canvas_step as canvas_step_module
 from blockdiff.worker.canvas_step import CanvasSteps
 from blockdiff.worker.model_runner import ModelRunner
@@ -82,12 +82,13 @@ def _canvas_rows(cl: int) -> list[Row]:
 
 def _static_step(runner: ModelRunner):
     steps = CanvasSteps(runner.model, runner.sampler, runner.vocab, runner.kv, runner.geometry, runner.tables.tables, runner.state,
-                        runner.device, compile=False, cuda_graphs=False)
+                        runner.requests, runner.device, compile=False, cuda_graphs=False)
     rows = _canvas_rows(runner.canvas_length)
     params = _params(len(rows), runner.canvas_length)
     runner.tables.apply(TableDelta.whole(rows))
+    runner.requests.admit(NewRequests.of(rows, params))
     with NoHostReads():
-        return steps(rows, params)
+        return steps(rows, params.options())
 
 
 TP = [1, 2, 4, 8]
@@ -174,8 +175,10 @@ def test_mixed_step_on_a_fake_h200(tp):
                 Row(1, 500, cl, False, _blocks(1, -(-(500 + cl) // BLOCK))),  # a finished canvas, committed
                 Row(2, 40, cl, True, _blocks(2, 3)),  # a new canvas
                 Row(3, 1200, cl, True, _blocks(3, 75))]  # a canvas going on
-        plan = StepPlan(rows, torch.randint(0, 262144, (300 + cl,)), [0], torch.randint(0, 262144, (1, cl)),
-                        _params(2, cl), top_logprobs=0, tables=TableDelta.whole(rows))
+        params = _params(len(rows), cl)
+        plan = StepPlan([StepRow.of(r) for r in rows], torch.randint(0, 262144, (300 + cl,)), [0],
+                        torch.randint(0, 262144, (1, cl)), params.options(), top_logprobs=0, tables=TableDelta.whole(rows),
+                        new_requests=NewRequests.of(rows, params), new_canvas_steps=[16], new_canvas_index=[0])
         with reads, _no_reads_inside(runner.model):
             out = runner.execute(plan)
     assert out.finished.shape == (2,) and out.tokens.shape == (2, cl) and out.logprob.shape == (2, cl)

@@ -69,7 +69,7 @@ def _static_steps(llm: LLM) -> None:
     """Steps of canvases only through worker/canvas_step.py, run eagerly (on this CPU only
     --compile reaches it otherwise)."""
     r = llm.engine.executor.runner
-    r.canvas_steps = CanvasSteps(r.model, r.sampler, r.vocab, r.kv, r.geometry, r.tables.tables, r.state,
+    r.canvas_steps = CanvasSteps(r.model, r.sampler, r.vocab, r.kv, r.geometry, r.tables.tables, r.state, r.requests,
                                  r.device, False, False)
 
 

@@ -135,7 +135,7 @@ def test_confidence_threshold_runs_eager_static_and_on_two_ranks(tiny, single_th
         eager = _tokens(llm, PROMPTS, threshold=0.05)
         assert eager == _tokens(llm, PROMPTS, threshold=0.05)  # seeded: the same again
         r = llm.engine.executor.runner
-        r.canvas_steps = CanvasSteps(r.model, r.sampler, r.vocab, r.kv, r.geometry, r.tables.tables, r.state,
+        r.canvas_steps = CanvasSteps(r.model, r.sampler, r.vocab, r.kv, r.geometry, r.tables.tables, r.state, r.requests,
                                      r.device, False, False)
         assert _tokens(llm, PROMPTS, threshold=0.05) == eager
     with LLM(tiny, diffusion_sampler="confidence_threshold", tensor_parallel_size=2) as llm:

@@ -18,6 +18,7 @@ from blockdiff.bench.datasets import random_token_prompts, special_token_ids
 from blockdiff.config import parse_dtype
 from blockdiff.bench.roofline import Cost, measure_peak, parameter_count, plan_cost
 from blockdiff.engine.request import State
+from blockdiff.model.attention import Row
 from blockdiff.arg_utils import add_engine_args, at_least, engine_config
 from blockdiff.sampling_params import SamplingParams
 
@@ -83,6 +84,17 @@ def _step_kind(plan, states_by_slot: dict) -> str:
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
+def _plan_cost(engine, plan, dtype_bytes: int) -> Cost:
+    """The roofline cost of a plan the engine just ran: its rows start at their requests' cached
+    lengths and its canvases are at their steps n (the requests are as they were planned until the
+    engine reads the step's output)."""
+    by_slot = {r.slot: r for r in engine.scheduler.running}
+    rows = [Row(r.slot, by_slot[r.slot].num_cached, r.length, r.decoder) for r in plan.rows]
+    canvases = [r for r in plan.rows if r.decoder][0 if plan.score is None else len(plan.score.lengths):]
+    return plan_cost(engine.model_config, rows, [by_slot[r.slot].steps_left for r in canvases], len(plan.new_canvas_rows),
+                     dtype_bytes)
+
+
 def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], dtype: torch.dtype) -> dict[str, PhaseTiming]:
     """One generation driven step by step through the engine (as LLM.generate drives it), each step
     timed and costed by kind: "denoise" (only canvases being denoised), "commit" (only finished
@@ -101,8 +113,7 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], d
         kind = _step_kind(plan, {r.slot: r.state for r in engine.scheduler.running})
         t0 = time.perf_counter()
         out = execute(plan)
-        phases.setdefault(kind, PhaseTiming()).add(time.perf_counter() - t0, plan_cost(engine.model_config, plan, dtype_bytes),
-                                                   plan.steps)
+        phases.setdefault(kind, PhaseTiming()).add(time.perf_counter() - t0, _plan_cost(engine, plan, dtype_bytes), plan.steps)
         return out
 
     executor.execute = timed

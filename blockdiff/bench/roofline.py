@@ -19,7 +19,7 @@ import torch
 
 from blockdiff.config import ModelConfig
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
-from blockdiff.step import StepPlan
+from blockdiff.model.attention import Row
 from blockdiff.matmul import linear
 
 
@@ -76,15 +76,18 @@ def _expected_experts(tokens: int, config: GemmaConfig) -> float:
     return e * (1.0 - (1.0 - k / e) ** tokens)
 
 
-def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int, weight_bytes: float | None = None) -> Cost:
+def plan_cost(config: ModelConfig, rows: list[Row], steps: list[int], new_canvases: int, dtype_bytes: int,
+              weight_bytes: float | None = None) -> Cost:
     """FLOPs and compulsory bytes of one engine step of DiffusionGemma (`config.arch` is its
-    GemmaConfig); `weight_bytes` per element of the layers' linear weights (1 for FP8 checkpoints;
-    default `dtype_bytes`), the embedding and the KV cache in `dtype_bytes`."""
+    GemmaConfig) over `rows` (a plan's rows at their starts: encoder rows, then decoder rows, the
+    canvases last), whose canvases are at steps n `steps`, `new_canvases` of them starting;
+    `weight_bytes` per element of the layers' linear weights (1 for FP8 checkpoints; default
+    `dtype_bytes`), the embedding and the KV cache in `dtype_bytes`."""
     g = config.arch
     h, v, b = g.hidden_size, config.vocab_size, dtype_bytes
     w = b if weight_bytes is None else weight_bytes
-    tokens = sum(r.length for r in plan.rows)
-    dec_rows = [r for r in plan.rows if r.decoder]
+    tokens = sum(r.length for r in rows)
+    dec_rows = [r for r in rows if r.decoder]
     dec_tokens = sum(r.length for r in dec_rows)
     cost = Cost()
     for spec in g.layers:
@@ -93,7 +96,7 @@ def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int, weight_byte
         cost.flops += 2 * tokens * (dense + g.top_k_experts * expert)
         cost.bytes += w * (dense + _expected_experts(tokens, g) * expert)
         window = spec.window if spec.sliding else None
-        for r in plan.rows:
+        for r in rows:
             cost.flops += 4 * g.num_heads * spec.head_dim * _keys_seen(r.start, r.length, r.decoder, window)
             cached = r.start if window is None else min(r.start, window - 1)
             cost.bytes += 2 * b * kv_width * cached
@@ -103,14 +106,14 @@ def plan_cost(config: ModelConfig, plan: StepPlan, dtype_bytes: int, weight_byte
         # LM head, then the sampler reads the float32 logits once.
         cost.flops += 2 * dec_tokens * h * v
         cost.bytes += b * v * h + 2 * 4 * dec_tokens * v
-        if len(plan.new_canvas_rows) < len(dec_rows):
+        if new_canvases < len(dec_rows):
             # The self-conditioning MLP runs over every canvas of the step once any has a previous
             # step (a new canvas feeds zeros, whose MLP output is zero).
             cost.flops += 2 * dec_tokens * 3 * h * g.intermediate_size
             cost.bytes += w * 3 * h * g.intermediate_size
         # Canvases with steps left compute soft embeddings for the next one. Exact when no canvas
         # ends early, as in `bench offline` (its stability threshold is never reached).
-        continuing = sum(r.length for r, n in zip(dec_rows, plan.denoise.step.tolist()) if n > 1)
+        continuing = sum(r.length for r, n in zip(dec_rows[len(dec_rows) - len(steps):], steps) if n > 1)
         if continuing:  # probabilities @ embedding
             cost.flops += 2 * continuing * v * h
             cost.bytes += b * v * h + 4 * continuing * v

@@ -9,8 +9,9 @@ dLLMs their `DllmAlgorithm`. A sampler owns:
 - how a canvas starts (`start_canvas`) and which random numbers a step draws: counter-based ones
   (diffusion/randoms.py), keyed by the request's seed and counted by (canvas, step, position), made
   inside the step on the device, so nothing is drawn on the host;
-- its per-step inputs (`StepParams`, built by `step_params` when the engine plans a step) and its
-  per-slot device state (`SlotState`, made by `new_state` on every rank);
+- its per-canvas inputs (`StepParams`: built by `step_params` when a request takes a slot and kept
+  per slot on every rank, `params_table`; a step's Python options, `step_options`, travel with
+  each plan) and its per-slot device state (`SlotState`, made by `new_state` on every rank);
 - `step()`: one denoising step of a batch of canvases on one rank, from their logits over this
   rank's vocabulary rows, through `VocabParallel` (collectives under tensor parallelism, none on one
   rank); and `commit()`, what a finished canvas commits (structured outputs constrain it after the
@@ -39,9 +40,11 @@ from blockdiff.sampling_params import (INT32_MAX, SAMPLER_FIELDS, InvalidParam, 
 @dataclass
 class StepParams:
     """A sampler's inputs of one step: tensors whose first dimension is the step's canvases, and
-    Python values decided on the host that choose a code path (a static step keeps one graph for
-    each distinct tuple of them, `key()`). Every sampler's start with the step count and the
-    counters of the step's random numbers."""
+    Python values decided on the host that choose a code path (`options()`: a static step keeps one
+    graph for each distinct set of them). Every sampler's start with the step count and the
+    counters of the step's random numbers. Each rank keeps the tensors per slot, a row for each
+    (worker/request_slots.py: `DiffusionSampler.params_table`), and a step selects its canvases' rows;
+    a plan carries only the options."""
 
     step: torch.Tensor  # [canvases] int32, steps remaining including this one (n)
     seed: torch.Tensor  # [canvases, 2] int64: the request's seed as two 32-bit words (randoms.seed_words)
@@ -60,25 +63,24 @@ class StepParams:
         before runs on masked, its results unused)."""
         return dataclasses.replace(self, step=(self.step - steps).clamp(min=1))
 
-    def key(self) -> tuple:
-        return tuple(v for v in self.__dict__.values() if not isinstance(v, torch.Tensor))
+    def options(self) -> dict:
+        """The Python values (what a plan carries: the ranks keep the tensors per slot)."""
+        return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}
+
+    def with_options(self, options: dict) -> "StepParams":
+        return dataclasses.replace(self, **options)
+
+    def select(self, index: torch.Tensor) -> "StepParams":
+        """The rows `index` (of a per-slot table: the rows of a step's slots)."""
+        return self._map(lambda v: v.index_select(0, index))
+
+    def put(self, index: torch.Tensor, rows: "StepParams") -> None:
+        """Write `rows` [len(index), ...] at rows `index` of this table (they may sit on the host)."""
+        for k, v in rows.tensors().items():
+            getattr(self, k).index_copy_(0, index, v.to(index.device))
 
     def _map(self, fn) -> "StepParams":
         return type(self)(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
-
-    def to(self, device: torch.device | str) -> "StepParams":
-        return self._map(lambda v: v.to(device, non_blocking=True))
-
-    def padded(self, size: int) -> "StepParams":
-        """Padded to `size` canvases by repeating the first one's rows."""
-        return self._map(lambda v: torch.cat((v, v[:1].expand(size - v.shape[0], *v.shape[1:]))))
-
-    def empty_like(self, device: torch.device) -> "StepParams":
-        return self._map(lambda v: torch.empty_like(v, device=device))
-
-    def copy_(self, src: "StepParams") -> None:
-        for k, v in src.tensors().items():
-            getattr(self, k).copy_(v, non_blocking=True)
 
 
 def start(value) -> dataclasses.Field:
@@ -170,13 +172,23 @@ class DiffusionSampler:
 
     def step_params(self, steps: list[int], params: list[SamplingParams], seeds: list[int],
                     canvases: list[int]) -> StepParams:
-        """The step's inputs for canvases at steps `steps` (n, counting down), canvas indices
-        `canvases` of requests with resolved `params` and `seeds`: one tensor per per-canvas field
-        of the sampler's table, and the Python values of `step_options`."""
+        """The inputs of canvases at steps `steps` (n, counting down), canvas indices `canvases` of
+        requests with resolved `params` and `seeds`: one tensor per per-canvas field of the
+        sampler's table, and the Python values of `step_options`. The engine sends them once per
+        admission (`step.NewRequests`); the ranks keep them per slot."""
         return self.params_type(step=torch.tensor(steps, dtype=torch.int32),
                                 seed=torch.tensor([randoms.seed_words(s) for s in seeds], dtype=torch.long),
                                 canvas=torch.tensor(canvases, dtype=torch.long), **per_canvas(self.fields, params),
                                 **self.step_options(params))
+
+    def params_table(self, rows: int, device: torch.device) -> StepParams:
+        """Each rank's per-slot parameters, `rows` rows on `device`: every field at its reference
+        default until a request takes the row (a padded canvas reads one that was never taken)."""
+        with torch.device(device):
+            fields = {f.name: torch.full((rows,), f.default, dtype=getattr(torch, f.dtype))
+                      for f in self.fields if f.per_canvas}
+            return self.params_type(step=torch.ones(rows, dtype=torch.int32), seed=torch.zeros(rows, 2, dtype=torch.long),
+                                    canvas=torch.zeros(rows, dtype=torch.long), **fields, **self.step_options([]))
 
     def step_options(self, params: list[SamplingParams]) -> dict:
         """The Python values of a step's StepParams (they choose a code path) for its requests' `params`."""

@@ -32,15 +32,14 @@ from blockdiff.engine.kv_events import KVEvent, make_publisher
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
 from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
-from blockdiff.engine.sent_tables import SentTables
+from blockdiff.engine.sent_slots import SentSlots
 from blockdiff.executor import make_executor
-from blockdiff.model.attention import Row
 from blockdiff.model.vision import ImageInputs
 from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, generation_defaults
-from blockdiff.step import MinTokens, ScorePlan, StepPlan
+from blockdiff.step import MinTokens, NewRequests, ScorePlan, StepPlan, StepRow
 from blockdiff.structured.compiler import StructuredOutputs
 from blockdiff.structured.plan import AutomataSent
 from blockdiff.tokenizer import Tokenizer
@@ -85,7 +84,7 @@ class LLMEngine:
         self.structured = None if self.tokenizer is None else StructuredOutputs(self.tokenizer, self.vocab_size,
                                                                                 cfg.structured_outputs_timeout)
         self.automata_sent = AutomataSent()  # the automata the workers hold
-        self.sent_tables = SentTables()
+        self.sent_slots = SentSlots()  # what the workers keep per slot
         self.inputs = InputProcessor(
             self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
             tuple(eos),
@@ -149,7 +148,7 @@ class LLMEngine:
         self.kv.forget()  # the prefixes the old workers held are gone too
         self._publish_kv_events()
         self.automata_sent = AutomataSent()
-        self.sent_tables.forget()
+        self.sent_slots.forget()
         return lost
 
     def has_unfinished(self) -> bool:
@@ -225,30 +224,28 @@ class LLMEngine:
             spans = images.add(req, req.num_cached, n, len(ids))
             bidirectional = spans if self.model_config.vision and self.model_config.vision.bidirectional else ()
             ids.extend(req.tokens(req.num_cached, req.num_cached + n))
-            rows.append(Row(req.slot, req.num_cached, n, False, bidirectional=bidirectional))
+            rows.append(StepRow(req.slot, n, False, bidirectional))
         score_ids, lengths = [], []
         for req, (start, end) in sched.score:
-            rows.append(Row(req.slot, start, end - start, True))
+            rows.append(StepRow(req.slot, end - start, True))  # from the cached prompt before the piece
             score_ids.extend(req.tokens(start, end))
             lengths.append(end - start)
         score = None
         if sched.score:
             score = ScorePlan(torch.tensor(score_ids, dtype=torch.long), lengths,
                               max(r.params.prompt_logprobs for r, _ in sched.score))
-        new_rows, new_canvases = [], []
+        new_rows, new_canvases, started = [], [], []
         for i, req in enumerate(sched.decoder):
-            rows.append(Row(req.slot, req.num_cached, cl, True))
+            rows.append(StepRow(req.slot, cl, True))
             if req.new_canvas is not None:
                 new_rows.append(i)
                 new_canvases.append(req.new_canvas)
+                started.append(req)
                 req.new_canvas = None
         min_tokens = _min_tokens(sched.decoder, cl)
         steps = self._steps_per_launch(sched, min_tokens is not None)
-        denoise = None
-        if sched.decoder:
-            dec = sched.decoder
-            denoise = self.sampler.step_params([r.steps_left for r in dec], [r.params for r in dec], [r.seed for r in dec],
-                                               [r.metrics.canvases for r in dec])
+        denoise = self.sampler.step_options([r.params for r in sched.decoder]) if sched.decoder else None
+        taken, tables = self.sent_slots.delta([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder)
         constraints = [req.constraint.canvas(i, req.params.max_tokens - len(req.output.token_ids))
                        for i, req in enumerate(sched.decoder) if req.constraint is not None]
         automata, forget = self.automata_sent.update([r.constraint.automaton for r in sched.decoder if r.constraint])
@@ -263,12 +260,23 @@ class LLMEngine:
             images=images.inputs(),
             score=score,
             min_tokens=min_tokens,
-            tables=self.sent_tables.delta([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder),
+            tables=tables,
+            new_requests=self._new_requests(taken),
+            new_canvas_steps=[r.steps_left for r in started],
+            new_canvas_index=[r.metrics.canvases for r in started],
             steps=steps,
             constraints=constraints,
             automata=automata,
             forget_automata=forget,
         )
+
+    def _new_requests(self, taken: list[Request]) -> NewRequests | None:
+        """What the workers keep of the requests that took their slots: sent once per admission."""
+        if not taken:
+            return None
+        return NewRequests([r.slot for r in taken], [r.num_cached for r in taken],
+                           self.sampler.step_params([r.steps_left for r in taken], [r.params for r in taken],
+                                                    [r.seed for r in taken], [r.metrics.canvases for r in taken]))
 
     def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:
         """K steps back to back in the steady state (every row a canvas, nobody reading a step's own

@@ -3,10 +3,10 @@ product over a bucket of canvases, with no host sync and no Python loop over row
 
 When every row of a step is a canvas being denoised, the step's shape is fixed by the number of
 canvases (padded up to a bucket) and the prefix length its attention reads (padded up to a power
-of two of blocks). Its inputs (slots, starts, sampler parameters: a few numbers per canvas) are
-copied into persistent device buffers of that shape; the function reads the per-slot state and the
-rank's block tables (worker/block_tables.py) at the canvases' slots, computes everything for every
-canvas, padded ones included, and hands back fresh tensors that the runner scatters into the state. So `torch.compile(fullgraph=True)`
+of two of blocks). Its one input, the canvases' slots, is copied into a persistent device buffer of
+that shape; the function reads the per-slot state, the rank's block tables (worker/block_tables.py),
+positions and sampler parameters (worker/request_slots.py) at those slots, computes everything for
+every canvas, padded ones included, and hands back fresh tensors that the runner scatters into the state. So `torch.compile(fullgraph=True)`
 accepts it, and on CUDA each shape is captured once as a CUDA graph and replayed.
 """
 
@@ -20,6 +20,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.model.attention import CacheGeometry, Row, canvas_metadata
 from blockdiff.model.interface import BlockDiffusionModel
+from blockdiff.worker.request_slots import RequestSlots
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -31,11 +32,10 @@ def bucket(n: int) -> int:
 
 @dataclass
 class CanvasInputs:
-    """Persistent device buffers of one shape: what a step of canvases reads besides the state."""
+    """Persistent device buffers of one shape: what a step of canvases reads besides the per-slot
+    state (the scratch slot's: position 0, the sampler fields' defaults)."""
 
     slots: torch.Tensor  # [B] int64; padding: the scratch slot
-    starts: torch.Tensor  # [B] int64 cached positions before each canvas; padding: 0
-    params: StepParams  # [B, ...]; padding rows repeat the first canvas's
 
 
 @dataclass
@@ -61,22 +61,27 @@ def canvas_step(
     tables: dict[bool, torch.Tensor],
     context: int,
     state: SlotState,
+    positions: torch.Tensor,
+    slot_params: StepParams,
     inputs: CanvasInputs,
     steps: int = 1,
 ) -> CanvasOutputs:
-    """`steps` denoising steps of every canvas in `inputs`, back to back; reads `state`, `kv` and the
-    block `tables` (layer kind -> [slots + 1, blocks per sequence]), writes none of them. A canvas
+    """`steps` denoising steps of every canvas in `inputs`, back to back; reads `state`, `kv`, the
+    block `tables` (layer kind -> [slots + 1, blocks per sequence]), the slots' `positions`
+    [slots + 1] (cached lengths) and `slot_params` (the sampler's [slots + 1] rows, with the step's
+    options), writes none of them. A canvas
     that finishes at one of the steps keeps its state and its results from that step on (the later
     steps still compute it, masked), so its results are those of one step at a time."""
     rows = inputs.slots.shape[0]
     cl = state.canvas.shape[1]
     mine = {sliding: table.index_select(0, inputs.slots) for sliding, table in tables.items()}
-    meta = canvas_metadata(inputs.starts, mine, cl, context, geometry)
+    meta = canvas_metadata(positions.index_select(0, inputs.slots), mine, cl, context, geometry)
+    first = slot_params.select(inputs.slots)
     work = state.rows(inputs.slots)  # the canvases' state through the steps
     here = torch.arange(rows, device=inputs.slots.device)
     out = None
     for i in range(steps):
-        params = inputs.params if i == 0 else inputs.params.later(i)
+        params = first if i == 0 else first.later(i)
         now = _one_step(model, sampler, vocab, kv, meta, work, here, params)
         if out is None:
             out = now
@@ -137,26 +142,18 @@ def context_of(rows: list[Row], block_size: int) -> int:
     return 0 if blocks == 0 else (1 << (blocks - 1).bit_length()) * block_size
 
 
-def host_inputs(rows: list[Row], params: StepParams, size: int, scratch: int) -> CanvasInputs:
+def host_inputs(rows: list[Row], size: int, scratch: int) -> CanvasInputs:
     """The step's inputs on the host, padded to `size` canvases."""
-    pad = size - len(rows)
-    slots = torch.tensor([r.slot for r in rows] + [scratch] * pad, dtype=torch.long)
-    starts = torch.tensor([r.start for r in rows] + [0] * pad, dtype=torch.long)
-    return CanvasInputs(slots, starts, params.padded(size))
+    return CanvasInputs(torch.tensor([r.slot for r in rows] + [scratch] * (size - len(rows)), dtype=torch.long))
 
 
 def allocate_inputs(like: CanvasInputs, device: torch.device) -> CanvasInputs:
     """Device buffers shaped like `like`."""
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(t, device=device)
-
-    return CanvasInputs(empty(like.slots), empty(like.starts), like.params.empty_like(device))
+    return CanvasInputs(torch.empty_like(like.slots, device=device))
 
 
 def copy_inputs(dst: CanvasInputs, src: CanvasInputs) -> None:
     dst.slots.copy_(src.slots, non_blocking=True)
-    dst.starts.copy_(src.starts, non_blocking=True)
-    dst.params.copy_(src.params)
 
 
 class CanvasSteps:
@@ -167,14 +164,16 @@ class CanvasSteps:
 
     def __init__(self, model: BlockDiffusionModel, sampler: DiffusionSampler, vocab: VocabParallel,
                  kv: list[tuple[torch.Tensor, torch.Tensor]], geometry: CacheGeometry, tables: dict[bool, torch.Tensor],
-                 state: SlotState, device: torch.device, compile: bool, cuda_graphs: bool, steps_per_launch: int = 1):
-        """tables: the rank's block tables (BlockTables.tables), read where they are at every step.
+                 state: SlotState, requests: RequestSlots, device: torch.device, compile: bool, cuda_graphs: bool,
+                 steps_per_launch: int = 1):
+        """tables: the rank's block tables (BlockTables.tables), and requests its per-slot positions
+        and sampler parameters, read where they are at every step.
         steps_per_launch: the most steps one launch runs (EngineConfig.num_scheduler_steps): each
         shape has a graph for each number of steps up to it."""
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables = model, sampler, vocab, kv, geometry, tables
-        self.state, self.device = state, device
+        self.state, self.requests, self.device = state, requests, device
         self.fn = torch.compile(canvas_step, **COMPILE_OPTIONS) if compile else canvas_step
         # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
         # these calls only; a shape beyond them would be a bug and still fails.
@@ -185,31 +184,34 @@ class CanvasSteps:
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         self.shapes: dict[tuple, tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
 
-    def __call__(self, rows: list[Row], params: StepParams, steps: int = 1) -> tuple[CanvasInputs, CanvasOutputs]:
-        """`steps` steps of the canvases `rows` (their state reset already where a canvas starts):
-        the inputs used (padded) and the outputs, whose first len(rows) rows are the canvases'."""
+    def __call__(self, rows: list[Row], options: dict, steps: int = 1) -> tuple[CanvasInputs, CanvasOutputs]:
+        """`steps` steps of the canvases `rows` (their state reset already where a canvas starts)
+        with the sampler's step `options` (StepParams.options): the inputs used (padded) and the
+        outputs, whose first len(rows) rows are the canvases'."""
         context = context_of(rows, self.geometry.block_size)
         size = bucket(len(rows))
-        host = host_inputs(rows, params, size, self.state.scratch)
-        # the params' Python values (e.g. restrict: top-k/p, min-p) and the steps per launch: a graph each
-        key = (size, context, params.key(), steps)
+        host = host_inputs(rows, size, self.state.scratch)
+        # the options (e.g. restrict: top-k/p, min-p) and the steps per launch: a graph each
+        key = (size, context, tuple(options.items()), steps)
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
             with torch._dynamo.config.patch(**self.limits):
-                return inputs, self.fn(*self.step_args(context, inputs, steps))
+                return inputs, self.fn(*self.step_args(context, inputs, options, steps))
         if graph is None:
             with torch._dynamo.config.patch(**self.limits):
-                graph, outputs = self._capture(self.step_args(context, inputs, steps))
+                graph, outputs = self._capture(self.step_args(context, inputs, options, steps))
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs
 
-    def step_args(self, context: int, inputs: CanvasInputs, steps: int = 1) -> tuple:
-        """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions."""
-        return self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state, inputs, steps
+    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1) -> tuple:
+        """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions,
+        with the sampler's step `options`."""
+        return (self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state,
+                self.requests.starts, self.requests.params.with_options(options), inputs, steps)
 
     def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).

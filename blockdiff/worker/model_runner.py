@@ -3,7 +3,9 @@
 Per-slot denoising state (the canvas, and the sampler's own: for the entropy-bound sampler the last
 argmax canvas, its run length and the self-conditioning input) lives in preallocated device tensors
 indexed by the request's slot, made by the sampler (one more, a scratch slot, takes the writes of
-padded canvases). A step whose rows are all canvases being denoised can run as the
+padded canvases). Each slot's position and sampler parameters live there too
+(worker/request_slots.py), as its block tables do (worker/block_tables.py): a plan names the slots
+that run. A step whose rows are all canvases being denoised can run as the
 static step of worker/canvas_step.py (compiled, or replayed as a CUDA graph); every other step
 (prompt chunks, committed canvases beside canvases) runs eagerly over rows grouped by shape. Every
 rank runs the same `execute` on the same `StepPlan`; with tensor parallelism the collectives inside
@@ -18,13 +20,14 @@ from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.kernels import step_modes, target
-from blockdiff.model.attention import build_metadata
+from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
 from blockdiff.worker.block_tables import BlockTables
 from blockdiff.worker.canvas_step import CanvasSteps, all_canvases
 from blockdiff.worker.cpu_heap import keep_freed_memory
 from blockdiff.worker.kv_cache import allocate, geometry
+from blockdiff.worker.request_slots import RequestSlots
 
 
 class ModelRunner:
@@ -54,6 +57,7 @@ class ModelRunner:
         self.canvas_length = model.config.canvas_length
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
                                        self.device)
+        self.requests = RequestSlots(sampler, cache.num_slots + 1, self.device)
         self.automata: dict[str, DeviceAutomaton] = {}  # structured outputs' automata, by key (StepPlan.automata)
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
@@ -62,25 +66,28 @@ class ModelRunner:
         self.steps_per_launch = steps_per_launch if static else 1
         if modes.compile or modes.cuda_graphs or self.steps_per_launch > 1:
             self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, self.tables.tables,
-                                            self.state, self.device, modes.compile, modes.cuda_graphs,
+                                            self.state, self.requests, self.device, modes.compile, modes.cuda_graphs,
                                             self.steps_per_launch)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
         self.tables.apply(plan.tables)
+        self.requests.admit(plan.new_requests)
+        rows = self.requests.rows(plan.rows)
+        self.requests.advance(plan.rows)  # the rows above start where their slots stood before the step
         for key in plan.forget_automata:
             self.automata.pop(key, None)
         for key, automaton in plan.automata.items():
             self.automata[key] = DeviceAutomaton(automaton, self.vocab, self.device)
         # Decoder rows: the pieces of prompts scored this step first, then the canvases.
         scored = 0 if plan.score is None else len(plan.score.lengths)
-        dec_rows = [r for r in plan.rows if r.decoder][scored:]
+        dec_rows = [r for r in rows if r.decoder][scored:]
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
             self._start_canvases(plan, slots)
-        if (self.canvas_steps is not None and all_canvases(plan.rows) and plan.top_logprobs <= 0 and plan.score is None
+        if (self.canvas_steps is not None and all_canvases(rows) and plan.top_logprobs <= 0 and plan.score is None
                 and plan.min_tokens is None):
-            return self._canvas_step(plan)
+            return self._canvas_step(plan, rows)
         if plan.steps > 1:
             raise ValueError(f"{plan.steps} steps per launch need a step of canvases only, run as the static step")
 
@@ -98,7 +105,7 @@ class ModelRunner:
                 soft = self.state.soft[slots].reshape(-1, self.state.soft.shape[-1])
                 if score_tokens:  # a scored piece is a canvas's first step: no self-conditioning (zeros)
                     soft = torch.cat((soft.new_zeros(score_tokens, soft.shape[-1]), soft))
-        meta = build_metadata(plan.rows, self.geometry, self.kinds, self.device, self.tables.tables)
+        meta = build_metadata(rows, self.geometry, self.kinds, self.device, self.tables.tables)
         if meta.num_tokens > ids.shape[0]:
             ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
         images = None if plan.images is None else plan.images.to(self.device)
@@ -111,9 +118,10 @@ class ModelRunner:
             return StepOutput(finished=torch.zeros(0, dtype=torch.bool), tokens=torch.zeros(0, self.canvas_length,
                               dtype=torch.long), logprob=None, top_logprobs=None, top_ids=None, **score)
 
-        params = plan.denoise.to(self.device)
+        params = self.requests.step_params(slots, plan.denoise)
         res = self.sampler.step(logits.view(len(dec_rows), self.canvas_length, -1), self.state, slots, params, self.vocab)
         self.state.put(slots, res.updates)
+        self.requests.stepped(slots, 1)
         finished = res.finished.cpu()  # the only host sync the control flow below needs
         tokens, logprob = self.sampler.commit(res, params), res.logprob
         if plan.min_tokens is not None:
@@ -151,14 +159,15 @@ class ModelRunner:
         )
 
     def _start_canvases(self, plan: StepPlan, slots: torch.Tensor) -> None:
-        """The canvases that start this step take the sampler's noise, counted from their request's
-        seed and canvas index, where their draft has no token."""
-        rows = torch.tensor(plan.new_canvas_rows, device=self.device)
-        params = plan.denoise
-        noise = self.sampler.start_canvas(params.seed.to(self.device)[rows], params.canvas.to(self.device)[rows],
-                                          self.canvas_length, self.vocab.shard.vocab_size)
+        """The canvases that start this step take their steps n and canvas index, and the sampler's
+        noise, counted from their request's seed and canvas index, where their draft has no token."""
+        starting = slots[torch.tensor(plan.new_canvas_rows, device=self.device)]
+        self.requests.start_canvases(starting, plan.new_canvas_steps, plan.new_canvas_index)
+        params = self.requests.params
+        noise = self.sampler.start_canvas(params.seed[starting], params.canvas[starting], self.canvas_length,
+                                          self.vocab.shard.vocab_size)
         draft = plan.new_canvases.to(self.device)
-        self.state.start(slots[rows], torch.where(draft >= 0, draft, noise))
+        self.state.start(starting, torch.where(draft >= 0, draft, noise))
 
     def _score(self, logits: torch.Tensor, plan: ScorePlan) -> dict[str, torch.Tensor]:
         """The log-probability of each scored token under the model's distribution (temperature 1) at
@@ -206,12 +215,13 @@ class ModelRunner:
             tokens[rows], logprob[rows] = new, lp
         return tokens, logprob
 
-    def _canvas_step(self, plan: StepPlan) -> StepOutput:
-        """The static step (plan.steps of them back to back); only the finished flags, the steps run,
-        the committed tokens (and logprobs) come back, once."""
-        n = len(plan.rows)
-        inputs, out = self.canvas_steps(plan.rows, plan.denoise, plan.steps)
+    def _canvas_step(self, plan: StepPlan, rows: list[Row]) -> StepOutput:
+        """The static step (plan.steps of them back to back) of the canvases `rows`; only the
+        finished flags, the steps run, the committed tokens (and logprobs) come back, once."""
+        n = len(rows)
+        inputs, out = self.canvas_steps(rows, plan.denoise, plan.steps)
         self.state.put(inputs.slots[:n], {name: value[:n] for name, value in out.updates.items()})
+        self.requests.stepped(inputs.slots[:n], plan.steps)
         finished = out.finished[:n].cpu()
         tokens, logprob = self._constrain(plan, finished, out.dist, out.tokens[:n], out.logprob[:n])
         return StepOutput(
