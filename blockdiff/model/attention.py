@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
-from blockdiff.model.layers import RMSNorm, apply_rotary
+from blockdiff.model.layers import RMSNorm, apply_rotary, unit_rms
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import column_parallel, row_parallel
 from blockdiff.quantization import covering
@@ -154,16 +154,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.v_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, with_scale=False)
-        self.splits = [p[1] for p in parts]
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         kind = meta.kind(self.spec.sliding)
         n = x.shape[0]
-        qkv = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = self.q_norm(qkv[0].view(n, self.local_heads, self.head_dim))
-        k_raw = qkv[1].view(n, self.local_kv_heads, self.head_dim)
-        v = self.v_norm(qkv[2].view(n, self.local_kv_heads, self.head_dim) if self.spec.has_v_proj else k_raw)
-        k = self.k_norm(k_raw)
+        # q, k and v are normalised per head: one rms over all the heads of the projection (the
+        # same bits per head), k's also giving v where the layer has no v_proj.
+        unit = unit_rms(self.qkv_proj(x).view(n, -1, self.head_dim), self.q_norm.eps)
+        h, kv = self.local_heads, self.local_kv_heads
+        q = self.q_norm.scaled(unit[:, :h], x.dtype)
+        k = self.k_norm.scaled(unit[:, h : h + kv], x.dtype)
+        v = self.v_norm.scaled(unit[:, h + kv :] if self.spec.has_v_proj else unit[:, h : h + kv], x.dtype)
         q = apply_rotary(q, kind.cos, kind.sin)
         k = apply_rotary(k, kind.cos, kind.sin)
 

@@ -74,7 +74,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [tokens, k] float32, expert index [tokens, k])."""
-        scores = linear(self.norm(x) * self.scale * self.root, self.proj.weight)
+        return self.route(self.norm(x))
+
+    def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward from the router's norm of x (`normed`, in x's dtype)."""
+        scores = linear(normed * self.scale * self.root, self.proj.weight)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
