@@ -275,7 +275,8 @@ def _attend(q, k, v, g: AttnGroup, cache: tuple[torch.Tensor, torch.Tensor], key
         m = canvas.amax(-1) if m is None else torch.maximum(m, canvas.amax(-1))
     total = out = None
     if g.blocks:
-        e = _exp_minus(scores, m[:, :, None, :, None], seen.to(acc), group)
+        # The unseen keys zeroed after the exp where exp is slow on -inf (the CPU); elsewhere exp(-inf).
+        e = _exp_minus(scores, m[:, :, None, :, None], seen.to(acc) if scores.is_cpu else None, group)
         values = _cached(cache[1], g.cache_blocks, block_size).view(kv, rows, g.blocks, key_block, dim)
         reduce = _tree if g.tree else _fold
         total, out = reduce(e.sum(-1), 2), reduce(_products(e.to(values.dtype), values).to(acc), 2)
