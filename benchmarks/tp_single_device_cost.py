@@ -109,7 +109,7 @@ class PlainSampler:
     def distribution(self, x: torch.Tensor) -> Distribution:
         chunk_max = per_chunk(x, torch.amax)
         m = chunk_max.amax(dim=-1, keepdim=True)
-        y, cum, dot = exp_statistics(x, m, x[..., 0].numel())
+        y, cum, dot, _ = exp_statistics(x, m, x[..., 0].numel())
         total = cum[..., -1]
         return Distribution(y, chunk_max.sub_(m), cum, None, total, total.log() - dot / total)
 

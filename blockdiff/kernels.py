@@ -130,6 +130,14 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
     return PER_EXPERT, f"no grouped kernel on {where.type}"
 
 
+def transposed_experts(device: torch.device, dtype: torch.dtype, shape: ExpertShape) -> bool:
+    """Whether experts of `shape` on `device` keep each expert's [out, in] weight in memory as
+    [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies by such a
+    weight up to a quarter faster than by the checkpoint's layout read through a transposed view,
+    with the same bits (docs/benchmarks.md); CUDA's grouped kernels take the checkpoint's layout."""
+    return device.type == "cpu" and expert_kernel(Target("cpu"), dtype, shape)[0] == GROUPED
+
+
 @torch.compiler.assume_constant_result  # traced code takes the answer as a constant
 def kernel_on(device: torch.device, dtype: torch.dtype, shape: ExpertShape) -> str:
     """The experts' kernel for tensors of `dtype` on `device`."""

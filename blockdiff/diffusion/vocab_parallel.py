@@ -5,10 +5,13 @@ using collectives over [...]-sized statistics only: the max, Σexp and Σexp·(x
 and the entropy; argmax and sampling reduce per-rank candidates. With one rank there is no
 collective and no masking: the same code is the plain single-device computation.
 
-Memory: the logits are shifted in place and are the only [..., vocabulary] tensor the sampler keeps.
-exp(x - max) exists only a tile of positions at a time (`workspace_bytes` bounds the tile), so the
-sampler's extra memory does not grow with the batch. The tile count is a Python int fixed by the
-shapes, every tile runs the same ops on its rows, and the results do not depend on the tiling.
+Memory: the logits are shifted in place and are the only [..., vocabulary] tensor the sampler keeps
+beyond its workspace. exp(x - max) exists only a tile of positions at a time (`workspace_bytes`
+bounds the tile), so the sampler's extra memory does not grow with the batch; where the whole step's
+exp and one more temporary of its size fit the workspace, it is computed once and kept for the
+self-conditioning product (`Distribution.probs`) instead of being computed again. The tile count is
+a Python int fixed by the shapes, every tile runs the same ops on its rows, and the results do not
+depend on the tiling.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Distribution:
     rank_bounds: torch.Tensor | None  # [ranks + 1, ...] Σ exp over the ranks before each (sharded)
     total: torch.Tensor  # [...] Σ exp over the whole vocabulary
     entropy: torch.Tensor  # [...]
+    # exp(shifted), kept where it fits the workspace beside the statistics' temporary; else None
+    probs: torch.Tensor | None = None
 
     @property
     def local_sum(self) -> torch.Tensor:
@@ -98,7 +103,9 @@ class VocabParallel:
         m = chunk_max.amax(dim=-1, keepdim=True)
         if self.sharded:
             self.group.all_reduce(m, op="max")
-        y, cum, dot = exp_statistics(x, m, self.tile_positions(x, 4))
+        # e and the e·y temporary in the workspace at once: e is kept rather than recomputed.
+        keep = self.tile_positions(x, 8) >= x[..., 0].numel()
+        y, cum, dot, probs = exp_statistics(x, m, self.tile_positions(x, 4), keep)
         local_sum = cum[..., -1]
         bounds = None
         if self.sharded:
@@ -109,7 +116,7 @@ class VocabParallel:
             dot = dots.sum(0)
         total = local_sum if bounds is None else bounds[-1]
         entropy = total.log() - dot / total
-        return Distribution(y, chunk_max.sub_(m), cum, bounds, total, entropy)
+        return Distribution(y, chunk_max.sub_(m), cum, bounds, total, entropy, probs)
 
     def tile_positions(self, x: torch.Tensor, bytes_per_value: int) -> int:
         """Positions per tile such that a [tile, local vocab] temporary of `bytes_per_value` per
@@ -224,17 +231,20 @@ class VocabParallel:
         tile = self.tile_positions(d.shifted, 4 + dtype.itemsize)
         positions = None if rows is None else (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
         n = flat.shape[0] if positions is None else positions.shape[0]
-        buffer = flat.new_empty(min(tile, n), flat.shape[1])  # one for every tile, as in exp_statistics
+        kept = None if d.probs is None else d.probs.view(flat.shape)  # exp(shifted) already: the same bits
+        buffer = flat.new_empty(min(tile, n), flat.shape[1]) if kept is None else None  # one for every tile
         out = []
         for a in range(0, n, tile):
-            probs = buffer[: min(tile, n - a)]
             if positions is None:  # contiguous tiles: no gathered copy
-                torch.exp(flat[a : a + tile], out=probs)
                 tile_total = total[a : a + tile]
+                probs = kept[a : a + tile] if kept is not None else torch.exp(flat[a : a + tile], out=buffer[: min(tile, n - a)])
             else:
-                torch.index_select(flat, 0, positions[a : a + tile], out=probs).exp_()
-                tile_total = total.index_select(0, positions[a : a + tile])
+                index = positions[a : a + tile]
+                tile_total = total.index_select(0, index)
+                probs = (kept.index_select(0, index) if kept is not None
+                         else torch.index_select(flat, 0, index, out=buffer[: index.shape[0]]).exp_())
             out.append(embed(probs, tile_total))
+        d.probs = None  # read by this product only: not held through the rest of the step
         return torch.cat(out).view(canvases if rows is None else rows.shape[0], cl, -1)
 
     def token_logprob(self, d: Distribution, ids: torch.Tensor) -> torch.Tensor:
@@ -273,12 +283,20 @@ def per_chunk(x: torch.Tensor, reduce) -> torch.Tensor:
     return out
 
 
-def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x shifted by the max m in place (y), the cumulative sums per chunk of e = exp(y), and Σ e·y,
-    `tile` positions at a time: e exists for one tile only."""
+def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int,
+                   keep: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x shifted by the max m in place (y), the cumulative sums per chunk of e = exp(y), Σ e·y, and
+    e itself where `keep` (else None). Without `keep`, `tile` positions at a time: e exists for one
+    tile only."""
     y = x.sub_(m)
     rows, lead = y.reshape(-1, y.shape[-1]), y.shape[:-1]
     chunks = -(-y.shape[-1] // _CHUNK)
+    if keep:
+        e = torch.exp(y)
+        flat = e.view(rows.shape)
+        cum = per_chunk(flat, torch.sum).cumsum(-1)
+        dot = torch.mul(flat, rows).sum(dim=-1)  # the tiled loop's product and sum, into a temporary
+        return y, cum.view(*lead, chunks), dot.view(lead), e
     cum = y.new_empty(rows.shape[0], chunks)
     dot = y.new_empty(rows.shape[0])
     # One buffer for every tile: a heap that keeps freed memory (worker/cpu_heap.py) can split a
@@ -289,7 +307,7 @@ def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int) -> tuple[torch.T
         cum[a : a + tile] = per_chunk(e, torch.sum).cumsum(-1)
         # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
         dot[a : a + tile] = e.mul_(rows[a : a + tile]).sum(dim=-1)
-    return y, cum.view(*lead, chunks), dot.view(lead)
+    return y, cum.view(*lead, chunks), dot.view(lead), None
 
 
 def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
-from blockdiff.model.layers import RMSNorm, apply_rotary
+from blockdiff.model.layers import RMSNorm, apply_rotary, unit_rms
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import column_parallel, row_parallel
 from blockdiff.quantization import covering
@@ -154,16 +154,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.v_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, with_scale=False)
-        self.splits = [p[1] for p in parts]
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         kind = meta.kind(self.spec.sliding)
         n = x.shape[0]
-        qkv = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = self.q_norm(qkv[0].view(n, self.local_heads, self.head_dim))
-        k_raw = qkv[1].view(n, self.local_kv_heads, self.head_dim)
-        v = self.v_norm(qkv[2].view(n, self.local_kv_heads, self.head_dim) if self.spec.has_v_proj else k_raw)
-        k = self.k_norm(k_raw)
+        # q, k and v are normalised per head: one rms over all the heads of the projection (the
+        # same bits per head), k's also giving v where the layer has no v_proj.
+        unit = unit_rms(self.qkv_proj(x).view(n, -1, self.head_dim), self.q_norm.eps)
+        h, kv = self.local_heads, self.local_kv_heads
+        q = self.q_norm.scaled(unit[:, :h], x.dtype)
+        k = self.k_norm.scaled(unit[:, h : h + kv], x.dtype)
+        v = self.v_norm.scaled(unit[:, h + kv :] if self.spec.has_v_proj else unit[:, h : h + kv], x.dtype)
         q = apply_rotary(q, kind.cos, kind.sin)
         k = apply_rotary(k, kind.cos, kind.sin)
 
@@ -224,10 +225,21 @@ def _fold(x: torch.Tensor, dim: int) -> torch.Tensor:
     return total
 
 
-def _exp_minus(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def _exp_minus(x: torch.Tensor, m: torch.Tensor, seen: torch.Tensor | None = None, group: int = 1) -> torch.Tensor:
     """exp(x - m): in place when nothing differentiates through x (the max taken of x keeps x for
-    its gradient, so training, the demo trainer's, needs a new tensor)."""
-    return (x - m).exp() if x.requires_grad else x.sub_(m).exp_()
+    its gradient, so training, the demo trainer's, needs a new tensor). With `seen` (1 or 0 per
+    key, broadcasting against x [kv, rows, blocks, group * M, keys] viewed as [kv, rows, blocks,
+    group, M, keys]) x holds -inf at the unseen keys: those are exponentiated as 0 and multiplied
+    by 0 instead, the same bits, as the CPU's exp takes a path ~2x slower for inputs below
+    float32's range."""
+    y = x - m if x.requires_grad else x.sub_(m)
+    if seen is None:
+        return y.exp() if x.requires_grad else y.exp_()
+    shape = (*x.shape[:3], group, -1, x.shape[-1])
+    if x.requires_grad:
+        return (y.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=0.0).exp().view(shape) * seen).view(x.shape)
+    y.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0).exp_().view(shape).mul_(seen)
+    return y
 
 
 def _attend(q, k, v, g: AttnGroup, cache: tuple[torch.Tensor, torch.Tensor], key_block: int,
@@ -251,16 +263,20 @@ def _attend(q, k, v, g: AttnGroup, cache: tuple[torch.Tensor, torch.Tensor], key
         keys = keys.transpose(-1, -2).contiguous()
         queries = stacked.unsqueeze(2).expand(kv, rows, g.blocks, *stacked.shape[2:])
         scores = _products(queries, keys).to(acc)  # [kv, rows, blocks, M, key_block]
-        blocked = g.mask.logical_not()[None, :, :, None]  # over the query heads of a KV head
-        scores.view(kv, rows, g.blocks, group, -1, key_block).masked_fill_(blocked, float("-inf"))
-        m = scores.amax(dim=(2, 4))
+        # Over the query heads of a KV head. A 0 / -inf bias, not a broadcast masked_fill_ (~15x
+        # slower on CPU): the same scores; the max over the keys first, then the blocks, as fast.
+        seen = g.mask[None, :, :, None]
+        bias = torch.where(seen, 0.0, float("-inf")).to(acc)
+        scores.view(kv, rows, g.blocks, group, -1, key_block).add_(bias)
+        m = scores.amax(-1).amax(2)
     if g.canvas:
         own_k, own_v = _by_kv_head(_rows(k, g)), _by_kv_head(_rows(v, g))
         canvas = _products(stacked, own_k.transpose(-1, -2)).to(acc)  # [kv, rows, M, q_len]
         m = canvas.amax(-1) if m is None else torch.maximum(m, canvas.amax(-1))
     total = out = None
     if g.blocks:
-        e = _exp_minus(scores, m[:, :, None, :, None])
+        # The unseen keys zeroed after the exp where exp is slow on -inf (the CPU); elsewhere exp(-inf).
+        e = _exp_minus(scores, m[:, :, None, :, None], seen.to(acc) if scores.is_cpu else None, group)
         values = _cached(cache[1], g.cache_blocks, block_size).view(kv, rows, g.blocks, key_block, dim)
         reduce = _tree if g.tree else _fold
         total, out = reduce(e.sum(-1), 2), reduce(_products(e.to(values.dtype), values).to(acc), 2)

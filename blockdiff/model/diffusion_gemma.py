@@ -17,7 +17,7 @@ from blockdiff.kernels import expert_kernel, static_kernel, target
 from blockdiff.model.attention import Attention, AttentionMetadata
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.interface import LayerCacheSpec
-from blockdiff.model.layers import RMSNorm, Rotary
+from blockdiff.model.layers import RMSNorm, Rotary, unit_rms
 from blockdiff.model.moe import GatedMLP, Router, make_experts
 from blockdiff.model.vision import ImageInputs, VisionEncoder
 from blockdiff.parallel.group import TPGroup
@@ -60,9 +60,12 @@ class Block(nn.Module):
         x = residual + x
 
         residual = x
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
-        weights, index = self.router(x)
-        moe = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), weights, index))
+        # The MLP's, the experts' and the router's norms all normalise x: its rms is taken once.
+        unit = unit_rms(x, self.pre_feedforward_layernorm.eps)
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm.scaled(unit, x.dtype)))
+        weights, index = self.router.route(self.router.norm.scaled(unit, x.dtype))
+        experts = self.experts(self.pre_feedforward_layernorm_2.scaled(unit, x.dtype), weights, index)
+        moe = self.post_feedforward_layernorm_2(experts)
         x = residual + self.post_feedforward_layernorm(dense + moe)
 
         ne = meta.num_encoder_tokens

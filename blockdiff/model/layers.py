@@ -18,9 +18,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is one fused kernel for what is otherwise six elementwise ops (same result).
-        weight = None if self.weight is None else self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
+        return self.scaled(unit_rms(x, self.eps), x.dtype)
+
+    def scaled(self, unit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This norm of x from unit_rms(x): norms of the same input share one unit_rms, whose
+        product with the weight is the same bits as the norm computed whole."""
+        return (unit if self.weight is None else unit * self.weight.float()).to(dtype)
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in float32 (F.rms_norm, fused where the device has a kernel)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 
 from blockdiff.model.gemma_config import GemmaConfig
 from blockdiff.fp8 import FP8, fp8_linear, scaled_grouped_linear, sharded_token_scales
-from blockdiff.kernels import PER_EXPERT, ExpertShape, kernel_on, padded
+from blockdiff.kernels import PER_EXPERT, ExpertShape, kernel_on, padded, transposed_experts
 from blockdiff.matmul import grouped_linear, linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
@@ -74,7 +74,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [tokens, k] float32, expert index [tokens, k])."""
-        scores = linear(self.norm(x) * self.scale * self.root, self.proj.weight)
+        return self.route(self.norm(x))
+
+    def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward from the router's norm of x (`normed`, in x's dtype)."""
+        scores = linear(normed * self.scale * self.root, self.proj.weight)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -103,12 +107,18 @@ class Experts(nn.Module):
         self.group = group
         self.reduce = group.size > 1
         self.act = activation(config.hidden_activation)
-        # [E, out, in] like the checkpoint: each expert's slice is a plain linear weight.
-        self.gate_up = nn.Parameter(torch.zeros(e, 2 * self.local, self.hidden_in, dtype=dtype), requires_grad=False)
-        self.down = nn.Parameter(torch.zeros(e, self.hidden_in, self.local, dtype=dtype), requires_grad=False)
+        self.shape = ExpertShape(self.hidden_in, self.local, dtype)  # what blockdiff/kernels.py decides on
+        # [E, out, in] like the checkpoint: each expert's slice is a plain linear weight (in memory
+        # [E, in, out] where the grouped kernel reads that faster: kernels.transposed_experts).
+        transposed = transposed_experts(torch.get_default_device(), dtype, self.shape)
+
+        def weight(out: int, inner: int) -> nn.Parameter:
+            w = torch.zeros(e, inner, out, dtype=dtype).transpose(1, 2) if transposed else torch.zeros(e, out, inner, dtype=dtype)
+            return nn.Parameter(w, requires_grad=False)
+
+        self.gate_up, self.down = weight(2 * self.local, self.hidden_in), weight(self.hidden_in, self.local)
         self.gate_up.weight_loader = self.load_gate_up
         self.down.weight_loader = self.load_down
-        self.shape = ExpertShape(self.hidden_in, self.local, dtype)  # what blockdiff/kernels.py decides on
 
     def _halves(self) -> tuple[slice, slice]:
         """The rows of gate_up that hold this rank's gate and up columns."""
