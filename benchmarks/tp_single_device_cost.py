@@ -7,8 +7,8 @@
     model built from the parallel layers, against the same runner on the same model with every
     parallel layer swapped for a plain linear layer / `nn.Embedding` sharing the same weights and
     the same matmul kernel (blockdiff/matmul.py), and the sampler's and the helper's single-device
-    arithmetic written out without any group logic; and, as the measurement's noise floor, against
-    a second identical runner of our own.
+    arithmetic without any group logic (`PlainSampler` says what of it is written out here and what
+    is inherited); and, as the measurement's noise floor, against a second identical runner of our own.
 
 Repetitions alternate between the two sides; printed are the medians and their ratio (ours / plain;
 1.00 = no cost), and the median of each round's ratio. Both sides must also produce the same
