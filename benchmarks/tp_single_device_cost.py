@@ -7,8 +7,8 @@
     model built from the parallel layers, against the same runner on the same model with every
     parallel layer swapped for a plain linear layer / `nn.Embedding` sharing the same weights and
     the same matmul kernel (blockdiff/matmul.py), and the sampler's and the helper's single-device
-    arithmetic written out without any group logic; and, as the measurement's noise floor, against
-    a second identical runner of our own.
+    arithmetic without any group logic (`PlainSampler` says what of it is written out here and what
+    is inherited); and, as the measurement's noise floor, against a second identical runner of our own.
 
 Repetitions alternate between the two sides; printed are the medians and their ratio (ours / plain;
 1.00 = no cost), and the median of each round's ratio. Both sides must also produce the same
@@ -33,7 +33,7 @@ from torch import nn
 import blockdiff.model.diffusion_gemma as diffusion_gemma
 from blockdiff.diffusion.entropy_bound import DenoiseParams, EntropyBound, denoise_params
 from blockdiff.diffusion.self_conditioning import soft_embedding
-from blockdiff.diffusion.vocab_parallel import Distribution, exp_statistics, first_argmax, inverse_cdf, per_chunk
+from blockdiff.diffusion.vocab_parallel import Distribution, Draw, VocabParallel, exp_statistics, first_argmax, inverse_cdf, per_chunk
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
 from blockdiff.step import CacheConfig, NewRequests, StepPlan, StepRow, TableDelta
 from blockdiff.worker.model_runner import ModelRunner
@@ -42,6 +42,7 @@ from blockdiff.model.attention import Row
 from blockdiff.model.loader import load_model
 from blockdiff.model.tiny import TinySpec, make_tiny_model
 from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from blockdiff.parallel.vocab import VocabShard
 
 CANVAS = 256
 
@@ -101,20 +102,37 @@ class PlainLinear(nn.Module):
         return linear(x, self.weight)
 
 
-class PlainSampler:
-    """The sampler's single-device arithmetic from the same functions (blockdiff/diffusion/
-    vocab_parallel.py), without the padding mask, the shard or group logic: only the TP machinery
-    differs between the two sides."""
+class PlainSampler(VocabParallel):
+    """The sampler's single-device arithmetic without the padding mask, the shard's index logic or
+    the group, so that only the TP machinery differs between the two sides. Written out here from
+    the same functions (blockdiff/diffusion/vocab_parallel.py): what the measured step runs
+    (`distribution`, `argmax_and_sample`) and `token_logprob`. Inherited as they are, with no
+    group (`sharded` False, `_global_sum` the identity): `tile_positions` and `soft_embed`, which
+    hold no TP logic, only the workspace's tiling; `restricted_draw` and `top_logprobs`, whose
+    only TP logic is one `if self.sharded` branch, skipped at one rank by ours too."""
+
+    def __init__(self, shard: VocabShard, workspace_bytes: int | None):
+        # Not VocabParallel.__init__: no group, padding mask or global ids. The shard is kept for
+        # its vocab_size, which the sampler reads.
+        self.shard, self.workspace_bytes, self.sharded = shard, workspace_bytes, False
 
     def distribution(self, x: torch.Tensor) -> Distribution:
         chunk_max = per_chunk(x, torch.amax)
         m = chunk_max.amax(dim=-1, keepdim=True)
-        y, cum, dot, _ = exp_statistics(x, m, x[..., 0].numel())
+        keep = self.tile_positions(x, 8) >= x[..., 0].numel()  # e kept for soft_embed where it fits, as ours
+        y, cum, dot, probs = exp_statistics(x, m, self.tile_positions(x, 4), keep)
         total = cum[..., -1]
-        return Distribution(y, chunk_max.sub_(m), cum, None, total, total.log() - dot / total)
+        return Distribution(y, chunk_max.sub_(m), cum, None, total, total.log() - dot / total, probs)
 
-    def argmax_and_sample(self, d: Distribution, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return first_argmax(d.shifted, d.chunk_max), inverse_cdf(d.shifted, d.chunk_cumsum, u * d.total)
+    def argmax_and_sample(self, d: Distribution, u: torch.Tensor, draw: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        cum, total, threshold = (d.chunk_cumsum, d.total, None) if draw is None else (draw.chunk_cumsum, draw.total, draw.threshold)
+        return first_argmax(d.shifted, d.chunk_max), inverse_cdf(d.shifted, cum, u.to(total.dtype) * total, threshold)
+
+    def _global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def token_logprob(self, d: Distribution, ids: torch.Tensor) -> torch.Tensor:
+        return d.shifted.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - d.log_total
 
 
 def plain_model(model: nn.Module) -> nn.Module:
@@ -167,7 +185,7 @@ def whole_step(spec: TinySpec, prompt: int, reps: int) -> tuple[str, str]:
         model = load_model(make_tiny_model(tmp, spec))
     cache = CacheConfig(num_slots=1, num_blocks=-(-(prompt + CANVAS) // 16), block_size=16, max_model_len=prompt + CANVAS)
     ours, twin, plain = (ModelRunner(m, cache, "cpu", EntropyBound()) for m in (model, model, plain_model(model)))
-    plain.vocab = PlainSampler()
+    plain.vocab = PlainSampler(plain.vocab.shard, plain.vocab.workspace_bytes)
     prefill, first, later = step_plans(prompt, spec.vocab_size, tuple(range(cache.num_blocks)))
 
     def run_plain(plan: StepPlan):
@@ -177,7 +195,7 @@ def whole_step(spec: TinySpec, prompt: int, reps: int) -> tuple[str, str]:
     outs = {}
     for name, run in (("ours", ours.execute), ("twin", twin.execute), ("plain", run_plain)):
         run(prefill)
-        outs[name] = [run(first).argmax, run(later).argmax]
+        outs[name] = [run(first).tokens, run(later).tokens]
     if not all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["plain"])):
         raise SystemExit("the two sides disagree: the comparison is void")
     return (
