@@ -1,7 +1,7 @@
 """Seeded outputs of the entropy-bound sampler against a recording: tokens, logprobs and step
 counts, bit for bit, through the eager forward over rows and through the static canvas step run
 eagerly (the same bits: attention's result for a query depends on its own keys only), at two
-tensor-parallel ranks (gloo), on the tiny checkpoint and on the demo model.
+tensor-parallel ranks (gloo), several steps per launch, on the tiny checkpoint and on the demo model.
 
 Recorded first from the code before the sampler became a strategy (issue 27); issue 28 re-recorded
 it, the one change of seeded outputs its issue allows: attention reduces over fixed key blocks in
@@ -9,14 +9,28 @@ position order (so a recomputed prefix caches the same bits), which moves the lo
 bits, and every random number is counted on the device by (seed, canvas, step, position)
 (diffusion/randoms.py) instead of drawn from a host generator per request.
 
+**The kernels are pinned, so the recording is a property of the code, not of the CPU.** A random
+tiny model's distributions are nearly flat: a difference in the last bit of one logit moves an
+inverse-CDF draw, and the next canvases follow it. With each library's own choice of kernels the
+outputs differ between CPUs: ATen's AVX-512 exp against its AVX2 one, oneDNN's float32 products
+(blockdiff/matmul.py takes them where ATen reports AVX-512) against MKL's, MKL's AVX-512 sgemm on
+Intel against the AVX2 one it runs on AMD. So the outputs are computed in a child process whose
+kernels every x86-64 CPU that CI may run on (AMD Zen 3 to 5, Intel Xeons with AVX-512 and AMX)
+computes the same way: ATen's AVX2 kernels (ATEN_CPU_CAPABILITY), oneDNN capped at AVX2, MKL in its
+conditional-numerical-reproducibility mode COMPATIBLE (MKL_CBWR: the same bits on every x86
+processor), one thread. The tiny checkpoint is made in that process too (its random weights come
+from vectorized kernels).
+
 The recording is data/recorded_outputs.json; `python tests/test_recorded_outputs.py` rewrites it
-(only ever from code whose outputs are known to be right)."""
+(only ever from code whose outputs are known to be right), under the same pinned kernels."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -27,6 +41,10 @@ from blockdiff.worker.canvas_step import CanvasSteps
 
 RECORDING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "recorded_outputs.json")
 TINY = dict(vocab_size=301, canvas_length=8, sliding_window=6, seed=1)  # conftest's `tiny`
+# Kernels that every x86-64 CPU computes the same way (the module's docstring says why each).
+PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE",
+                    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+RECORDED = ["tiny_eager", "tiny_alone", "tiny_static", "tiny_tp2", "demo_eager"]
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -74,45 +92,73 @@ def _static_steps(llm: LLM) -> None:
 
 
 def _run_all(tiny: str) -> dict:
-    """One step per launch (num_scheduler_steps=1), except at two ranks: there the CPU's default
-    number of steps per launch, whose outputs are those of one step at a time."""
+    """The recorded runs, one step per launch (num_scheduler_steps=1) except at two ranks (the CPU's
+    default number of steps per launch, whose outputs are those of one step at a time), and the
+    unrecorded ones that must equal them: five steps per launch, and the first request reseeded
+    (which must not)."""
     got = {}
     with LLM(tiny, num_scheduler_steps=1) as llm:
         got["tiny_eager"] = _outputs(llm, TINY_REQUESTS)
         got["tiny_alone"] = _outputs(llm, TINY_REQUESTS[2:3])
+        reseeded = dict(TINY_REQUESTS[0][1], seed=TINY_REQUESTS[0][1]["seed"] + 1)
+        got["tiny_reseeded"] = _outputs(llm, [(TINY_REQUESTS[0][0], reseeded), *TINY_REQUESTS[1:]])
     with LLM(tiny, num_scheduler_steps=1) as llm:
         _static_steps(llm)
         got["tiny_static"] = _outputs(llm, TINY_REQUESTS)
+    with LLM(tiny, num_scheduler_steps=5) as llm:
+        got["tiny_launch5"] = _outputs(llm, TINY_REQUESTS)
     with LLM(tiny, tensor_parallel_size=2) as llm:
         got["tiny_tp2"] = _outputs(llm, TINY_REQUESTS)
     with LLM(num_scheduler_steps=1) as llm:
         got["demo_eager"] = _outputs(llm, DEMO_REQUESTS)
+    with LLM(num_scheduler_steps=5) as llm:
+        got["demo_launch5"] = _outputs(llm, DEMO_REQUESTS)
     return got
 
 
+def run_portably(out: str) -> dict:
+    """_run_all in a child process under PORTABLE_KERNELS (ATen reads its capability once, at
+    start), on a tiny checkpoint made there; its outputs are also written to `out`."""
+    env = dict(os.environ, **PORTABLE_KERNELS)
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--run", out], env=env, check=True, timeout=600)
+    with open(out) as f:
+        return json.load(f)
+
+
 @pytest.fixture(scope="module")
-def runs(checkpoints) -> dict:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")  # the tensor-parallel workers (conftest's single_threaded_workers)
-        return _run_all(checkpoints("default", **TINY))
+def runs(tmp_path_factory) -> dict:
+    return run_portably(str(tmp_path_factory.mktemp("recorded") / "outputs.json"))
 
 
-@pytest.mark.parametrize("name", ["tiny_eager", "tiny_alone", "tiny_static", "tiny_tp2", "demo_eager"])
-def test_seeded_outputs_equal_the_recording(runs, name):
+@pytest.fixture(scope="module")
+def recording() -> dict:
     with open(RECORDING) as f:
-        want = json.load(f)[name]
-    assert runs[name] == want
+        return json.load(f)
 
 
-def test_several_steps_per_launch_give_the_recording(checkpoints):
+def test_the_outputs_ran_on_the_portable_kernels(runs):
+    assert runs["kernels"] == {"cpu_capability": "AVX2", "threads": 1}
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_seeded_outputs_equal_the_recording(runs, recording, name):
+    assert runs[name] == recording[name]
+
+
+def test_a_changed_seeded_output_fails_the_comparison(runs, recording):
+    """The comparison sees a change of one request's output: the first request reseeded gives other
+    tokens, and the others stay as recorded."""
+    changed = runs["tiny_reseeded"]
+    assert changed != recording["tiny_eager"]
+    assert changed[0]["token_ids"] != recording["tiny_eager"][0]["token_ids"]
+    assert changed[1:] == recording["tiny_eager"][1:]
+
+
+def test_several_steps_per_launch_give_the_recording(runs, recording):
     """Five steps back to back per launch (issue 28, item 4), through the static step: the tokens,
     logprobs and step counts of one step at a time."""
-    with open(RECORDING) as f:
-        want = json.load(f)
-    with LLM(checkpoints("default", **TINY), num_scheduler_steps=5) as llm:
-        assert _outputs(llm, TINY_REQUESTS) == want["tiny_eager"]
-    with LLM(num_scheduler_steps=5) as llm:
-        assert _outputs(llm, DEMO_REQUESTS) == want["demo_eager"]
+    assert runs["tiny_launch5"] == recording["tiny_eager"]
+    assert runs["demo_launch5"] == recording["demo_eager"]
 
 
 def test_the_recording_exercises_the_sampler(runs):
@@ -126,12 +172,22 @@ def test_the_recording_exercises_the_sampler(runs):
     assert demo["canvases"] >= 2 and demo["denoising_steps"] < demo["canvases"] * DEMO_REQUESTS[0][1]["max_denoising_steps"]
 
 
-if __name__ == "__main__":  # record
-    import tempfile
-
+def _child(out: str) -> None:
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
-        recorded = _run_all(make_tiny_model(os.path.join(d, "tiny"), TinySpec(**TINY)))
-    os.makedirs(os.path.dirname(RECORDING), exist_ok=True)
-    with open(RECORDING, "w") as f:
-        json.dump(recorded, f)
-    print(f"wrote {RECORDING}", file=sys.stderr)
+        got = _run_all(make_tiny_model(os.path.join(d, "tiny"), TinySpec(**TINY)))
+    got["kernels"] = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    with open(out, "w") as f:
+        json.dump(got, f)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--run"]:
+        _child(sys.argv[2])
+    else:  # record
+        with tempfile.TemporaryDirectory() as d:
+            got = run_portably(os.path.join(d, "outputs.json"))
+        os.makedirs(os.path.dirname(RECORDING), exist_ok=True)
+        with open(RECORDING, "w") as f:
+            json.dump({name: got[name] for name in RECORDED}, f)
+        print(f"wrote {RECORDING}", file=sys.stderr)
