@@ -16,7 +16,7 @@ from blockdiff.model.registry import load_config
 from blockdiff.kernels import (
     FP8, GROUPED, PER_EXPERT, SCALED_GROUPED, ExpertShape, Ops, Target, choose, expert_kernel, padded,
 )
-from blockdiff.model.moe import Experts, Fp8Experts
+from blockdiff.model.moe import Experts, Fp8Experts, combine_top_k
 from blockdiff.quantization import Fp8Config
 
 BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "diffusiongemma-26b-a4b.json")
@@ -142,3 +142,16 @@ def test_fp8_experts_are_one_scaled_grouped_product_on_hopper(activations, ranks
     assert experts.local == width and (ranks < 8 or width == 96)
     assert [c[1] for c in calls.scaled] == [(128, 2816, 2 * width), (128, width, 2816)]
     assert not calls.grouped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_moe_combine_adds_what_index_add_adds_on_the_cpu(dtype):
+    """The fixed-order combine of each token's top-k expert outputs (no atomics on CUDA) gives the
+    bits of the index_add_ it replaced, on the CPU, where that op adds in a fixed order too."""
+    g = torch.Generator().manual_seed(0)
+    n, k, experts, hidden = 300, 8, 128, 96
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+    order = index.reshape(-1).argsort(stable=True)
+    y = (torch.randn(n * k, hidden, generator=g) * 3).to(dtype)
+    want = torch.zeros(n, hidden, dtype=dtype).index_add_(0, order // k, y)
+    assert torch.equal(combine_top_k(y, order, n, k), want)

@@ -172,7 +172,8 @@ class Experts(nn.Module):
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+        experts = torch.arange(self.num_experts, device=x.device)
+        counts = torch.searchsorted(flat.index_select(0, order), experts, right=True).diff(prepend=experts[:1] * 0)
         rows = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
         ends = rows.cumsum(0)
         skip = (ends - rows) - (counts.cumsum(0) - counts)  # per expert: aligned start - packed start
@@ -188,8 +189,8 @@ class Experts(nn.Module):
             y = self._grouped(xs, ends.to(torch.int32))
         else:
             y = self._per_expert(xs, rows.tolist())
-        y = y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]
-        out = x.new_zeros(n, self.hidden).index_add_(0, token, y.to(x.dtype))
+        y = (y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]).to(x.dtype)
+        out = combine_top_k(y, order, n, k)
         if self.reduce:
             self.group.all_reduce(out)
         return out
@@ -288,3 +289,18 @@ def make_experts(config: GemmaConfig, group: TPGroup, dtype: torch.dtype, prefix
     names = [f"{prefix}.{e}.{p}" for e in range(config.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
     quant = covering(config.quantization, *names)
     return Experts(config, group, dtype) if quant is None else Fp8Experts(config, group, quant)
+
+
+def combine_top_k(y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """[n, hidden] each token's k expert outputs (the rows of y [n * k, hidden], pair order[j] at
+    row j) added in float32 from zero in ascending expert order, then rounded to y's dtype once.
+    That is how an index_add_ over the rows adds them on the CPU, so the bits are the same; but
+    index_add_ adds with atomics on CUDA, in whatever order the threads arrive, and a token's sum
+    (so its tokens) would change with its batch. Here every device adds in one fixed order."""
+    rows = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
+    # A token's pairs are sorted by expert in `order`: its rows in ascending order are its experts'.
+    parts = y.index_select(0, rows.view(n, k).sort(dim=1).values.reshape(-1)).view(n, k, -1)
+    out = parts.new_zeros(n, y.shape[1], dtype=torch.float32)
+    for i in range(k):
+        out = out + parts[:, i]
+    return out.to(y.dtype)

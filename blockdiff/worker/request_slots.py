@@ -64,4 +64,4 @@ class RequestSlots:
     def stepped(self, slots: torch.Tensor, steps: int) -> None:
         """`steps` denoising steps ran in `slots`: their n counts down (a canvas that finished among
         them is done; its slot's n is set again when its next canvas starts)."""
-        self.params.step.index_add_(0, slots, torch.full(slots.shape, -steps, dtype=torch.int32, device=self.device))
+        self.params.step.index_copy_(0, slots, self.params.step.index_select(0, slots) - steps)  # slots are distinct
