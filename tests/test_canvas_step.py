@@ -24,7 +24,9 @@ from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.model.attention import Row
 from blockdiff.sampling_params import REFERENCE_DEFAULTS
 from blockdiff.diffusion.vocab_parallel import VocabParallel
-from blockdiff.worker.canvas_step import COMPILE_OPTIONS, CanvasSteps, canvas_step, shape_count
+from blockdiff.worker.canvas_step import (
+    COMPILE_OPTIONS, CanvasInputs, CanvasSteps, canvas_step, context_of, shape_count,
+)
 from blockdiff.worker.kv_cache import allocate, geometry
 from blockdiff.worker.request_slots import RequestSlots
 
@@ -165,6 +167,9 @@ def test_cuda_graph_replay_equals_eager(tiny, compile):
                 direct = steps.fn(*steps.step_args(context, inputs, dict(options), n))
             for name, value in _tensors(direct).items():
                 assert torch.equal(value, replayed[name]), name
+        # Every captured graph's logits are the one shared buffer's.
+        buffer = steps.logits.untyped_storage().data_ptr()
+        assert {out.dist.shifted.untyped_storage().data_ptr() for _, _, out in steps.shapes.values()} == {buffer}
     if compile:
         with LLM(tiny, device="cuda", dtype="bfloat16", compile=True, enforce_eager=True) as llm:
             assert llm.engine.executor.runner.canvas_steps.pool is None
@@ -243,3 +248,37 @@ def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
             if isinstance(value, torch.Tensor):  # not the updates dict nor the distribution statistics
                 got = compiled.updates[name] if name in compiled.updates else getattr(compiled, name)
                 torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-5, msg=f"{size, context, name}")
+
+
+def test_steps_of_two_buckets_write_their_logits_into_one_buffer(checkpoints):
+    """canvas_step with a logits buffer (what CanvasSteps hands every captured CUDA graph): the
+    steps of 1 and 2 canvases both leave their distribution in that buffer, and their outputs are
+    those of the step that makes its own logits."""
+    path = checkpoints("two-layers", vocab_size=301, canvas_length=8, sliding_window=6, num_layers=2, seed=3)
+    model = load_model(path)
+    cache = CacheConfig(num_slots=2, num_blocks=32, block_size=4, max_model_len=64)
+    cl, hidden = model.config.canvas_length, model.config.hidden_size
+    sampler = EntropyBound()
+    state = sampler.new_state(3, cl, hidden, model.dtype, torch.device("cpu"))
+    state.canvas.copy_(torch.randint(3, 301, (3, cl), generator=torch.Generator().manual_seed(0)))
+    tables = BlockTables(cache, {False, True}, torch.device("cpu"))
+    requests = RequestSlots(sampler, 3, torch.device("cpu"))
+    vocab = VocabParallel(model.shard, model.group)
+    steps = CanvasSteps(model, sampler, vocab, allocate(model, cache, "cpu"), geometry(model, cache), tables.tables, state,
+                        requests, torch.device("cpu"), compile=False, cuda_graphs=False)
+    buffer = torch.empty(2 * cl, model.shard.local_rows)
+    for n in (1, 2):
+        rows = [Row(slot, 5, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(n)]
+        params = denoise_params([3] * n, [sampler.resolve(SamplingParams(), REFERENCE_DEFAULTS)] * n, list(range(n)))
+        tables.apply(TableDelta.whole(rows))
+        requests.admit(NewRequests.of(rows, params))
+        inputs = CanvasInputs(torch.arange(n))
+        with torch.inference_mode():
+            steps.logits = None
+            fresh = canvas_step(*steps.step_args(context_of(rows, cache.block_size), inputs, params.options()))
+            steps.logits = buffer
+            shared = canvas_step(*steps.step_args(context_of(rows, cache.block_size), inputs, params.options()))
+        assert shared.dist.shifted.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert fresh.dist.shifted.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+        for name, value in _tensors(fresh).items():
+            assert torch.equal(value, _tensors(shared)[name]), name

@@ -150,15 +150,17 @@ class DiffusionGemma(nn.Module):
         cache: list[tuple[torch.Tensor, torch.Tensor]],
         soft_embeds: torch.Tensor | None = None,
         images: ImageInputs | None = None,
+        logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [meta.num_tokens] packed [encoder | decoder | padding]; soft_embeds
         [decoder tokens, hidden] or None; images: the soft tokens that replace image placeholders.
 
-        Returns float32 soft-capped logits of the decoder tokens over this rank's vocabulary rows.
+        Returns float32 soft-capped logits of the decoder tokens over this rank's vocabulary rows,
+        written into `logits_out` ([decoder tokens, local vocab] float32) where given.
         """
         hidden = self.backbone(input_ids, meta, cache, soft_embeds, images)
         ne = meta.num_encoder_tokens
-        return self.logits(self.norm(hidden[ne : ne + meta.num_decoder_tokens]))
+        return self.logits(self.norm(hidden[ne : ne + meta.num_decoder_tokens]), logits_out)
 
     def backbone(
         self,
@@ -182,8 +184,9 @@ class DiffusionGemma(nn.Module):
             x = layer(x, meta, layer_cache)
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.embed.logits(hidden).float()
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.embed.logits(hidden)
+        logits = logits.float() if out is None else out.copy_(logits)
         if self.softcap:
             # softcap·tanh(x/softcap) = softcap - 2·softcap / (exp(2x/softcap) + 1), in place: the
             # same function (to 6e-6 absolute at softcap 30) at a third of the cost of PyTorch's CPU

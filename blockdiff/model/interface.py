@@ -40,10 +40,11 @@ class BlockDiffusionModel(Protocol):
         ...
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                soft_embeds: torch.Tensor | None = None, images: ImageInputs | None = None) -> torch.Tensor:
+                soft_embeds: torch.Tensor | None = None, images: ImageInputs | None = None,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """Packed [encoder | decoder | padding] ids -> float32 logits of the decoder tokens over this
-        rank's vocabulary rows; encoder rows append their K/V to `cache`. `images`: soft tokens
-        that replace image placeholders among the encoder tokens."""
+        rank's vocabulary rows (in `logits_out` where given); encoder rows append their K/V to
+        `cache`. `images`: soft tokens that replace image placeholders among the encoder tokens."""
         ...
 
     def static_shapes(self, device: torch.device) -> bool:

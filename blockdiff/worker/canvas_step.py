@@ -65,11 +65,14 @@ def canvas_step(
     slot_params: StepParams,
     inputs: CanvasInputs,
     steps: int = 1,
+    logits: torch.Tensor | None = None,
 ) -> CanvasOutputs:
     """`steps` denoising steps of every canvas in `inputs`, back to back; reads `state`, `kv`, the
     block `tables` (layer kind -> [slots + 1, blocks per sequence]), the slots' `positions`
     [slots + 1] (cached lengths) and `slot_params` (the sampler's [slots + 1] rows, with the step's
-    options), writes none of them. A canvas
+    options), writes none of them. `logits`: a float32 buffer of at least [canvases * CL, local
+    vocab] that the model writes the logits into (the outputs' `dist` then views it), or None for
+    fresh ones. A canvas
     that finishes at one of the steps keeps its state and its results from that step on (the later
     steps still compute it, masked), so its results are those of one step at a time."""
     rows = inputs.slots.shape[0]
@@ -82,7 +85,7 @@ def canvas_step(
     out = None
     for i in range(steps):
         params = first if i == 0 else first.later(i)
-        now = _one_step(model, sampler, vocab, kv, meta, work, here, params)
+        now = _one_step(model, sampler, vocab, kv, meta, work, here, params, logits)
         if out is None:
             out = now
         else:
@@ -102,13 +105,13 @@ def _where(keep: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Te
 
 
 def _one_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, meta, state: SlotState, slots: torch.Tensor,
-              params: StepParams) -> CanvasOutputs:
+              params: StepParams, buffer: torch.Tensor | None) -> CanvasOutputs:
     rows, cl = slots.shape[0], state.canvas.shape[1]
     ids = state.canvas.index_select(0, slots).reshape(-1)
     # A canvas's first step reads the zeros its slot was reset to: the self-conditioning MLP of
     # zeros is exactly zero, so that equals the reference's step without a previous one.
     soft = state.soft.index_select(0, slots).reshape(rows * cl, -1) if sampler.self_conditioning else None
-    logits = model(ids, meta, kv, soft)
+    logits = model(ids, meta, kv, soft, logits_out=None if buffer is None else buffer[: rows * cl])
     res = sampler.step(logits.view(rows, cl, -1), state, slots, params, vocab)
     updates = dict(res.updates)
     if sampler.self_conditioning:
@@ -182,6 +185,13 @@ class CanvasSteps:
         self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
                                                          2 * self.limits["recompile_limit"])
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        # A captured graph keeps its outputs, the logits among them (the outputs' `dist` views
+        # them): every graph writes one buffer, sized for the largest bucket, instead of each
+        # holding [its canvases, CL, vocabulary] floats of its own (GBs each at Gemma's vocabulary).
+        self.logits = None
+        if cuda_graphs:
+            most = bucket(state.scratch) * state.canvas.shape[1]
+            self.logits = torch.empty(most, vocab.shard.local_rows, dtype=torch.float32, device=device)
         self.shapes: dict[tuple, tuple[CanvasInputs, torch.cuda.CUDAGraph | None, CanvasOutputs | None]] = {}
 
     def __call__(self, rows: list[Row], options: dict, steps: int = 1) -> tuple[CanvasInputs, CanvasOutputs]:
@@ -211,7 +221,7 @@ class CanvasSteps:
         """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions,
         with the sampler's step `options`."""
         return (self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state,
-                self.requests.starts, self.requests.params.with_options(options), inputs, steps)
+                self.requests.starts, self.requests.params.with_options(options), inputs, steps, self.logits)
 
     def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).
