@@ -8,14 +8,14 @@
 #
 # It uses the machine's own torch. Pure-Python wheels missing there (transformers 5.23.0, the
 # tests' oracle; pytest and its dependencies) are carried in .device-wheels/ (git-ignored; see
-# docs/device_check.md) and installed into a temporary directory on PYTHONPATH, never into the
-# machine's environment.
+# docs/device_check.md; DEVICE_WHEELS names another folder) and installed into a temporary
+# directory on PYTHONPATH, never into the machine's environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
 # Only the wheels whose version is not installed already.
 missing=()
-for wheel in .device-wheels/*.whl; do
+for wheel in "${DEVICE_WHEELS:-.device-wheels}"/*.whl; do
   [[ -e "$wheel" ]] || continue
   IFS=- read -r name version _ <<< "$(basename "$wheel")"
   if ! "$PYTHON" -c "import importlib.metadata as m, sys; sys.exit(m.version('$name') != '$version')" 2> /dev/null; then
@@ -24,7 +24,11 @@ for wheel in .device-wheels/*.whl; do
 done
 if (( ${#missing[@]} )); then
   target=$(mktemp -d)
-  timeout 120 "$PYTHON" -m pip install -q --no-deps --no-index --target "$target" "${missing[@]}"
+  # One wheel at a time: a bad one costs the parts that need it (they fail and say why), not the run.
+  for wheel in "${missing[@]}"; do
+    timeout 60 "$PYTHON" -m pip install -q --no-deps --no-index --target "$target" "$wheel" \
+      || echo "device_check.sh: could not install $wheel; the parts that need it will fail" >&2
+  done
   export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

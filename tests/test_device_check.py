@@ -4,6 +4,7 @@ fails, hangs or does not fit the budget."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["env", "headline", "steps_per_launch", "transformers", "tests", "fp8", "compiled", "fake_cuda"]
+PARTS = ["env", "headline", "fp8", "steps_per_launch", "transformers", "tests", "compiled", "fake_cuda"]
 
 
 def _start(out, *args, **env) -> subprocess.Popen:
@@ -61,13 +62,24 @@ def _parts(report: dict) -> dict:
     return {p["name"]: p for p in report["parts"]}
 
 
+# What the GPU machine lacks (the library's device notes): the check and its CUDA test selections
+# must run without them.
+MISSING_ON_THE_GPU = ("compressed_tensors", "fastapi", "pydantic", "zmq", "outlines_core", "openai")
+
+
+def _without_the_gpus_missing_packages(root) -> str:
+    """A folder to put first on PYTHONPATH in which importing each of them fails as on the GPU machine."""
+    for name in MISSING_ON_THE_GPU:
+        (root / name).mkdir(parents=True)
+        (root / name / "__init__.py").write_text(f'raise ImportError("the GPU machine has no {name}")\n')
+    return str(root)
+
+
 def test_the_device_check_runs_every_part_on_the_cpu_at_small_shapes(tmp_path, failing_check):
-    """Every part, in the issue's order, without fastapi (the GPU machine has none). (It asks for
-    failing_check only to start that check first: both run at once.)"""
-    no_fastapi = tmp_path / "no_fastapi" / "fastapi"
-    no_fastapi.mkdir(parents=True)
-    (no_fastapi / "__init__.py").write_text('raise ImportError("the GPU machine has no fastapi")\n')
-    proc, report = _check(tmp_path / "out", PYTHONPATH=str(no_fastapi.parent))
+    """Every part, in the issue's order, without the packages the GPU machine lacks; the tests
+    part collects the CUDA test selections under the same blocks, so a CUDA-only test that imports
+    one of them fails here. (It asks for failing_check only to start that check first: both run at once.)"""
+    proc, report = _check(tmp_path / "out", PYTHONPATH=_without_the_gpus_missing_packages(tmp_path / "blocked"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [p["name"] for p in report["parts"]] == PARTS and all(p["status"] == "ok" for p in report["parts"]), report
     parts = _parts(report)
@@ -110,8 +122,26 @@ def test_a_failing_or_hanging_part_leaves_every_other_result(failing_check):
 
 
 def test_what_does_not_fit_the_budget_is_skipped_and_says_so(tmp_path):
-    proc, report = _check(tmp_path, "--parts", "env,compiled", "--budget-s", "30")
-    assert proc.returncode == 0
+    """Also: a wheel that does not install (carried broken) is reported, and the check runs on."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "notapackage-1.0-py3-none-any.whl").write_bytes(b"not a zip file")
+    proc, report = _check(tmp_path / "out", "--parts", "env,compiled", "--budget-s", "30", DEVICE_WHEELS=str(wheels))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "could not install" in proc.stderr and "notapackage-1.0-py3-none-any.whl" in proc.stderr
     env, compiled = report["parts"]
     assert env["status"] == "ok" and compiled["status"] == "skipped"
     assert re.fullmatch(r"needs about 60 s, \d+ s of the budget left", compiled["reason"])
+
+
+def test_the_summary_shows_what_a_part_recorded_before_it_failed():
+    """env records the GPU before it asks blockdiff/kernels.py for its choices: a failure between
+    the two leaves `gpu` without `kernels`, and the summary still prints."""
+    spec = importlib.util.spec_from_file_location("device_check", os.path.join(ROOT, "scripts", "device_check.py"))
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    data = {"device": "cuda", "small": False, "budget_s": 420, "seconds": 12.0,
+            "parts": [{"name": "env", "status": "failed", "seconds": 3.0, "error": "exit status 1", "traceback": ["KeyError"],
+                       "result": {"versions": {"torch": "2.11.0"}, "gpu": "NVIDIA H200"}}]}
+    text = check.summary(data)
+    assert "NVIDIA H200, torch 2.11.0" in text and "env: failed" in text
