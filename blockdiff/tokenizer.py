@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from datetime import datetime
 
@@ -92,6 +93,14 @@ class Tokenizer:
             shown = lost if len(lost) <= 40 else lost[:40] + "..."
             log.warning("%s: the tokenizer has no token for %d character(s) %r; they were encoded as %s",
                         where, len(lost), shown, self.unk_token)
+
+    @functools.cached_property
+    def special_tokens(self) -> re.Pattern | None:
+        """The special tokens' texts, to drop them from text decoded with them: a chat whose
+        parsers read the format's markers is decoded with its special tokens, and what the parsers
+        leave as text must not carry them (vLLM's `skip_special_tokens`)."""
+        texts = sorted({t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

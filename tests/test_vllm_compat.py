@@ -4,6 +4,7 @@ requests of `vllm bench serve`, and vLLM's metric names. A real server on the de
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -162,3 +163,33 @@ def test_vllm_metric_names_are_reported_beside_ours_and_increase(server):
     canvases = after["blockdiff_canvases_total"] - before["blockdiff_canvases_total"]
     gaps = after["vllm:inter_token_latency_seconds_count" + label] - before["vllm:inter_token_latency_seconds_count" + label]
     assert canvases >= 3 and gaps == canvases - 1
+
+
+@pytest.fixture(scope="module")
+def random_demo(tmp_path_factory):
+    """The demo's tokenizer (with Gemma 4's tool and thinking markers, so its chats are parsed) on
+    random weights: a model that writes special tokens often."""
+    proc = ServerProcess(None, "--load-format", "dummy", "--max-model-len", "256",
+                         log_path=str(tmp_path_factory.mktemp("random_demo") / "server.log"))
+    yield proc
+    proc.close()
+
+
+def test_a_parsed_chat_reply_carries_no_special_token_unless_asked(random_demo):
+    """A chat with tools is decoded with its special tokens, for the parsers to read the markers;
+    what they leave as text drops them (vLLM's skip_special_tokens, true by default), and keeps
+    them with skip_special_tokens false."""
+    client = openai.OpenAI(base_url=random_demo.url + "/v1", api_key="unused")
+    tokens = _post(random_demo, "/tokenize", {"prompt": "<pad><eos><unk><|tool_call>"}).json()["tokens"]
+    assert len(tokens) == 5  # <bos> and each marker one special token
+    special = re.compile(r"<pad>|<eos>|<bos>|<unk>|<start_of_turn>|<end_of_turn>|<\|?[a-z_\"]+\|?>")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    seen = 0
+    for seed in range(8):
+        body = dict(model="demo", messages=CHAT, tools=tools, max_tokens=24, seed=seed, temperature=1.0)
+        kept = client.chat.completions.create(**body, extra_body={"skip_special_tokens": False}).choices[0].message
+        dropped = client.chat.completions.create(**body).choices[0].message
+        assert not special.search((dropped.content or "") + (getattr(dropped, "reasoning_content", None) or ""))
+        if not kept.tool_calls and special.search(kept.content or ""):
+            seen += 1
+    assert seen  # the case happened: replies with special tokens in their text

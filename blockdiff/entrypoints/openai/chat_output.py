@@ -9,6 +9,7 @@ the rule raises ToolChoiceNotFollowed instead of being returned as if it were an
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from blockdiff.entrypoints.openai.errors import APIError
@@ -29,6 +30,7 @@ class OutputRules:
     tools: type[Gemma4ToolParser] | None = None  # None: calls are not parsed (no tools, or tool_choice "none")
     allowed: frozenset[str] | None = None  # with a forced tool_choice, the names calls may use
     parallel: bool = True  # several calls per output; else only the first is kept
+    special: re.Pattern | None = None  # special tokens to drop from the text the parsers leave (skip_special_tokens)
 
     @property
     def parses(self) -> bool:
@@ -68,6 +70,8 @@ class ChatOutput:
         if self.rules.forced:
             self._check(out, final)
             out.content = ""
+        if self.rules.special is not None:
+            out.reasoning, out.content = self.rules.special.sub("", out.reasoning), self.rules.special.sub("", out.content)
         return out
 
     def _check(self, out: OutputPiece, final: bool) -> None:

@@ -184,5 +184,9 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, "tool calls cannot be read from this model's output: start the server with "
                                     "--tool-call-parser", param="tool_choice" if choice else "tools")
             parse_calls = False  # tools only shown to the model, as vLLM does without a parser
+        # Parsed output is decoded with its special tokens (the parsers read the format's markers);
+        # what is left as text drops them unless the request asks to keep them, as vLLM's default does.
+        keep = req.skip_special_tokens is False or self.tokenizer is None
         return OutputRules(reasoning=self.reasoning_parser, tools=self.tool_parser if parse_calls else None,
-                           allowed=allowed, parallel=req.parallel_tool_calls is not False)
+                           allowed=allowed, parallel=req.parallel_tool_calls is not False,
+                           special=None if keep else self.tokenizer.special_tokens)
