@@ -77,21 +77,23 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        # Only the final outputs are read: the engine builds nothing before them.
+        choices = [(i, prompt, c) for i, (prompt, p) in enumerate(zip(prompts, params))
+                   for c in _choices(replace(p or SamplingParams(), output_kind="final_only"))]
         if self.replicas is not None:
-            return self._run_replicas([(prompt, replace(p or SamplingParams(), output_kind="final_only"))
-                                       for prompt, p in zip(prompts, params)], use_tqdm)
-        requests = []
+            return _merged(self._run_replicas([(prompt, c) for _, prompt, c in choices], use_tqdm), choices)
+        requests, warned = [], set()
         try:
-            for prompt, p in zip(prompts, params):
-                # Only the final outputs are read: the engine builds nothing before them.
-                requests.append(self.engine.add_request(prompt, replace(p or SamplingParams(), output_kind="final_only")))
-                if isinstance(prompt, str):
+            for i, prompt, c in choices:
+                requests.append(self.engine.add_request(prompt, c))
+                if isinstance(prompt, str) and i not in warned:
+                    warned.add(i)
                     self.tokenizer.warn_unknown(f"request {requests[-1].request_id}", prompt, requests[-1].prompt_token_ids)
         except Exception:
             for req in requests:
                 self.engine.abort(req.request_id)
             raise
-        return self._run(requests, use_tqdm)
+        return _merged(self._run(requests, use_tqdm), choices)
 
     def chat(
         self,
@@ -221,3 +223,23 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if empty:
         raise ValueError(f"prompt is empty (prompt {empty[0]})")
     return out
+
+
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """One request's parameters per completion: choice i of a request seeded s draws from s + i,
+    as the server's choices do."""
+    n = params.n or 1
+    if n == 1:
+        return [params]
+    return [replace(params, n=None, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+
+
+def _merged(outputs: list[RequestOutput], choices: list[tuple]) -> list[RequestOutput]:
+    """One RequestOutput per prompt, its choices' completions in `outputs`, indexed 0..n-1 (vLLM's shape)."""
+    merged: list[RequestOutput] = []
+    for (i, _, _), out in zip(choices, outputs):
+        if len(merged) == i:
+            merged.append(out)
+        else:
+            merged[i].outputs.append(replace(out.outputs[0], index=len(merged[i].outputs)))
+    return merged

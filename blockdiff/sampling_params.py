@@ -175,8 +175,10 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's option)
     output_kind: str = "cumulative"  # "cumulative", "delta" or "final_only" (see blockdiff.outputs)
     temperature: float | None = None  # scales the t_min .. t_max schedule; 0: greedy
-    # vLLM's knobs, accepted at their neutral values only
+    # Completions per prompt: LLM.generate and the server run each as a request of its own, choice
+    # i drawing from seed + i (the engine itself takes one completion per request).
     n: int | None = None
+    # vLLM's knobs, accepted at their neutral values only
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -208,6 +210,7 @@ class SamplingParams:
             if declared:
                 raise InvalidParam(declared[0], f"{declared[0]} is a SamplingParams field: set it directly, not in extra_args")
         self._check_unsupported()
+        _int(self, "n", minimum=1)
         _int(self, "seed", minimum=None)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidParam("seed", f"seed must fit in 64 bits, got {self.seed}")
@@ -244,7 +247,7 @@ class SamplingParams:
         """vLLM's sampling knobs that have no diffusion meaning (yet): only their neutral values. A
         penalty counts the tokens generated so far, which a canvas denoised in parallel does not have
         while it is denoised."""
-        neutral = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0)}
+        neutral = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0)}
         for name, values in neutral.items():
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or v not in values):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+from dataclasses import replace
 
 import httpx
 import openai
@@ -125,6 +126,25 @@ def test_min_tokens_suppresses_the_end_of_the_output(demo):
                          use_tqdm=False)[0].outputs[0].text
 
     assert (text(0), text(2), text(3)) == ("1 ", "1 ", "1 2 3")
+
+
+def test_n_gives_n_completions_offline_as_the_server_does(demo):
+    """SamplingParams(n=2): one RequestOutput per prompt with two completions, choice i drawing from
+    seed + i, as the server's choices do: each equals a request of n=1 seeded seed + i."""
+    prompts = ["sort: 9 4 7 1", "reverse: block"]
+    params = SamplingParams(max_tokens=16, seed=3, temperature=1.5, logprobs=1)
+    outs = demo.generate(prompts, SamplingParams(n=2, max_tokens=16, seed=3, temperature=1.5, logprobs=1), use_tqdm=False)
+    assert len(outs) == 2 and [len(o.outputs) for o in outs] == [2, 2]
+    for prompt, out in zip(prompts, outs):
+        assert [c.index for c in out.outputs] == [0, 1]
+        for i, c in enumerate(out.outputs):
+            alone = demo.generate(prompt, replace(params, seed=3 + i), use_tqdm=False)[0].outputs[0]
+            assert (c.token_ids, c.text) == (alone.token_ids, alone.text)
+    assert outs[0].outputs[0].token_ids != outs[0].outputs[1].token_ids  # temperature 1.5: two draws differ
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="n=2"):  # the engine itself takes one completion per request
+        demo.engine.add_request("sort: 1", SamplingParams(n=2))
 
 
 @pytest.mark.parametrize("field,value", [("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),

@@ -140,6 +140,9 @@ class InputProcessor:
         """`params` with every default filled in, for a prompt of `prompt_len` tokens: the one place
         a request's parameters are resolved."""
         params = params or SamplingParams()
+        if (params.n or 1) > 1:
+            raise InvalidParam("n", f"n={params.n}: an engine request is one completion; LLM.generate and the server "
+                                    f"run one request per choice")
         defaults = self.defaults
         if params.max_tokens is None:  # as much as fits, up to the server's --max-tokens if it set one
             room = max(1, self.max_model_len - prompt_len)
