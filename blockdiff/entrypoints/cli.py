@@ -47,6 +47,20 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse reports a subcommand's unknown flags from the top parser: remember whose they are.
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not hasattr(namespace, "_unknown_to"):
+            namespace._unknown_to = self.prog
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        prog = vars(namespace).pop("_unknown_to", self.prog)
+        if extras:
+            self.exit(2, f"error: unrecognized arguments: {' '.join(extras)} (see `{prog} --help`)\n")
+        return namespace
+
 
 def _add_log_level(parser: argparse.ArgumentParser, default) -> None:
     parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=default,
