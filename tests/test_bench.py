@@ -144,7 +144,8 @@ def test_bench_serve(serve_run):
     _, report = printed.split("=" * 12 + " Serving Benchmark Result " + "=" * 12)
     for label in ("Successful requests:", "Failed requests:", "Maximum request concurrency:",
                   "Benchmark duration (s):", "Total input tokens:", "Total generated tokens:",
-                  "Request throughput (req/s):", "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
+                  "Request throughput (req/s):", "Output token throughput (tok/s):", "Peak output token throughput (tok/s):",
+                  "Total Token throughput (tok/s):",
                   "Time to First Token", "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):",
                   "Time per Output Token (excl. 1st token)", "Mean TPOT (ms):", "Inter-token Latency", "Mean ITL (ms):",
                   "End-to-end Latency", "P99 E2EL (ms):", "Diffusion Decoding", "Committed throughput (tok/s):",
@@ -162,6 +163,20 @@ def test_bench_serve(serve_run):
     assert d["canvases"] == 12 and d["denoising_steps"] == 36 and d["denoising_steps_per_canvas"] == 3
     assert d["canvas_positions_evaluated"] == 36 * CANVAS and d["committed_tokens"] == 96
     assert saved["mean_ttft_ms"] > 0 and saved["p99_e2el_ms"] >= saved["median_e2el_ms"] > 0
+    # At most all 96 tokens in one second, at least what the run's seconds average
+    assert saved["output_throughput"] <= saved["max_output_tokens_per_s"] * (1 + 1 / saved["duration"]) and \
+        saved["max_output_tokens_per_s"] <= 96
+
+
+def test_peak_output_throughput_counts_a_canvas_chunk_as_its_tokens():
+    """vLLM's one-second buckets from the run's start; a chunk carries the tokens of its text's share."""
+    from blockdiff.bench.serve import RequestOutput, compute_metrics
+
+    a = RequestOutput(success=True, output_tokens=30, start_time=100.0, ttft=0.2, itl=[0.5, 1.0], latency=1.7,
+                      arrival_chars=[10, 10, 10])  # 10 tokens at 0.2 s, 10 at 0.7 s, 10 at 1.7 s
+    b = RequestOutput(success=True, output_tokens=8, start_time=100.5, ttft=1.0, itl=[0.1], latency=1.1,
+                      arrival_chars=[6, 2])  # 6 tokens at 1.5 s, 2 at 1.6 s
+    assert compute_metrics([a, b], 2.0, [99], start=100.0)["max_output_tokens_per_s"] == pytest.approx(20.0)
 
 
 def test_bench_plot(serve_run, tmp_path):
