@@ -173,6 +173,10 @@ class SamplingParams:
     stream_drafts: bool = False  # report the argmax canvas after every denoising step
     draft_details: bool = False  # with each draft, the step's entropy and accepted positions
     skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's option)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token's text) ends the text
+    # vLLM's: the request's prefix-cache entries are keyed with this too, so only requests with the
+    # same salt share cached K/V (and cached_tokens reveals nothing across salts).
+    cache_salt: str | None = None
     output_kind: str = "cumulative"  # "cumulative", "delta" or "final_only" (see blockdiff.outputs)
     temperature: float | None = None  # scales the t_min .. t_max schedule; 0: greedy
     # Completions per prompt: LLM.generate and the server run each as a request of its own, choice
@@ -211,6 +215,8 @@ class SamplingParams:
                 raise InvalidParam(declared[0], f"{declared[0]} is a SamplingParams field: set it directly, not in extra_args")
         self._check_unsupported()
         _int(self, "n", minimum=1)
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 1024):
+            raise InvalidParam("cache_salt", "cache_salt must be a non-empty string of at most 1024 characters")
         _int(self, "seed", minimum=None)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidParam("seed", f"seed must fit in 64 bits, got {self.seed}")
@@ -221,7 +227,7 @@ class SamplingParams:
                 raise InvalidParam("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         _token_list(self, "stop_token_ids")
         _token_list(self, "draft")
-        for name in ("ignore_eos", "stream_drafts", "draft_details", "skip_special_tokens"):
+        for name in ("ignore_eos", "stream_drafts", "draft_details", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParam(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.draft_details and not self.stream_drafts:

@@ -131,7 +131,8 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-        guard: Callable[[], None] | None = None, max_chars: int | None = None, **kwargs
+        guard: Callable[[], None] | None = None, max_chars: int | None = None, continue_final_message: bool = False,
+        documents: list[dict] | None = None, template: str | None = None, **kwargs
     ) -> str:
         """The conversation rendered as transformers' apply_chat_template renders it: the same
         environment and helpers, the same variables (tools, documents, the special tokens), and a
@@ -140,12 +141,19 @@ class Tokenizer:
         `guard` is called on every item access, attribute access and call the template makes (a
         deadline check may raise from it); rendering stops with a ValueError once the text passes
         `max_chars`. Whatever the template raises on this input is a ValueError too, as is recursion
-        too deep for Python (a recursive macro over deeply nested arguments)."""
-        template = self._compiled_template
+        too deep for Python (a recursive macro over deeply nested arguments).
+
+        `continue_final_message`: the text ends inside the last message, after its content, so that
+        the model continues it (transformers' and vLLM's option). `template`: a chat template of the
+        caller's own instead of the checkpoint's, in the same sandbox."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message, add_generation_prompt starts a new "
+                             "one: set at most one")
+        compiled = self._compiled_template if template is None else _compile_template(template)
         variables = dict(
             messages=[_alias_reasoning(m) for m in messages],
             tools=tools,
-            documents=None,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
@@ -155,13 +163,14 @@ class Tokenizer:
         token = _guard.set(guard)
         try:
             pieces, length = [], 0
-            for piece in template.generate(**variables):
+            for piece in compiled.generate(**variables):
                 length += len(piece)
                 if max_chars is not None and length > max_chars:
                     raise ValueError(f"the chat template's text passed {max_chars} characters, more than the context "
                                      "can hold")
                 pieces.append(piece)
-            return "".join(pieces)
+            text = "".join(pieces)
+            return _continued(text, messages) if continue_final_message else text
         except ValueError:
             raise
         except jinja2.TemplateError as e:
@@ -253,6 +262,25 @@ class _GuardedEnvironment(ImmutableSandboxedEnvironment):
         if guard is not None:
             guard()
         return super().call(__context, __obj, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    try:
+        return _template_env().from_string(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat_template does not compile: {e}") from None
+
+
+def _continued(text: str, messages: list[dict]) -> str:
+    """`text` cut after the last message's content, as transformers cuts it for continue_final_message."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        content = "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+    if not isinstance(content, str) or not content.strip() or content.strip() not in text:
+        raise ValueError("continue_final_message: the last message's text content is not in the rendered conversation")
+    end = text.rindex(content.strip()) + len(content.strip())
+    return text[:end]
 
 
 @functools.cache

@@ -391,7 +391,6 @@ BAD = [
     ("negative stability", _C, {**_OK, "stability_threshold": -1}, None, 400, "stability_threshold"),
     ("out-of-vocab draft", _C, {**_OK, "draft": [1, 99999]}, None, 400, "draft"),
     ("draft wrong type", _C, {**_OK, "draft": ["a"]}, None, 400, "draft"),
-    ("misspelt diffusion field", _C, {**_OK, "max_denosing_steps": 4}, None, 400, "max_denosing_steps"),
     ("top_p over 1", _C, {**_OK, "top_p": 1.5}, None, 400, "top_p"),
     ("top_k below -1", _C, {**_OK, "top_k": -2}, None, 400, "top_k"),
     ("negative min_p", _C, {**_OK, "min_p": -0.5}, None, 400, "min_p"),

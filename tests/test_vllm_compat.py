@@ -68,7 +68,7 @@ def test_tokenize_messages_with_tools_counts_what_the_chat_endpoint_prompts_with
     ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
     ("/tokenize", {}, "messages"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
-    ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True}, "messages"),
     ("/tokenize", {"prompt": "a", "tools": []}, "tools"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("/tokenize", {"prompt": "a", "tokens": [1]}, "tokens"),

@@ -16,9 +16,12 @@ from blockdiff.tokenizer import Tokenizer
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer | None, max_tokens: int, stop_token_ids: set[int], stop: list[str] | None,
-                 want_logprobs: bool, skip_special_tokens: bool = True, min_tokens: int = 0):
-        """min_tokens: no stop token or stop string ends the output before this many tokens."""
+                 want_logprobs: bool, skip_special_tokens: bool = True, min_tokens: int = 0, include_stop: bool = False):
+        """min_tokens: no stop token or stop string ends the output before this many tokens.
+        include_stop: the stop string, or the stop token's text, stays at the end of the text (vLLM's
+        include_stop_str_in_output)."""
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self.max_tokens = max_tokens
@@ -53,7 +56,7 @@ class IncrementalDetokenizer:
             self.logprobs.extend(logprobs[: len(canvas)])
         if self.tokenizer is None:
             return reason
-        text_end = len(self.token_ids) - (1 if self.ends_with_stop_token else 0)
+        text_end = len(self.token_ids) - (1 if self.ends_with_stop_token and not self.include_stop else 0)
         context = self._decode(self._prefix, self._read)
         end = text_end
         if reason is None:  # an incomplete character at the end waits for the next canvas
@@ -72,7 +75,7 @@ class IncrementalDetokenizer:
                 del self.logprobs[kept:]
             self.ends_with_stop_token = False
             self.stop_reason = window[stop_start:stop_end]
-            self.pieces.append(window[:stop_start])
+            self.pieces.append(window[:stop_end if self.include_stop else stop_start])
             self.pending = ""
             return "stop"
         self._prefix, self._read = self._read, end

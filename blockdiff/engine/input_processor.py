@@ -83,7 +83,7 @@ class InputProcessor:
         if params.prompt_logprobs is not None and mm is not None and mm.images:
             raise InvalidParam("prompt_logprobs", "prompt_logprobs: a prompt with images cannot be scored")
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
-                                        params.skip_special_tokens, params.min_tokens)
+                                        params.skip_special_tokens, params.min_tokens, params.include_stop_str_in_output)
         constraint = None if params.structured_outputs is None else self._constraint(params, stops)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(request_id, text, ids, params, self.canvas_length, seed, output, constraint=constraint)

@@ -31,7 +31,7 @@ class KVCacheManager:
         if not self.full.caching:
             return 0, [], [], []
         if len(req.prefix_keys) != req.num_tokens // self.block_size:  # not every step the request waits
-            req.prefix_keys = block_keys(req.key_tokens(0, req.num_tokens), self.block_size)
+            req.prefix_keys = block_keys(req.key_tokens(0, req.num_tokens), self.block_size, req.key_root)
         keys = req.prefix_keys
         full = []
         for key in keys:
@@ -114,7 +114,7 @@ class KVCacheManager:
         bs, done = self.block_size, req.num_cached
         if self.full.caching and len(req.block_hashes) < done // bs:
             first = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else b""
+            parent = req.block_hashes[-1] if req.block_hashes else req.key_root
             stored = []
             for i, key in enumerate(block_keys(req.key_tokens(first * bs, done // bs * bs), bs, parent), first):
                 if self.full.register(req.blocks[i], key):

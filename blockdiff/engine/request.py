@@ -18,6 +18,8 @@ to rewind. Every transition goes through `to()`, which refuses illegal ones.
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -128,6 +130,12 @@ class Request:
         if self.params.prompt_logprobs is not None:
             self.score_pieces = score_pieces(len(self.prompt_token_ids), self.canvas_length)
             self.prompt_scores = []
+
+    @functools.cached_property
+    def key_root(self) -> bytes:
+        """The parent key of the request's first block: its cache salt's digest, or none."""
+        salt = self.params.cache_salt
+        return b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
 
     def to(self, state: State) -> None:
         if state not in _LEGAL[self.state]:

@@ -77,6 +77,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                    help='vLLM\'s: chat template variables every chat gets unless it sets them, e.g. '
                         '\'{"enable_thinking": true}\' (only variables the template reads)')
+    p.add_argument("--strict-request-fields", action="store_true",
+                   help="refuse requests with unknown top-level fields with a 400 (default: ignore them with a "
+                        "warning naming them, as vLLM does)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="vLLM's: let a chat request bring its own chat_template (rendered in the same sandbox)")
     p.set_defaults(func=run)
 
 
@@ -110,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         default_chat_template_kwargs=json_object(args.default_chat_template_kwargs, "--default-chat-template-kwargs"),
+        strict_request_fields=args.strict_request_fields,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     serve(dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args)), cfg)
     return 0

@@ -19,6 +19,7 @@ echoing it would otherwise fail with a 500.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from json import scanner
 from typing import Any, TypeVar
@@ -27,7 +28,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from blockdiff.entrypoints.openai.errors import APIError
+from blockdiff.entrypoints.openai.protocol import IGNORED_FIELDS
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
+
+log = logging.getLogger(__name__)
 
 LARGE_BODY = 2**20  # bytes; larger bodies are decoded by the pure-Python scanner
 MAX_JSON_CONTAINERS = 32768  # objects and arrays in one body (messages, content parts and lists are some)
@@ -242,10 +246,22 @@ def parse_body(body: bytes, model: type[Model], max_items: int) -> Model:
 
 class BodyParser:
     """Request bodies decoded and validated in the preprocessing pool, fair across clients.
-    `max_items`: the longest list any field takes (prompt ids, messages, prompts)."""
+    `max_items`: the longest list any field takes (prompt ids, messages, prompts). Unknown top-level
+    fields of the bodies that allow them are refused with `strict_fields`, else logged and ignored."""
 
-    def __init__(self, pool: WorkPool, max_items: int):
-        self.pool, self.max_items = pool, max_items
+    def __init__(self, pool: WorkPool, max_items: int, strict_fields: bool = False):
+        self.pool, self.max_items, self.strict_fields = pool, max_items, strict_fields
 
     async def __call__(self, body: bytes, model: type[Model], client: str) -> Model:
-        return await self.pool.run(client, parse_body, body, model, self.max_items)
+        parsed = await self.pool.run(client, parse_body, body, model, self.max_items)
+        extra = parsed.model_extra or {}
+        # A client picks these names: a few, cut short, are enough to say what was ignored.
+        unknown = [name if len(name) <= 64 else name[:64] + "..." for name in sorted(extra)[:8]]
+        unknown += [f"and {len(extra) - 8} more"] if len(extra) > 8 else []
+        if unknown and self.strict_fields:
+            raise APIError(400, f"unknown request field{'s' if len(extra) > 1 else ''} {', '.join(unknown)} (the server "
+                                "refuses unknown fields: --strict-request-fields)", param=unknown[0])
+        ignored = [f for f in IGNORED_FIELDS if getattr(parsed, f, None) is not None] + [f"{f} (unknown)" for f in unknown]
+        if ignored:
+            log.warning("request fields ignored: %s", ", ".join(ignored))
+        return parsed

@@ -35,4 +35,6 @@ class ServerConfig:
     reasoning_parser: str | None = None  # the same
     # vLLM's --default-chat-template-kwargs: template variables every chat gets unless it sets them
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    strict_request_fields: bool = False  # unknown top-level request fields: a 400 (else ignored with a warning, as vLLM)
+    trust_request_chat_template: bool = False  # vLLM's: a request may bring its own chat_template
     media: MediaPolicy = MediaPolicy()  # where chat image URLs may point (the engine flags --allowed-media-*)

@@ -75,6 +75,11 @@ _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_g
                                         "eos_token", "unk_token"})
 
 
+def generation_prompt(req: p.ChatCompletionRequest | p.TokenizeRequest) -> bool:
+    """vLLM's add_generation_prompt: true unless the request continues its last message instead."""
+    return not req.continue_final_message if req.add_generation_prompt is None else req.add_generation_prompt
+
+
 def check_common(req: p._GenerationRequest) -> int:
     """Reject what the diffusion sampler cannot honour; -> n."""
     n = 1 if req.n is None else req.n
@@ -89,6 +94,19 @@ def check_common(req: p._GenerationRequest) -> int:
         raise APIError(400, "stream_options needs stream: true", param="stream_options")
     if req.stream_drafts and not req.stream:
         raise APIError(400, "stream_drafts needs stream: true", param="stream_drafts")
+    if req.use_beam_search:
+        raise APIError(400, "use_beam_search is not supported: a diffusion canvas is denoised whole, with no beams",
+                       param="use_beam_search")
+    for name in ("allowed_token_ids", "bad_words", "prompt_logprobs"):
+        if getattr(req, name, None):
+            raise APIError(400, f"{name} is not supported yet", param=name)
+    if req.priority not in (None, 0):
+        raise APIError(400, f"priority {req.priority}: this server serves requests first come, first served (only "
+                            "priority 0)", param="priority")
+    if req.truncate_prompt_tokens is not None and (isinstance(req.truncate_prompt_tokens, bool) or
+                                                   not (req.truncate_prompt_tokens == -1 or req.truncate_prompt_tokens >= 1)):
+        raise APIError(400, f"truncate_prompt_tokens must be -1 (the context's length) or >= 1, got "
+                            f"{req.truncate_prompt_tokens}", param="truncate_prompt_tokens")
     return n
 
 
@@ -122,13 +140,13 @@ class Preprocessor:
                 raise ValueError(f"--default-chat-template-kwargs: {e.message}") from None
 
     # ---- prompts ------------------------------------------------------------------------------
-    def encode(self, text: str, request_id: str) -> list[int]:
+    def encode(self, text: str, request_id: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer: send the prompt as token ids", param="prompt")
         if not text:  # as an empty list of ids: the BOS token alone is no prompt
             raise APIError(400, "prompt is empty", param="prompt")
         self.check_chars(len(text), "prompt")
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         self.tokenizer.warn_unknown(f"request {request_id}", text, ids)
         return ids
 
@@ -138,9 +156,9 @@ class Preprocessor:
                                 f"tokens (no token covers more than {self.tokenizer.max_token_chars} characters)",
                            param=param)
 
-    def completion_prompts(self, prompt: str | list, request_id: str) -> list[list[int]]:
+    def completion_prompts(self, prompt: str | list, request_id: str, add_special_tokens: bool = True) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.encode(prompt, request_id)]
+            return [self.encode(prompt, request_id, add_special_tokens)]
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         if isinstance(prompt[0], int):
@@ -148,8 +166,15 @@ class Preprocessor:
         out = []
         for x in prompt:
             check_deadline()
-            out.append(self.encode(x, request_id) if isinstance(x, str) else x)
+            out.append(self.encode(x, request_id, add_special_tokens) if isinstance(x, str) else x)
         return out
+
+    def truncated(self, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
+        """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: as many as the context holds)."""
+        if keep is None:
+            return prompts
+        keep = self.limits.max_model_len if keep == -1 else keep
+        return [ids[-keep:] for ids in prompts]
 
     def prompt_text(self, prompt: str | list[int], ids: list[int]) -> str:
         """What echo returns of a prompt: its text, or its token ids decoded."""
@@ -159,7 +184,11 @@ class Preprocessor:
 
     # ---- chats -------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True,
-                    tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+                    tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None,
+                    continue_final_message: bool = False, documents: list[dict] | None = None,
+                    template: str | None = None, add_special_tokens: bool = False) -> list[int]:
+        """The conversation's prompt ids. add_special_tokens: a BOS before what the template writes
+        (vLLM's field; the template writes its own)."""
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
@@ -171,11 +200,16 @@ class Preprocessor:
         _decode_arguments(rendered)
         try:
             ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             guard=check_deadline, max_chars=self.max_prompt_chars, **kwargs)
+                                             guard=check_deadline, max_chars=self.max_prompt_chars,
+                                             continue_final_message=continue_final_message, documents=documents,
+                                             template=template, **kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
         self.tokenizer.warn_unknown(f"request {request_id}", contents, ids)
+        tok = self.tokenizer
+        if add_special_tokens and tok.add_bos and ids[:1] != [tok.bos_token_id]:
+            ids = [tok.bos_token_id, *ids]
         return ids
 
     def _template_message(self, i: int, m: p.ChatMessage) -> dict:

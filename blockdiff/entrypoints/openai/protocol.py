@@ -1,9 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API, with OpenAI's field names.
 
-Requests are validated strictly (no "5" for 5, no true for 1) and unknown fields are rejected, as
-OpenAI does, so a misspelt diffusion parameter is an error instead of silently ignored. The
-diffusion extensions (max_denoising_steps, ..., stream_drafts, return_token_ids) are extra body
-fields; see docs/server.md.
+Requests are validated strictly (no "5" for 5, no true for 1). Unknown top-level fields of the
+generation bodies are ignored with a warning naming them, as vLLM does (`--strict-request-fields`
+refuses them with a 400 instead); unknown fields inside them are refused. The diffusion extensions
+(max_denoising_steps, ..., stream_drafts, return_token_ids) are extra body fields; see docs/server.md.
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ class StreamOptions(_Request):
 SAMPLER_EXTENSIONS = (*(f.name for f in ENGINE_FIELDS if f.per_canvas), "ignore_eos", "draft", "stop_token_ids",
                       "stream_drafts", "draft_details")
 # OpenAI/vLLM sampling fields, passed to SamplingParams, which says what it supports.
-VLLM_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty")
+VLLM_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                 "include_stop_str_in_output", "cache_salt")
+# Fields of OpenAI's and vLLM's that change nothing here: accepted, and named in a warning when set.
+IGNORED_FIELDS = ("store", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "modalities",
+                  "prediction")
 _hints = get_type_hints(SamplingParams)
 _SamplerExtensions = create_model(
     "_SamplerExtensions", __base__=_Request, **{name: (_hints[name] | None, None) for name in SAMPLER_EXTENSIONS}
@@ -76,7 +80,10 @@ class StructuredOutputsRequest(_Request):
 
 
 class _GenerationRequest(_SamplerExtensions):
-    """Fields both endpoints accept."""
+    """Fields both endpoints accept; other top-level fields land in `model_extra` (ignored, or refused
+    with --strict-request-fields)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     # Structured outputs (OpenAI's response_format; vLLM's structured_outputs and its older guided_*)
     response_format: ResponseFormat | None = None
@@ -106,6 +113,26 @@ class _GenerationRequest(_SamplerExtensions):
     return_token_ids: bool | None = None  # extension: token ids in every choice and chunk
     min_tokens: int | None = None  # vLLM's: no EOS, stop token or stop string before this many tokens
     skip_special_tokens: bool | None = None  # vLLM's; unset: true, and false where a chat's output is parsed
+    # vLLM's request fields (docs/server.md, "vLLM's request fields")
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: the context's length
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id: <prefix>-<request_id>
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens spelled "token_id:<id>"
+    add_special_tokens: bool | None = None  # BOS before the prompt: default true for a prompt, false for a chat
+    use_beam_search: bool | None = None  # only false: a diffusion canvas has no beams
+    priority: int | None = None  # only 0: requests are served first come, first served
+    cache_salt: str | None = None  # prefix-cache entries shared only with requests of the same salt
+    # Not supported yet: refused with a 400 unless at their neutral value (check_common)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # OpenAI's fields that change nothing here (IGNORED_FIELDS)
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    prediction: dict[str, Any] | None = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -196,6 +223,11 @@ class ChatCompletionRequest(_GenerationRequest):
     # OpenAI's; thinking on or off through the template's switch (docs/server.md, "Tool calls and thinking")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     echo: bool | None = None  # vLLM's: the reply starts with the last message's content when it is the assistant's
+    add_generation_prompt: bool | None = None  # vLLM's; default true
+    continue_final_message: bool | None = None  # vLLM's: the reply continues the last (assistant) message
+    chat_template: str | None = None  # vLLM's: the request's own template (with --trust-request-chat-template)
+    documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None  # the template's `documents`
+    prompt_logprobs: int | None = None  # vLLM's; not supported yet on chats (completions score with echo)
 
 
 def sampler_extensions(table: tuple[SamplerField, ...]) -> tuple[str, ...]:
@@ -213,8 +245,9 @@ def request_types(table: tuple[SamplerField, ...]) -> tuple[type[CompletionReque
 
 
 # ---- responses ----------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, given: str | None = None) -> str:
+    """A response's id: the request's own `request_id` (vLLM's field) after the prefix, else a random one."""
+    return f"{prefix}-{given if given is not None else uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -118,7 +118,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     clients = ClientLimit(cfg.max_client_concurrency)
     shared = (engine, cfg.served_model_names, preprocess, clients, cfg.max_stream_buffer)
     completion = OpenAIServingCompletion(*shared)
-    chat_serving = OpenAIServingChat(*shared, cfg.tool_call_parser, cfg.reasoning_parser)
+    chat_serving = OpenAIServingChat(*shared, cfg.tool_call_parser, cfg.reasoning_parser, cfg.trust_request_chat_template)
     tokenization = OpenAIServingTokenization(chat_serving)
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}
@@ -145,7 +145,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     app.state.metrics = metrics
     errors.install(app)
     # One item past the longest list a field takes: the field then says what its limit is.
-    parse = body.BodyParser(pool, max(limits.max_model_len, MAX_CHOICES, MAX_MESSAGES) + 1)
+    parse = body.BodyParser(pool, max(limits.max_model_len, MAX_CHOICES, MAX_MESSAGES) + 1, cfg.strict_request_fields)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

@@ -71,9 +71,16 @@ class ResponseFormat:
 
     draft_object: str
 
-    def __init__(self, serving: OpenAIServing, request_id: str, model: str, return_token_ids: bool):
+    def __init__(self, serving: OpenAIServing, request_id: str, model: str, return_token_ids: bool,
+                 tokens_as_ids: bool = False):
         self.serving, self.id, self.model, self.created = serving, request_id, model, p.now()
         self.return_token_ids = return_token_ids
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
+
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs spell it: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids,
+        for tokens whose text is not valid UTF-8 alone)."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.serving.token_text(token_id)
 
     def _ids(self, piece: Piece) -> list[int] | None:
         return piece.token_ids if self.return_token_ids else None

@@ -14,7 +14,7 @@ from blockdiff.entrypoints.openai import reasoning, tool_parsers, vllm_fields
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError
-from blockdiff.entrypoints.openai.preprocessing import Preprocessor, check_common
+from blockdiff.entrypoints.openai.preprocessing import Preprocessor, check_common, generation_prompt
 from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat
 from blockdiff.entrypoints.openai.structured import request_constraint, tool_call_constraint
 from blockdiff.engine.client import EngineClient
@@ -25,8 +25,8 @@ class ChatFormat(ResponseFormat):
     draft_object = "chat.completion.draft"
 
     def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool, rules: OutputRules,
-                 echo: str | None = None):
-        super().__init__(serving, request_id, model, return_token_ids)
+                 echo: str | None = None, tokens_as_ids: bool = False):
+        super().__init__(serving, request_id, model, return_token_ids, tokens_as_ids)
         self.logprobs = logprobs
         self.rules = rules
         self.echo = echo  # vLLM's chat echo: the last (assistant) message's content, which each reply starts with
@@ -44,7 +44,7 @@ class ChatFormat(ResponseFormat):
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> p.ChatLogprobs:
         def entry(token_id: int, logprob: float) -> dict:
-            text = self.serving.token_text(token_id)
+            text = self.token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         return p.ChatLogprobs(content=[
@@ -94,8 +94,9 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine: EngineClient, served_model_names: list[str], preprocess: Preprocessor,
                  clients: ClientLimit, max_stream_buffer: int, tool_call_parser: str | None,
-                 reasoning_parser: str | None):
+                 reasoning_parser: str | None, trust_request_chat_template: bool = False):
         super().__init__(engine, served_model_names, preprocess, clients, max_stream_buffer)
+        self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = self._parser("tool-call", tool_call_parser, tool_parsers.tool_call_parser,
                                         tool_parsers.Gemma4ToolParser)
         self.reasoning_parser = self._parser("reasoning", reasoning_parser, reasoning.reasoning_parser,
@@ -128,13 +129,14 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rules = self.output_rules(req)
         constraint = self.chat_constraint(req, rules)
-        request_id = p.new_id("chatcmpl")
+        request_id = p.new_id("chatcmpl", req.request_id)
         images = await self.preprocess.chat_images(req.messages, client_of(raw))
         prompts, requests = await self.preprocess.pool.run(client_of(raw), self.chat_requests, req, images, n, max_tokens,
                                                            logprobs, rules, request_id, constraint)
         last = req.messages[-1]
         echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
-        fmt = ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules, echo)
+        fmt = ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules, echo,
+                         bool(req.return_tokens_as_token_ids))
         return await self.respond(req, prompts, requests, fmt, raw)
 
     def chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
@@ -144,11 +146,26 @@ class OpenAIServingChat(OpenAIServing):
         if req.reasoning_effort is not None and self.tokenizer is not None:
             kwargs = vllm_fields.reasoning_kwargs(req.reasoning_effort, self.tokenizer.template_variables, kwargs or {})
         pre = self.preprocess
-        ids = pre.chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=kwargs)
+        ids = pre.chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=kwargs,
+                              add_generation_prompt=generation_prompt(req),
+                              continue_final_message=bool(req.continue_final_message), documents=req.documents,
+                              template=self.request_template(req), add_special_tokens=bool(req.add_special_tokens))
+        if req.truncate_prompt_tokens is not None:
+            if images:
+                raise APIError(400, "truncate_prompt_tokens: a chat with images cannot be cut (its image tokens "
+                                    "come whole)", param="truncate_prompt_tokens")
+            ids = pre.truncated([ids], req.truncate_prompt_tokens)[0]
         prompt, prompts = pre.with_images(ids, images)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
         return prompts, pre.engine_requests(req, [prompt], prompts, n, max_tokens, logprobs,
                                             skip_special_tokens=not rules.parses, structured_outputs=constraint)
+
+    def request_template(self, req: p.ChatCompletionRequest) -> str | None:
+        """A request's own chat template, which only a server started to trust them renders (vLLM's rule)."""
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
+                                "--trust-request-chat-template to allow a request's)", param="chat_template")
+        return req.chat_template
 
     @staticmethod
     def chat_constraint(req: p.ChatCompletionRequest, rules: OutputRules):

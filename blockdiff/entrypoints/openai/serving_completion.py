@@ -20,8 +20,8 @@ class CompletionFormat(ResponseFormat):
     draft_object = "text_completion.draft"
 
     def __init__(self, serving, request_id, model, return_token_ids, logprobs: int | None,
-                 echo: list[tuple[str, list[int]]] | None = None, n: int = 1):
-        super().__init__(serving, request_id, model, return_token_ids)
+                 echo: list[tuple[str, list[int]]] | None = None, n: int = 1, tokens_as_ids: bool = False):
+        super().__init__(serving, request_id, model, return_token_ids, tokens_as_ids)
         self.logprobs = logprobs
         self.echo, self.n = echo, n  # echo: each prompt's text and ids, which its choices start with
         # text_offset runs over the token strings sent so far, per choice; it is not the text sent,
@@ -37,7 +37,7 @@ class CompletionFormat(ResponseFormat):
         if self.logprobs is not None:
             top = self.logprobs > 0
             head = None if echo is None else vllm_fields.echo_logprobs(echo[1], piece.prompt_logprobs,
-                                                                        self.serving.token_text, top)
+                                                                        self.token_text, top)
             start = offset + (0 if head is None else sum(map(len, head.tokens)))
             lp = self._logprobs(piece.logprobs or [], start, top)
             self._offsets[index] = start + sum(map(len, lp.tokens))
@@ -46,7 +46,7 @@ class CompletionFormat(ResponseFormat):
                                   token_ids=self._ids(piece))
 
     def _logprobs(self, lps: list[TokenLogprob], offset: int, top: bool) -> p.CompletionLogprobs:
-        tokens = [self.serving.token_text(lp.token_id) for lp in lps]
+        tokens = [self.token_text(lp.token_id) for lp in lps]
         offsets = []
         for t in tokens:
             offsets.append(offset)
@@ -54,7 +54,7 @@ class CompletionFormat(ResponseFormat):
         return p.CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[lp.logprob for lp in lps],
-            top_logprobs=[{self.serving.token_text(t): v for t, v in lp.top.items()} for lp in lps] if top else None,
+            top_logprobs=[{self.token_text(t): v for t, v in lp.top.items()} for lp in lps] if top else None,
             text_offset=offsets,
         )
 
@@ -91,17 +91,19 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of not in (None, n):
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
         check_choices(_prompt_count(req.prompt), n)
-        request_id = p.new_id("cmpl")
+        request_id = p.new_id("cmpl", req.request_id)
         constraint = request_constraint(req)
         prompts, requests, echo = await self.preprocess.pool.run(client_of(raw), self._completion_requests, req, n,
                                                                  request_id, constraint)
-        fmt = CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs, echo, n)
+        fmt = CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs, echo, n,
+                               bool(req.return_tokens_as_token_ids))
         return await self.respond(req, prompts, requests, fmt, raw)
 
     def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str, constraint):
         """(In the pool) -> (the prompts' ids, the engine requests, with echo each prompt's text and ids)."""
         pre = self.preprocess
-        prompts = pre.completion_prompts(req.prompt, request_id)
+        prompts = pre.truncated(pre.completion_prompts(req.prompt, request_id, req.add_special_tokens is not False),
+                                req.truncate_prompt_tokens)
         requests = pre.engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs,
                                        prompt_logprobs=vllm_fields.prompt_logprobs(req), structured_outputs=constraint)
         echo = [(pre.prompt_text(x, ids), ids) for x, ids in zip(_prompt_list(req.prompt), prompts)] if req.echo else None

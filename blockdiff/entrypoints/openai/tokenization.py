@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.errors import APIError
+from blockdiff.entrypoints.openai.preprocessing import generation_prompt
 from blockdiff.entrypoints.openai.serving import OpenAIServing
 
 _CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")
@@ -30,15 +31,10 @@ class OpenAIServingTokenization:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=add_special)
         else:
-            if req.continue_final_message:
-                raise APIError(400, "continue_final_message is not supported: the chat template closes every message",
-                               param="continue_final_message")
-            generation = True if req.add_generation_prompt is None else req.add_generation_prompt
-            ids = self.serving.preprocess.chat_prompt(req.messages, "tokenize", add_generation_prompt=generation,
-                                                       tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
-            tok = self.tokenizer
-            if req.add_special_tokens and tok.add_bos and ids[:1] != [tok.bos_token_id]:  # on top of the template's
-                ids = [tok.bos_token_id, *ids]
+            ids = self.serving.preprocess.chat_prompt(req.messages, "tokenize", add_generation_prompt=generation_prompt(req),
+                                                       tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
+                                                       continue_final_message=bool(req.continue_final_message),
+                                                       add_special_tokens=bool(req.add_special_tokens))
         strs = [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
         return p.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 

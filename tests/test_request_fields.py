@@ -1,0 +1,152 @@
+"""vLLM's and OpenAI's request fields (issue 36, finding 3), sent as a vLLM user's scripts send
+them, through the official openai client's extra_body, to the real server on the demo checkpoint:
+every field is accepted, the ones that mean something here do what vLLM documents, unknown fields
+are ignored with a warning (or refused with --strict-request-fields)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+SORT = [{"role": "user", "content": "sort: 3 1 2"}]
+# Every field of the finding at a value a vLLM or OpenAI client sends.
+FIELDS = {
+    "include_stop_str_in_output": False, "add_generation_prompt": True, "continue_final_message": False,
+    "chat_template_kwargs": {}, "documents": [], "truncate_prompt_tokens": -1, "priority": 0, "request_id": "r-1",
+    "cache_salt": "tenant-a", "allowed_token_ids": [], "bad_words": [], "use_beam_search": False, "prompt_logprobs": 0,
+    "return_tokens_as_token_ids": False, "add_special_tokens": False,
+    "store": False, "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "s", "verbosity": "medium",
+    "modalities": ["text"], "prediction": {"type": "content", "content": "1 2 3"},
+}
+CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents", "prompt_logprobs")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc = ServerProcess(None, "--max-model-len", "256", log_path=str(tmp_path_factory.mktemp("fields") / "server.log"))
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory):
+    proc = ServerProcess(None, "--max-model-len", "256", "--strict-request-fields", "--trust-request-chat-template",
+                         log_path=str(tmp_path_factory.mktemp("strict") / "server.log"))
+    yield proc
+    proc.close()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _tokens(server, **body) -> list[int]:
+    return httpx.post(server.url + "/tokenize", json=body, timeout=30).json()["tokens"]
+
+
+def test_every_field_is_accepted_and_the_ignored_ones_are_named_in_one_warning(server):
+    client = _client(server)
+    chat = client.chat.completions.create(model="demo", messages=SORT, seed=0, extra_body=FIELDS)
+    assert chat.choices[0].message.content == "1 2 3" and chat.id == "chatcmpl-r-1"
+    completion = client.completions.create(model="demo", prompt="sort: 3 1 2", max_tokens=8, seed=0,
+                                           extra_body={k: v for k, v in FIELDS.items() if k not in CHAT_ONLY})
+    assert completion.id == "cmpl-r-1"
+    log = server.log()
+    assert "request fields ignored: store, service_tier, prompt_cache_key, safety_identifier, verbosity, modalities, " \
+           "prediction" in log
+    r = client.chat.completions.create(model="demo", messages=SORT, seed=0, extra_body={"no_such_field": 1})
+    assert r.choices[0].message.content == "1 2 3" and "request fields ignored: no_such_field (unknown)" in server.log()
+
+
+def test_strict_request_fields_refuse_unknown_ones(strict):
+    r = httpx.post(strict.url + "/v1/chat/completions", json={"model": "demo", "messages": SORT, "no_such_field": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "no_such_field"
+    assert "--strict-request-fields" in r.json()["error"]["message"]
+    assert httpx.post(strict.url + "/v1/chat/completions", json={"model": "demo", "messages": SORT, **FIELDS},
+                      timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("field,value", [("use_beam_search", True), ("priority", 1), ("truncate_prompt_tokens", 0),
+                                         ("allowed_token_ids", [5]), ("bad_words", ["1"]), ("prompt_logprobs", 1),
+                                         ("chat_template", "{{ messages[0]['content'] }}")])
+def test_values_that_cannot_be_honoured_are_a_400_naming_the_field(server, field, value):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "demo", "messages": SORT, field: value}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(server):
+    client = _client(server)
+
+    def reply(**extra) -> str:
+        return client.chat.completions.create(model="demo", messages=SORT, seed=0, stop=[" 2"], extra_body=extra) \
+            .choices[0].message.content
+
+    assert reply() == "1" and reply(include_stop_str_in_output=True) == "1 2"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
+    client = _client(server)
+    prompt = "reverse: " + "block " * 20
+    full = client.completions.create(model="demo", prompt=prompt, max_tokens=4, seed=0).usage.prompt_tokens
+    cut = client.completions.create(model="demo", prompt=prompt, max_tokens=4, seed=0,
+                                    extra_body={"truncate_prompt_tokens": 7}).usage.prompt_tokens
+    assert full > 7 and cut == 7
+
+
+def test_generation_prompt_continuation_and_special_tokens_shape_the_prompt(server):
+    """Each as /tokenize renders it, and as vLLM documents it: continue_final_message leaves the
+    last (assistant) message open after its content. The demo's template writes its BOS itself,
+    so add_special_tokens adds no second one."""
+    client = _client(server)
+    partial = [*SORT, {"role": "assistant", "content": "1 2"}]
+
+    def prompt_tokens(messages, **extra) -> int:
+        return client.chat.completions.create(model="demo", messages=messages, seed=0, max_tokens=8,
+                                              extra_body=extra).usage.prompt_tokens
+
+    bare = _tokens(server, messages=SORT, add_generation_prompt=False)
+    assert prompt_tokens(SORT, add_generation_prompt=False) == len(bare) < len(_tokens(server, messages=SORT))
+    continued = _tokens(server, messages=partial, continue_final_message=True)
+    text = httpx.post(server.url + "/detokenize", json={"tokens": continued}).json()["prompt"]
+    assert text.endswith("1 2") and prompt_tokens(partial, continue_final_message=True) == len(continued)
+    assert prompt_tokens(SORT, add_special_tokens=True) == len(_tokens(server, messages=SORT))
+
+
+def test_return_tokens_as_token_ids_spells_logprob_tokens_by_id(server):
+    r = _client(server).chat.completions.create(model="demo", messages=SORT, seed=0, logprobs=True, top_logprobs=1,
+                                                extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    choice = r.choices[0]
+    entries = choice.logprobs.content
+    assert [e.token for e in entries] == [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    assert all(top.token.startswith("token_id:") for e in entries for top in e.top_logprobs)
+
+
+def test_a_trusted_request_template_and_its_documents_render_the_prompt(strict):
+    """The request's template (which writes no BOS) renders its documents before the message;
+    add_special_tokens then puts the BOS before it."""
+    template = "{% for d in documents %}{{ d['text'] }} {% endfor %}{{ messages[-1]['content'] }}"
+    docs = [{"text": "reverse: a"}, {"text": "reverse: b"}]
+    client = _client(strict)
+
+    def prompt_tokens(**extra) -> int:
+        return client.chat.completions.create(model="demo", messages=SORT, seed=0, max_tokens=8,
+                                              extra_body={"chat_template": template, "documents": docs, **extra}).usage.prompt_tokens
+
+    with_bos = _tokens(strict, prompt="reverse: a reverse: b sort: 3 1 2")  # a prompt gets the BOS by default
+    assert prompt_tokens() == len(with_bos) - 1 and prompt_tokens(add_special_tokens=True) == len(with_bos)
+
+
+def test_cache_salt_keeps_prefix_cache_entries_apart(server):
+    """The same long prompt twice: the second is served from the prefix cache, unless its salt differs."""
+    client = _client(server)
+    prompt = "reverse: " + "prefix cache " * 8
+
+    def cached(**extra) -> int:
+        r = client.completions.create(model="demo", prompt=prompt, max_tokens=4, seed=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached(cache_salt="a")
+    assert cached(cache_salt="a") > 0
+    assert cached(cache_salt="b") == 0 and cached() == 0
