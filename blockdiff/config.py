@@ -133,6 +133,7 @@ STEPS_PER_LAUNCH = {"cpu": 4, "cuda": 1}
 ASYNC_SCHEDULING = {"cpu": False, "cuda": True}
 
 LOAD_FORMATS = ("auto", "dummy")
+PREFIX_CACHE_SCOPES = ("client", "global")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -270,6 +271,11 @@ class EngineConfig:
     # (engine/kv_cache_manager.py).
     enable_prefix_caching: bool = flag(True, "reuse the KV cache of full blocks of a prefix that an earlier request "
                                              "computed")
+    # Whose requests share cached prefixes: a client's own (its address; or requests of one
+    # cache_salt), so that cached_tokens reveals nothing across tenants; "global": every request's.
+    prefix_cache_scope: str = flag("client", "whose requests share cached prefixes: client (each client's own, and "
+                                             "requests of the same cache_salt) or global (every request's)",
+                                   choices=PREFIX_CACHE_SCOPES)
     tune_cpu_heap: bool = False  # see worker/cpu_heap.py: a process-wide glibc setting
     # Steps whose rows are all canvases being denoised run as one static step compiled with
     # torch.compile(fullgraph=True) (worker/canvas_step.py); None: COMPILE_BY_DEFAULT of the device.
@@ -380,6 +386,8 @@ class EngineConfig:
                 os.path.join(self.generation_config, "generation_config.json")):
             raise ValueError(f"generation_config must be auto, vllm or a directory holding a generation_config.json, "
                              f"got {self.generation_config!r}")
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got {self.prefix_cache_scope!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.num_layers_override is not None and self.load_format != "dummy":

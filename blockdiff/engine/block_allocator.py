@@ -44,6 +44,17 @@ def block_keys(tokens: list[int | bytes], block_size: int, parent: BlockKey = b"
     return out
 
 
+def key_root(cache_salt: str | None, client: str | None, scope: str) -> BlockKey:
+    """The key a request's first block chains from: the digest of its cache_salt, else of its
+    client's identity when the cache is kept per client (scope "client"), else none. A prefix is
+    found only under the same root, so cached_tokens tells one tenant nothing of another's prompts."""
+    if cache_salt is not None:
+        return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
+    if scope == "client" and client is not None:
+        return hashlib.sha256(b"client\0" + client.encode()).digest()
+    return b""
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, caching: bool = True):
         self.num_blocks = num_blocks

@@ -56,6 +56,7 @@ class EngineStats:
     block_size: int
     prefix_caching: bool
     kv_cache_free_blocks: int  # full-attention blocks that can be handed out (cached ones among them)
+    prefix_cache_scope: str  # whose requests share cached prefixes (block_allocator.key_root)
 
     @staticmethod
     def total(stats: list[EngineStats]) -> EngineStats:
@@ -66,7 +67,8 @@ class EngineStats:
             sum(s.num_running for s in stats), sum(s.num_waiting for s in stats), sum(s.num_free_slots for s in stats),
             used / max(1, blocks), blocks, sum(s.prefix_cache_queries for s in stats),
             sum(s.prefix_cache_hits for s in stats), sum(s.num_preemptions for s in stats),
-            stats[0].block_size, stats[0].prefix_caching, sum(s.kv_cache_free_blocks for s in stats))
+            stats[0].block_size, stats[0].prefix_caching, sum(s.kv_cache_free_blocks for s in stats),
+            stats[0].prefix_cache_scope)
 
 
 class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):

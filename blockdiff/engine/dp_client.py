@@ -33,7 +33,7 @@ import torch
 from blockdiff.config import EngineConfig
 from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.async_engine import RESTART_TRIES, EngineUnavailable, RequestStream
-from blockdiff.engine.block_allocator import block_keys
+from blockdiff.engine.block_allocator import block_keys, key_root
 from blockdiff.engine.client import EngineClient, EngineStats, Prompt
 from blockdiff.engine.core_process import COMMAND, Bootstrap, Handshake, encode_frame, error_of, read_frame, recv_frame, send_frame
 from blockdiff.engine.images import ImageIntake, PromptImages, split_prompt
@@ -68,13 +68,16 @@ class FrontEnd:
                                      lim.canvas_length, lim.max_model_len, lim.max_denoising_steps, cache_tokens, cfg.seed,
                                      self.images)
         self.block_size, self.prefix_caching = hs.stats.block_size, hs.stats.prefix_caching
+        self.prefix_cache_scope = hs.stats.prefix_cache_scope
 
 
-def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, images: ImageIntake | None, block_size: int) -> tuple:
-    """The keys of the prompt's full blocks, as the engine will key them; for a prompt with images not
-    yet preprocessed, those of the blocks before the first image."""
+def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, images: ImageIntake | None, block_size: int,
+                      root: bytes = b"") -> tuple:
+    """The keys of the prompt's full blocks, as the engine will key them (under `root`, the request's
+    block_allocator.key_root); for a prompt with images not yet preprocessed, those of the blocks
+    before the first image."""
     if isinstance(prompt, PromptImages):  # expanded at the edge
-        return tuple(block_keys(_image_keyed(prompt), block_size))
+        return tuple(block_keys(_image_keyed(prompt), block_size, root))
     text, given = split_prompt(prompt)
     if isinstance(text, str):
         if tokenizer is None:
@@ -87,7 +90,7 @@ def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, images: Image
             ids = _image_keyed(images.expand(ids, given))
         elif images.vision is not None and images.vision.image_token_id in ids:
             ids = ids[:ids.index(images.vision.image_token_id)]
-    return tuple(block_keys(ids, block_size))
+    return tuple(block_keys(ids, block_size, root))
 
 
 def _image_keyed(prompt: PromptImages) -> list:
@@ -191,6 +194,7 @@ class DPClient(EngineClient):
         self.limits, self.defaults, self.tokenizer, self.sampler, self.images = (
             front.limits, front.defaults, front.tokenizer, front.sampler, front.images)
         self._inputs, self.block_size, self.prefix_caching = front.inputs, front.block_size, front.prefix_caching
+        self.prefix_cache_scope = front.prefix_cache_scope
         lim = self.limits
         self.router = PrefixRouter(default_imbalance(lim.max_num_seqs))
         log.info("data parallel: %d replicas (pids %s), each %s", len(self.replicas),
@@ -299,8 +303,8 @@ class DPClient(EngineClient):
         stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests], client)
         groups: dict[_Replica, list[int]] = {}
         keys = []
-        for i, (prompt, _) in enumerate(requests):
-            keys.append(self._keys(prompt))
+        for i, (prompt, params) in enumerate(requests):
+            keys.append(self._keys(prompt, params, client))
             rep = self._route(keys[-1])
             groups.setdefault(rep, []).append(i)
         calls = []
@@ -371,8 +375,11 @@ class DPClient(EngineClient):
             self._end_process(rep)
 
     # ---- routing -----------------------------------------------------------------------------------
-    def _keys(self, prompt: Prompt) -> tuple:
-        return prompt_block_keys(prompt, self.tokenizer, self.images, self.block_size) if self.prefix_caching else ()
+    def _keys(self, prompt: Prompt, params: SamplingParams | None, client: str | None) -> tuple:
+        if not self.prefix_caching:
+            return ()
+        root = key_root(params.cache_salt if params is not None else None, client, self.prefix_cache_scope)
+        return prompt_block_keys(prompt, self.tokenizer, self.images, self.block_size, root)
 
     def _route(self, keys: Sequence) -> _Replica:
         up = [rep for rep in self.replicas if rep.up]

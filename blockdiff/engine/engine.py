@@ -79,7 +79,7 @@ class LLMEngine:
         caching = cfg.enable_prefix_caching and self.model_config.encoder_causal
         self.kv = KVCacheManager(BlockPool(cache.num_blocks, cache.block_size, caching),
                                  BlockPool(cache.sliding_blocks, cache.block_size, caching),
-                                 self.model_config.window_past(self.max_model_len))
+                                 self.model_config.window_past(self.max_model_len), cfg.prefix_cache_scope)
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
         self.structured = None if self.tokenizer is None else StructuredOutputs(self.tokenizer, self.vocab_size,
                                                                                 cfg.structured_outputs_timeout)
@@ -310,7 +310,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.num_running, self.num_waiting, self.num_free_slots, self.kv_cache_usage,
                            self.kv.full.num_blocks, self.kv.queries, self.kv.hits, self.scheduler.num_preemptions,
-                           self.kv.block_size, self.kv.full.caching, self.kv.full.num_free)
+                           self.kv.block_size, self.kv.full.caching, self.kv.full.num_free, self.kv.scope)
 
     @property
     def num_running(self) -> int:

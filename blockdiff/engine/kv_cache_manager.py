@@ -12,26 +12,34 @@ engine takes after each step.
 
 from __future__ import annotations
 
-from blockdiff.engine.block_allocator import BlockPool, block_keys
+from blockdiff.engine.block_allocator import BlockPool, block_keys, key_root
 from blockdiff.engine.kv_events import BlockStored, KVEvent
 from blockdiff.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, full: BlockPool, sliding: BlockPool, past: int):
+    def __init__(self, full: BlockPool, sliding: BlockPool, past: int, scope: str = "client"):
+        """scope: whose requests share cached blocks: "client" (requests of one client, or of one
+        cache_salt), or "global" (every request, unless a cache_salt sets it apart)."""
         self.full, self.sliding, self.past = full, sliding, past
+        self.scope = scope
         self.block_size = full.block_size
         self.queries = 0  # prompt tokens of first admissions...
         self.hits = 0  # ...and how many of them were found cached
         self.events: list[KVEvent] = []  # since the last take_events()
         full.events = self.events
 
+    def _root(self, req: Request) -> bytes:
+        if req.key_root is None:  # its client is known once it is added
+            req.key_root = key_root(req.params.cache_salt, req.client, self.scope)
+        return req.key_root
+
     def _hit(self, req: Request) -> tuple[int, list[int], list[int], list[bytes]]:
         """-> (blocks hit, their full blocks, their sliding table (-1 out of reach), their keys)."""
         if not self.full.caching:
             return 0, [], [], []
         if len(req.prefix_keys) != req.num_tokens // self.block_size:  # not every step the request waits
-            req.prefix_keys = block_keys(req.key_tokens(0, req.num_tokens), self.block_size, req.key_root)
+            req.prefix_keys = block_keys(req.key_tokens(0, req.num_tokens), self.block_size, self._root(req))
         keys = req.prefix_keys
         full = []
         for key in keys:
@@ -114,7 +122,7 @@ class KVCacheManager:
         bs, done = self.block_size, req.num_cached
         if self.full.caching and len(req.block_hashes) < done // bs:
             first = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else req.key_root
+            parent = req.block_hashes[-1] if req.block_hashes else self._root(req)
             stored = []
             for i, key in enumerate(block_keys(req.key_tokens(first * bs, done // bs * bs), bs, parent), first):
                 if self.full.register(req.blocks[i], key):

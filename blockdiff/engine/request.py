@@ -18,8 +18,6 @@ to rewind. Every transition goes through `to()`, which refuses illegal ones.
 from __future__ import annotations
 
 import enum
-import functools
-import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -101,6 +99,7 @@ class Request:
     # Keys of the full blocks of prompt + output, for prefix lookups while the request waits; its
     # tokens only grow, so they stay valid until num_tokens changes.
     prefix_keys: list = field(default_factory=list)
+    key_root: bytes | None = None  # the parent key of its first block: whom it shares cached K/V with (kv_cache_manager.py)
     num_cached: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     canvases_since_admitted: int = 0
@@ -130,12 +129,6 @@ class Request:
         if self.params.prompt_logprobs is not None:
             self.score_pieces = score_pieces(len(self.prompt_token_ids), self.canvas_length)
             self.prompt_scores = []
-
-    @functools.cached_property
-    def key_root(self) -> bytes:
-        """The parent key of the request's first block: its cache salt's digest, or none."""
-        salt = self.params.cache_salt
-        return b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
 
     def to(self, state: State) -> None:
         if state not in _LEGAL[self.state]:

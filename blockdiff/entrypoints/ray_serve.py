@@ -42,6 +42,7 @@ from blockdiff.config import EngineConfig
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from blockdiff.engine.client import EngineClient, EngineStats, Prompt, structured_specs
 from blockdiff.engine.core_process import Handshake, error_of, wire_error
+from blockdiff.engine.block_allocator import key_root
 from blockdiff.engine.dp_client import FrontEnd, prompt_block_keys
 from blockdiff.engine.kv_events import decode_batch, external_hash
 from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
@@ -109,7 +110,8 @@ class EngineReplica:
     def record_routing_stats(self) -> dict:
         """What the router reads of this replica (Ray calls it every ROUTING_STATS_PERIOD_S)."""
         stats = self.engine.stats()
-        out = {"block_size": stats.block_size, "free_blocks": stats.kv_cache_free_blocks,
+        out = {"block_size": stats.block_size, "prefix_cache_scope": stats.prefix_cache_scope,
+               "free_blocks": stats.kv_cache_free_blocks,
                "running": stats.num_running, "waiting": stats.num_waiting}
         publisher = self.engine.kv_publisher
         if publisher is not None and publisher.endpoint.startswith("tcp://"):
@@ -147,27 +149,29 @@ class PrefixAffinityRouter(RequestRouter):
         self._events = _EventFollower()
         self._expected: dict[str, tuple[str, tuple]] = {}  # internal request id -> (replica, block keys)
 
-    def _keys(self, pending: PendingRequest | None, block_size: int | None) -> tuple:
+    def _keys(self, pending: PendingRequest | None, block_size: int | None, scope: str) -> tuple:
         if pending is None or not pending.args or not block_size:
             return ()
-        requests = pending.args[0]
+        requests, client = pending.args[0], pending.args[1] if len(pending.args) > 1 else None
         if not requests:
             return ()
-        prompt = requests[0][0]
+        prompt, params = requests[0]
         if isinstance(prompt, dict):  # images: the blocks before the first one would need the model's vision config
             return ()
-        return tuple(external_hash(k) for k in prompt_block_keys(prompt, None, None, block_size))
+        root = key_root(params.cache_salt if params is not None else None, client, scope)
+        return tuple(external_hash(k) for k in prompt_block_keys(prompt, None, None, block_size, root))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        block_size = None
+        block_size, scope = None, "client"
         for r in candidate_replicas:
             stats = r.routing_stats or {}
             self._events.follow(r.replica_id.unique_id, stats)
             block_size = block_size or stats.get("block_size")
-        keys = self._keys(pending_request, block_size)
+            scope = stats.get("prefix_cache_scope", scope)
+        keys = self._keys(pending_request, block_size, scope)
         lengths = self.replica_queue_len_cache
         candidates = [Candidate(r, lengths.get(r.replica_id) or 0, (r.routing_stats or {}).get("free_blocks", 0),
                                 self._events.indexes.get(r.replica_id.unique_id)) for r in candidate_replicas]
