@@ -75,10 +75,12 @@ def _usage(out, cached: int | None = None) -> dict:
     }
 
 
-def test_health_models_and_metrics(server):
+def test_health_models_and_metrics(server, tiny):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     models = httpx.get(server.url + "/v1/models", headers=_auth()).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    # The checkpoint's directory by its name, not the server's path to it (issue 37, finding 9)
+    assert models["data"][0]["root"] == os.path.basename(tiny) and os.path.dirname(tiny) not in models.__repr__()
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     m = server.metrics()
     assert m["blockdiff_kv_cache_blocks"] == KV_BLOCKS

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import hmac
 import logging
+import os
 import socket
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -169,7 +170,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> ModelList:
         created = now()
-        return ModelList(data=[ModelCard(id=name, created=created, root=limits.model, max_model_len=limits.max_model_len,
+        return ModelList(data=[ModelCard(id=name, created=created, root=model_root(limits.model), max_model_len=limits.max_model_len,
                                          canvas_length=limits.canvas_length, sampling_defaults=sampling_defaults)
                                for name in cfg.served_model_names])
 
@@ -322,3 +323,9 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; stop what uses it or pick another --port") from None
     return sock
+
+
+def model_root(model: str) -> str:
+    """The served checkpoint as /v1/models names it: a hub id as given, a local directory by its
+    name alone, so that clients learn nothing of the server's file system."""
+    return os.path.basename(os.path.normpath(model)) if os.path.isabs(model) or os.path.isdir(model) else model
