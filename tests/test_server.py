@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import openai
@@ -80,7 +81,7 @@ def test_health_models_and_metrics(server, tiny):
     models = httpx.get(server.url + "/v1/models", headers=_auth()).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     # The checkpoint's directory by its name, not the server's path to it (issue 37, finding 9)
-    assert models["data"][0]["root"] == os.path.basename(tiny) and os.path.dirname(tiny) not in models.__repr__()
+    assert models["data"][0]["root"] == os.path.basename(tiny) and os.path.dirname(tiny) not in json.dumps(models)
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     m = server.metrics()
     assert m["blockdiff_kv_cache_blocks"] == KV_BLOCKS
