@@ -174,7 +174,10 @@ class KVEventsConfig:
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; None: zmq when events are enabled
-    endpoint: str = "tcp://*:5557"  # PUB socket; bound with a wildcard host (or ipc://), else connected
+    # PUB socket; bound with a wildcard host (or ipc://), else connected. None (the default):
+    # tcp://<bind_host>:5557, bound, so that events (which carry every client's token ids) stay on
+    # the address the server listens on; vLLM's default is tcp://*:5557.
+    endpoint: str | None = None
     replay_endpoint: str | None = None  # ROUTER socket that resends buffered batches from a sequence number
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # the PUB socket's high-water mark
@@ -183,6 +186,7 @@ class KVEventsConfig:
     # How each event is written: "map" (named fields, vLLM since 0.24) or "array" (positional,
     # vLLM 0.11 to 0.23, for consumers that decode only that). The batch is an array in both.
     encoding: str = "map"
+    bind_host: str = "127.0.0.1"  # ours: the default endpoint's address (`serve` sets its --host)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -195,11 +199,12 @@ class KVEventsConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("endpoint", "topic"):
+        for name in ("topic", "bind_host"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
-        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
-            raise ValueError(f"replay_endpoint must be a string, got {self.replay_endpoint!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         if self.encoding not in KV_EVENT_ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(KV_EVENT_ENCODINGS)}, got {self.encoding!r}")
 

@@ -124,7 +124,7 @@ def test_evicted_blocks_are_removed_and_a_reset_clears_all(published):
     llm.engine.reset_after_worker_loss()
     deadline = time.monotonic() + 5
     while (events := _events(_replay(replay)))[-1] != {"type": "AllBlocksCleared"} and time.monotonic() < deadline:
-        time.sleep(0.05)  # the publisher's thread sends what was queued
+        time.sleep(0.3)  # the publisher's thread sends what was queued (and a peer gets 4 replays a second)
     stored = {h for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]}
     removed = [h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
     assert removed and set(removed) <= stored
@@ -160,3 +160,72 @@ def test_bad_configs_are_one_line_errors(capsys, tiny):
     with LLM(tiny, kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}):
         with pytest.raises(ValueError, match="cannot open the endpoint"):
             LLM(tiny, kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+
+
+def _addresses() -> list[str]:
+    """This machine's IPv4 addresses other than the loopback's."""
+    import socket
+
+    import psutil
+
+    return sorted({a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                   if a.family == socket.AF_INET and not a.address.startswith("127.")})
+
+
+def test_events_are_private_to_the_hosts_address_by_default(tiny):
+    """Without an endpoint the publisher binds the server's address (the loopback here): a subscriber
+    on another address of the machine gets nothing, one on the loopback gets the events."""
+    if not _addresses():
+        pytest.skip("this machine has no address but the loopback's to subscribe from")
+    config = {"enable_kv_cache_events": True}
+    outside = [zmq.Context.instance().socket(zmq.SUB) for _ in _addresses()]
+    for sock, address in zip(outside, _addresses()):
+        sock.connect(f"tcp://{address}:5557")
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    inside = zmq.Context.instance().socket(zmq.SUB)
+    inside.connect("tcp://127.0.0.1:5557")
+    inside.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        with LLM(tiny, block_size=BS, max_model_len=128, kv_events_config=config) as llm:
+            assert llm.engine.kv_publisher.endpoint == "tcp://127.0.0.1:5557"
+            time.sleep(0.3)
+            llm.generate([PROMPT], SamplingParams(max_tokens=16, max_denoising_steps=2, seed=1), use_tqdm=False)
+            assert inside.poll(3000)
+            assert not any(sock.poll(500) for sock in outside)
+    finally:
+        for sock in [inside, *outside]:
+            sock.close(linger=0)
+
+
+def test_replay_requests_are_bounded_in_size_and_rate_and_live_events_go_on(published):
+    llm, sub, replay = published
+    params = SamplingParams(max_tokens=16, max_denoising_steps=2, seed=1)
+    llm.generate([PROMPT], params, use_tqdm=False)
+    time.sleep(1.1)  # the fixture's own replay budget is fresh
+    big = zmq.Context.instance().socket(zmq.DEALER)
+    big.connect(f"tcp://127.0.0.1:{replay}")
+    big.send_multipart([b"", b"x" * (1 << 20)])  # over the size bound: its peer is dropped unread
+    flood = zmq.Context.instance().socket(zmq.DEALER)
+    flood.connect(f"tcp://127.0.0.1:{replay}")
+    flood.setsockopt(zmq.RCVTIMEO, 3000)
+    try:
+        started = time.monotonic()
+        for _ in range(40):
+            flood.send_multipart([b"", (0).to_bytes(8, "big")])
+        answers = []  # the batches of each answer: every request is answered, only 4 a second with batches
+        for _ in range(40):
+            batches = 0
+            while int.from_bytes(flood.recv_multipart()[1], "big", signed=True) != -1:
+                batches += 1
+            answers.append(batches)
+        seconds = time.monotonic() - started
+        assert answers[0] > 0 and sum(1 for b in answers if b) <= 4 * (seconds + 1), (answers, seconds)
+        assert sum(1 for b in answers if not b) >= 40 - 4 * (seconds + 1) > 0
+        while sub.poll(100):
+            sub.recv_multipart()
+        llm.generate([[t + 1 for t in PROMPT]], params, use_tqdm=False)
+        assert sub.poll(3000)  # live events still flow
+        assert big.poll(200) == 0
+    finally:
+        big.close(linger=0)
+        flood.close(linger=0)

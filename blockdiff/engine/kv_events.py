@@ -32,7 +32,11 @@ The wire, as vLLM's `ZmqEventPublisher` writes it (vllm/distributed/kv_events.py
   offload tier to these consumers);
 - a ROUTER socket (`replay_endpoint`) answers [identity, b"", start sequence (8 bytes big-endian)]
   with every buffered batch from that number on, [identity, b"", sequence, payload] each, then
-  [identity, b"", -1 (8 bytes, signed), b""];
+  [identity, b"", -1 (8 bytes, signed), b""]. A peer address gets 4 replays a second (more are
+  answered with the end marker alone), one replay is served per batch published, and a request
+  over 64 bytes disconnects its peer unread;
+- the default endpoint is tcp://<the server's --host>:5557, bound (vLLM's is tcp://*:5557): the
+  events carry every client's token ids, so they are for the operator's routers, not the network;
 - replica r (data_parallel_rank) offsets the port of both endpoints by r (an inproc name gets "_dp{r}").
 """
 
@@ -167,6 +171,10 @@ def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
     raise ValueError(f"kv_events_config endpoint {endpoint!r} must start with tcp://, ipc:// or inproc://")
 
 
+REPLAY_MAX_BYTES = 64
+REPLAYS_PER_PEER, REPLAY_WINDOW_S = 4, 1.0
+
+
 def _binds(endpoint: str) -> bool:
     """vLLM's rule: a wildcard address or a local transport is bound, any other is connected to."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -189,14 +197,18 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
+        self._replays: dict[str, deque[float]] = {}  # peer address -> times of its recent replay requests
         try:
             self._pub.set_hwm(cfg.hwm)
-            endpoint = offset_endpoint(cfg.endpoint, data_parallel_rank)
-            (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
+            given = cfg.endpoint or default_endpoint(cfg.bind_host)
+            endpoint = offset_endpoint(given, data_parallel_rank)
+            (self._pub.bind if cfg.endpoint is None or _binds(endpoint) else self._pub.connect)(endpoint)
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
             self.replay_endpoint = None
             if cfg.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                # A replay request is 8 bytes: a peer that sends more is disconnected, unread.
+                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_BYTES)
                 self._replay.bind(offset_endpoint(cfg.replay_endpoint, data_parallel_rank))
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
@@ -233,9 +245,8 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         seq = 0
         while True:
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._serve_replay()
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()  # one per batch published: a flood of them cannot stop live events
             try:
                 item = self._queue.get(timeout=0.1)
             except queue.Empty:
@@ -249,16 +260,44 @@ class ZmqEventPublisher:
             seq += 1
 
     def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
+        frames = self._replay.recv_multipart(copy=False)
         if len(frames) != 3:
             log.warning("ignoring a KV event replay request of %d frames (want 3: identity, empty, sequence)", len(frames))
             return
-        identity, _, start = frames
+        identity, start = frames[0].bytes, frames[2].bytes
+        if len(start) != 8 or not self._admit(frames[2]):  # answered with the end marker alone
+            self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+            return
         first = int.from_bytes(start, "big")
         for seq, payload in self._buffer:
             if seq >= first:
                 self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+
+
+    def _admit(self, frame) -> bool:
+        """At most REPLAYS_PER_PEER replay requests per REPLAY_WINDOW_S seconds from one peer address:
+        each resends up to buffer_steps batches."""
+        try:
+            peer = frame.get("Peer-Address")
+        except Exception:  # a transport without peer addresses (ipc://, inproc://): one budget for all
+            peer = ""
+        now = time.monotonic()
+        recent = self._replays.setdefault(peer, deque())
+        while recent and now - recent[0] > REPLAY_WINDOW_S:
+            recent.popleft()
+        if len(recent) >= REPLAYS_PER_PEER:
+            return False
+        recent.append(now)
+        if len(self._replays) > 4096:  # peers come and go: forget the idle ones
+            for idle in [p for p, times in self._replays.items() if not times or now - times[-1] > REPLAY_WINDOW_S]:
+                del self._replays[idle]
+        return True
+
+
+def default_endpoint(host: str) -> str:
+    """tcp://<host>:5557, the address in brackets when it is IPv6."""
+    return f"tcp://[{host}]:5557" if ":" in host else f"tcp://{host}:5557"
 
 
 def make_publisher(cfg: KVEventsConfig | None, data_parallel_rank: int) -> ZmqEventPublisher | None:

@@ -118,5 +118,9 @@ def run(args: argparse.Namespace) -> int:
         strict_request_fields=args.strict_request_fields,
         trust_request_chat_template=args.trust_request_chat_template,
     )
-    serve(dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args)), cfg)
+    engine = dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args))
+    if engine.kv_events_config is not None:  # KV events carry every client's token ids: on the server's address
+        engine = dataclasses.replace(engine, kv_events_config=dataclasses.replace(engine.kv_events_config,
+                                                                                  bind_host=args.host))
+    serve(engine, cfg)
     return 0
