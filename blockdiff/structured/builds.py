@@ -68,7 +68,11 @@ class BuildPool:
             if self._closed:
                 build.future.set_exception(BuildCancelled())
                 return
-            self._queues.setdefault(build.client, deque()).append(build)
+            if build.client not in self._queues:
+                # A client with nothing waiting goes first: the others have been served since it was.
+                self._queues[build.client] = deque()
+                self._queues.move_to_end(build.client, last=False)
+            self._queues[build.client].append(build)
             if len(self._threads) < self.workers:  # started with the first builds: most servers never build
                 thread = threading.Thread(target=self._work, name=f"structured-build-{len(self._threads)}", daemon=True)
                 self._threads.append(thread)
