@@ -1,8 +1,11 @@
 """A regular expression and a vocabulary -> the arrays of a token automaton.
 
-Runs as a script in a child process (`python index.py`, a pickled job on stdin, the pickled
-arrays on stdout), so that a build can be stopped at its time bound by ending the process; it
-imports nothing of blockdiff (whose package would import torch) and only numpy and outlines-core.
+Runs as a script in a child process (`python index.py MEMORY PARENT`, a pickled job on stdin, the
+pickled arrays on stdout; builds.py), so that a build can be stopped at its time bound by ending
+the process, and its memory bounded (RLIMIT_AS) apart from the server's; it imports nothing of
+blockdiff (whose package would import torch) and only numpy and outlines-core. A JSON schema's
+regex is made here too (`regex_of`), and a regex longer than the job's bound, or a DFA of more
+states, is refused (`Refused`).
 
 1. The regex's byte-level DFA, from outlines-core: its `Index` over a vocabulary of the 256 single
    bytes is the DFA's transition table. outlines-core (0.2.14) leaves out a transition that goes on
@@ -28,14 +31,21 @@ imports nothing of blockdiff (whose package would import torch) and only numpy a
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
+import resource
+import signal
 import sys
 
 import numpy as np
 
 UNREACHABLE = np.iinfo(np.int64).max // 2
 SENTINEL = "\U0010FFFD"  # a private-use character of the last plane
+
+
+class Refused(Exception):
+    """A bound of the build exceeded: its message names the bound."""
 
 
 def build_index(regex: str, tokens: list[bytes | None], vocab_size: int, max_states: int) -> dict:
@@ -255,20 +265,11 @@ def regex_of(what: tuple) -> str:
     return build_regex_from_schema(what[1], what[2])
 
 
-class Refused(Exception):
-    """A bound of the build exceeded: its message names the bound."""
-
-
 def _bound_process(memory: int, parent: int) -> None:
     """This process's address space at most `memory` bytes (numpy's and outlines-core's
     allocations fail past it), and its end when the thread that started it ends (Linux)."""
-    import resource
-
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     if sys.platform == "linux":
-        import ctypes
-        import signal
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent died before prctl: nobody waits for this build
             sys.exit(1)
