@@ -24,6 +24,7 @@ from blockdiff.engine.engine import LLMEngine
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerLost
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
+from blockdiff.structured.builds import BuildCancelled
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,8 @@ class AsyncEngine(EngineClient):
         except asyncio.CancelledError:  # this request went away
             structured.leave(build)
             raise
+        except BuildCancelled:  # the engine is stopping: its builds were killed
+            raise EngineUnavailable(self.unavailable_reason()) from None
 
     async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
                   client: str | None = None) -> RequestStream:
