@@ -227,24 +227,28 @@ def test_a_cached_schema_is_not_delayed_by_abandoned_builds(server):
 @pytest.mark.slow
 def test_builds_are_fair_across_clients(server):
     """One client (127.0.0.1) queues six slow builds; another (127.0.0.2) asks for one new schema: it
-    is built after those running, not after all six."""
-    flood = [threading.Thread(target=chat, args=(server,), kwargs=dict(
-        timeout=120, structured_outputs={"regex": SLOW.format(i=100 + i)})) for i in range(6)]
-    done: dict[str, float] = {}
-    t0 = time.monotonic()
-    for t in flood:
+    is built after those running when it came, not after all six, so at least two of the six are
+    still unfinished when it is answered (first come, first served: none or one)."""
+    finished: list[float] = []
+
+    def flood(i: int) -> None:
+        chat(server, timeout=120, structured_outputs={"regex": SLOW.format(i=100 + i)})
+        finished.append(time.monotonic())
+
+    threads = [threading.Thread(target=flood, args=(i,)) for i in range(6)]
+    for t in threads:
         t.start()
     time.sleep(0.5)
     with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=120) as other:
         r = other.post(server.url + "/v1/chat/completions", json={
             "model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 16,
             "structured_outputs": {"regex": SLOW.format(i=200)}})
-    done["other"] = time.monotonic() - t0
-    for t in flood:
+    answered = time.monotonic()
+    for t in threads:
         t.join()
-    done["flood"] = time.monotonic() - t0
     assert r.status_code < 500, r.text
-    assert done["other"] < 0.75 * done["flood"], done
+    assert len(finished) == 6
+    assert sum(t > answered for t in finished) >= 2, (sorted(finished), answered)
 
 
 # ---- finding 1: builds die with the server ---------------------------------------------------------
