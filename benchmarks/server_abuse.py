@@ -1,4 +1,4 @@
-"""Issue 25's attacks on a real server, one at a time: how long /health stalls while each is
+"""Issue 25's and issue 37's attacks on a real server, one at a time: how long /health stalls while each is
 processed, what the attack gets back, and the server's RSS before, at its peak and after.
 
     .venv/bin/python benchmarks/server_abuse.py [--only NAME ...] [--scale S]
@@ -144,9 +144,74 @@ def image_bombs(server, scale):
     return ", ".join(sorted(set(results)))
 
 
+def _nested(width: int, depth: int) -> dict:
+    if depth == 0:
+        return {"type": "string"}
+    return {"type": "object", "properties": {f"p{i}": _nested(width, depth - 1) for i in range(width)}}
+
+
+def _chat_body(**fields) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, **fields}).encode()
+
+
+def exploding_schema(server, scale):  # issue 37, finding 1: 6 optional properties x 5 levels, 275 KB
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(6, 5)}}
+    return post(server, "/v1/chat/completions", _chat_body(response_format=fmt))
+
+
+def exploding_regex(server, scale):  # finding 1: the 27-byte regex that reached 6 GB
+    return post(server, "/v1/chat/completions", _chat_body(structured_outputs={"regex": r"(\p{L}{1,1000}){1,1000}"}))
+
+
+def schema_text(server, scale):  # finding 1: a schema as JSON text escapes the body's JSON limits
+    text = json.dumps(_nested(7, 5))
+    return post(server, "/v1/chat/completions", _chat_body(structured_outputs={"json": text}))
+
+
+def forced_tool(server, scale):  # finding 2: 7 x 5 (572 KB) parameters under a forced tool_choice
+    tool = {"type": "function", "function": {"name": "f", "parameters": _nested(7, 5)}}
+    return post(server, "/v1/chat/completions", _chat_body(tools=[tool], tool_choice="required"))
+
+
+def abandoned_builds(server, scale):  # finding 3: 8 slow distinct regexes whose clients hang up after 2 s
+    def abandon(i: int) -> None:
+        try:
+            httpx.post(server.url + "/v1/chat/completions", content=_chat_body(
+                structured_outputs={"regex": f"(a|b)*a(a|b){{14}}(c{{{i}}})?"}), timeout=2,
+                headers={"Content-Type": "application/json"})
+        except httpx.HTTPError:
+            pass
+
+    threads = [threading.Thread(target=abandon, args=(i + 1,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    t0 = time.perf_counter()
+    got = post(server, "/v1/chat/completions", _chat_body(structured_outputs={"regex": "(yes|no)"}))
+    return f"a new schema after them: {got} in {time.perf_counter() - t0:.1f} s"
+
+
+def deep_constraint_text(server, scale):  # finding 7: constraint JSON text nested 2,000 deep
+    return post(server, "/v1/chat/completions", _chat_body(structured_outputs={"json": '{"items":' * 2000 + "{}"
+                                                                                       + "}" * 2000}))
+
+
+def deep_responses_arguments(server, scale):  # finding 7: Responses function_call.arguments "[" * 100000
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "[" * int(100_000 * max(scale, 0.01))}
+    return post(server, "/v1/responses", json.dumps({"input": [{"role": "user", "content": "hi"}, call]}).encode())
+
+
+def empty_enum(server, scale):  # finding 9
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}}
+    return post(server, "/v1/chat/completions", _chat_body(response_format=fmt))
+
+
 TEXT_ATTACKS = {f.__name__: f for f in (tokenize_tool_messages, chat_tool_messages, long_tool_description,
                                         many_tool_descriptions, long_arguments, object_arguments, deep_arguments,
-                                        n_times_draft, unfinished_bodies)}
+                                        n_times_draft, unfinished_bodies, exploding_schema, exploding_regex,
+                                        schema_text, forced_tool, abandoned_builds, deep_constraint_text,
+                                        deep_responses_arguments, empty_enum)}
 IMAGE_ATTACKS = {f.__name__: f for f in (image_bombs,)}
 
 

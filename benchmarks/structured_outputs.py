@@ -40,6 +40,7 @@ import time
 
 import torch
 
+from blockdiff.config import EngineConfig
 from blockdiff.diffusion.constrained import CanvasConstraint, DeviceAutomaton, constrained_tokens
 from blockdiff.diffusion.entropy_bound import denoise_step, denoise_params
 from blockdiff.diffusion.vocab_parallel import VocabParallel
@@ -186,7 +187,8 @@ def main() -> None:
     spec = StructuredOutputsParams(json=plain(SCHEMA) if args.plain else SCHEMA)
     builds = []
     for _ in range(args.builds):
-        structured = StructuredOutputs(tokenizer, args.vocab, timeout=600)
+        structured = StructuredOutputs(tokenizer, args.vocab, timeout=600, memory=EngineConfig.structured_outputs_memory,
+                                       builds=1)
         t0 = time.perf_counter()
         a = structured.automaton(spec)
         builds.append(time.perf_counter() - t0)

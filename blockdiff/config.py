@@ -359,11 +359,18 @@ class EngineConfig:
     # bound (blockdiff/structured/compiler.py); the request is refused then.
     structured_outputs_timeout: float = flag(60.0, "seconds the automaton of a new JSON schema, regex or choice may take "
                                                    "to build before the request is refused", parse="seconds")
+    # Each build's address space (RLIMIT_AS): 2 GiB is 7x what the 20-field schema of
+    # benchmarks/structured_outputs.py takes at 262,144 tokens (docs/structured_outputs.md, "Bounds").
+    structured_outputs_memory: int = flag(2 * 2**30, "address space one structured-output build may use before the "
+                                                     "request is refused, e.g. 2GiB", parse="size")
+    structured_outputs_builds: int = flag(2, "structured-output automata built at once (each a process on a core); "
+                                             "waiting builds are started round robin across clients")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
                      "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
-                     "max_image_decoded_bytes", "num_layers_override", "canvas_length", "num_scheduler_steps"):
+                     "max_image_decoded_bytes", "structured_outputs_memory", "structured_outputs_builds",
+                     "num_layers_override", "canvas_length", "num_scheduler_steps"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
                                           "num_layers_override", "canvas_length", "num_scheduler_steps"):

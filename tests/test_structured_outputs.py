@@ -140,6 +140,8 @@ def test_unconstrained_requests_are_the_same_bits_beside_constrained_ones(llm):
     (dict(json={"type": "integer", "minimum": 3}), "structured_outputs", "'minimum' is not supported"),
     (dict(json={"oneOf": [{"type": "integer"}]}), "structured_outputs", "'oneOf' is not supported"),
     (dict(regex="(unclosed"), "structured_outputs", "cannot be built"),
+    (dict(json={"enum": []}), "structured_outputs", "enum must be a non-empty list"),
+    (dict(json='{"items":' * 2000 + "{}" + "}" * 2000), "structured_outputs", "nests too deep"),
     (dict(choice=["abc"], max_tokens=1), "max_tokens", "too small for the structured output"),
 ])
 def test_what_cannot_be_guaranteed_is_refused(llm, spec, field, why):

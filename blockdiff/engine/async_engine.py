@@ -24,6 +24,7 @@ from blockdiff.engine.engine import LLMEngine
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerLost
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
+from blockdiff.structured.builds import BuildCancelled
 
 log = logging.getLogger(__name__)
 
@@ -191,9 +192,23 @@ class AsyncEngine(EngineClient):
         self._aborts.extend(self._streams)
         self._streams.clear()
 
-    async def prepare(self, spec: StructuredOutputsParams) -> None:
-        if self.engine.structured is not None:
-            await asyncio.to_thread(self.engine.structured.automaton, spec)
+    async def prepare(self, spec: StructuredOutputsParams, client: str | None = None) -> None:
+        structured = self.engine.structured
+        if structured is None:
+            return
+        key = structured.key(spec)
+        if structured.cached(key) is not None:  # at once: a cached automaton never waits behind a build
+            return
+        # The job (the regex of a choice, the vocabulary's bytes) is made off the loop.
+        build = await asyncio.to_thread(structured.start, key, spec, client or "")
+        try:
+            # Shielded: the build is shared, and only `leave` may stop it.
+            await asyncio.shield(asyncio.wrap_future(build.future))
+        except asyncio.CancelledError:  # this request went away
+            structured.leave(build)
+            raise
+        except BuildCancelled:  # the engine is stopping: its builds were killed
+            raise EngineUnavailable(self.unavailable_reason()) from None
 
     async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
                   client: str | None = None) -> RequestStream:

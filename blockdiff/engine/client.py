@@ -122,9 +122,10 @@ class EngineClient(abc.ABC):
         """Each engine's stats, by its name ("0", "1", ...: its data-parallel rank)."""
 
     @abc.abstractmethod
-    async def prepare(self, spec: StructuredOutputsParams) -> None:
+    async def prepare(self, spec: StructuredOutputsParams, client: str | None = None) -> None:
         """Build the token automaton of a structured output off the event loop (cached; bounded in
-        time), so that `add` does not; InvalidParam when it cannot be served."""
+        time and memory; builds queued fairly across `client`s), so that `add` does not; InvalidParam
+        when it cannot be served. Cancelling it stops the build unless another request waits for it."""
 
     @abc.abstractmethod
     async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],

@@ -213,7 +213,7 @@ class _Replica:
             try:
                 # A new structured output's automaton is built off this replica's loop first.
                 for spec in structured_specs(requests):
-                    await self.client.prepare(spec)
+                    await self.client.prepare(spec, client)
                 stream = await self.client.add(requests, client)
             except Exception as e:
                 self.send(("refused", call, wire_error(e)))

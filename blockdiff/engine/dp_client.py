@@ -291,7 +291,7 @@ class DPClient(EngineClient):
         rep.reader, rep.writer = await asyncio.open_connection(sock=rep.sock)
         await self._read(rep)
 
-    async def prepare(self, spec: StructuredOutputsParams) -> None:
+    async def prepare(self, spec: StructuredOutputsParams, client: str | None = None) -> None:
         """Nothing here: the replica a request goes to builds its automaton, off its own loop, before
         it queues the request (core_process), and a spec it cannot serve comes back as the call's
         InvalidParam."""

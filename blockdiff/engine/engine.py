@@ -81,8 +81,9 @@ class LLMEngine:
                                  BlockPool(cache.sliding_blocks, cache.block_size, caching),
                                  self.model_config.window_past(self.max_model_len), cfg.prefix_cache_scope)
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
-        self.structured = None if self.tokenizer is None else StructuredOutputs(self.tokenizer, self.vocab_size,
-                                                                                cfg.structured_outputs_timeout)
+        self.structured = None if self.tokenizer is None else StructuredOutputs(
+            self.tokenizer, self.vocab_size, timeout=cfg.structured_outputs_timeout, memory=cfg.structured_outputs_memory,
+            builds=cfg.structured_outputs_builds)
         self.automata_sent = AutomataSent()  # the automata the workers hold
         self.sent_slots = SentSlots()  # what the workers keep per slot
         self.inputs = InputProcessor(
@@ -329,6 +330,8 @@ class LLMEngine:
         return self.kv.usage
 
     def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.close()  # no build outlives the engine
         if self.kv_publisher is not None:
             self.kv_publisher.shutdown()
         # The executor first: a step in flight that waits on a lost worker fails once the workers are gone.

@@ -93,7 +93,7 @@ class EngineReplica:
         try:
             # A new structured output's automaton is built off this replica's loop first.
             for spec in structured_specs(requests):
-                await self.client.prepare(spec)
+                await self.client.prepare(spec, client)
             stream = await self.client.add(requests, client)
         except Exception as e:
             yield ("refused", wire_error(e))
@@ -318,7 +318,7 @@ class RayEngineClient(EngineClient):
     def engine_stats(self) -> dict[str, EngineStats]:
         return dict(self._stats)
 
-    async def prepare(self, spec: StructuredOutputsParams) -> None:
+    async def prepare(self, spec: StructuredOutputsParams, client: str | None = None) -> None:
         """Nothing here: the replica a call goes to builds its automaton before it adds the call
         (EngineReplica.generate), and a spec it cannot serve comes back as the call's InvalidParam."""
 

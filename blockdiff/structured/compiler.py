@@ -1,10 +1,11 @@
-"""Token automata for an engine's vocabulary: built once per constraint, in a child process with a
-time bound, and cached; and a request's constraint as the engine carries it from canvas to canvas.
+"""Token automata for an engine's vocabulary: built once per constraint, in a child process bounded
+in time and memory (builds.py), and cached; and a request's constraint as the engine carries it
+from canvas to canvas.
 
-A build runs `index.py` as a fresh interpreter (outlines-core releases the GIL, but a thread could
-not be stopped at the bound): past `timeout` seconds the process is ended and the request refused.
-Callers that must not block (the server's event loop) call `automaton` from a worker thread
-(`EngineClient.prepare`); concurrent requests for one constraint wait for the same build.
+A cached automaton is returned at once (`cached`), without waiting for any build. A new one is
+built by a small pool, fair across clients (`start`, then wait on the build's future); requests
+for one constraint share its build, and a build whose requests have all left (`leave`) is killed.
+A constraint that could not be built is refused again, without building, for FAILURE_TTL seconds.
 """
 
 from __future__ import annotations
@@ -12,101 +13,130 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import pickle
-import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+
 import numpy as np
 
 from blockdiff.diffusion.constrained import UNREACHABLE, Automaton, CanvasConstraint
 from blockdiff.sampling_params import InvalidParam, StructuredOutputsParams
-from blockdiff.structured.regexes import to_regex
+from blockdiff.structured.builds import Build, BuildPool
+from blockdiff.structured.regexes import MAX_REGEX_CHARS, regex_job
 from blockdiff.structured.vocabulary import token_bytes
 from blockdiff.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-_INDEX_SCRIPT = os.path.join(os.path.dirname(__file__), "index.py")
-DEFAULT_TIMEOUT = 60.0  # seconds a build may take
 CACHE_SIZE = 64  # automata kept (each holds an int32 per vocabulary token)
+FAILURE_TTL = 300.0  # seconds a constraint that could not be built is refused without building again
+# A byte DFA of more states is refused (its table takes 2 KiB a state, and every walk grows with it).
+MAX_STATES = 2**17
 
 
 class StructuredOutputs:
     """Builds and caches the token automata of one tokenizer and model vocabulary."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, timeout: float = DEFAULT_TIMEOUT,
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, *, timeout: float, memory: int, builds: int,
                  cache_size: int = CACHE_SIZE):
+        """timeout, memory, builds: each build's seconds and bytes of address space, and the builds
+        at once (EngineConfig's structured_outputs_* flags)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.timeout = timeout
         self.cache_size = cache_size
+        self.pool = BuildPool(builds, timeout, memory, self._finish)
         self._cache: OrderedDict[str, Automaton] = OrderedDict()
-        self._building: dict[str, Future] = {}
+        self._failed: dict[str, tuple[float, InvalidParam]] = {}  # key -> (until, the refusal)
+        self._building: dict[str, Build] = {}
         self._lock = threading.Lock()
-        # One build at a time: each takes a core and its own copy of the vocabulary for up to
-        # `timeout` s, so many new schemas at once queue here instead of starting a process each.
-        self._one_build = threading.Lock()
         self._tokens: dict[tuple[str, ...], list[bytes | None]] = {}
         self._vocabulary = hashlib.sha256(tokenizer._tok.to_str().encode() + str(vocab_size).encode()).hexdigest()[:16]
 
     def key(self, spec: StructuredOutputsParams) -> str:
         return hashlib.sha256((self._vocabulary + spec.key()).encode()).hexdigest()[:24]
 
-    def automaton(self, spec: StructuredOutputsParams) -> Automaton:
-        """The automaton of `spec`, from the cache or built now (blocking, at most `timeout` s);
-        InvalidParam when the constraint cannot be served."""
-        key = self.key(spec)
+    def cached(self, key: str) -> Automaton | None:
+        """The automaton of `key` if it is built; raises the refusal of a recent failed build."""
         with self._lock:
-            if key in self._cache:
+            automaton = self._cache.get(key)
+            if automaton is not None:
                 self._cache.move_to_end(key)
-                return self._cache[key]
-            future = self._building.get(key)
-            owner = future is None
-            if owner:
-                future = self._building[key] = Future()
-        if not owner:
-            return future.result()
-        try:
-            automaton = self._build(key, spec)
-        except BaseException as e:
-            future.set_exception(e)
-            raise
-        finally:
-            with self._lock:
-                self._building.pop(key, None)
-        with self._lock:
-            self._cache[key] = automaton
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        future.set_result(automaton)
-        return automaton
+                return automaton
+            failed = self._failed.get(key)
+            if failed is not None:
+                if failed[0] > time.monotonic():
+                    raise failed[1]
+                del self._failed[key]
+        return None
 
-    def _build(self, key: str, spec: StructuredOutputsParams) -> Automaton:
+    def start(self, key: str, spec: StructuredOutputsParams, client: str) -> Build:
+        """The build of `key`, joined if one runs or waits, else queued against `client`; the
+        caller waits on its future, and calls `leave` if it stops waiting. InvalidParam for a
+        constraint refused before any build (its keywords, its special tokens)."""
+        with self._lock:
+            build = self._building.get(key)
+            if build is not None and not build.cancelled:
+                build.waiters += 1
+                return build
         if importlib.util.find_spec("outlines_core") is None:
             raise InvalidParam("structured_outputs", "structured outputs need the outlines-core package, which this "
                                                      "server lacks: pip install outlines-core")
-        regex = to_regex(spec)
-        tokens = self._token_bytes(spec.special_tokens)
-        job = pickle.dumps((regex, tokens, self.vocab_size), protocol=pickle.HIGHEST_PROTOCOL)
+        job = (regex_job(spec), self._token_bytes(spec.special_tokens), self.vocab_size, MAX_REGEX_CHARS, MAX_STATES)
+        build = Build(key, client, pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+        with self._lock:
+            running = self._building.get(key)
+            if running is not None and not running.cancelled:  # another thread queued it meanwhile
+                running.waiters += 1
+                return running
+            self._building[key] = build
+        self.pool.submit(build)
+        return build
+
+    def leave(self, build: Build) -> None:
+        """One request stopped waiting for `build`; the last one cancels it."""
+        with self._lock:
+            build.waiters -= 1
+            last = build.waiters == 0 and not build.future.done()
+            if last and self._building.get(build.key) is build:
+                del self._building[build.key]
+        if last:
+            self.pool.cancel(build)
+
+    def automaton(self, spec: StructuredOutputsParams, client: str = "") -> Automaton:
+        """The automaton of `spec`, from the cache or built now (blocking); InvalidParam when the
+        constraint cannot be served."""
+        key = self.key(spec)
+        automaton = self.cached(key)
+        if automaton is not None:
+            return automaton
+        return self.start(key, spec, client).future.result()
+
+    def close(self) -> None:
+        """Kill the running builds (the engine is stopping)."""
+        self.pool.close()
+
+    def _finish(self, build: Build, outcome: dict | BaseException) -> Automaton:
+        """(In the build's thread) the automaton, or the refusal, cached (a refusal for FAILURE_TTL)."""
         try:
-            with self._one_build:
-                t0 = time.perf_counter()
-                proc = subprocess.run([sys.executable, _INDEX_SCRIPT], input=job, capture_output=True, timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            raise InvalidParam("structured_outputs", f"the constraint's automaton took longer than {self.timeout:g} s "
-                                                     "to build for this vocabulary: simplify the schema") from None
-        if proc.returncode != 0:
-            reason = proc.stderr.decode(errors="replace").strip().splitlines()
-            raise InvalidParam("structured_outputs", f"the constraint cannot be built: {reason[-1] if reason else 'exit ' + str(proc.returncode)}")
-        arrays = pickle.loads(proc.stdout)
-        a = Automaton(key=key, **arrays)
-        log.info("structured output %s: automaton of %d states, %d atoms, %d transitions built in %.2f s", key,
-                 a.num_states, a.num_atoms, len(a.src), time.perf_counter() - t0)
-        if a.distance[a.initial] >= UNREACHABLE:
-            raise InvalidParam("structured_outputs", "no output of this vocabulary satisfies the constraint")
+            if isinstance(outcome, BaseException):
+                raise outcome
+            a = Automaton(key=build.key, **outcome)
+            log.info("structured output %s: automaton of %d states, %d atoms, %d transitions", build.key, a.num_states,
+                     a.num_atoms, len(a.src))
+            if a.distance[a.initial] >= UNREACHABLE:
+                raise InvalidParam("structured_outputs", "no output of this vocabulary satisfies the constraint")
+        except InvalidParam as e:
+            with self._lock:
+                self._failed[build.key] = (time.monotonic() + FAILURE_TTL, e)
+            raise
+        finally:
+            with self._lock:
+                if self._building.get(build.key) is build:
+                    del self._building[build.key]
+        with self._lock:
+            self._cache[build.key] = a
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return a
 
     def _token_bytes(self, symbols: tuple[str, ...]) -> list[bytes | None]:

@@ -1,8 +1,11 @@
 """A regular expression and a vocabulary -> the arrays of a token automaton.
 
-Runs as a script in a child process (`python index.py`, a pickled job on stdin, the pickled
-arrays on stdout), so that a build can be stopped at its time bound by ending the process; it
-imports nothing of blockdiff (whose package would import torch) and only numpy and outlines-core.
+Runs as a script in a child process (`python index.py MEMORY PARENT`, a pickled job on stdin, the
+pickled arrays on stdout; builds.py), so that a build can be stopped at its time bound by ending
+the process, and its memory bounded (RLIMIT_AS) apart from the server's; it imports nothing of
+blockdiff (whose package would import torch) and only numpy and outlines-core. A JSON schema's
+regex is made here too (`regex_of`), and a regex longer than the job's bound, or a DFA of more
+states, is refused (`Refused`).
 
 1. The regex's byte-level DFA, from outlines-core: its `Index` over a vocabulary of the 256 single
    bytes is the DFA's transition table. outlines-core (0.2.14) leaves out a transition that goes on
@@ -28,7 +31,11 @@ imports nothing of blockdiff (whose package would import torch) and only numpy a
 
 from __future__ import annotations
 
+import ctypes
+import os
 import pickle
+import resource
+import signal
 import sys
 
 import numpy as np
@@ -37,10 +44,14 @@ UNREACHABLE = np.iinfo(np.int64).max // 2
 SENTINEL = "\U0010FFFD"  # a private-use character of the last plane
 
 
-def build_index(regex: str, tokens: list[bytes | None], vocab_size: int) -> dict:
+class Refused(Exception):
+    """A bound of the build exceeded: its message names the bound."""
+
+
+def build_index(regex: str, tokens: list[bytes | None], vocab_size: int, max_states: int) -> dict:
     """tokens[i]: the bytes token i spells (None: never allowed). -> initial, final [S], distance [S],
-    atom_of [vocab_size], and the atom transitions src, atom, dst."""
-    table, start, accepting = _byte_dfa(regex)
+    atom_of [vocab_size], and the atom transitions src, atom, dst. Refused past `max_states` DFA states."""
+    table, start, accepting = _byte_dfa(regex, max_states)
     dead = table.shape[0] - 1
     # Bytes that every state treats alike are one class; tokens spelling the same classes are one
     # sequence (all non-ASCII text inside a JSON string, say), walked once.
@@ -115,13 +126,15 @@ _MASK = (1 << 26) - 1
 _STATES_AT_ONCE = 16
 
 
-def _byte_dfa(regex: str) -> tuple[np.ndarray, int, np.ndarray]:
+def _byte_dfa(regex: str, max_states: int) -> tuple[np.ndarray, int, np.ndarray]:
     """(table [states + 1, 256] int64 with a last, dead row; the initial state; the accepting states)."""
     from outlines_core import Index, Vocabulary
 
     index = Index(f"(?:{regex}){SENTINEL}", Vocabulary(256, {bytes([b]): [b] for b in range(256)}))
     transitions = index.get_transitions()
     names = sorted(set(transitions) | {n for d in transitions.values() for n in d.values()} | {index.get_initial_state()})
+    if len(names) > max_states:  # the table, and each walk over it, grows with the states
+        raise Refused(f"its automaton has {len(names)} byte states, more than the {max_states} a constraint may have")
     number = {q: k for k, q in enumerate(names)}
     dead = len(names)
     table = np.full((dead + 1, 256), dead, dtype=np.int64)
@@ -241,10 +254,40 @@ def _distance(final: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray
         d = new
 
 
+def regex_of(what: tuple) -> str:
+    """("regex", regex) or ("schema", schema JSON, whitespace) -> the regex: a schema's regex is
+    built here, under this process's memory limit, since outlines-core writes one alternative per
+    way of choosing optional properties (a 275 KB schema gives a regex of hundreds of MB)."""
+    if what[0] == "regex":
+        return what[1]
+    from outlines_core.json_schema import build_regex_from_schema
+
+    return build_regex_from_schema(what[1], what[2])
+
+
+def _bound_process(memory: int, parent: int) -> None:
+    """This process's address space at most `memory` bytes (numpy's and outlines-core's
+    allocations fail past it), and its end when the thread that started it ends (Linux)."""
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl: nobody waits for this build
+            sys.exit(1)
+
+
 def main() -> None:
-    regex, tokens, vocab_size = pickle.load(sys.stdin.buffer)
+    """argv: the memory limit in bytes and the parent's pid. stdin: (what, tokens, vocab_size,
+    max_regex_chars, max_states), pickled."""
+    _bound_process(int(sys.argv[1]), int(sys.argv[2]))
+    what, tokens, vocab_size, max_regex_chars, max_states = pickle.load(sys.stdin.buffer)
     try:
-        out = build_index(regex, tokens, vocab_size)
+        regex = regex_of(what)
+        if len(regex) > max_regex_chars:
+            raise Refused(f"its regex has {len(regex)} characters, more than the {max_regex_chars} a constraint may have")
+        out = build_index(regex, tokens, vocab_size, max_states)
+    except MemoryError:
+        sys.stderr.write("MemoryError")
+        sys.exit(3)
     except Exception as e:  # the regex or the index: a one-line reason for the parent
         sys.stderr.write(f"{type(e).__name__}: {e}".replace("\n", " ")[:2000])
         sys.exit(2)

@@ -27,6 +27,10 @@ ANNOTATIONS = frozenset({
 FORMATS = frozenset({"date-time", "date", "time", "uuid", "email", "uri"})
 JSON_TYPES = frozenset({"string", "integer", "number", "boolean", "null", "object", "array"})
 JSON_OBJECT_DEPTH = 3
+# The longest regex a constraint may have (a JSON schema's is checked in the build process, whose
+# memory is bounded, a forced tool call's before its text is written): 750x the 1,390 characters
+# of the 20-field schema of benchmarks/structured_outputs.py (docs/structured_outputs.md, "Bounds").
+MAX_REGEX_CHARS = 2**20
 WHITESPACE = r"[ ]?"  # between JSON tokens: at most one space (outlines-core's default)
 _META = set("\\.+*?()|[]{}^$#&-~")
 
@@ -44,7 +48,10 @@ def check_supported(spec: StructuredOutputsParams) -> None:
                                                  "(a canvas is constrained by a finite automaton); use json, regex or "
                                                  "choice")
     if spec.json is not None:
-        check_schema(_schema(spec))
+        try:
+            check_schema(_schema(spec))
+        except RecursionError:  # the server bounds nesting when it decodes; a library caller may not
+            raise InvalidParam("structured_outputs", "the JSON schema nests too deep") from None
 
 
 def _schema(spec: StructuredOutputsParams):
@@ -56,22 +63,18 @@ def _schema(spec: StructuredOutputsParams):
         raise InvalidParam("structured_outputs", f"structured_outputs.json is not JSON: {e}") from None
 
 
-def to_regex(spec: StructuredOutputsParams) -> str:
-    """The regex a request's output must match whole; InvalidParam naming what cannot be served."""
+def regex_job(spec: StructuredOutputsParams) -> tuple:
+    """What the build process turns into the regex a request's output must match whole
+    (index.regex_of): ("regex", regex), or ("schema", schema JSON, whitespace) for a JSON schema,
+    whose regex may be far larger than the schema; InvalidParam naming what cannot be served."""
     check_supported(spec)
     if spec.regex is not None:
-        return spec.regex
+        return ("regex", spec.regex)
     if spec.choice is not None:
-        return "(" + "|".join(escape(c) for c in spec.choice) + ")"
+        return ("regex", "(" + "|".join(escape(c) for c in spec.choice) + ")")
     if spec.json_object:
-        return json_object_regex(spec.whitespace_pattern or WHITESPACE)
-    schema = _schema(spec)
-    from outlines_core.json_schema import build_regex_from_schema
-
-    try:
-        return build_regex_from_schema(json.dumps(schema), spec.whitespace_pattern or WHITESPACE)
-    except Exception as e:  # outlines-core raises its own error types
-        raise InvalidParam("structured_outputs", f"the JSON schema cannot be turned into a regex: {e}") from None
+        return ("regex", json_object_regex(spec.whitespace_pattern or WHITESPACE))
+    return ("schema", json.dumps(_schema(spec)), spec.whitespace_pattern or WHITESPACE)
 
 
 def check_schema(schema, path: str = "#") -> None:
@@ -99,6 +102,9 @@ def check_schema(schema, path: str = "#") -> None:
         elif key == "additionalProperties" and not isinstance(value, bool):
             raise InvalidParam("structured_outputs", f"JSON schema {where}: only true or false is supported (the "
                                                      "output has the listed properties only)")
+        elif key in ("enum", "anyOf") and (not isinstance(value, list) or not value):
+            raise InvalidParam("structured_outputs", f"JSON schema {where}: {key} must be a non-empty list (no value "
+                                                     "matches an empty one)")
         elif key == "allOf" and (not isinstance(value, list) or len(value) != 1):
             raise InvalidParam("structured_outputs", f"JSON schema {where}: allOf is supported with one schema only")
         elif key in ("properties", "$defs", "definitions") and isinstance(value, dict):

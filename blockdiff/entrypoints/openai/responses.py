@@ -27,11 +27,12 @@ from pydantic import TypeAdapter, ValidationError
 from blockdiff.engine.async_engine import EngineUnavailable, RequestFailed, RequestStream
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai import responses_protocol as r
+from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
 from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS
-from blockdiff.entrypoints.openai.serving import ChoiceState, EventStream, Piece, sse, usage
+from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, EventStream, Piece, sse, usage
 from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.outputs import RequestOutput
@@ -103,6 +104,7 @@ def chat_messages(items: list, instructions: str | None) -> list[dict]:
     assistant turn (reasoning, message, function calls in a row) one assistant message, with the
     thinking as `reasoning_content` and the calls as `tool_calls`; a call's output a tool message."""
     messages = [] if instructions is None else [{"role": "system", "content": instructions}]
+    budget = Budget(max_items=MAX_JSON_VALUES)  # all the calls' arguments, as the chat path bounds them
     turn: dict | None = None
     for i, item in enumerate(items):
         if isinstance(item, r.FunctionCallOutputItem):
@@ -124,10 +126,12 @@ def chat_messages(items: list, instructions: str | None) -> list[dict]:
             if thought:
                 turn["reasoning_content"] = turn.get("reasoning_content", "") + thought
         else:
-            try:
-                json.loads(item.arguments)
+            try:  # bounded as the body is (a 400, not a RecursionError, for "[" * 100000)
+                decode_json(item.arguments, f"input[{i}].arguments", budget)
             except json.JSONDecodeError as e:
                 raise APIError(400, f"input[{i}].arguments is not JSON: {e}", param="input") from None
+            except APIError as e:
+                raise APIError(400, e.message, param="input") from None
             turn.setdefault("tool_calls", []).append(
                 {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
     return messages
@@ -283,7 +287,12 @@ class OpenAIServingResponses:
             raise APIError(400, "input is empty: send input (text or items), or previous_response_id", param="input")
         conversation = self._earlier(req.previous_response_id) + given
         response_id = _id("resp")
-        rules, prompts, stream, release = await self._start(self._chat(req, conversation), response_id, raw)
+        # The conversation as a chat request (its call arguments decoded) in the pool, off the loop.
+        chat = await self.serving.preprocess.pool.run(client_of(raw), self._chat, req, conversation)
+        try:
+            rules, prompts, stream, release = await self._start(chat, response_id, raw)
+        except ClientGone:
+            return Response(status_code=499)
         output = _Output(rules, self._reasoning_markers)
         begun = self._response(req, response_id, model, "in_progress")
 
@@ -333,11 +342,10 @@ class OpenAIServingResponses:
         with _responses_names():
             rules = s.output_rules(chat)
             images = await s.preprocess.chat_images(chat.messages, client)
-            constraint = s.chat_constraint(chat, rules)
             prompts, requests = await s.preprocess.pool.run(client, s.chat_requests, chat, images, 1, chat.max_tokens, None,
-                                                            rules, response_id, constraint)
+                                                            rules, response_id)
         try:
-            stream, release = await s.add(requests, client)  # the share is held until the response ends
+            stream, release = await s.add(requests, client, raw)  # the share is held until the response ends
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, {"prompt": "input", "max_tokens": "max_output_tokens",
                                                 "structured_outputs": "text.format"}) from None

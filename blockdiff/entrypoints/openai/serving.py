@@ -126,6 +126,10 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
+class ClientGone(Exception):
+    """The client disconnected before its requests were queued."""
+
+
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -155,23 +159,43 @@ class OpenAIServing:
         return requested
 
     # ---- engine outputs -> responses ----------------------------------------------------------
-    async def add(self, requests: list, client: str) -> tuple[RequestStream, Callable[[], None]]:
+    async def add(self, requests: list, client: str, raw: Request) -> tuple[RequestStream, Callable[[], None]]:
         """Queue one API call's engine requests against `client`'s share (held until `release()`,
         which the response calls however it ends); a new structured output's automaton is built off
-        the event loop first, within the engine's time bound. -> (their stream, release). Raises what
-        the engine raises (ValueError for bad parameters), with the share released."""
+        the event loop first, within the engine's bounds, and given up if the client disconnects
+        meanwhile (ClientGone). -> (their stream, release). Raises what the engine raises (ValueError
+        for bad parameters), with the share released."""
         release = self.clients.hold(client, len(requests))
         try:
-            for spec in structured_specs(requests):
-                await self.engine.prepare(spec)
+            specs = structured_specs(requests)
+            if specs:
+                await self._prepare(specs, client, raw)
             return await self.engine.add(requests, client), release
         except BaseException:
             release()
             raise
 
+    async def _prepare(self, specs: list, client: str, raw: Request) -> None:
+        async def prepare_all() -> None:
+            for spec in specs:
+                await self.engine.prepare(spec, client)
+
+        task = asyncio.ensure_future(prepare_all())
+        gone = asyncio.ensure_future(_disconnected(raw))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise ClientGone
+            task.result()
+        finally:
+            task.cancel()  # a build nobody else waits for is killed
+            gone.cancel()
+
     async def respond(self, req, prompts: list[list[int]], requests, fmt: ResponseFormat, raw: Request) -> Response:
         try:
-            stream, release = await self.add(requests, client_of(raw))
+            stream, release = await self.add(requests, client_of(raw), raw)
+        except ClientGone:
+            return Response(status_code=499)
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, request_names(req)) from None
         states = [ChoiceState() for _ in requests]

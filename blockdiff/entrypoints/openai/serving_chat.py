@@ -128,11 +128,10 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rules = self.output_rules(req)
-        constraint = self.chat_constraint(req, rules)
         request_id = p.new_id("chatcmpl", req.request_id)
         images = await self.preprocess.chat_images(req.messages, client_of(raw))
         prompts, requests = await self.preprocess.pool.run(client_of(raw), self.chat_requests, req, images, n, max_tokens,
-                                                           logprobs, rules, request_id, constraint)
+                                                           logprobs, rules, request_id)
         last = req.messages[-1]
         echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
         fmt = ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules, echo,
@@ -140,8 +139,9 @@ class OpenAIServingChat(OpenAIServing):
         return await self.respond(req, prompts, requests, fmt, raw)
 
     def chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
-                      logprobs: int | None, rules: OutputRules, request_id: str, constraint=None):
+                      logprobs: int | None, rules: OutputRules, request_id: str):
         """(In the pool) -> (the prompt ids usage counts, the engine requests)."""
+        constraint = self.chat_constraint(req, rules)
         kwargs = req.chat_template_kwargs
         if req.reasoning_effort is not None and self.tokenizer is not None:
             kwargs = vllm_fields.reasoning_kwargs(req.reasoning_effort, self.tokenizer.template_variables, kwargs or {})
@@ -169,8 +169,8 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def chat_constraint(req: p.ChatCompletionRequest, rules: OutputRules):
-        """What the chat's output must be: its structured output, or with a forced tool_choice the
-        calls, their arguments as the tools' parameter schemas say; None: anything."""
+        """(In the pool) What the chat's output must be: its structured output, or with a forced
+        tool_choice the calls, their arguments as the tools' parameter schemas say; None: anything."""
         constraint = request_constraint(req)
         if rules.forced:
             if constraint is not None:

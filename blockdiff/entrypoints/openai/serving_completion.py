@@ -92,15 +92,15 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
         check_choices(_prompt_count(req.prompt), n)
         request_id = p.new_id("cmpl", req.request_id)
-        constraint = request_constraint(req)
         prompts, requests, echo = await self.preprocess.pool.run(client_of(raw), self._completion_requests, req, n,
-                                                                 request_id, constraint)
+                                                                 request_id)
         fmt = CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs, echo, n,
                                bool(req.return_tokens_as_token_ids))
         return await self.respond(req, prompts, requests, fmt, raw)
 
-    def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str, constraint):
+    def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str):
         """(In the pool) -> (the prompts' ids, the engine requests, with echo each prompt's text and ids)."""
+        constraint = request_constraint(req)
         pre = self.preprocess
         prompts = pre.truncated(pre.completion_prompts(req.prompt, request_id, req.add_special_tokens is not False),
                                 req.truncate_prompt_tokens)

@@ -1,18 +1,27 @@
 """A request's structured-output fields as one StructuredOutputsParams: OpenAI's response_format,
 vLLM's structured_outputs and its older guided_* fields, and the tool calls a forced tool_choice
 demands, written in the Gemma 4 call format (tool_parsers.py) with each argument constrained by the
-tool's parameter schema."""
+tool's parameter schema.
+
+Both run in the preprocessing pool, off the event loop: a schema sent as JSON text is decoded with
+the request body's bounds on nesting and size (body.py), and a forced call's regex is refused
+before it is written if it would be longer than MAX_REGEX_CHARS (each optional property multiplies
+its object's alternatives, and each array level doubles its items' regex). A JSON schema's regex
+is made by the automaton's build process, under its memory bound (blockdiff/structured/builds.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+from dataclasses import replace
 
 from blockdiff.entrypoints.openai import protocol as p
+from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
 from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.entrypoints.openai.tool_parsers import Gemma4ToolParser
 from blockdiff.sampling_params import InvalidParam, StructuredOutputsParams
-from blockdiff.structured.regexes import ANNOTATIONS, check_supported, escape
+from blockdiff.structured.regexes import ANNOTATIONS, MAX_REGEX_CHARS, check_supported, escape
 from blockdiff.structured.vocabulary import symbol
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -35,11 +44,25 @@ def request_constraint(req: p._GenerationRequest) -> StructuredOutputsParams | N
     if name is None:
         return None
     try:
-        spec = _constraint(req, name)
+        spec = _decoded(_constraint(req, name), name)
         check_supported(spec)
         return spec
     except InvalidParam as e:
         raise APIError(400, str(e).replace("structured_outputs", name, 1), param=name) from None
+
+
+def _decoded(spec: StructuredOutputsParams, name: str) -> StructuredOutputsParams:
+    """`spec` with a schema sent as JSON text decoded within the body's bounds (400 past them)."""
+    if not isinstance(spec.json, str):
+        return spec
+    what = f"{name}.json" if name == "structured_outputs" else name
+    try:
+        schema = decode_json(spec.json, what, Budget(max_items=MAX_JSON_VALUES))
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"{what} is not JSON: {e}", param=name) from None
+    except APIError as e:
+        raise APIError(400, e.message, param=name) from None
+    return replace(spec, json=schema)
 
 
 def _constraint(req: p._GenerationRequest, name: str) -> StructuredOutputsParams:
@@ -85,6 +108,7 @@ def tool_call_constraint(tools: list[p.Tool], allowed: frozenset[str], parallel:
             except InvalidParam as e:
                 raise APIError(400, f"tool {f.name!r}: {e}", param="tools") from None
             calls.append(f"{_START}call:{escape(f.name)}\\{{{args}\\}}{_END}")
+    _bounded(sum(map(len, calls)) * (2 if parallel else 1), "the forced tool calls")
     call = "(" + "|".join(calls) + ")"
     return StructuredOutputsParams(regex=call + (f"({call})*" if parallel else ""), special_tokens=MARKERS)
 
@@ -113,15 +137,19 @@ class _Arguments:
             return self.value(self._resolve(schema["$ref"], path), schema["$ref"], depth)
         if "const" in schema:
             return self.literal(schema["const"], path)
+        for key in ("enum", "anyOf"):
+            if key in schema and (not isinstance(schema[key], list) or not schema[key]):
+                raise InvalidParam("tools", f"parameters {path}/{key}: must be a non-empty list (no value matches an "
+                                            "empty one)")
         if "enum" in schema:
-            return "(" + "|".join(self.literal(v, path) for v in schema["enum"]) + ")"
+            return _alternation([self.literal(v, path) for v in schema["enum"]], path)
         if "anyOf" in schema:
-            return "(" + "|".join(self.value(s, f"{path}/anyOf/{i}", depth) for i, s in enumerate(schema["anyOf"])) + ")"
+            return _alternation([self.value(s, f"{path}/anyOf/{i}", depth) for i, s in enumerate(schema["anyOf"])], path)
         types = schema.get("type")
         if types is None:
             return self.any(_ANY_DEPTH)
         types = types if isinstance(types, list) else [types]
-        return "(" + "|".join(self.typed(t, schema, path, depth) for t in types) + ")"
+        return _alternation([self.typed(t, schema, path, depth) for t in types], path)
 
     def typed(self, t: str, schema: dict, path: str, depth: int) -> str:
         if t == "string":
@@ -143,6 +171,7 @@ class _Arguments:
             low, high = schema.get("minItems", 0), schema.get("maxItems")
             if high == 0:
                 return r"\[\]"
+            _bounded(2 * len(item), path)  # each array level doubles its items' regex
             rest = f"(,{item}){{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
             body = f"{item}{rest}"
             return r"\[" + (body if low > 0 else f"({body})?") + r"\]"
@@ -158,7 +187,11 @@ class _Arguments:
         names = sorted(props)
         members = [self.key(n) + ":" + self.value(props[n], f"{path}/properties/{n}", depth + 1) for n in names]
         need = [n in required for n in names]
-        # Each member is present or not (required ones always); commas go between present ones.
+        # Each member is present or not (required ones always); commas go between present ones. The
+        # alternatives repeat the members after their first, so their length is checked first.
+        last = next((i for i, n in enumerate(need) if n), len(names) - 1)
+        after = list(itertools.accumulate((len(m) + 4 for m in reversed(members)), initial=0))[::-1]  # members j.. of each
+        _bounded(sum(len(members[f]) + after[f + 1] for f in range(last + 1)), path)
         alternatives = []
         for first in range(len(names)):
             rest = "".join(f",{m}" if need[j] else f"(,{m})?" for j, m in enumerate(members) if j > first)
@@ -201,3 +234,16 @@ class _Arguments:
                 raise InvalidParam("tools", f"parameters {path}: $ref {ref!r} points nowhere")
             node = node[part]
         return node
+
+
+def _bounded(chars: int, path: str) -> None:
+    """400 before a forced call's regex of more than MAX_REGEX_CHARS characters is written."""
+    if chars > MAX_REGEX_CHARS:
+        raise InvalidParam("tools", f"parameters {path}: the arguments' regex would have {chars} characters, "
+                                    f"more than the {MAX_REGEX_CHARS} a constraint may have (optional properties "
+                                    "multiply it): make more properties required or the schema smaller")
+
+
+def _alternation(parts: list[str], path: str) -> str:
+    _bounded(sum(map(len, parts)) + len(parts) + 1, path)
+    return "(" + "|".join(parts) + ")"
