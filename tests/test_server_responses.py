@@ -218,6 +218,8 @@ BAD = [
     (dict(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]), "input",
      "input.0.message.content.0: Input tag 'input_file'"),
     (dict(input=[{"role": "user", "content": "weather in Paris"}, CALL]), "input", r"input\[1\].arguments is not JSON"),
+    (dict(input=[{"role": "user", "content": "weather in Paris"}, {**CALL, "arguments": '{"t": NaN}'}]), "input",
+     "holds NaN, which is not a JSON number"),
     (dict(input=[]), "input", "input is empty"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]), "input", "Files API"),
     (dict(extra_body={"conversation": "conv_1"}), "conversation", "Conversations API"),

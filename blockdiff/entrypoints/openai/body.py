@@ -58,6 +58,15 @@ class _TooLong(Exception):
     pass
 
 
+class _NotANumber(Exception):
+    pass
+
+
+def _refuse_constant(name: str):
+    """Python's json reads NaN, Infinity and -Infinity, which JSON does not have (OpenAI refuses them)."""
+    raise _NotANumber(name)
+
+
 class Budget:
     """What one body, or all the arguments of one request, may still hold: containers, values, and
     items in any one array (the longest list a field takes)."""
@@ -81,7 +90,7 @@ class Budget:
 
 
 def _pure_python_decoder(budget: Budget) -> json.JSONDecoder:
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
     depth = 0
 
     def counted(scan_once, max_items: float):
@@ -142,7 +151,7 @@ def _c_decoder(budget: Budget) -> json.JSONDecoder:
         budget.container()
         return dict(pairs)
 
-    return json.JSONDecoder(object_pairs_hook=counted)
+    return json.JSONDecoder(object_pairs_hook=counted, parse_constant=_refuse_constant)
 
 
 def _walk(value: Any, budget: Budget | None) -> bool:
@@ -209,6 +218,8 @@ def decode_json(text: str, what: str, budget: Budget, pure_python: bool = True) 
     except _TooLong:
         raise APIError(400, f"{what} holds a list of more than {budget.max_items} items, longer than any field "
                             "takes") from None
+    except _NotANumber as e:
+        raise APIError(400, f"{what} holds {e}, which is not a JSON number") from None
     except (_TooDeep, RecursionError):
         raise APIError(400, f"{what} nests JSON objects and arrays more than {MAX_JSON_DEPTH} deep") from None
     except ValueError as e:  # Python's limit on the digits of an integer (4,300)
