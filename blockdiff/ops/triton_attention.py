@@ -15,6 +15,8 @@ float32 online softmax. No score matrix reaches memory; the keys are read in pla
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -26,13 +28,26 @@ TILE = 16
 TILE_FIELDS = 5
 
 
+# Triton 3.6's interpreter computes tl.dot of bfloat16 operands wrongly (garbage of order 1e10),
+# so there the operands are widened to float32 first: a bfloat16 product is exact in float32, so the
+# sums are those a GPU's bf16 products with float32 accumulation make, up to their order.
+_WIDEN_UNDER_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
 @triton.jit
 def _paged_attention(
     Q, K, V, KC, VC, Table, Tiles, Bounds, Out,
     sqt, sqh, skt, skh, svt, svh, skch, skce, svch, svce, stab, sot, soh,
     table_width, block_size,
     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -69,7 +84,7 @@ def _paged_attention(
         entry = block * block_size + pos % block_size
         kd = key_ok[:, None] & d_ok[None, :]
         k = tl.load(KC + kv_head * skch + entry[:, None] * skce + offs_d[None, :], mask=kd, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = _dot(q, tl.trans(k), PRECISION, WIDEN)
         seen = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None]) & key_ok[None, :]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -78,7 +93,7 @@ def _paged_attention(
         alpha = tl.exp(m_i - shift)
         v = tl.load(VC + kv_head * svch + entry[:, None] * svce + offs_d[None, :], mask=kd, other=0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
         m_i = m_new
 
     # A canvas's own keys, every one seen by every query of the canvas.
@@ -87,7 +102,7 @@ def _paged_attention(
         key_ok = idx < own_len
         kd = key_ok[:, None] & d_ok[None, :]
         k = tl.load(K + (own0 + idx)[:, None] * skt + kv_head * skh + offs_d[None, :], mask=kd, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = _dot(q, tl.trans(k), PRECISION, WIDEN)
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -95,7 +110,7 @@ def _paged_attention(
         alpha = tl.exp(m_i - shift)
         v = tl.load(V + (own0 + idx)[:, None] * svt + kv_head * svh + offs_d[None, :], mask=kd, other=0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -128,6 +143,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), table.stride(0),
         out.stride(0), out.stride(1), table.shape[1], block_size,
         GROUP=heads // kv_heads, DIM=dim, BLOCK_D=block_d, BLOCK_M=TILE, BLOCK_N=block_n, PRECISION=precision,
+        WIDEN=_WIDEN_UNDER_INTERPRETER and q.dtype != torch.float32,
         num_warps=4 if block_d <= 256 else 8,
     )
     return out
