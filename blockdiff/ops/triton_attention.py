@@ -118,6 +118,14 @@ def _paged_attention(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
+def _check_devices(q: torch.Tensor, *others: torch.Tensor) -> None:
+    """The kernel takes raw pointers: a tensor on another device would be read as garbage (or, under
+    fake tensors, not noticed at all), so every operand must sit on q's device."""
+    for t in others:
+        if t.device != q.device:
+            raise RuntimeError(f"paged_attention: device mismatch, an operand on {t.device} with q on {q.device}")
+
+
 @torch.library.custom_op("blockdiff::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     table: torch.Tensor, tiles: torch.Tensor, bounds: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -125,6 +133,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     [kv heads, entries, dim] through `table` [rows, width] (block ids, -1 none) and the forward's
     own k / v [tokens, kv heads, dim], as `tiles` [tiles, 5] and `bounds` [tokens, 2] (int32) say
     (module docstring). -> [tokens, heads, dim]; a token in no tile is zero."""
+    _check_devices(q, k, v, k_cache, v_cache, table, tiles, bounds)
     tokens, heads, dim = q.shape
     out = torch.zeros_like(q)
     if tiles.shape[0] == 0:
@@ -151,4 +160,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 @paged_attention.register_fake
 def _(q, k, v, k_cache, v_cache, table, tiles, bounds, block_size):
+    _check_devices(q, k, v, k_cache, v_cache, table, tiles, bounds)
     return torch.empty_like(q)
