@@ -9,14 +9,20 @@ KV head mapped wrongly, a canvas's own keys left out — and the outputs must th
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 import pytest
 import torch
 
+from blockdiff.arg_utils import add_engine_args, engine_config
 from blockdiff.config import ATTENTION_BACKEND_CHOICES
 from blockdiff.model.attention import CacheGeometry, Row, build_metadata, canvas_metadata
 from blockdiff.model.attention_backends import AUTO, BACKENDS, choose_attention_backend
+from blockdiff.model.interface import layer_kinds
+from blockdiff.model.loader import load_model
+from blockdiff.step import CacheConfig
+from blockdiff.worker.kv_cache import allocate, geometry
 
 BLOCK = 4
 WINDOW = 8
@@ -199,3 +205,34 @@ def test_choose_attention_backend(monkeypatch):
     with pytest.raises(ValueError, match="'triton' runs on CUDA devices .* not on cpu"):
         choose_attention_backend("cpu", torch.float32, "triton")
     assert ATTENTION_BACKEND_CHOICES == (AUTO, *BACKENDS)  # the flag offers every backend
+
+
+@torch.inference_mode()
+def test_the_tiny_model_matches_the_reference(tiny):
+    """The whole tiny model (sliding layers of head dim 16 over 2 KV heads, full ones of 32 over 1 with
+    V from k_proj) with each backend: a prompt step of two rows, then a step of a prompt chunk beside a
+    canvas, through unordered block tables; the logits agree."""
+    model = load_model(tiny)
+    cache = CacheConfig(num_slots=2, num_blocks=64, block_size=BLOCK, max_model_len=64)
+    mine, other = tuple(range(40, 24, -1)), (3, 9, 1, 17, 60, 22, 5, 11)
+    steps = [([Row(0, 0, 13, False, mine), Row(1, 0, 6, False, other)], list(range(3, 22))),
+             ([Row(1, 6, 5, False, other), Row(0, 13, 8, True, mine)], list(range(30, 43)))]
+    logits = {}
+    for backend in ("reference", "triton"):
+        geo, kv, out = replace(geometry(model, cache), backend=backend), allocate(model, cache, "cpu"), []
+        for rows, ids in steps:
+            meta = build_metadata(rows, geo, layer_kinds(model), "cpu")
+            out.append(model(torch.tensor(ids + [0] * (meta.num_tokens - len(ids))), meta, kv, None)[: len(ids)])
+        logits[backend] = torch.cat(out)
+    torch.testing.assert_close(logits["triton"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
+def test_the_attention_backend_flag(capsys):
+    """--attention-backend takes the backends' names (as vLLM's does) into EngineConfig, once, at the edge."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args(["--model", "demo"])).attention_backend == "auto"
+    assert engine_config(parser.parse_args(["--model", "demo", "--attention-backend", "triton"])).attention_backend == "triton"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "demo", "--attention-backend", "flash"])
+    assert "invalid choice: 'flash'" in capsys.readouterr().err
