@@ -236,3 +236,18 @@ def test_the_attention_backend_flag(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "demo", "--attention-backend", "flash"])
     assert "invalid choice: 'flash'" in capsys.readouterr().err
+
+
+def test_the_kernel_compiles_whole():
+    """torch.compile(fullgraph=True) sees the kernel as one op through its fake: a step of canvases'
+    metadata and attention trace with no graph break and give the eager numbers."""
+    starts = torch.tensor([22, 3])
+    tables = {True: _tables([Row(1, 22, 8, True), Row(3, 3, 8, True)])[True][torch.tensor([1, 3])]}
+    q, k, v, kc, vc = _inputs(4, 2, 16, torch.float32, 2 * 8, v_is_k=False)
+    geo = replace(GEO, backend=choose_attention_backend("cpu", torch.float32, "triton"))  # as a worker does
+
+    def step(starts, q, k, v, kc, vc):
+        return canvas_metadata(starts, tables, 8, 32, geo).kind(True).attend(q, k, v, (kc, vc))
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(starts, q, k, v, kc, vc), step(starts, q, k, v, kc, vc), atol=0, rtol=0)

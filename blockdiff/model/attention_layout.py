@@ -177,14 +177,15 @@ def flat(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block
 class CacheWrite:
     """The encoder rows' cache writes of one layer kind: token `src[i]`'s K/V go to flat entry `dst[i]`."""
 
-    src: torch.Tensor | None = None
-    dst: torch.Tensor | None = None
+    src: torch.Tensor
+    dst: torch.Tensor
 
     @staticmethod
     def of(rows: list[Row], starts: list[int], table: torch.Tensor, index: list[int], block_size: int,
-           device: torch.device | str) -> CacheWrite:
+           device: torch.device | str) -> CacheWrite | None:
         """Every new position of the encoder rows is written, sliding layers' included: a full block
-        of them may be reused by a later request whose window reaches it (prefix caching)."""
+        of them may be reused by a later request whose window reaches it (prefix caching). None: no
+        encoder rows."""
         src, dst_rows, dst_pos = [], [], []
         for i, (r, s) in enumerate(zip(rows, starts)):
             if not r.decoder:
@@ -192,14 +193,13 @@ class CacheWrite:
                 dst_rows.append(torch.full((r.length,), index[i], dtype=torch.long))
                 dst_pos.append(torch.arange(r.start, r.start + r.length))
         if not src:
-            return CacheWrite()
+            return None
         return CacheWrite(torch.cat(src).to(device),
                           flat(table, torch.cat(dst_rows).to(device), torch.cat(dst_pos).to(device), block_size))
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        if self.dst is not None:
-            cache[0].index_copy_(1, self.dst, k.index_select(0, self.src).transpose(0, 1))
-            cache[1].index_copy_(1, self.dst, v.index_select(0, self.src).transpose(0, 1))
+    def apply(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        cache[0].index_copy_(1, self.dst, k.index_select(0, self.src).transpose(0, 1))
+        cache[1].index_copy_(1, self.dst, v.index_select(0, self.src).transpose(0, 1))
 
 
 def step_tables(rows: list[Row], sliding: bool, device: torch.device | str,

@@ -17,6 +17,8 @@ from types import ModuleType
 
 import torch
 
+from blockdiff.model.attention_backends import reference
+
 # Name -> module; the Triton one is imported only when chosen (it imports triton).
 BACKENDS = {
     "reference": "blockdiff.model.attention_backends.reference",
@@ -26,8 +28,16 @@ AUTO = "auto"
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# The reference is always there: steps built without a chosen backend (tests, tools) use it, compiled too.
+_LOADED: dict[str, ModuleType] = {"reference": reference}
+
+
 def backend_module(name: str) -> ModuleType:
-    return importlib.import_module(BACKENDS[name])
+    """The backend's module, imported on first use. choose_attention_backend imports it at start-up,
+    so that a compiled step only looks it up (torch.compile cannot trace an import)."""
+    if name not in _LOADED:
+        _LOADED[name] = importlib.import_module(BACKENDS[name])
+    return _LOADED[name]
 
 
 def _triton_runs(device: torch.device) -> bool:
@@ -38,8 +48,14 @@ def _triton_runs(device: torch.device) -> bool:
 def choose_attention_backend(device: torch.device | str, dtype: torch.dtype, requested: str | None = None) -> str:
     """The attention backend for `device` and the model's `dtype`: `requested` (a name of BACKENDS)
     if it can run there, else a ValueError saying why; None or "auto": triton on a CUDA device of
-    capability 8.0 or more where triton imports (bf16 products need Ampere), else reference."""
-    device = torch.device(device)
+    capability 8.0 or more where triton imports (bf16 products need Ampere), else reference. Its
+    module is imported here, at start-up."""
+    name = _choose(torch.device(device), dtype, requested)
+    backend_module(name)
+    return name
+
+
+def _choose(device: torch.device, dtype: torch.dtype, requested: str | None) -> str:
     has_triton = importlib.util.find_spec("triton") is not None
     if requested in (None, AUTO):
         if (device.type == "cuda" and has_triton and dtype in TRITON_DTYPES

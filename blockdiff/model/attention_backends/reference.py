@@ -23,7 +23,7 @@ the rows (`build_metadata`), steps of canvases only build it on the device with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -57,9 +57,13 @@ class ReferenceKind:
     groups: list[AttnGroup]
     key_block: int
     block_size: int
-    write: CacheWrite = field(default_factory=CacheWrite)
+    writes: CacheWrite | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if self.writes is not None:
+            self.writes.apply(k, v, cache)
 
     def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]."""

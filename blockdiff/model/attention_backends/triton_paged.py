@@ -11,7 +11,7 @@ an image span widens the range of its queries to the span. These are the referen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,9 +30,13 @@ class TritonKind:
     tiles: torch.Tensor  # [tiles, 5] int32: table row, first token, count, first own token, own count
     bounds: torch.Tensor  # [tokens, 2] int32: [lo, hi) cached positions each query token sees
     block_size: int
-    write: CacheWrite = field(default_factory=CacheWrite)
+    writes: CacheWrite | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if self.writes is not None:
+            self.writes.apply(k, v, cache)
 
     def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]."""
