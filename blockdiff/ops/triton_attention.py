@@ -153,7 +153,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out.stride(0), out.stride(1), table.shape[1], block_size,
         GROUP=heads // kv_heads, DIM=dim, BLOCK_D=block_d, BLOCK_M=TILE, BLOCK_N=block_n, PRECISION=precision,
         WIDEN=_WIDEN_UNDER_INTERPRETER and q.dtype != torch.float32,
-        num_warps=4 if block_d <= 256 else 8,
+        # Two stages: K and V tiles of a head dim 512 (32 KB each) double-buffered stay within a
+        # Hopper SM's shared memory, where three would not.
+        num_warps=4 if block_d <= 256 else 8, num_stages=2,
     )
     return out
 
