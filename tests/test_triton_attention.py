@@ -112,6 +112,24 @@ def test_v_equal_to_k(sliding):
                                **_tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal-encoder", "bidirectional-encoder"])
+@pytest.mark.parametrize("sliding", [True, False], ids=["sliding", "full"])
+def test_image_spans_and_an_encoder_that_is_not_causal(sliding, causal):
+    """An image's tokens that attend both ways inside a causal chunk (widening their queries' ranges),
+    and a checkpoint whose encoder is not causal (each query sees its chunk, and the window both ways)."""
+    rows = [Row(0, 5, 12, False, bidirectional=((8, 13),)), Row(2, 6, 8, False), Row(1, 22, 8, True)]
+    geo = replace(GEO, encoder_causal=causal)
+    out = {}
+    for backend in ("reference", "triton"):
+        meta = build_metadata(rows, replace(geo, backend=backend), {sliding}, "cpu", _tables(rows))
+        inputs = _inputs(4, 2, 16, torch.float32, meta.num_tokens, v_is_k=False)
+        q, k, v, kc, vc = inputs
+        cache = (kc.clone(), vc.clone())
+        meta.kind(sliding).write(k, v, cache)
+        out[backend] = meta.kind(sliding).attend(q, k, v, cache)
+    torch.testing.assert_close(out["triton"], out["reference"], **_tolerance(torch.float32))
+
+
 @pytest.mark.parametrize("sliding", [True, False], ids=["sliding", "full"])
 def test_a_step_of_canvases_matches_the_reference(sliding):
     """The static step's metadata, built on the device: canvases mid-block, past and within the window."""
