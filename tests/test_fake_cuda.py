@@ -14,6 +14,9 @@ tensors hold no memory, so the whole 1.5 GB embedding costs nothing.
   `HostReads` answers them and the test checks that none comes from the model's forward;
 - the kernels' dtypes and layouts: every grouped product is checked as torch's CUDA kernel checks it.
 
+Attention runs the device's backend, the Triton kernel on the fake H200 (its custom op's fake);
+`test_static_step_with_each_attention_backend` runs the static step with each backend by name.
+
 Tensor parallelism: the group is rank 0 of a torch FakeProcessGroup of N ranks, whose collectives
 move nothing. Rank 0's shapes are every rank's (each holds 1/N of the heads, experts' widths and
 vocabulary), so this checks the shard shapes, not the sharded arithmetic (tests/test_tensor_parallel.py
