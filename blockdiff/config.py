@@ -135,6 +135,8 @@ ASYNC_SCHEDULING = {"cpu": False, "cuda": True}
 LOAD_FORMATS = ("auto", "dummy")
 PREFIX_CACHE_SCOPES = ("client", "global")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# The attention backends' names (blockdiff/model/attention_backends), as vLLM's --attention-backend takes them.
+ATTENTION_BACKEND_CHOICES = ("auto", "reference", "triton")
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,10 @@ class EngineConfig:
         parse="kv_events", metavar="JSON", group=_SCALING)
     dtype: str = flag("auto", "weights and activations; auto takes the checkpoint's", choices=DTYPE_CHOICES)
     device: str = flag("auto", "auto (cuda if available), cpu, cuda or cuda:N", parse="device")
+    # Chosen once per worker from the device and dtype (model/attention_backends: choose_attention_backend).
+    attention_backend: str = flag("auto", "attention kernels: auto (triton on CUDA where triton imports, else "
+                                          "reference), reference (exact, tuned for the CPU) or triton (CUDA)",
+                                  choices=ATTENTION_BACKEND_CHOICES)
     max_num_seqs: int = flag(16, "requests that run at once", minimum=1)
     max_model_len: int | None = flag(None, "prompt + max_tokens limit (default: min(8192, the model's "
                                            "max_position_embeddings))", minimum=1)

@@ -32,7 +32,6 @@ ACCEPTED = (
     ("trust_remote_code", None, "blockdiff never runs code from a checkpoint"),
     ("tokenizer_mode", str, "the checkpoint's tokenizer.json is read with the tokenizers library, whatever the mode"),
     ("disable_log_stats", None, "blockdiff logs no periodic statistics; /metrics has them"),
-    ("attention_backend", str, "attention runs PyTorch's scaled_dot_product_attention on every device"),
     ("enable_auto_tool_choice", None, "tool calls are read whenever the checkpoint's format is known "
                                       "(--tool-call-parser)"),
 )

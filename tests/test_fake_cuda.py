@@ -14,6 +14,9 @@ tensors hold no memory, so the whole 1.5 GB embedding costs nothing.
   `HostReads` answers them and the test checks that none comes from the model's forward;
 - the kernels' dtypes and layouts: every grouped product is checked as torch's CUDA kernel checks it.
 
+Attention runs the device's backend, the Triton kernel on the fake H200 (its custom op's fake);
+`test_static_step_with_each_attention_backend` runs the static step with each backend by name.
+
 Tensor parallelism: the group is rank 0 of a torch FakeProcessGroup of N ranks, whose collectives
 move nothing. Rank 0's shapes are every rank's (each holds 1/N of the heads, experts' widths and
 vocabulary), so this checks the shard shapes, not the sharded arithmetic (tests/test_tensor_parallel.py
@@ -35,6 +38,7 @@ from blockdiff.config import ModelConfig
 from blockdiff.model.registry import load_config
 from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.model.attention import Row
+from blockdiff.model.attention_backends import triton_paged
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.quantize import FP8_DYNAMIC
 from blockdiff.parallel.group import TPGroup
@@ -57,12 +61,14 @@ def _config(quantized: bool = False) -> ModelConfig:
     return replace(config, windows=tuple(config.windows[i] for i in keep), arch=g)
 
 
-def _runner(tp: int, quantized: bool = False) -> ModelRunner:
-    """Built inside fake_cuda(): the model made on meta and given fake CUDA storage, then the runner."""
+def _runner(tp: int, quantized: bool = False, attention_backend: str | None = None) -> ModelRunner:
+    """Built inside fake_cuda(): the model made on meta and given fake CUDA storage, then the runner
+    (attention_backend None: the device's, which is triton on the fake H200)."""
     config = _config(quantized)
     group = fake_group(tp) if tp > 1 else TPGroup()
     model = fake_module(lambda: DiffusionGemma(config, group, torch.bfloat16)).eval()
-    return ModelRunner(model, CACHE, "cuda", EntropyBound(), sampler_memory_gb=1.0, compile=False, cuda_graphs=False)
+    return ModelRunner(model, CACHE, "cuda", EntropyBound(), sampler_memory_gb=1.0, compile=False, cuda_graphs=False,
+                       attention_backend=attention_backend)
 
 
 def _blocks(slot: int, n: int) -> tuple[int, ...]:
@@ -113,6 +119,31 @@ def test_static_step_on_a_fake_h200(tp):
                              ((4 * cl * 8 + 128 * 7, 704 // tp), (128, 704 // tp, 2816), torch.bfloat16)] * 2
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_static_step_with_each_attention_backend(backend):
+    """The static step at 26B-A4B widths with each attention backend: no device mismatch, no host
+    read; the Triton one runs its kernel (the custom op, through its fake) once per layer, reading
+    the cache in place with the block tables."""
+    calls = []
+    original = triton_paged.paged_attention
+
+    def counted(q, k, v, k_cache, v_cache, table, tiles, bounds, block_size):
+        calls.append((q.shape, k_cache.shape, table.shape, tiles.dtype, bounds.shape))
+        return original(q, k, v, k_cache, v_cache, table, tiles, bounds, block_size)
+
+    with fake_cuda((9, 0)), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_paged, "paged_attention", counted)
+        runner = _runner(1, attention_backend=backend)
+        _, out = _static_step(runner)
+    cl = runner.canvas_length
+    assert runner.geometry.backend == backend and out.tokens.shape == (4, cl) and out.tokens.is_cuda
+    if backend == "reference":
+        assert calls == []
+    else:  # the sliding layer (16 heads of 256 over 8 KV heads), then the full one (512 over 2 KV heads)
+        assert [(c[0], c[1][0], c[1][2]) for c in calls] == [((4 * cl, 16, 256), 8, 256), ((4 * cl, 16, 512), 2, 512)]
+        assert all(c[3] == torch.int32 and c[4] == (4 * cl, 2) for c in calls)
+
+
 @pytest.mark.parametrize("tp", [1, 8], ids=["tp1", "tp8"])
 def test_fp8_static_step_on_a_fake_h200(tp):
     """The FP8-dynamic model (every linear FP8 but the router and LM head): the experts run as
@@ -159,6 +190,22 @@ def test_a_cpu_tensor_in_the_step_is_a_device_mismatch():
         runner = _runner(1)
         patch.setattr(canvas_step_module, "canvas_metadata", on_the_cpu)
         with pytest.raises(FakeTensorDeviceMismatchError):
+            _static_step(runner)
+
+
+def test_a_cpu_tensor_in_the_triton_kernel_is_a_device_mismatch():
+    """The kernel's fake checks its operands' devices too: here the per-query ranges made on the CPU."""
+    original = triton_paged.canvas_metadata
+
+    def ranges_on_the_cpu(*args):
+        meta = original(*args)
+        meta.sliding.bounds = torch.zeros(meta.sliding.bounds.shape, dtype=torch.int32)
+        return meta
+
+    with fake_cuda((9, 0)), pytest.MonkeyPatch.context() as patch:
+        runner = _runner(1, attention_backend="triton")
+        patch.setattr(triton_paged, "canvas_metadata", ranges_on_the_cpu)
+        with pytest.raises(RuntimeError, match="device mismatch"):
             _static_step(runner)
 
 

@@ -19,7 +19,8 @@ class LocalExecutor:
         model = load_model(cfg.model, dtype=dtype, device=device, group=TPGroup(), config=config, load_format=cfg.load_format)
         self.cache_config: CacheConfig = size_cache(model, cfg, max_model_len)
         self.runner = ModelRunner(model, self.cache_config, device, make_sampler(sampler), cfg.tune_cpu_heap,
-                                  cfg.sampler_memory_gb, *cfg.step_modes(device), cfg.steps_per_launch(device))
+                                  cfg.sampler_memory_gb, *cfg.step_modes(device), cfg.steps_per_launch(device),
+                                  cfg.attention_backend)
         self.steps_per_launch = self.runner.steps_per_launch  # 1 where the model's step is not static
 
     def execute(self, plan: StepPlan) -> StepOutput | None:

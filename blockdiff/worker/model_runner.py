@@ -14,6 +14,8 @@ keep them equal, and rank 0 returns the results.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
@@ -21,6 +23,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.kernels import step_modes, target
 from blockdiff.model.attention import Row, build_metadata
+from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
 from blockdiff.worker.block_tables import BlockTables
@@ -33,14 +36,16 @@ from blockdiff.worker.request_slots import RequestSlots
 class ModelRunner:
     def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str,
                  sampler: DiffusionSampler, tune_cpu_heap: bool = False, sampler_memory_gb: float | None = None,
-                 compile: bool | None = False, cuda_graphs: bool = False, steps_per_launch: int = 1):
+                 compile: bool | None = False, cuda_graphs: bool = False, steps_per_launch: int = 1,
+                 attention_backend: str | None = None):
         """sampler: how canvases are denoised (the engine's, `diffusion/registry.py`).
         sampler_memory_gb: the sampler's workspace (EngineConfig). compile / cuda_graphs
         (EngineConfig.step_modes): run all-canvas steps as the static step, compiled / replayed as
         CUDA graphs. Both need a model with static shapes (`model.static_shapes`); compile None:
         the device's default where the model has them. steps_per_launch (EngineConfig): denoising
         steps a steady-state step may run back to back, through the static step (eager unless
-        compiled or graphed); 1 for a model without static shapes."""
+        compiled or graphed); 1 for a model without static shapes. attention_backend
+        (EngineConfig): a name of model/attention_backends, or None / "auto" for the device's."""
         self.model = model
         self.sampler = sampler
         self.device = torch.device(device)
@@ -50,7 +55,8 @@ class ModelRunner:
             keep_freed_memory()
         self.cache_config = cache
         self.kv = allocate(model, cache, self.device)
-        self.geometry = geometry(model, cache)
+        backend = choose_attention_backend(self.device, model.dtype, attention_backend)
+        self.geometry = replace(geometry(model, cache), backend=backend)
         self.kinds = layer_kinds(model)
         self.tables = BlockTables(cache, self.kinds, self.device)
         self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device))
