@@ -4,6 +4,8 @@ prompt before it in the cache (docs/architecture.md, "Scoring")."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -81,7 +83,8 @@ def test_scoring_is_vocabulary_parallel(tiny, llm, single_threaded_workers):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "256", log_path=str(tmp_path_factory.mktemp("score") / "server.log"))
+    proc = ServerProcess(None, "--max-model-len", "256", "--max-response-bytes", "8MiB",
+                         log_path=str(tmp_path_factory.mktemp("score") / "server.log"))
     yield proc
     proc.close()
 
@@ -124,3 +127,20 @@ def test_echo_and_max_tokens_zero_in_the_api(server):
 def test_a_one_token_prompt_has_nothing_to_score_and_ends_at_once(llm):
     [out] = llm.generate([[2]], SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)
     assert out.prompt_logprobs == [None] and out.token_ids == [] and out.metrics["denoising_steps"] == 0
+
+
+def test_a_scoring_request_whose_response_is_too_large_is_refused_before_any_work(server):
+    """Issue 37, finding 6, at this server's 8 MiB: 128 choices echoing a 250-token prompt with 20
+    alternatives each would answer about 16 MB. It is a 400 at once, /health stays quick, and the
+    estimate is a low one: a smaller request's real response is larger than its estimate."""
+    from blockdiff.entrypoints.openai.preprocessing import LOGPROB_ENTRY_BYTES
+
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "reverse: " + "stone " * 120}).json()["tokens"][:250]
+    body = {"model": "demo", "prompt": ids, "echo": True, "logprobs": 20, "max_tokens": 1, "n": 128}
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "response_too_large", r.text
+    assert time.monotonic() - t0 < 5 and httpx.get(server.url + "/health").status_code == 200
+    small = httpx.post(server.url + "/v1/completions", json={**body, "n": 2}, timeout=120)
+    assert small.status_code == 200
+    assert len(small.content) >= 2 * (len(ids) + 1) * 21 * LOGPROB_ENTRY_BYTES

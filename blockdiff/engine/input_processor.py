@@ -150,10 +150,12 @@ class InputProcessor:
             defaults = {**defaults, "max_tokens": room if given is None else max(1, min(given, room))}
         return ResolvedParams.of(self.sampler.resolve(params, defaults, self.max_steps), prompt_len, self.sampler.name)
 
-    def cost(self, params: SamplingParams) -> int:
-        """Canvas positions the decoder evaluates for a request at most (resolved params)."""
+    def cost(self, params: ResolvedParams) -> int:
+        """Positions the decoder evaluates for a request at most: its canvases' steps, and with
+        prompt_logprobs each prompt position once more (scored as a canvas, piece by piece)."""
         canvases = -(-params.max_tokens // self.canvas_length)
-        return canvases * self.canvas_length * params.max_denoising_steps
+        scoring = params.prompt_len if params.prompt_logprobs is not None else 0
+        return canvases * self.canvas_length * params.max_denoising_steps + scoring
 
     def _check_tokens(self, name: str, ids: list) -> None:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]

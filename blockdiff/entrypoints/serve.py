@@ -37,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-stream-buffer", type=parse_size, default=ServerConfig.max_stream_buffer,
                    help="output of a stream its client may leave unread before the connection is dropped, "
                         "approximately (default 8MiB)")
+    p.add_argument("--max-response-bytes", type=parse_size, default=ServerConfig.max_response_bytes,
+                   help="refuse, before any work, a request whose response could be larger (choices x tokens "
+                        "returned x (1 + logprobs) entries; default 32MiB)")
     p.add_argument("--max-request-cost", type=at_least(1), default=None,
                    help="most canvas positions one API request may ask the decoder for: choices x canvases x "
                         "max_denoising_steps x canvas length (default: max-num-seqs requests of max-model-len tokens "
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         max_client_uploads=args.max_client_uploads,
         keep_alive_timeout=args.keep_alive_timeout,
         max_request_cost=args.max_request_cost,
+        max_response_bytes=args.max_response_bytes,
         preprocess_threads=args.preprocess_threads,
         preprocess_timeout=args.preprocess_timeout,
         image_decode_threads=args.image_decode_threads,

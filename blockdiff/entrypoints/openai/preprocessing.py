@@ -24,6 +24,8 @@ from blockdiff.image import ImageError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
+# The least a returned token takes: its text, or one logprob entry (token text, logprob, offset) in JSON.
+TEXT_BYTES, LOGPROB_ENTRY_BYTES = 1, 24
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
     f.name for f in fields(SamplingParams)
 } | {f.name for sampler in SAMPLERS.values() for f in sampler.fields}
@@ -75,6 +77,14 @@ _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_g
                                         "eos_token", "unk_token"})
 
 
+def response_bytes(params: ResolvedParams) -> int:
+    """A low estimate of what one choice's response takes: its tokens (the prompt's too when it is
+    scored for echo), each with its logprob entry and its alternatives' when logprobs are asked for."""
+    tokens = params.max_tokens + (params.prompt_len if params.prompt_logprobs is not None else 0)
+    per_token = TEXT_BYTES if params.logprobs is None else LOGPROB_ENTRY_BYTES * (1 + params.logprobs)
+    return tokens * per_token
+
+
 def generation_prompt(req: p.ChatCompletionRequest | p.TokenizeRequest) -> bool:
     """vLLM's add_generation_prompt: true unless the request continues its last message instead."""
     return not req.continue_final_message if req.add_generation_prompt is None else req.add_generation_prompt
@@ -114,9 +124,10 @@ class Preprocessor:
     """API requests -> engine requests, for every endpoint of one server."""
 
     def __init__(self, engine: EngineClient, pool: WorkPool, images: ChatImages, max_request_cost: int | None,
-                 default_chat_template_kwargs: dict | None = None):
+                 max_response_bytes: int, default_chat_template_kwargs: dict | None = None):
         """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
         self.engine = engine
+        self.max_response_bytes = max_response_bytes
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
         # (preprocess.py), its images in `images` (media.py).
         self.pool = pool
@@ -299,6 +310,12 @@ class Preprocessor:
             cost += n * self.engine.cost(replace(params, max_tokens=min(params.max_tokens, room)))
         if cost > self.max_request_cost:
             raise APIError(400, f"this request asks for up to {cost} canvas positions of denoising (choices x canvases x "
-                                f"max_denoising_steps x canvas length), more than this server's limit of "
-                                f"{self.max_request_cost} per request: lower n, max_tokens or max_denoising_steps",
-                           param="max_tokens", code="request_too_costly")
+                                f"max_denoising_steps x canvas length, and prompt positions scored), more than this "
+                                f"server's limit of {self.max_request_cost} per request: lower n, max_tokens or "
+                                "max_denoising_steps", param="max_tokens", code="request_too_costly")
+        size = sum(n * response_bytes(params) for params in resolved)
+        if size > self.max_response_bytes:
+            raise APIError(400, f"this request's response could take about {size} bytes (choices x tokens returned x "
+                                f"(1 + logprobs) entries), more than this server's limit of {self.max_response_bytes} "
+                                "(--max-response-bytes): lower n, logprobs or max_tokens, or leave out echo",
+                           param="logprobs" if resolved[0].logprobs else "max_tokens", code="response_too_large")

@@ -115,7 +115,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     images = ChatImages(engine.images, cfg.media,
                         WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
-    preprocess = Preprocessor(engine, pool, images, cfg.max_request_cost, cfg.default_chat_template_kwargs)
+    preprocess = Preprocessor(engine, pool, images, cfg.max_request_cost, cfg.max_response_bytes,
+                              cfg.default_chat_template_kwargs)
     clients = ClientLimit(cfg.max_client_concurrency)
     shared = (engine, cfg.served_model_names, preprocess, clients, cfg.max_stream_buffer)
     completion = OpenAIServingCompletion(*shared)
