@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import jsonschema
@@ -287,13 +288,41 @@ def test_the_store_drops_the_oldest_responses_past_its_budget(client):
     responses = [r.ResponseObject.model_validate(create(client, f"upper: {word}", store=False).model_dump())
                  for word in ("abc", "def", "ghi")]
     item = TypeAdapter(r.InputItem).validate_python({"role": "user", "content": "upper: abc"})
-    # Room for two of the three: each takes its response's JSON and its conversation's.
+    # Room for two of the three: each takes its response's JSON and its turn's.
     store = ResponseStore(max_bytes=2 * max(len(x.model_dump_json()) + len(item.model_dump_json()) for x in responses))
     for response in responses:
-        store.put(response, [item])
-    assert [store.get(x.id) is not None for x in responses] == [False, True, True]
-    assert store.delete(responses[1].id) and not store.delete(responses[1].id) and store.get(responses[1].id) is None
-    assert store.get(responses[2].id).conversation == [item]
+        assert store.put(response, [item], None, "a")
+    assert [store.get(x.id, "a") is not None for x in responses] == [False, True, True]
+    assert store.get(responses[2].id, "b") is None and not store.delete(responses[2].id, "b")  # only its client's
+    assert store.delete(responses[1].id, "a") and not store.delete(responses[1].id, "a") and store.get(responses[1].id, "a") is None
+    assert store.conversation(responses[2].id, "a") == [item]
+
+
+def test_a_chain_counts_each_turn_once_and_a_broken_chain_is_gone(client):
+    """Each response keeps its own turn and the id of the one it continued: a conversation is read
+    back along the chain, so a long chain does not hold a copy of everything before each turn."""
+    turns = [TypeAdapter(r.InputItem).validate_python({"role": "user", "content": f"turn {i} " + "x" * 1000})
+             for i in range(6)]
+    base = r.ResponseObject.model_validate(create(client, "upper: abc", store=False).model_dump())
+    responses = [base.model_copy(update={"id": f"resp_{i}"}) for i in range(6)]
+    one = len(responses[0].model_dump_json()) + len(turns[0].model_dump_json())
+    store = ResponseStore(max_bytes=4 * one + 50)
+    for i, (response, turn) in enumerate(zip(responses, turns)):
+        store.put(response, [turn], None if i == 0 else f"resp_{i - 1}", "a")
+    assert store._bytes <= store.max_bytes  # four turns fit, the oldest two are gone
+    assert store.conversation("resp_5", "a") is None  # its chain starts at a dropped response
+    assert [store.get(x.id, "a") is not None for x in responses] == [False, False, True, True, True, True]
+    assert not store.put(base.model_copy(update={"id": "big"}), turns * 5, None, "a")  # larger than the store: not kept
+
+
+def test_stored_responses_expire(client):
+    store = ResponseStore(2**20, ttl=0.2)
+    response = r.ResponseObject.model_validate(create(client, "upper: abc", store=False).model_dump())
+    store.put(response, [], None, "a")
+    response_id = response.id
+    assert store.get(response_id, "a") is not None
+    time.sleep(0.3)
+    assert store.get(response_id, "a") is None and store.conversation(response_id, "a") is None
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
@@ -330,3 +359,45 @@ def test_openai_agents_default_model_runs_a_tool_round_trip(server, streamed):
     # Two model calls, both answered by /v1/responses (chat completions would leave no response id).
     assert [resp.response_id[:5] for resp in result.raw_responses] == ["resp_", "resp_"]
     assert "POST /v1/chat/completions" not in server.log()
+
+
+def test_another_client_can_neither_read_continue_nor_delete_a_stored_response(server):
+    """A stored response is its client's (issue 37, finding 5): another address gets a 404 for it,
+    as for one that does not exist, and it stays stored for its own client."""
+    def call(source: str, method: str, path: str, **kw) -> httpx.Response:
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=60) as c:
+            return c.request(method, server.url + path, **kw)
+
+    made = call("127.0.0.1", "POST", "/v1/responses", json={"model": "demo", "input": "upper: secret"}).json()
+    for method, path, kw in (("GET", f"/v1/responses/{made['id']}", {}), ("DELETE", f"/v1/responses/{made['id']}", {}),
+                             ("POST", "/v1/responses", {"json": {"model": "demo", "input": "again",
+                                                                 "previous_response_id": made["id"]}})):
+        r = call("127.0.0.2", method, path, **kw)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
+    assert call("127.0.0.1", "GET", f"/v1/responses/{made['id']}").json()["output"] == made["output"]
+
+
+def test_a_chain_of_large_turns_stays_within_the_store(tmp_path):
+    """Issue 37, finding 5, scaled to a 4 MiB store: 24 chained responses whose input carries a 2 MiB
+    reasoning summary (stored, never tokenized). The chain once kept every turn in its newest entry
+    (48 MiB); now each turn is stored once and the oldest go, so the server's memory stays flat."""
+    import psutil
+
+    proc = ServerProcess(None, "--max-model-len", "256", "--responses-store-size", "4MiB",
+                         log_path=str(tmp_path / "server.log"))
+    try:
+        rss = psutil.Process(proc.proc.pid).memory_info
+        summary = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "z" * 2**21}]}
+        previous, before = None, None
+        for i in range(24):
+            body = {"model": "demo", "input": [summary, {"role": "user", "content": "upper: abc"}], "max_output_tokens": 8}
+            r = httpx.post(proc.url + "/v1/responses", json={**body, "previous_response_id": previous}, timeout=120)
+            if r.status_code == 404:  # the chain's start was dropped to make room: start a new one
+                r = httpx.post(proc.url + "/v1/responses", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            previous = r.json()["id"]
+            if i == 3:
+                before = rss().rss
+        assert rss().rss - before < 24 * 2**20, (rss().rss - before) / 2**20
+    finally:
+        proc.close()

@@ -37,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-stream-buffer", type=parse_size, default=ServerConfig.max_stream_buffer,
                    help="output of a stream its client may leave unread before the connection is dropped, "
                         "approximately (default 8MiB)")
+    p.add_argument("--responses-store-size", type=parse_size, default=ServerConfig.responses_store_bytes,
+                   help="JSON of /v1/responses turns kept for previous_response_id, in memory, for a day; the oldest "
+                        "go first (default 256MiB)")
     p.add_argument("--max-response-bytes", type=parse_size, default=ServerConfig.max_response_bytes,
                    help="refuse, before any work, a request whose response could be larger (choices x tokens "
                         "returned x (1 + logprobs) entries; default 32MiB)")
@@ -111,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         keep_alive_timeout=args.keep_alive_timeout,
         max_request_cost=args.max_request_cost,
         max_response_bytes=args.max_response_bytes,
+        responses_store_bytes=args.responses_store_size,
         preprocess_threads=args.preprocess_threads,
         preprocess_timeout=args.preprocess_timeout,
         image_decode_threads=args.image_decode_threads,

@@ -25,6 +25,7 @@ class ServerConfig:
     min_body_rate: float = 1024.0  # bytes a second a body must average once header_timeout has passed
     max_client_uploads: int = 64  # connections of one client address whose request body is still arriving
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    responses_store_bytes: int = 256 * 2**20  # JSON of the stored /v1/responses turns; the oldest go first
     max_response_bytes: int = 32 * 2**20  # a request whose response could be larger is refused before any work
     max_request_cost: int | None = None  # None: max_num_seqs requests of max_model_len tokens at the steps limit
     preprocess_threads: int = 2  # threads that decode bodies, render chat templates and tokenize (preprocess.py)

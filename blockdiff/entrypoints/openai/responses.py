@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -37,8 +39,8 @@ from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.outputs import RequestOutput
 
-# Stored responses keep at most this much JSON (responses and their conversations); the oldest go first.
-STORE_BYTES = 256 * 2**20
+# How long a response stays stored: a day (OpenAI keeps them 30 days; this store is memory).
+STORE_TTL_S = 24 * 3600.0
 # The chat request's names of the fields whose errors a Responses request knows by other names.
 _RESPONSES_NAMES = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens",
                     "response_format": "text.format"}
@@ -69,34 +71,72 @@ def _responses_names() -> Iterator[None]:
 @dataclass
 class _Stored:
     response: r.ResponseObject
-    conversation: list  # input items: every earlier turn, this request's input, and its output
+    items: list  # its own turn: the request's input items and the response's output items
+    previous: str | None  # the response it continued: the conversation is the chain of turns
+    owner: str  # the client that made it, the only one that may read, continue or delete it
     size: int
+    expires: float  # time.monotonic()
 
 
 class ResponseStore:
-    """Responses kept in memory, oldest evicted first once they hold more than `max_bytes` of JSON."""
+    """Responses kept in memory for STORE_TTL_S, the oldest evicted first once their turns hold more
+    than `max_bytes` of JSON. Each keeps only its own turn and the id of the response it continued,
+    so a chain of turns counts each turn once (a conversation is read back along the chain), and a
+    client sees only its own responses. Called from the preprocessing pool's threads and the loop."""
 
-    def __init__(self, max_bytes: int = STORE_BYTES):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, ttl: float = STORE_TTL_S):
+        self.max_bytes, self.ttl = max_bytes, ttl
         self._entries: OrderedDict[str, _Stored] = OrderedDict()
         self._bytes = 0
+        self._lock = threading.Lock()
 
-    def put(self, response: r.ResponseObject, conversation: list) -> None:
-        size = len(response.model_dump_json()) + sum(len(item.model_dump_json()) for item in conversation)
-        self._entries[response.id] = _Stored(response, conversation, size)
-        self._bytes += size
-        while self._bytes > self.max_bytes and len(self._entries) > 1:
-            _, old = self._entries.popitem(last=False)
-            self._bytes -= old.size
+    def put(self, response: r.ResponseObject, items: list, previous: str | None, owner: str) -> bool:
+        """Keep `response` (serialized here to size it: call it off the loop); False if it alone is
+        larger than the store."""
+        size = len(response.model_dump_json()) + sum(len(item.model_dump_json()) for item in items)
+        if size > self.max_bytes:
+            return False
+        with self._lock:
+            self._entries[response.id] = _Stored(response, items, previous, owner, size, time.monotonic() + self.ttl)
+            self._bytes += size
+            now = time.monotonic()
+            while self._entries:
+                oldest = next(iter(self._entries.values()))
+                if self._bytes <= self.max_bytes and oldest.expires > now:
+                    break
+                self._drop(oldest.response.id)
+        return True
 
-    def get(self, response_id: str) -> _Stored | None:
-        return self._entries.get(response_id)
+    def get(self, response_id: str, owner: str) -> _Stored | None:
+        with self._lock:
+            stored = self._entries.get(response_id)
+            if stored is not None and stored.expires <= time.monotonic():
+                self._drop(response_id)
+                return None
+            return stored if stored is not None and stored.owner == owner else None
 
-    def delete(self, response_id: str) -> bool:
-        old = self._entries.pop(response_id, None)
-        if old is not None:
-            self._bytes -= old.size
-        return old is not None
+    def conversation(self, response_id: str, owner: str) -> list | None:
+        """Every turn's items up to and including `response_id`'s, oldest first; None when it, or a
+        response before it in its chain, is no longer stored."""
+        turns = []
+        while response_id is not None:
+            stored = self.get(response_id, owner)
+            if stored is None:
+                return None
+            turns.append(stored.items)
+            response_id = stored.previous
+        return [item for turn in reversed(turns) for item in turn]
+
+    def delete(self, response_id: str, owner: str) -> bool:
+        with self._lock:
+            stored = self._entries.get(response_id)
+            if stored is None or stored.owner != owner:
+                return False
+            self._drop(response_id)
+            return True
+
+    def _drop(self, response_id: str) -> None:
+        self._bytes -= self._entries.pop(response_id).size
 
 
 def chat_messages(items: list, instructions: str | None) -> list[dict]:
@@ -267,12 +307,11 @@ def _status(out: RequestOutput) -> str:
 
 
 class OpenAIServingResponses:
-    def __init__(self, serving: OpenAIServingChat, chat_request: type[p.ChatCompletionRequest],
-                 store: ResponseStore | None = None):
+    def __init__(self, serving: OpenAIServingChat, chat_request: type[p.ChatCompletionRequest], store: ResponseStore):
         """`chat_request`: the server's chat body (protocol.request_types), which the requests become."""
         self.serving = serving
         self.chat_request = chat_request
-        self.store = store if store is not None else ResponseStore()
+        self.store = store
         tokenizer = serving.tokenizer
         parser = serving.reasoning_parser
         self._reasoning_markers = ((tokenizer.token_to_id(parser.start), tokenizer.token_to_id(parser.end))
@@ -285,10 +324,11 @@ class OpenAIServingResponses:
         given = [r.MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input or []
         if not given and req.previous_response_id is None:
             raise APIError(400, "input is empty: send input (text or items), or previous_response_id", param="input")
-        conversation = self._earlier(req.previous_response_id) + given
+        client = client_of(raw)
+        conversation = self._earlier(req.previous_response_id, client) + given
         response_id = _id("resp")
         # The conversation as a chat request (its call arguments decoded) in the pool, off the loop.
-        chat = await self.serving.preprocess.pool.run(client_of(raw), self._chat, req, conversation)
+        chat = await self.serving.preprocess.pool.run(client, self._chat, req, conversation)
         try:
             rules, prompts, stream, release = await self._start(chat, response_id, raw)
         except ClientGone:
@@ -296,13 +336,15 @@ class OpenAIServingResponses:
         output = _Output(rules, self._reasoning_markers)
         begun = self._response(req, response_id, model, "in_progress")
 
-        def finish(out: RequestOutput) -> r.ResponseObject:
+        async def finish(out: RequestOutput) -> r.ResponseObject:
             response = begun.model_copy(update=dict(
                 status=_status(out), completed_at=p.now(), output=output.items,
                 usage=self._usage(prompts, out, output),
                 incomplete_details=r.IncompleteDetails(reason="max_output_tokens") if out.finish_reason == "length" else None))
             if response.store:
-                self.store.put(response, conversation + [_ITEMS.validate_python(item.model_dump()) for item in output.items])
+                turn = given + [_ITEMS.validate_python(item.model_dump()) for item in output.items]
+                await self.serving.preprocess.pool.run(client, self.store.put, response, turn, req.previous_response_id,
+                                                       client)
             return response
 
         if req.stream:
@@ -321,13 +363,16 @@ class OpenAIServingResponses:
         out = finals[0]
         output.feed(ChoiceState().advance(out))
         output.finish(_status(out))
-        return Response(finish(out).model_dump_json(), media_type="application/json")
+        return Response((await finish(out)).model_dump_json(), media_type="application/json")
 
-    def retrieve(self, response_id: str) -> r.ResponseObject:
-        return self._stored(response_id, "response_id").response
+    def retrieve(self, response_id: str, client: str) -> r.ResponseObject:
+        stored = self.store.get(response_id, client)
+        if stored is None:
+            raise _not_stored(response_id, "response_id")
+        return stored.response
 
-    def delete(self, response_id: str) -> r.DeletedResponse:
-        if not self.store.delete(response_id):
+    def delete(self, response_id: str, client: str) -> r.DeletedResponse:
+        if not self.store.delete(response_id, client):
             raise _not_stored(response_id, "response_id")
         return r.DeletedResponse(id=response_id)
 
@@ -351,16 +396,13 @@ class OpenAIServingResponses:
                                                 "structured_outputs": "text.format"}) from None
         return rules, prompts, stream, release
 
-    def _stored(self, response_id: str, param: str) -> _Stored:
-        stored = self.store.get(response_id)
-        if stored is None:
-            raise _not_stored(response_id, param)
-        return stored
-
-    def _earlier(self, previous_response_id: str | None) -> list:
+    def _earlier(self, previous_response_id: str | None, client: str) -> list:
         if previous_response_id is None:
             return []
-        return list(self._stored(previous_response_id, "previous_response_id").conversation)
+        conversation = self.store.conversation(previous_response_id, client)
+        if conversation is None:
+            raise _not_stored(previous_response_id, "previous_response_id")
+        return conversation
 
     def _chat(self, req: r.ResponsesRequest, conversation: list) -> p.ChatCompletionRequest:
         """The chat request this request is: its conversation as messages, its tools, and its sampler fields."""
@@ -445,7 +487,7 @@ class OpenAIServingResponses:
                     status = _status(out)
                     for event in output.finish(status):
                         yield send(event)
-                    yield send({"type": f"response.{status}", "response": finish(out).model_dump()})
+                    yield send({"type": f"response.{status}", "response": (await finish(out)).model_dump()})
         except APIError as e:  # the output broke a rule of the request (tool_choice)
             yield send({"type": "error", "code": e.code, "message": e.message, "param": e.param})
         except EngineUnavailable as e:
@@ -455,8 +497,10 @@ class OpenAIServingResponses:
 
 
 def _not_stored(response_id: str, param: str) -> APIError:
-    return APIError(404, f"no stored response has id {response_id!r} (responses made with store: false are not kept, "
-                         "and the oldest are dropped once the store is full)", param=param, code="response_not_found")
+    return APIError(404, f"no stored response has id {response_id!r} (or one before it in its conversation): "
+                         "responses made with store: false are not kept, each client sees only its own, they expire "
+                         "after a day, and the oldest are dropped once the store is full", param=param,
+                    code="response_not_found")
 
 
 def _response_format(text: r.TextConfig | None) -> dict | None:

@@ -32,7 +32,7 @@ from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, De
 from blockdiff.entrypoints.openai.preprocess import WorkPool
 from blockdiff.entrypoints.openai.preprocessing import Preprocessor
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
-from blockdiff.entrypoints.openai.responses import OpenAIServingResponses
+from blockdiff.entrypoints.openai.responses import OpenAIServingResponses, ResponseStore
 from blockdiff.entrypoints.openai.responses_protocol import DeletedResponse, ResponseObject, responses_request_type
 from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -140,7 +140,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     # The generation bodies take the fields of the model's sampler (protocol.request_types).
     CompletionRequest, ChatCompletionRequest = request_types(engine.sampler.fields)
     ResponsesRequest = responses_request_type(engine.sampler.fields)
-    responses = OpenAIServingResponses(chat_serving, ChatCompletionRequest)
+    responses = OpenAIServingResponses(chat_serving, ChatCompletionRequest, ResponseStore(cfg.responses_store_bytes))
     app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics),
                bodies=(CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest))
     app.state.engine = engine
@@ -190,12 +190,12 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
         return await responses.create(await parse(await request.body(), ResponsesRequest, client_of(request)), request)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> ResponseObject:
-        return responses.retrieve(response_id)
+    async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
+        return responses.retrieve(response_id, client_of(request))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> DeletedResponse:
-        return responses.delete(response_id)
+    async def delete_response(response_id: str, request: Request) -> DeletedResponse:
+        return responses.delete(response_id, client_of(request))
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> TokenizeResponse:
