@@ -7,11 +7,12 @@ collective and no masking: the same code is the plain single-device computation.
 
 Memory: the logits are shifted in place and are the only [..., vocabulary] tensor the sampler keeps
 beyond its workspace. exp(x - max) exists only a tile of positions at a time (`workspace_bytes`
-bounds the tile), so the sampler's extra memory does not grow with the batch; where the whole step's
-exp and one more temporary of its size fit the workspace, it is computed once and kept for the
-self-conditioning product (`Distribution.probs`) instead of being computed again. The tile count is
-a Python int fixed by the shapes, every tile runs the same ops on its rows, and the results do not
-depend on the tiling.
+bounds the tile), so the sampler's extra memory does not grow with the batch. The statistics run
+their tiles last to first, so the tile buffer ends holding the first tile's exp, which the
+self-conditioning product takes as it is (`Distribution.probs`) before it reuses the buffer for the
+other tiles: where one tile covers the step, the exp is computed once, and never more than one
+tile of it is held. The tile count is a Python int fixed by the shapes, every tile runs the same ops
+on its rows, and the results do not depend on the tiling.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Distribution:
     rank_bounds: torch.Tensor | None  # [ranks + 1, ...] Σ exp over the ranks before each (sharded)
     total: torch.Tensor  # [...] Σ exp over the whole vocabulary
     entropy: torch.Tensor  # [...]
-    # exp(shifted), kept where it fits the workspace beside the statistics' temporary; else None
+    # [first tile's positions, local_rows] exp(shifted) of the first positions, in the tile buffer
+    # that the self-conditioning product reuses (None once it has: the buffer holds other rows then)
     probs: torch.Tensor | None = None
 
     @property
@@ -103,9 +105,7 @@ class VocabParallel:
         m = chunk_max.amax(dim=-1, keepdim=True)
         if self.sharded:
             self.group.all_reduce(m, op="max")
-        # e and the e·y temporary in the workspace at once: e is kept rather than recomputed.
-        keep = self.tile_positions(x, 8) >= x[..., 0].numel()
-        y, cum, dot, probs = exp_statistics(x, m, self.tile_positions(x, 4), keep)
+        y, cum, dot, probs = exp_statistics(x, m, self.exp_tile(x))
         local_sum = cum[..., -1]
         bounds = None
         if self.sharded:
@@ -125,6 +125,11 @@ class VocabParallel:
         if self.workspace_bytes is None:
             return max(1, positions)
         return max(1, min(positions, self.workspace_bytes // (bytes_per_value * x.shape[-1])))
+
+    def exp_tile(self, x: torch.Tensor) -> int:
+        """Positions per tile of exp(shifted): its float32 buffer and, beside it, the probabilities
+        as the model's dtype (up to 4 bytes more) in the self-conditioning product."""
+        return self.tile_positions(x, 8)
 
     def argmax(self, d: Distribution) -> torch.Tensor:
         """Global token ids of the maxima (ties to the lowest id, like torch.argmax); sharded, in
@@ -228,23 +233,22 @@ class VocabParallel:
         `dtype`, and their totals."""
         canvases, cl = d.shifted.shape[:2]
         flat, total = d.shifted.view(-1, d.shifted.shape[-1]), d.total.flatten()
-        tile = self.tile_positions(d.shifted, 4 + dtype.itemsize)
+        tile = self.exp_tile(d.shifted)
         positions = None if rows is None else (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
         n = flat.shape[0] if positions is None else positions.shape[0]
-        kept = None if d.probs is None else d.probs.view(flat.shape)  # exp(shifted) already: the same bits
-        buffer = flat.new_empty(min(tile, n), flat.shape[1]) if kept is None else None  # one for every tile
+        kept, d.probs = d.probs, None  # the buffer is overwritten below
+        buffer = kept if kept is not None else flat.new_empty(min(tile, n), flat.shape[1])  # one for every tile
         out = []
         for a in range(0, n, tile):
             if positions is None:  # contiguous tiles: no gathered copy
                 tile_total = total[a : a + tile]
-                probs = kept[a : a + tile] if kept is not None else torch.exp(flat[a : a + tile], out=buffer[: min(tile, n - a)])
+                # The first tile's exp is in the buffer already (exp_statistics ran it last): the same bits.
+                probs = buffer if a == 0 and kept is not None else torch.exp(flat[a : a + tile], out=buffer[: min(tile, n - a)])
             else:
                 index = positions[a : a + tile]
                 tile_total = total.index_select(0, index)
-                probs = (kept.index_select(0, index) if kept is not None
-                         else torch.index_select(flat, 0, index, out=buffer[: index.shape[0]]).exp_())
+                probs = torch.index_select(flat, 0, index, out=buffer[: index.shape[0]]).exp_()
             out.append(embed(probs, tile_total))
-        d.probs = None  # read by this product only: not held through the rest of the step
         return torch.cat(out).view(canvases if rows is None else rows.shape[0], cl, -1)
 
     def token_logprob(self, d: Distribution, ids: torch.Tensor) -> torch.Tensor:
@@ -283,31 +287,32 @@ def per_chunk(x: torch.Tensor, reduce) -> torch.Tensor:
     return out
 
 
-def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int,
-                   keep: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x shifted by the max m in place (y), the cumulative sums per chunk of e = exp(y), Σ e·y, and
-    e itself where `keep` (else None). Without `keep`, `tile` positions at a time: e exists for one
-    tile only."""
+    the tile buffer, which holds e of the first tile's positions: `tile` positions at a time, the
+    last tile first, so e exists for one tile only."""
     y = x.sub_(m)
     rows, lead = y.reshape(-1, y.shape[-1]), y.shape[:-1]
     chunks = -(-y.shape[-1] // _CHUNK)
-    if keep:
-        e = torch.exp(y)
-        flat = e.view(rows.shape)
-        cum = per_chunk(flat, torch.sum).cumsum(-1)
-        dot = torch.mul(flat, rows).sum(dim=-1)  # the tiled loop's product and sum, into a temporary
-        return y, cum.view(*lead, chunks), dot.view(lead), e
     cum = y.new_empty(rows.shape[0], chunks)
     dot = y.new_empty(rows.shape[0])
     # One buffer for every tile: a heap that keeps freed memory (worker/cpu_heap.py) can split a
     # freed tile for small allocations, and the next tile would then take fresh memory.
     buffer = y.new_empty(min(tile, rows.shape[0]), rows.shape[1])
-    for a in range(0, rows.shape[0], tile):
+    # The first tile's e·y goes through an eighth of a tile at a time, so that its e stays.
+    part = max(1, tile // 8)
+    product = y.new_empty(min(part, rows.shape[0]), rows.shape[1])
+    for a in reversed(range(0, rows.shape[0], tile)):
         e = torch.exp(rows[a : a + tile], out=buffer[: min(tile, rows.shape[0] - a)])
         cum[a : a + tile] = per_chunk(e, torch.sum).cumsum(-1)
         # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
-        dot[a : a + tile] = e.mul_(rows[a : a + tile]).sum(dim=-1)
-    return y, cum.view(*lead, chunks), dot.view(lead), None
+        if a:
+            dot[a : a + tile] = e.mul_(rows[a : a + tile]).sum(dim=-1)
+            continue
+        for b in range(0, e.shape[0], part):
+            n = min(part, e.shape[0] - b)
+            dot[b : b + n] = torch.mul(e[b : b + n], rows[b : b + n], out=product[:n]).sum(dim=-1)
+    return y, cum.view(*lead, chunks), dot.view(lead), buffer
 
 
 def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
