@@ -13,6 +13,11 @@ self-conditioning product takes as it is (`Distribution.probs`) before it reuses
 other tiles: where one tile covers the step, the exp is computed once, and never more than one
 tile of it is held. The tile count is a Python int fixed by the shapes, every tile runs the same ops
 on its rows, and the results do not depend on the tiling.
+
+Kernels: the passes over a shard's logits (`ReferenceKernels` here: torch ops, the exact CPU
+reference; Triton kernels for CUDA in diffusion/sampler_kernels.py) are the sampler's seam.
+VocabParallel holds the collectives, the bisections and the tiling, and calls one backend's passes
+in the same order on one rank and on many.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
-_CHUNK = 128  # argmax and inverse-CDF sampling search per-chunk statistics first, then one chunk
+CHUNK = 128  # argmax and inverse-CDF sampling search per-chunk statistics first, then one chunk
 # Without a budget, the sampler's workspace is this share of the device's free memory at start...
 _FREE_MEMORY_SHARE = 8
 _MAX_DEFAULT_WORKSPACE = 2**30  # ...at most this: larger tiles no longer run faster
@@ -81,11 +86,74 @@ _ONE_BITS = 0x3F800000  # float32 1.0 as an int32: weights exp(shifted) lie in [
 _BISECTIONS = 31  # halvings of [0, _ONE_BITS + 1): enough to land on one float32 exactly
 
 
+class ReferenceKernels:
+    """The sampler's passes over this rank's logits as torch ops: the exact reference, on any device.
+    `weights` are what the top-k/top-p/min-p bisections count and add: exp(shifted) of a tile."""
+
+    name = "reference"
+    restrict_bytes = 9  # per value of a restricted tile: its weights, a float32 and a bool temporary
+
+    def chunk_max(self, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+        """[..., chunks] maxima per chunk of x, its `padding` columns first set to -1e30 in place."""
+        if padding is not None:
+            x.masked_fill_(padding, -1e30)  # finite: exp gives 0 and 0 * x stays 0
+        return per_chunk(x, torch.amax)
+
+    def exp_statistics(self, x: torch.Tensor, m: torch.Tensor, tile: int):
+        return exp_statistics(x, m, tile)
+
+    def first_argmax(self, y: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
+        return first_argmax(y, chunk_max)
+
+    def inverse_cdf(self, y: torch.Tensor, cum: torch.Tensor, target: torch.Tensor,
+                    threshold: torch.Tensor | None) -> torch.Tensor:
+        return inverse_cdf(y, cum, target, threshold)
+
+    def weights(self, y: torch.Tensor) -> torch.Tensor:
+        return y.exp()
+
+    def count_at_least(self, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """[positions] float32 count of weights >= t [positions]."""
+        return (w >= t.unsqueeze(-1)).sum(-1, dtype=torch.float32)
+
+    def mass_above(self, w: torch.Tensor, t: torch.Tensor | None, floor: torch.Tensor) -> torch.Tensor:
+        """[positions] Σ of the weights > t (None: all) and >= floor."""
+        kept = torch.where(w >= floor.unsqueeze(-1), w, 0.0)
+        return (kept if t is None else torch.where(w > t.unsqueeze(-1), kept, 0.0)).sum(-1)
+
+    def kept_cumsum(self, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """[positions, chunks] the cumulative chunk sums of the weights >= t."""
+        return per_chunk(torch.where(w >= t.unsqueeze(-1), w, 0.0), torch.sum).cumsum(-1)
+
+    def probs_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the self-conditioning probabilities are made in for a model of `dtype`."""
+        return torch.float32
+
+    def exp_rows(self, flat: torch.Tensor, start: int, index: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """out = exp(flat[index]) (None: the rows from `start` on that fit out)."""
+        if index is None:
+            return torch.exp(flat[start : start + out.shape[0]], out=out)
+        return torch.index_select(flat, 0, index, out=out).exp_()
+
+    def cumsum(self, x: torch.Tensor) -> torch.Tensor:
+        """Running float32 sums along the last dimension (CUDA's torch.cumsum of floats is not
+        deterministic: the Triton backend scans in a fixed order)."""
+        return torch.cumsum(x, dim=-1)
+
+    def gather(self, y: torch.Tensor, local: torch.Tensor, owned: torch.Tensor | None) -> torch.Tensor:
+        """[...] y at the columns `local` [...] where `owned` (None: everywhere), else 0."""
+        value = y.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        return value if owned is None else torch.where(owned, value, 0.0)
+
+
 class VocabParallel:
     """The vocabulary layout of this rank and the collectives over it."""
 
     def __init__(self, shard: VocabShard, group: TPGroup, device: torch.device | str = "cpu",
-                 workspace_bytes: int | None = None):
+                 workspace_bytes: int | None = None, kernels=None):
+        """kernels: the passes over the shard's logits (sampler_kernels.sampler_kernels); None: the
+        reference."""
+        self.kernels = kernels or ReferenceKernels()
         self.shard = shard
         self.group = group
         self.sharded = group.size > 1
@@ -97,22 +165,20 @@ class VocabParallel:
 
     def distribution(self, x: torch.Tensor) -> Distribution:
         """softmax statistics of logits x (float32, modified in place into x - max)."""
-        if self.padding is not None:
-            x.masked_fill_(self.padding, -1e30)  # finite: exp gives 0 and 0 * x stays 0
         # The vocabulary is reduced per chunk, once for the maxima and once for the sums, which
         # argmax and sampling reuse to scan a single chunk each.
-        chunk_max = per_chunk(x, torch.amax)
+        chunk_max = self.kernels.chunk_max(x, self.padding)
         m = chunk_max.amax(dim=-1, keepdim=True)
         if self.sharded:
             self.group.all_reduce(m, op="max")
-        y, cum, dot, probs = exp_statistics(x, m, self.exp_tile(x))
+        y, cum, dot, probs = self.kernels.exp_statistics(x, m, self.exp_tile(x))
         local_sum = cum[..., -1]
         bounds = None
         if self.sharded:
             # Gathered rather than all-reduced: every rank adds the same rows in the same order, so
             # all hold the same total, and sampling cuts it at the same rank bounds.
             sums, dots = self.group.all_gather(torch.stack((local_sum, dot))).unbind(1)
-            bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
+            bounds = rank_bounds(sums)
             dot = dots.sum(0)
         total = local_sum if bounds is None else bounds[-1]
         entropy = total.log() - dot / total
@@ -122,7 +188,7 @@ class VocabParallel:
         """Positions per tile such that a [tile, local vocab] temporary of `bytes_per_value` per
         entry fits the workspace (at least one position): a Python int from the shapes alone."""
         positions = x[..., 0].numel()
-        if self.workspace_bytes is None:
+        if self.workspace_bytes is None or bytes_per_value == 0:
             return max(1, positions)
         return max(1, min(positions, self.workspace_bytes // (bytes_per_value * x.shape[-1])))
 
@@ -134,7 +200,7 @@ class VocabParallel:
     def argmax(self, d: Distribution) -> torch.Tensor:
         """Global token ids of the maxima (ties to the lowest id, like torch.argmax); sharded, in
         one collective."""
-        argmax = first_argmax(d.shifted, d.chunk_max)
+        argmax = self.kernels.first_argmax(d.shifted, d.chunk_max)
         if not self.sharded:
             return argmax
         return -self.group.all_reduce(-self._argmax_candidate(d, argmax), op="max")
@@ -147,12 +213,12 @@ class VocabParallel:
     def argmax_and_sample(self, d: Distribution, u: torch.Tensor, draw: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`argmax(d)` and one token per position drawn by inverse CDF for u ~ U[0, 1) [...] from
         `draw` (None: the whole distribution); sharded, in one collective for both."""
-        argmax = first_argmax(d.shifted, d.chunk_max)
+        argmax = self.kernels.first_argmax(d.shifted, d.chunk_max)
         draw = draw or Draw(None, d.chunk_cumsum, d.rank_bounds, d.total)
         # The target is cut from the total of the very sums the search runs over: any other sum of
         # the same weights can round above them and send the search past the last token with mass.
         if not self.sharded:
-            return argmax, inverse_cdf(d.shifted, draw.chunk_cumsum, u.to(draw.total.dtype) * draw.total, draw.threshold)
+            return argmax, self.kernels.inverse_cdf(d.shifted, draw.chunk_cumsum, u.to(draw.total.dtype) * draw.total, draw.threshold)
         candidate = self._argmax_candidate(d, argmax)
         # Every rank cuts [0, total) at the same rank bounds, so exactly one rank owns each target.
         bounds, r = draw.rank_bounds, self.group.rank
@@ -161,7 +227,7 @@ class VocabParallel:
         # A u just below 1 can round the target onto the total: the last rank with mass takes it.
         ranks = torch.arange(self.group.size, device=bounds.device).view(-1, *([1] * target.dim()))
         mine |= (target >= bounds[-1]) & (torch.where(bounds[1:] > bounds[:-1], ranks, -1).amax(0) == r)
-        local = inverse_cdf(d.shifted, draw.chunk_cumsum, target - bounds[r], draw.threshold)
+        local = self.kernels.inverse_cdf(d.shifted, draw.chunk_cumsum, target - bounds[r], draw.threshold)
         sample = torch.where(mine, self.global_ids[local], -1)
         both = self.group.all_reduce(torch.stack((-candidate, sample)), op="max")
         return -both[0], both[1]
@@ -179,22 +245,21 @@ class VocabParallel:
         per_position = [x.repeat_interleave(cl) for x in (top_k.float(), top_p, min_p)]
         threshold = flat.new_empty(flat.shape[0])
         cum = flat.new_empty(flat.shape[0], d.chunk_cumsum.shape[-1])
-        tile = self.tile_positions(d.shifted, 9)  # e, one float32 and one bool temporary
+        tile = self.tile_positions(d.shifted, self.kernels.restrict_bytes)
         for a in range(0, flat.shape[0], tile):
             k, p, lowest = (x[a : a + tile] for x in per_position)
-            e = flat[a : a + tile].exp()
+            e = self.kernels.weights(flat[a : a + tile])
             t = torch.maximum(lowest, torch.where(k > 0, self._kth_largest(e, k), 0.0))
-            kept_total = self._global_sum(torch.where(e >= t.unsqueeze(-1), e, 0.0).sum(-1))
+            kept_total = self._global_sum(self.kernels.mass_above(e, None, t))
             t = torch.where(p < 1, torch.maximum(t, self._top_p_threshold(e, t, p * kept_total)), t)
             threshold[a : a + tile] = t
-            cum[a : a + tile] = per_chunk(torch.where(e >= t.unsqueeze(-1), e, 0.0), torch.sum).cumsum(-1)
+            cum[a : a + tile] = self.kernels.kept_cumsum(e, t)
             del e  # before the next tile's exp
         lead = d.shifted.shape[:-1]
         cum = cum.view(*lead, -1)
         local_sum, bounds = cum[..., -1], None
         if self.sharded:
-            sums = self.group.all_gather(local_sum)
-            bounds = torch.cat((torch.zeros_like(sums[:1]), sums.cumsum(0)))
+            bounds = rank_bounds(self.group.all_gather(local_sum))
         return Draw(threshold.view(lead), cum, bounds, local_sum if bounds is None else bounds[-1])
 
     def _global_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +273,7 @@ class VocabParallel:
         hi = torch.full_like(lo, _ONE_BITS + 1)  # count(e >= just above 1) is nothing
         for _ in range(_BISECTIONS):
             mid = (lo + hi) // 2
-            count = self._global_sum((e >= mid.view(torch.float32).unsqueeze(-1)).sum(-1, dtype=torch.float32))
+            count = self._global_sum(self.kernels.count_at_least(e, mid.view(torch.float32)))
             ok = count >= k  # counts are exact integers in float32 (vocabularies under 2^24)
             lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
         return lo.view(torch.float32)
@@ -218,10 +283,9 @@ class VocabParallel:
         weight of the kept tokens more likely than it is below top_p of their total (vLLM's rule)."""
         lo = torch.full((e.shape[0],), -1, dtype=torch.int32, device=e.device)  # never evaluated
         hi = torch.full_like(lo, _ONE_BITS)  # nothing lies above 1
-        kept = torch.where(e >= floor.unsqueeze(-1), e, 0.0)
         for _ in range(_BISECTIONS):
             mid = (lo + hi) // 2
-            above = self._global_sum(torch.where(e > mid.view(torch.float32).unsqueeze(-1), kept, 0.0).sum(-1))
+            above = self._global_sum(self.kernels.mass_above(e, mid.view(torch.float32), floor))
             ok = above < mass
             lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
         return hi.view(torch.float32)
@@ -237,17 +301,17 @@ class VocabParallel:
         positions = None if rows is None else (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
         n = flat.shape[0] if positions is None else positions.shape[0]
         kept, d.probs = d.probs, None  # the buffer is overwritten below
-        buffer = kept if kept is not None else flat.new_empty(min(tile, n), flat.shape[1])  # one for every tile
+        # one buffer for every tile
+        buffer = kept if kept is not None else flat.new_empty(min(tile, n), flat.shape[1],
+                                                              dtype=self.kernels.probs_dtype(dtype))
         out = []
         for a in range(0, n, tile):
-            if positions is None:  # contiguous tiles: no gathered copy
-                tile_total = total[a : a + tile]
-                # The first tile's exp is in the buffer already (exp_statistics ran it last): the same bits.
-                probs = buffer if a == 0 and kept is not None else torch.exp(flat[a : a + tile], out=buffer[: min(tile, n - a)])
+            index = None if positions is None else positions[a : a + tile]  # None: contiguous, no gathered copy
+            tile_total = total[a : a + tile] if index is None else total.index_select(0, index)
+            if index is None and a == 0 and kept is not None:
+                probs = kept  # the first tile's exp, in the buffer already (exp_statistics ran it last): the same bits
             else:
-                index = positions[a : a + tile]
-                tile_total = total.index_select(0, index)
-                probs = torch.index_select(flat, 0, index, out=buffer[: index.shape[0]]).exp_()
+                probs = self.kernels.exp_rows(flat, a, index, buffer[: tile_total.shape[0]])
             out.append(embed(probs, tile_total))
         return torch.cat(out).view(canvases if rows is None else rows.shape[0], cl, -1)
 
@@ -255,9 +319,8 @@ class VocabParallel:
         """[...] the log-probability of token `ids` [...] (global ids): each rank reads the ids its
         shard holds, and one all-reduce of [...] values adds them up."""
         local, owned = self.shard.to_local(ids)
-        value = d.shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        value = self.kernels.gather(d.shifted, local, owned if self.sharded else None)
         if self.sharded:
-            value = torch.where(owned, value, 0.0)
             self.group.all_reduce(value)
         return value - d.log_total
 
@@ -276,12 +339,24 @@ class VocabParallel:
         return value - d.log_total[rows].unsqueeze(-1), ids
 
 
+def rank_bounds(sums: torch.Tensor) -> torch.Tensor:
+    """[ranks + 1, ...] the sums [ranks, ...] of the ranks before each, added in rank order one rank
+    at a time (a Python loop over the ranks: no float cumsum, which CUDA runs nondeterministically),
+    in float64 as the CPU's cumsum accumulates float32: the same bits."""
+    total = torch.zeros_like(sums[0], dtype=torch.float64)
+    bounds = [total.to(sums.dtype)]
+    for s in sums.unbind(0):
+        total = total + s
+        bounds.append(total.to(sums.dtype))
+    return torch.stack(bounds)
+
+
 def per_chunk(x: torch.Tensor, reduce) -> torch.Tensor:
     """[..., chunks] `reduce` (torch.amax, torch.sum) of [..., V] over chunks of the vocabulary;
     the last chunk may be short."""
     v = x.shape[-1]
-    full = v // _CHUNK * _CHUNK
-    out = reduce(x[..., :full].unflatten(-1, (full // _CHUNK, _CHUNK)), -1)
+    full = v // CHUNK * CHUNK
+    out = reduce(x[..., :full].unflatten(-1, (full // CHUNK, CHUNK)), -1)
     if full < v:
         out = torch.cat((out, reduce(x[..., full:], -1, keepdim=True)), dim=-1)
     return out
@@ -293,7 +368,7 @@ def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int) -> tuple[torch.T
     last tile first, so e exists for one tile only."""
     y = x.sub_(m)
     rows, lead = y.reshape(-1, y.shape[-1]), y.shape[:-1]
-    chunks = -(-y.shape[-1] // _CHUNK)
+    chunks = -(-y.shape[-1] // CHUNK)
     cum = y.new_empty(rows.shape[0], chunks)
     dot = y.new_empty(rows.shape[0])
     # One buffer for every tile: a heap that keeps freed memory (worker/cpu_heap.py) can split a
@@ -321,9 +396,9 @@ def first_argmax(x: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
     reduction over the whole vocabulary on CPU."""
     v = x.shape[-1]
     chunk = chunk_max.argmax(dim=-1, keepdim=True)
-    offsets = chunk * _CHUNK + torch.arange(_CHUNK, device=x.device)
+    offsets = chunk * CHUNK + torch.arange(CHUNK, device=x.device)
     values = x.gather(-1, offsets.clamp(max=v - 1)).masked_fill(offsets >= v, float("-inf"))
-    return (chunk * _CHUNK).squeeze(-1) + values.argmax(dim=-1)
+    return (chunk * CHUNK).squeeze(-1) + values.argmax(dim=-1)
 
 
 def inverse_cdf(log_weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor,
@@ -341,11 +416,11 @@ def inverse_cdf(log_weights: torch.Tensor, cum: torch.Tensor, target: torch.Tens
     target = torch.minimum(target.unsqueeze(-1), mass.nextafter(torch.zeros_like(mass)))
     chunk = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[-1] - 1)
     before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
-    inside = chunk * _CHUNK + torch.arange(_CHUNK, device=log_weights.device)
+    inside = chunk * CHUNK + torch.arange(CHUNK, device=log_weights.device)
     values = log_weights.gather(-1, inside.clamp(max=v - 1)).exp_() * (inside < v)
     if threshold is not None:
         values = torch.where(values >= threshold.unsqueeze(-1), values, 0.0)
     pos = torch.searchsorted(values.cumsum(-1), target - before, right=True)
     # ...but the scan sums it in another order, which can run past its last index with weight.
-    last = torch.where(values > 0, torch.arange(_CHUNK, device=log_weights.device), 0).amax(-1, keepdim=True)
-    return (chunk * _CHUNK + torch.minimum(pos, last)).squeeze(-1)
+    last = torch.where(values > 0, torch.arange(CHUNK, device=log_weights.device), 0).amax(-1, keepdim=True)
+    return (chunk * CHUNK + torch.minimum(pos, last)).squeeze(-1)
