@@ -49,6 +49,9 @@ class TritonKernels(ReferenceKernels):
 
     name = "triton"
     restrict_bytes = 0  # no temporary of the vocabulary's width: one tile of every position
+    # Each pass over the logits counts (or adds) at 16 thresholds at once: 8 passes narrow the
+    # float32 bits of a threshold (17^8 > 2^30) where bisection takes 31.
+    search_ways, search_steps = 17, 8
 
     def __init__(self):
         from blockdiff.ops import triton_sampler  # triton imported only where this backend is chosen
@@ -82,8 +85,9 @@ class TritonKernels(ReferenceKernels):
         return self.ops.count_at_least(w, t.contiguous())
 
     def mass_above(self, w: torch.Tensor, t: torch.Tensor | None, floor: torch.Tensor) -> torch.Tensor:
-        above = torch.full_like(floor, -1.0) if t is None else t  # every weight is > -1
-        return self.ops.mass_above(w, above.contiguous(), floor.contiguous())
+        if t is None:  # every weight is > -1
+            return self.ops.mass_above(w, torch.full_like(floor, -1.0).unsqueeze(-1), floor.contiguous()).squeeze(-1)
+        return self.ops.mass_above(w, t.contiguous(), floor.contiguous())
 
     def kept_cumsum(self, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.ops.kept_cumsum(w, t.contiguous(), CHUNK)

@@ -92,6 +92,7 @@ class ReferenceKernels:
 
     name = "reference"
     restrict_bytes = 9  # per value of a restricted tile: its weights, a float32 and a bool temporary
+    search_ways, search_steps = 2, _BISECTIONS  # bisection: one threshold per pass over a tile
 
     def chunk_max(self, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
         """[..., chunks] maxima per chunk of x, its `padding` columns first set to -1e30 in place."""
@@ -113,13 +114,14 @@ class ReferenceKernels:
         return y.exp()
 
     def count_at_least(self, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """[positions] float32 count of weights >= t [positions]."""
-        return (w >= t.unsqueeze(-1)).sum(-1, dtype=torch.float32)
+        """[positions, thresholds] float32 count of the weights >= each threshold t [positions, thresholds]."""
+        return (w.unsqueeze(1) >= t.unsqueeze(-1)).sum(-1, dtype=torch.float32)
 
     def mass_above(self, w: torch.Tensor, t: torch.Tensor | None, floor: torch.Tensor) -> torch.Tensor:
-        """[positions] Σ of the weights > t (None: all) and >= floor."""
+        """[positions, thresholds] Σ of the weights > each t [positions, thresholds] and >= floor
+        [positions]; t None: [positions] Σ of the weights >= floor."""
         kept = torch.where(w >= floor.unsqueeze(-1), w, 0.0)
-        return (kept if t is None else torch.where(w > t.unsqueeze(-1), kept, 0.0)).sum(-1)
+        return kept.sum(-1) if t is None else torch.where(w.unsqueeze(1) > t.unsqueeze(-1), kept.unsqueeze(1), 0.0).sum(-1)
 
     def kept_cumsum(self, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """[positions, chunks] the cumulative chunk sums of the weights >= t."""
@@ -266,16 +268,28 @@ class VocabParallel:
         """x summed over the ranks in rank order: the same bits on every rank."""
         return self.group.all_gather(x).sum(0) if self.sharded else x
 
+    def _search(self, e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ok_below: bool, value) -> tuple[torch.Tensor, torch.Tensor]:
+        """Narrow [lo, hi) (float32 bits, [positions]) around the point where ok = value(e, t)
+        changes, `ways - 1` thresholds a pass (the backend's `search_ways`, `search_steps`): ok holds
+        below it (`ok_below`) or above it. The answer is the one exact float, whatever the ways."""
+        ways, steps = self.kernels.search_ways, self.kernels.search_steps
+        parts = torch.arange(1, ways, device=e.device)
+        lo, hi = lo.long(), hi.long()
+        for _ in range(steps):
+            mids = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * parts // ways
+            ok = value(mids.to(torch.int32).view(torch.float32))
+            below, above = (ok, ok.logical_not()) if ok_below else (ok.logical_not(), ok)
+            lo = torch.where(below, mids, lo.unsqueeze(-1)).amax(-1)
+            hi = torch.where(above, mids, hi.unsqueeze(-1)).amin(-1)
+        return lo.to(torch.int32), hi.to(torch.int32)
+
     def _kth_largest(self, e: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """[positions] the k-th largest weight over the whole vocabulary: the largest t with
         count(e >= t) >= k (0 when k exceeds the vocabulary)."""
         lo = torch.zeros(e.shape[0], dtype=torch.int32, device=e.device)  # count(e >= 0) is everything
         hi = torch.full_like(lo, _ONE_BITS + 1)  # count(e >= just above 1) is nothing
-        for _ in range(_BISECTIONS):
-            mid = (lo + hi) // 2
-            count = self._global_sum(self.kernels.count_at_least(e, mid.view(torch.float32)))
-            ok = count >= k  # counts are exact integers in float32 (vocabularies under 2^24)
-            lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+        # counts are exact integers in float32 (vocabularies under 2^24)
+        lo, _ = self._search(e, lo, hi, True, lambda t: self._global_sum(self.kernels.count_at_least(e, t)) >= k.unsqueeze(-1))
         return lo.view(torch.float32)
 
     def _top_p_threshold(self, e: torch.Tensor, floor: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -283,11 +297,8 @@ class VocabParallel:
         weight of the kept tokens more likely than it is below top_p of their total (vLLM's rule)."""
         lo = torch.full((e.shape[0],), -1, dtype=torch.int32, device=e.device)  # never evaluated
         hi = torch.full_like(lo, _ONE_BITS)  # nothing lies above 1
-        for _ in range(_BISECTIONS):
-            mid = (lo + hi) // 2
-            above = self._global_sum(self.kernels.mass_above(e, mid.view(torch.float32), floor))
-            ok = above < mass
-            lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
+        _, hi = self._search(e, lo, hi, False,
+                             lambda t: self._global_sum(self.kernels.mass_above(e, t, floor)) < mass.unsqueeze(-1))
         return hi.view(torch.float32)
 
     def soft_embed(self, d: Distribution, rows: torch.Tensor | None, embed, dtype: torch.dtype) -> torch.Tensor:

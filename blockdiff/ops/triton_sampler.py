@@ -19,6 +19,7 @@ import triton.language as tl
 
 _CHUNKS = 8  # chunks per tile: a tile is 8 x 128 columns
 _BLOCK = 1024  # columns per tile of the kernels that do not work by chunk
+_SEARCH_BLOCK = 256  # columns per tile of the searches, which compare each against 16 thresholds
 _PADDED = -1e30  # what a padding column becomes: finite, so exp gives 0 and 0 * it stays 0
 
 
@@ -109,28 +110,31 @@ def _inverse_cdf_kernel(y_ptr, cum_ptr, target_ptr, threshold_ptr, out_ptr, V, C
 
 
 @triton.jit
-def _count_at_least_kernel(y_ptr, t_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _count_at_least_kernel(y_ptr, t_ptr, out_ptr, V, K, KP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    t = tl.load(t_ptr + row)
-    count = tl.zeros((), dtype=tl.float32)
-    for first in range(0, V, BLOCK):
-        cols = first + tl.arange(0, BLOCK)
-        y = tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=-float("inf"))
-        count += tl.sum((tl.exp(y) >= t).to(tl.float32), axis=0)
-    tl.store(out_ptr + row, count)
-
-
-@triton.jit
-def _mass_above_kernel(y_ptr, t_ptr, floor_ptr, out_ptr, V, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    t = tl.load(t_ptr + row)
-    floor = tl.load(floor_ptr + row)
-    mass = tl.zeros((), dtype=tl.float32)
+    ks = tl.arange(0, KP)
+    t = tl.load(t_ptr + row * K + ks, mask=ks < K, other=float("inf"))
+    count = tl.zeros((KP,), dtype=tl.float32)
     for first in range(0, V, BLOCK):
         cols = first + tl.arange(0, BLOCK)
         e = tl.exp(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=-float("inf")))
-        mass += tl.sum(tl.where((e > t) & (e >= floor), e, 0.0), axis=0)
-    tl.store(out_ptr + row, mass)
+        count += tl.sum((e[None, :] >= t[:, None]).to(tl.float32), axis=1)
+    tl.store(out_ptr + row * K + ks, count, mask=ks < K)
+
+
+@triton.jit
+def _mass_above_kernel(y_ptr, t_ptr, floor_ptr, out_ptr, V, K, KP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    ks = tl.arange(0, KP)
+    t = tl.load(t_ptr + row * K + ks, mask=ks < K, other=float("inf"))
+    floor = tl.load(floor_ptr + row)
+    mass = tl.zeros((KP,), dtype=tl.float32)
+    for first in range(0, V, BLOCK):
+        cols = first + tl.arange(0, BLOCK)
+        e = tl.exp(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=-float("inf")))
+        kept = tl.where(e >= floor, e, 0.0)
+        mass += tl.sum(tl.where(e[None, :] > t[:, None], kept[None, :], 0.0), axis=1)
+    tl.store(out_ptr + row * K + ks, mass, mask=ks < K)
 
 
 @triton.jit
@@ -247,28 +251,32 @@ def _(y, cum, target, threshold, chunk):
 
 @torch.library.custom_op("blockdiff::sampler_count_at_least", mutates_args=())
 def count_at_least(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """[rows] float32 how many weights exp(y) of each row reach t [rows]."""
-    out = y.new_empty(y.shape[0])
-    _count_at_least_kernel[(y.shape[0],)](y, t, out, y.shape[1], BLOCK=_BLOCK)
+    """[rows, thresholds] float32 how many weights exp(y) of each row reach each t [rows, thresholds]:
+    one read of the row for all its thresholds."""
+    out = torch.empty_like(t)
+    k = t.shape[1]
+    _count_at_least_kernel[(y.shape[0],)](y, t, out, y.shape[1], k, KP=triton.next_power_of_2(k), BLOCK=_SEARCH_BLOCK)
     return out
 
 
 @count_at_least.register_fake
 def _(y, t):
-    return y.new_empty(y.shape[0])
+    return torch.empty_like(t)
 
 
 @torch.library.custom_op("blockdiff::sampler_mass_above", mutates_args=())
 def mass_above(y: torch.Tensor, t: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """[rows] Σ of the weights e = exp(y) with e > t and e >= floor (both [rows])."""
-    out = y.new_empty(y.shape[0])
-    _mass_above_kernel[(y.shape[0],)](y, t, floor, out, y.shape[1], BLOCK=_BLOCK)
+    """[rows, thresholds] Σ of the weights e = exp(y) with e > t (each of t [rows, thresholds]) and
+    e >= floor [rows]."""
+    out = torch.empty_like(t)
+    k = t.shape[1]
+    _mass_above_kernel[(y.shape[0],)](y, t, floor, out, y.shape[1], k, KP=triton.next_power_of_2(k), BLOCK=_SEARCH_BLOCK)
     return out
 
 
 @mass_above.register_fake
 def _(y, t, floor):
-    return y.new_empty(y.shape[0])
+    return torch.empty_like(t)
 
 
 @torch.library.custom_op("blockdiff::sampler_kept_cumsum", mutates_args=())
