@@ -40,7 +40,7 @@ def choose_sampler_backend(device: torch.device | str, requested: str = "auto") 
 
 def sampler_kernels(name: str) -> ReferenceKernels:
     """The backend `name` (choose_sampler_backend's answer)."""
-    return TritonKernels() if name == "triton" else ReferenceKernels()
+    return {"reference": ReferenceKernels, "triton": TritonKernels}[name]()
 
 
 class TritonKernels(ReferenceKernels):
@@ -61,7 +61,8 @@ class TritonKernels(ReferenceKernels):
     def chunk_max(self, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
         return self.ops.chunk_max(x.view(-1, x.shape[-1]), padding, CHUNK).view(*x.shape[:-1], -1)
 
-    def exp_statistics(self, x: torch.Tensor, m: torch.Tensor, tile: int):
+    def exp_statistics(self, x: torch.Tensor, m: torch.Tensor,
+                       tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         """No tile: the kernel keeps nothing beside the logits, and no exp for the product."""
         lead = x.shape[:-1]
         cum, dot = self.ops.exp_statistics(x.view(-1, x.shape[-1]), m.reshape(-1), CHUNK)

@@ -100,7 +100,10 @@ class ReferenceKernels:
             x.masked_fill_(padding, -1e30)  # finite: exp gives 0 and 0 * x stays 0
         return per_chunk(x, torch.amax)
 
-    def exp_statistics(self, x: torch.Tensor, m: torch.Tensor, tile: int):
+    def exp_statistics(self, x: torch.Tensor, m: torch.Tensor,
+                       tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(x shifted in place by m, cumulative chunk sums of its exp, Σexp·y, exp of the first
+        positions kept for the self-conditioning product or None): `exp_statistics` below."""
         return exp_statistics(x, m, tile)
 
     def first_argmax(self, y: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
@@ -152,7 +155,7 @@ class VocabParallel:
     """The vocabulary layout of this rank and the collectives over it."""
 
     def __init__(self, shard: VocabShard, group: TPGroup, device: torch.device | str = "cpu",
-                 workspace_bytes: int | None = None, kernels=None):
+                 workspace_bytes: int | None = None, kernels: ReferenceKernels | None = None):
         """kernels: the passes over the shard's logits (sampler_kernels.sampler_kernels); None: the
         reference."""
         self.kernels = kernels or ReferenceKernels()
