@@ -85,10 +85,14 @@ class TritonKernels(ReferenceKernels):
     def count_at_least(self, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.ops.count_at_least(w, t.contiguous())
 
-    def mass_above(self, w: torch.Tensor, t: torch.Tensor | None, floor: torch.Tensor) -> torch.Tensor:
+    def at_least(self, w: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return w, floor.contiguous()  # the kernel applies the floor as it reads
+
+    def mass_above(self, kept: tuple[torch.Tensor, torch.Tensor], t: torch.Tensor | None) -> torch.Tensor:
+        y, floor = kept
         if t is None:  # every weight is > -1
-            return self.ops.mass_above(w, torch.full_like(floor, -1.0).unsqueeze(-1), floor.contiguous()).squeeze(-1)
-        return self.ops.mass_above(w, t.contiguous(), floor.contiguous())
+            return self.ops.mass_above(y, torch.full_like(floor, -1.0).unsqueeze(-1), floor).squeeze(-1)
+        return self.ops.mass_above(y, t.contiguous(), floor)
 
     def kept_cumsum(self, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.ops.kept_cumsum(w, t.contiguous(), CHUNK)

@@ -120,11 +120,14 @@ class ReferenceKernels:
         """[positions, thresholds] float32 count of the weights >= each threshold t [positions, thresholds]."""
         return (w.unsqueeze(1) >= t.unsqueeze(-1)).sum(-1, dtype=torch.float32)
 
-    def mass_above(self, w: torch.Tensor, t: torch.Tensor | None, floor: torch.Tensor) -> torch.Tensor:
-        """[positions, thresholds] Σ of the weights > each t [positions, thresholds] and >= floor
-        [positions]; t None: [positions] Σ of the weights >= floor."""
-        kept = torch.where(w >= floor.unsqueeze(-1), w, 0.0)
-        return kept.sum(-1) if t is None else torch.where(w.unsqueeze(1) > t.unsqueeze(-1), kept.unsqueeze(1), 0.0).sum(-1)
+    def at_least(self, w: torch.Tensor, floor: torch.Tensor):
+        """The weights >= floor [positions] (the others 0), which `mass_above` adds up."""
+        return torch.where(w >= floor.unsqueeze(-1), w, 0.0)
+
+    def mass_above(self, kept, t: torch.Tensor | None) -> torch.Tensor:
+        """[positions, thresholds] Σ of the `at_least` weights > each t [positions, thresholds]
+        (thresholds >= 0, where a weight cut to 0 is never above); t None: [positions] Σ of them all."""
+        return kept.sum(-1) if t is None else torch.where(kept.unsqueeze(1) > t.unsqueeze(-1), kept.unsqueeze(1), 0.0).sum(-1)
 
     def kept_cumsum(self, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """[positions, chunks] the cumulative chunk sums of the weights >= t."""
@@ -255,7 +258,7 @@ class VocabParallel:
             k, p, lowest = (x[a : a + tile] for x in per_position)
             e = self.kernels.weights(flat[a : a + tile])
             t = torch.maximum(lowest, torch.where(k > 0, self._kth_largest(e, k), 0.0))
-            kept_total = self._global_sum(self.kernels.mass_above(e, None, t))
+            kept_total = self._global_sum(self.kernels.mass_above(self.kernels.at_least(e, t), None))
             t = torch.where(p < 1, torch.maximum(t, self._top_p_threshold(e, t, p * kept_total)), t)
             threshold[a : a + tile] = t
             cum[a : a + tile] = self.kernels.kept_cumsum(e, t)
@@ -300,8 +303,9 @@ class VocabParallel:
         weight of the kept tokens more likely than it is below top_p of their total (vLLM's rule)."""
         lo = torch.full((e.shape[0],), -1, dtype=torch.int32, device=e.device)  # never evaluated
         hi = torch.full_like(lo, _ONE_BITS)  # nothing lies above 1
+        kept = self.kernels.at_least(e, floor)
         _, hi = self._search(e, lo, hi, False,
-                             lambda t: self._global_sum(self.kernels.mass_above(e, t, floor)) < mass.unsqueeze(-1))
+                             lambda t: self._global_sum(self.kernels.mass_above(kept, t)) < mass.unsqueeze(-1))
         return hi.view(torch.float32)
 
     def soft_embed(self, d: Distribution, rows: torch.Tensor | None, embed, dtype: torch.dtype) -> torch.Tensor:
