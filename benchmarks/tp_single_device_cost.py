@@ -119,8 +119,7 @@ class PlainSampler(VocabParallel):
     def distribution(self, x: torch.Tensor) -> Distribution:
         chunk_max = per_chunk(x, torch.amax)
         m = chunk_max.amax(dim=-1, keepdim=True)
-        keep = self.tile_positions(x, 8) >= x[..., 0].numel()  # e kept for soft_embed where it fits, as ours
-        y, cum, dot, probs = exp_statistics(x, m, self.tile_positions(x, 4), keep)
+        y, cum, dot, probs = exp_statistics(x, m, self.exp_tile(x))  # the first tile's e kept, as ours
         total = cum[..., -1]
         return Distribution(y, chunk_max.sub_(m), cum, None, total, total.log() - dot / total, probs)
 

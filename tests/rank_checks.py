@@ -156,3 +156,30 @@ def compile_steps_with(ctx: RankContext, backend: str) -> None:
 def compiled_graphs(ctx: RankContext) -> list[int]:
     """Per graph compiled on this rank, the functional collectives in it."""
     return ctx.state["graphs"]
+
+
+def backend_step(ctx: RankContext, logits: torch.Tensor, weight: torch.Tensor, params, backend: str, added: int = 0,
+                 mask_padding: bool = True) -> dict:
+    """One entropy-bound denoising step of full-vocabulary `logits` [canvases, CL, V] (the last
+    `added` ids an added vocabulary) from this rank's shard, through the sampler backend `backend`,
+    with its self-conditioning product over `weight` [V, hidden] and the drawn tokens' logprobs.
+    The shard's padding columns hold a logit above every real one, so a sampler that does not mask
+    them (`mask_padding` False: the mask broken on purpose) draws and weighs them."""
+    from blockdiff.diffusion.entropy_bound import denoise_step
+    from blockdiff.diffusion.sampler_kernels import sampler_kernels
+
+    shard = VocabShard.make(ctx.rank, ctx.size, logits.shape[-1] - added, added)
+    vocab = VocabParallel(shard, ctx.group, kernels=sampler_kernels(backend))
+    x = local_columns(shard, logits)
+    x[..., ~shard.valid_rows()] = logits.max() + 10
+    if not mask_padding:
+        vocab.padding = None
+    canvases, cl = logits.shape[:2]
+    res = denoise_step(x, torch.full((canvases, cl), -1), torch.zeros(canvases, dtype=torch.long), params, vocab)
+
+    def embed(probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        return soft_embedding(probs.float(), local_rows(shard, weight), (1.0 / total).unsqueeze(-1), shard, ctx.group)
+
+    return {"argmax": res.argmax, "canvas": res.canvas, "accepted": res.accepted, "entropy": res.entropy,
+            "total": res.dist.total, "logprob": vocab.token_logprob(res.dist, res.canvas),
+            "soft": vocab.soft_embed(res.dist, None, embed, torch.float32)}

@@ -22,7 +22,7 @@ import torch
 
 from blockdiff.diffusion import randoms
 from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, start
-from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
+from blockdiff.diffusion.vocab_parallel import Distribution, ReferenceKernels, VocabParallel
 from blockdiff.sampling_params import (FIELDS_BY_NAME, MAX_TEMPERATURE, MIN_TEMPERATURE, SAMPLER_FIELDS, InvalidParam,
                                        SamplingParams, within)
 
@@ -86,11 +86,13 @@ def min_temperature(t_min: float, t_max: float, steps: int) -> float:
     return float(f(t_min) + (f(t_max) - f(t_min)) * (f(1) / f(steps)))
 
 
-def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """Accept the longest lowest-entropy prefix with Σentropy - max entropy <= bound."""
+def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor, kernels: ReferenceKernels | None = None) -> torch.Tensor:
+    """Accept the longest lowest-entropy prefix with Σentropy - max entropy <= bound; `kernels`: the
+    sampler backend whose running sum adds the entropies (None: the reference)."""
     sorted_entropy, order = torch.sort(entropy, dim=-1)
-    keep = (torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy) <= bound.unsqueeze(-1)
-    return torch.zeros_like(keep).scatter(-1, order, keep)
+    keep = ((kernels or ReferenceKernels()).cumsum(sorted_entropy) - sorted_entropy) <= bound.unsqueeze(-1)
+    # back to position order through the inverse permutation: a gather, not a scatter
+    return keep.gather(-1, torch.sort(order, dim=-1).indices)
 
 
 def denoise_step(
@@ -109,7 +111,7 @@ def denoise_step(
     # candidates and stop the canvas, and the self-conditioning input keep the full distribution.
     draw = vocab.restricted_draw(dist, params.top_k, params.top_p, params.min_p) if params.restrict else None
     argmax, candidates = vocab.argmax_and_sample(dist, uniform, draw)
-    accepted = entropy_bound_accept(dist.entropy, params.entropy_bound)
+    accepted = entropy_bound_accept(dist.entropy, params.entropy_bound, vocab.kernels)
     canvas = torch.where(accepted, candidates, renoise)
     same = (argmax == last_argmax).all(dim=-1)
     run = torch.where(same, run + 1, torch.zeros_like(run))

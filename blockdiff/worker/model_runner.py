@@ -20,6 +20,7 @@ import torch
 
 from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
 from blockdiff.diffusion.strategy import DiffusionSampler
+from blockdiff.diffusion.sampler_kernels import choose_sampler_backend, sampler_kernels
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.kernels import step_modes, target
 from blockdiff.model.attention import Row, build_metadata
@@ -59,7 +60,9 @@ class ModelRunner:
         self.geometry = replace(geometry(model, cache), backend=backend)
         self.kinds = layer_kinds(model)
         self.tables = BlockTables(cache, self.kinds, self.device)
-        self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device))
+        kernels = sampler_kernels(choose_sampler_backend(self.device))
+        self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device),
+                                   kernels)
         self.canvas_length = model.config.canvas_length
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
                                        self.device)
