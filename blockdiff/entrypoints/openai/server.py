@@ -21,6 +21,9 @@ from blockdiff import __version__
 from blockdiff.chat_parts import MediaPolicy
 from blockdiff.config import EngineConfig
 from blockdiff.engine.client import EngineClient
+from blockdiff.entrypoints.anthropic.errors import AnthropicErrors
+from blockdiff.entrypoints.anthropic.protocol import CountTokensResponse, messages_request_types
+from blockdiff.entrypoints.anthropic.serving import AnthropicServingMessages
 from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, BodyAdmission, connection_limit, guarded_protocol
@@ -90,19 +93,26 @@ _OPEN_PATHS = frozenset({"/health", "/ping", *playground.PUBLIC_PATHS})
 
 
 class RequireAPIKey(_Middleware):
-    """Bearer-token check on every path but /health and /ping (which probes call without credentials)
+    """API key check on every path but /health and /ping (which probes call without credentials)
     and the playground's page and files (which hold nothing of the server's; the page sends the key):
-    /metrics, /docs and /openapi.json describe the server and need the key too. Two Authorization
-    headers are a 400, not "the last one wins"."""
+    /metrics, /docs and /openapi.json describe the server and need the key too. The key comes as a
+    Bearer token (OpenAI's clients) or in x-api-key (Anthropic's); either one right lets the request
+    in. Two of the same header are a 400, not "the last one wins"."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = [value for name, value in scope["headers"] if name == b"authorization"]
-            if len(given) > 1:
-                return await self.reject(send, 400, "more than one Authorization header", code="invalid_api_key")
-            if not hmac.compare_digest(given[0] if given else b"", b"Bearer " + self.key.encode()):
-                return await self.reject(send, 401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                                         code="invalid_api_key")
+            bearer = [value for name, value in scope["headers"] if name == b"authorization"]
+            keys = [value for name, value in scope["headers"] if name == b"x-api-key"]
+            if len(bearer) > 1 or len(keys) > 1:
+                header = "Authorization" if len(bearer) > 1 else "x-api-key"
+                return await self.reject(send, 400, f"more than one {header} header", code="invalid_api_key")
+            key = self.key.encode()
+            # Both compared, always: how long the check takes says nothing about which one was close.
+            right = [hmac.compare_digest(bearer[0] if bearer else b"", b"Bearer " + key),
+                     hmac.compare_digest(keys[0] if keys else b"", key)]
+            if not any(right):
+                return await self.reject(send, 401, "missing or wrong API key (send Authorization: Bearer <key>, or "
+                                                    "x-api-key: <key>)", code="invalid_api_key")
         await self.app(scope, receive, send)
 
 
@@ -140,8 +150,11 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     CompletionRequest, ChatCompletionRequest = request_types(engine.sampler.fields)
     ResponsesRequest = responses_request_type(engine.sampler.fields)
     responses = OpenAIServingResponses(chat_serving, ChatCompletionRequest)
+    MessagesRequest, CountTokensRequest = messages_request_types(engine.sampler.fields)
+    messages = AnthropicServingMessages(chat_serving, ChatCompletionRequest)
     app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics),
-               bodies=(CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest))
+               bodies=(CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest,
+                       TokenizeRequest, DetokenizeRequest))
     app.state.engine = engine
     app.state.metrics = metrics
     errors.install(app)
@@ -196,6 +209,15 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     async def delete_response(response_id: str) -> DeletedResponse:
         return responses.delete(response_id)
 
+    @app.post("/v1/messages", openapi_extra=_body_schema(MessagesRequest))
+    async def create_message(request: Request) -> Response:
+        return await messages.create(await parse(await request.body(), MessagesRequest, client_of(request)), request)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_body_schema(CountTokensRequest))
+    async def count_tokens(request: Request) -> CountTokensResponse:
+        return await messages.count_tokens(await parse(await request.body(), CountTokensRequest, client_of(request)),
+                                           request)
+
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> TokenizeResponse:
         client = client_of(request)
@@ -215,6 +237,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
                        total=max(1, max_connections // 2), on_refused=metrics.refused)
     if cfg.api_key:
         app.add_middleware(RequireAPIKey, key=cfg.api_key)
+    app.add_middleware(AnthropicErrors)  # outside the others: their refusals on /v1/messages get its shape too
     return app
 
 
