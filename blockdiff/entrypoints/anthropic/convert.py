@@ -22,12 +22,15 @@ from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.outputs import RequestOutput
 
 # The chat request's names of the fields whose errors a Messages request knows by other names.
-_MESSAGES_NAMES = {"stop": "stop_sequences", "reasoning_effort": "thinking", "prompt": "messages"}
+_MESSAGES_NAMES = {"stop": "stop_sequences", "reasoning_effort": "thinking", "prompt": "messages",
+                   "response_format": "output_config.format"}
 # Fields a Messages request passes to its chat request as they are.
 _CHAT_FIELDS = ("model", "stream", "max_tokens", "temperature", "top_p", "top_k")
-# The chat template's effort for `thinking` on: any effort but "none" and "minimal" turns a template's
-# switch on; a template that reads the effort itself gets OpenAI's default.
+# The chat template's effort for `thinking` on without `output_config.effort`: any effort but "none"
+# and "minimal" turns a template's switch on; a template that reads the effort itself gets OpenAI's
+# default. Anthropic's "max" is the chat API's highest.
 _THINKING_EFFORT = "medium"
+_EFFORTS = {"max": "xhigh"}
 
 
 @contextmanager
@@ -64,14 +67,29 @@ def chat_request(req: a.CountTokensRequest, chat_type: type[p.ChatCompletionRequ
                          for t in req.tools]
     if req.tool_choice is not None:
         body.update(_tool_choice(req.tool_choice))
-    if req.thinking is not None:
-        body["reasoning_effort"] = "none" if req.thinking.type == "disabled" else _THINKING_EFFORT
+    effort = _effort(req)
+    if effort is not None:
+        body["reasoning_effort"] = effort
+    output_format = req.output_config.format if req.output_config is not None else None
+    if output_format is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "response", "schema": output_format.schema_}}
     try:
         return chat_type.model_validate(body)
     except ValidationError as e:  # the request was valid; what it adds up to may not be
         error = e.errors(include_url=False)[0]
         where = ".".join(str(x) for x in error["loc"])
         raise APIError(400, f"messages, as chat messages: {where}: {error['msg']}", param="messages") from None
+
+
+def _effort(req: a.CountTokensRequest) -> str | None:
+    """The chat request's reasoning_effort, which sets the chat template's thinking switch: `thinking`
+    disabled is "none"; else `output_config.effort`, or with `thinking` on and no effort the default."""
+    if req.thinking is not None and req.thinking.type == "disabled":
+        return "none"
+    effort = req.output_config.effort if req.output_config is not None else None
+    if effort is not None:
+        return _EFFORTS.get(effort, effort)
+    return _THINKING_EFFORT if req.thinking is not None else None
 
 
 def _tool_choice(choice: a.ToolChoice) -> dict:

@@ -106,6 +106,17 @@ class ThinkingConfig(p._Request):
     budget_tokens: int | None = None  # accepted; thinking has no budget of its own here
 
 
+class JsonOutputFormat(p._Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+class OutputConfig(p._Request):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
+
+
 class Metadata(p._Request):
     user_id: str | None = None
 
@@ -120,6 +131,7 @@ class CountTokensRequest(r._SamplerExtensions):
     tools: Annotated[list[Tool], Field(max_length=p.MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
