@@ -7,6 +7,7 @@ The SDK sends no temperature of its own any more: it goes in the extra body.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
@@ -17,8 +18,14 @@ import pytest
 from server_process import ServerProcess
 
 from blockdiff.demo.tasks import WEATHER_TOOL
+from blockdiff.config import EngineConfig
+from blockdiff.engine.async_engine import AsyncEngine
+from blockdiff.engine.engine import LLMEngine
 from blockdiff.entrypoints.anthropic import protocol as a
+from blockdiff.entrypoints.anthropic import serving
 from blockdiff.entrypoints.anthropic.convert import chat_messages
+from blockdiff.entrypoints.openai.config import ServerConfig
+from blockdiff.entrypoints.openai.server import build_app
 
 KEY = "sk-test"
 GREEDY = dict(max_tokens=48, extra_body={"temperature": 0})
@@ -218,6 +225,28 @@ def test_errors_in_anthropics_shape_and_the_server_stays_up(server, client, chat
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(server.url + "/health").status_code == 200
     assert create(client, SORT).content[0].text == "1 2 3"
+
+
+def test_a_500_is_in_anthropics_shape_too(tiny, monkeypatch):
+    """In-process, as no request makes the real server fail: Starlette's error layer, outside every
+    added middleware, sends a bug's 500; on /v1/messages it is Anthropic's `api_error`, elsewhere OpenAI's."""
+    def broken(*args, **kwargs):
+        raise TypeError("conversion broke")
+
+    monkeypatch.setattr(serving, "chat_request", broken)
+    app = build_app(AsyncEngine(LLMEngine(EngineConfig(tiny, max_model_len=64))), ServerConfig(["tiny"]))
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://server", timeout=30) as http:
+                r = await http.post("/v1/messages", json={"max_tokens": 4, "messages": SORT})
+                assert r.status_code == 500
+                assert r.json() == {"type": "error", "error": {"type": "api_error", "message": "internal server error: TypeError"}}
+                r = await http.post("/v1/chat/completions", json={"messages": "not a list"})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+    asyncio.run(main())
 
 
 def test_conversation_as_chat_messages():

@@ -78,7 +78,7 @@ def chat_request(req: a.CountTokensRequest, chat_type: type[p.ChatCompletionRequ
     except ValidationError as e:  # the request was valid; what it adds up to may not be
         error = e.errors(include_url=False)[0]
         where = ".".join(str(x) for x in error["loc"])
-        raise APIError(400, f"messages, as chat messages: {where}: {error['msg']}", param="messages") from None
+        raise APIError(400, f"{where} (of the chat request this request becomes): {error['msg']}") from None
 
 
 def _effort(req: a.CountTokensRequest) -> str | None:

@@ -76,7 +76,6 @@ ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBl
 
 
 class Message(p._Request):
-    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["user", "assistant"]
     content: str | Annotated[list[ContentBlock], Field(max_length=p.MAX_CONTENT_PARTS)]
 

@@ -237,7 +237,6 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
                        total=max(1, max_connections // 2), on_refused=metrics.refused)
     if cfg.api_key:
         app.add_middleware(RequireAPIKey, key=cfg.api_key)
-    app.add_middleware(AnthropicErrors)  # outside the others: their refusals on /v1/messages get its shape too
     return app
 
 
@@ -248,14 +247,16 @@ def _body_schema(model) -> dict:
 
 class _App(FastAPI):
     """FastAPI with `count` (a CountResponses) around its whole middleware stack, Starlette's error
-    layer included, and the request bodies' schemas in /openapi.json."""
+    layer included, and the request bodies' schemas in /openapi.json. Inside `count`, AnthropicErrors
+    rewrites the errors on /v1/messages, whichever layer made them (Starlette's error layer sends
+    the 500s, outside every added middleware)."""
 
     def __init__(self, count: CountResponses, bodies: tuple, **kwargs):
         super().__init__(**kwargs)
         self._count, self._bodies = count, bodies
 
     def build_middleware_stack(self):
-        self._count.app = super().build_middleware_stack()
+        self._count.app = AnthropicErrors(super().build_middleware_stack())
         return self._count
 
     def openapi(self) -> dict:
