@@ -70,8 +70,10 @@ def _runs(types: list[str]) -> list[str]:
     return [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t]
 
 
-def test_create_message(client, chat_client):
-    r = create(client, SORT, metadata={"user_id": "user-1"}, extra_body={"temperature": 0, "top_k": 1, "top_p": 0.9})
+def test_create_message(server, client, chat_client):
+    r = create(client, SORT, metadata={"user_id": "user-1"},
+               extra_body={"temperature": 0, "top_k": 1, "top_p": 0.9, "min_p": 0.1, "seed": 3, "max_denoising_steps": 8})
+    assert "request fields ignored" not in server.log()  # every field above is one /v1/messages reads
     assert r.id.startswith("msg_") and r.type == "message" and r.role == "assistant" and r.model == "demo"
     assert [(b.type, b.text) for b in r.content] == [("text", "1 2 3")]
     assert (r.stop_reason, r.stop_sequence) == ("end_turn", None)

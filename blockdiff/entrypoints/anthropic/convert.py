@@ -25,7 +25,7 @@ from blockdiff.outputs import RequestOutput
 _MESSAGES_NAMES = {"stop": "stop_sequences", "reasoning_effort": "thinking", "prompt": "messages",
                    "response_format": "output_config.format"}
 # Fields a Messages request passes to its chat request as they are.
-_CHAT_FIELDS = ("model", "stream", "max_tokens", "temperature", "top_p", "top_k")
+_CHAT_FIELDS = ("model", "stream", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 # The chat template's effort for `thinking` on without `output_config.effort`: any effort but "none"
 # and "minimal" turns a template's switch on; a template that reads the effort itself gets OpenAI's
 # default. Anthropic's "max" is the chat API's highest.

@@ -144,6 +144,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
+    # vLLM's sampling fields beside Anthropic's
+    seed: int | None = None
+    min_p: float | None = None
 
 
 def messages_request_types(table: tuple[SamplerField, ...]) -> tuple[type[MessagesRequest], type[CountTokensRequest]]:
