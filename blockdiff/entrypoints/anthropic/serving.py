@@ -22,7 +22,7 @@ from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
 from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS
-from blockdiff.entrypoints.openai.serving import ChoiceState, EventStream, Piece, sse, usage
+from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, EventStream, Piece, sse, usage
 from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.outputs import RequestOutput
@@ -113,7 +113,10 @@ class AnthropicServingMessages:
     async def create(self, req: a.MessagesRequest, raw: Request) -> Response:
         model = self.serving.model_name(req.model)
         message_id = _id("msg")
-        rules, prompts, stream, release = await self._start(self._chat(req), message_id, client_of(raw))
+        try:
+            rules, prompts, stream, release = await self._start(await self._chat(req, raw), message_id, raw)
+        except ClientGone:
+            return Response(status_code=499)
         blocks = _Blocks(rules)
         if req.stream:
             def close() -> None:
@@ -137,7 +140,7 @@ class AnthropicServingMessages:
     async def count_tokens(self, req: a.CountTokensRequest, raw: Request) -> a.CountTokensResponse:
         """The prompt tokens that the same conversation gets as a message request (images expanded)."""
         self.serving.model_name(req.model)
-        chat = self._chat(req)
+        chat = await self._chat(req, raw)
         client = client_of(raw)
         pre = self.serving.preprocess
         with messages_names():
@@ -146,15 +149,17 @@ class AnthropicServingMessages:
             _, prompts = await pre.pool.run(client, self.serving.chat_prompt, chat, images, _id("count"))
         return a.CountTokensResponse(input_tokens=len(prompts[0]))
 
-    def _chat(self, req: a.CountTokensRequest) -> p.ChatCompletionRequest:
-        return chat_request(req, self.chat_type, self.serving.preprocess.sampler_extensions)
+    async def _chat(self, req: a.CountTokensRequest, raw: Request) -> p.ChatCompletionRequest:
+        """The chat request `req` is, made in the pool (off the event loop), as /v1/responses makes its own."""
+        pre = self.serving.preprocess
+        return await pre.pool.run(client_of(raw), chat_request, req, self.chat_type, pre.sampler_extensions)
 
     async def _start(self, chat: p.ChatCompletionRequest, message_id: str,
-                     client: str) -> tuple[OutputRules, list[list[int]], RequestStream, Callable[[], None]]:
+                     raw: Request) -> tuple[OutputRules, list[list[int]], RequestStream, Callable[[], None]]:
         """The chat request started as the chat endpoint starts it, its errors under the Messages names."""
         try:
             with messages_names():
-                return await self.serving.start(chat, message_id, client)
+                return await self.serving.start(chat, message_id, raw)
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, {"prompt": "messages", "stop": "stop_sequences"}) from None
 
