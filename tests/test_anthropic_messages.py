@@ -129,6 +129,17 @@ def test_tool_round_trip(client):
     assert create(client, turn, tools=[TOOL]).content[0].text == "Paris: 18C sunny"
 
 
+def test_any_tool_choice_and_structured_output(client):
+    """tool_choice any forces a call, even for a question the demo answers in text; output_config.format
+    constrains the text to its JSON schema."""
+    r = create(client, SORT, tools=[TOOL], tool_choice={"type": "any"})
+    assert [b.type for b in r.content] == ["tool_use"] and r.content[0].name == "get_weather" and r.stop_reason == "tool_use"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    r = create(client, SORT, output_config={"format": {"type": "json_schema", "schema": schema}})
+    value = json.loads(r.content[0].text)
+    assert list(value) == ["n"] and isinstance(value["n"], int)
+
+
 def test_tool_use_streamed_as_input_json_delta(client):
     events = raw_events(client, WEATHER, tools=[TOOL], tool_choice=FORCED)
     assert _runs([e.type for e in events]) == STREAM_TYPES
