@@ -90,6 +90,15 @@ def test_two_authorization_headers_are_a_400(server):
     assert "more than one Authorization header" in r.json()["error"]["message"]
 
 
+def test_the_key_in_x_api_key(server):
+    """Anthropic's header carries the key as well as a Bearer token does, under the same rules."""
+    assert httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}, timeout=30).status_code == 200
+    r = httpx.get(server.url + "/v1/models", headers={"x-api-key": "wrong"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(server.url + "/v1/models", headers=[("x-api-key", "wrong"), ("x-api-key", KEY)], timeout=30)
+    assert r.status_code == 400 and "more than one x-api-key header" in r.json()["error"]["message"]
+
+
 # ---- finding 4: large bodies --------------------------------------------------------------------------
 _SEND = """
 import sys, httpx

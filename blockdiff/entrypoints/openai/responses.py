@@ -379,22 +379,13 @@ class OpenAIServingResponses:
     # ---- request -> engine request ------------------------------------------------------------
     async def _start(self, chat: p.ChatCompletionRequest, response_id: str,
                      raw: Request) -> tuple[OutputRules, list[list[int]], RequestStream, Callable[[], None]]:
-        """The chat request through the chat endpoint's steps (its preprocessing in the server's pool,
-        its engine request held against the client's share), up to the stream of its engine request
-        and the release of that share."""
-        s = self.serving
-        client = client_of(raw)
-        with _responses_names():
-            rules = s.output_rules(chat)
-            images = await s.preprocess.chat_images(chat.messages, client)
-            prompts, requests = await s.preprocess.pool.run(client, s.chat_requests, chat, images, 1, chat.max_tokens, None,
-                                                            rules, response_id)
+        """The chat request started as the chat endpoint starts it, its errors under the Responses names."""
         try:
-            stream, release = await s.add(requests, client, raw)  # the share is held until the response ends
+            with _responses_names():
+                return await self.serving.start(chat, response_id, raw)
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, {"prompt": "input", "max_tokens": "max_output_tokens",
                                                 "structured_outputs": "text.format"}) from None
-        return rules, prompts, stream, release
 
     def _earlier(self, previous_response_id: str | None, client: str) -> list:
         if previous_response_id is None:

@@ -21,6 +21,9 @@ from blockdiff import __version__
 from blockdiff.chat_parts import MediaPolicy
 from blockdiff.config import EngineConfig
 from blockdiff.engine.client import EngineClient
+from blockdiff.entrypoints.anthropic.errors import AnthropicErrors
+from blockdiff.entrypoints.anthropic.protocol import CountTokensResponse, messages_request_types
+from blockdiff.entrypoints.anthropic.serving import AnthropicServingMessages
 from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, BodyAdmission, connection_limit, guarded_protocol
@@ -90,19 +93,26 @@ _OPEN_PATHS = frozenset({"/health", "/ping", *playground.PUBLIC_PATHS})
 
 
 class RequireAPIKey(_Middleware):
-    """Bearer-token check on every path but /health and /ping (which probes call without credentials)
+    """API key check on every path but /health and /ping (which probes call without credentials)
     and the playground's page and files (which hold nothing of the server's; the page sends the key):
-    /metrics, /docs and /openapi.json describe the server and need the key too. Two Authorization
-    headers are a 400, not "the last one wins"."""
+    /metrics, /docs and /openapi.json describe the server and need the key too. The key comes as a
+    Bearer token (OpenAI's clients) or in x-api-key (Anthropic's); either one right lets the request
+    in. Two of the same header are a 400, not "the last one wins"."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = [value for name, value in scope["headers"] if name == b"authorization"]
-            if len(given) > 1:
-                return await self.reject(send, 400, "more than one Authorization header", code="invalid_api_key")
-            if not hmac.compare_digest(given[0] if given else b"", b"Bearer " + self.key.encode()):
-                return await self.reject(send, 401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                                         code="invalid_api_key")
+            bearer = [value for name, value in scope["headers"] if name == b"authorization"]
+            keys = [value for name, value in scope["headers"] if name == b"x-api-key"]
+            if len(bearer) > 1 or len(keys) > 1:
+                header = "Authorization" if len(bearer) > 1 else "x-api-key"
+                return await self.reject(send, 400, f"more than one {header} header", code="invalid_api_key")
+            key = self.key.encode()
+            # Both compared, always: how long the check takes says nothing about which one was close.
+            right = [hmac.compare_digest(bearer[0] if bearer else b"", b"Bearer " + key),
+                     hmac.compare_digest(keys[0] if keys else b"", key)]
+            if not any(right):
+                return await self.reject(send, 401, "missing or wrong API key (send Authorization: Bearer <key>, or "
+                                                    "x-api-key: <key>)", code="invalid_api_key")
         await self.app(scope, receive, send)
 
 
@@ -141,8 +151,11 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     CompletionRequest, ChatCompletionRequest = request_types(engine.sampler.fields)
     ResponsesRequest = responses_request_type(engine.sampler.fields)
     responses = OpenAIServingResponses(chat_serving, ChatCompletionRequest, ResponseStore(cfg.responses_store_bytes))
+    MessagesRequest, CountTokensRequest = messages_request_types(engine.sampler.fields)
+    messages = AnthropicServingMessages(chat_serving, ChatCompletionRequest)
     app = _App(title="blockdiff", lifespan=lifespan, count=CountResponses(None, metrics=metrics),
-               bodies=(CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest))
+               bodies=(CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest,
+                       TokenizeRequest, DetokenizeRequest))
     app.state.engine = engine
     app.state.metrics = metrics
     errors.install(app)
@@ -197,6 +210,15 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     async def delete_response(response_id: str, request: Request) -> DeletedResponse:
         return responses.delete(response_id, client_of(request))
 
+    @app.post("/v1/messages", openapi_extra=_body_schema(MessagesRequest))
+    async def create_message(request: Request) -> Response:
+        return await messages.create(await parse(await request.body(), MessagesRequest, client_of(request)), request)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_body_schema(CountTokensRequest))
+    async def count_tokens(request: Request) -> CountTokensResponse:
+        return await messages.count_tokens(await parse(await request.body(), CountTokensRequest, client_of(request)),
+                                           request)
+
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> TokenizeResponse:
         client = client_of(request)
@@ -226,14 +248,16 @@ def _body_schema(model) -> dict:
 
 class _App(FastAPI):
     """FastAPI with `count` (a CountResponses) around its whole middleware stack, Starlette's error
-    layer included, and the request bodies' schemas in /openapi.json."""
+    layer included, and the request bodies' schemas in /openapi.json. Inside `count`, AnthropicErrors
+    rewrites the errors on /v1/messages, whichever layer made them (Starlette's error layer sends
+    the 500s, outside every added middleware)."""
 
     def __init__(self, count: CountResponses, bodies: tuple, **kwargs):
         super().__init__(**kwargs)
         self._count, self._bodies = count, bodies
 
     def build_middleware_stack(self):
-        self._count.app = super().build_middleware_stack()
+        self._count.app = AnthropicErrors(super().build_middleware_stack())
         return self._count
 
     def openapi(self) -> dict:

@@ -5,6 +5,8 @@ and a tool_choice, thinking; each choice's output read by the reasoning and tool
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -17,6 +19,7 @@ from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.entrypoints.openai.preprocessing import Preprocessor, check_common, generation_prompt
 from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat
 from blockdiff.entrypoints.openai.structured import request_constraint, tool_call_constraint
+from blockdiff.engine.async_engine import RequestStream
 from blockdiff.engine.client import EngineClient
 from blockdiff.outputs import TokenLogprob
 from blockdiff.sampling_params import MAX_LOGPROBS
@@ -138,10 +141,31 @@ class OpenAIServingChat(OpenAIServing):
                          bool(req.return_tokens_as_token_ids))
         return await self.respond(req, prompts, requests, fmt, raw)
 
+    async def start(self, req: p.ChatCompletionRequest, request_id: str,
+                    raw: Request) -> tuple[OutputRules, list[list[int]], RequestStream, Callable[[], None]]:
+        """A one-choice chat request through this endpoint's steps (its preprocessing in the server's
+        pool, its engine request held against the client's share), up to the stream of its engine
+        request and the release of that share: what /v1/responses and /v1/messages run. Raises
+        APIError, ClientGone, and the engine's ValueError for bad parameters."""
+        client = client_of(raw)
+        rules = self.output_rules(req)
+        images = await self.preprocess.chat_images(req.messages, client)
+        prompts, requests = await self.preprocess.pool.run(client, self.chat_requests, req, images, 1, req.max_tokens, None,
+                                                           rules, request_id)
+        stream, release = await self.add(requests, client, raw)  # the share is held until the response ends
+        return rules, prompts, stream, release
+
     def chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
                       logprobs: int | None, rules: OutputRules, request_id: str):
         """(In the pool) -> (the prompt ids usage counts, the engine requests)."""
         constraint = self.chat_constraint(req, rules)
+        prompt, prompts = self.chat_prompt(req, images, request_id)
+        # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
+        return prompts, self.preprocess.engine_requests(req, [prompt], prompts, n, max_tokens, logprobs,
+                                                        skip_special_tokens=not rules.parses, structured_outputs=constraint)
+
+    def chat_prompt(self, req: p.ChatCompletionRequest, images: list, request_id: str):
+        """(In the pool) -> (the engine's prompt, images expanded; the prompt ids usage counts)."""
         kwargs = req.chat_template_kwargs
         if req.reasoning_effort is not None and self.tokenizer is not None:
             kwargs = vllm_fields.reasoning_kwargs(req.reasoning_effort, self.tokenizer.template_variables, kwargs or {})
@@ -155,10 +179,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, "truncate_prompt_tokens: a chat with images cannot be cut (its image tokens "
                                     "come whole)", param="truncate_prompt_tokens")
             ids = pre.truncated([ids], req.truncate_prompt_tokens)[0]
-        prompt, prompts = pre.with_images(ids, images)
-        # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
-        return prompts, pre.engine_requests(req, [prompt], prompts, n, max_tokens, logprobs,
-                                            skip_special_tokens=not rules.parses, structured_outputs=constraint)
+        return pre.with_images(ids, images)
 
     def request_template(self, req: p.ChatCompletionRequest) -> str | None:
         """A request's own chat template, which only a server started to trust them renders (vLLM's rule)."""
