@@ -14,17 +14,22 @@ and records its own results; a part that fails records the tail of its traceback
    FLOP bound of the step (blockdiff/bench/roofline.py).
 3. fp8: the same model with FP8-dynamic dummy weights, batches 1 and 16 (second: the figure users
    serve the model at, so it must not wait behind the tests).
-4. steps_per_launch: the same model at batches 1 and 16, one denoising step per launch against
+4. kernels: each Triton kernel against the reference at the 26B-A4B shapes (docs/kernels.md has the
+   predictions): one attention layer of each kind at 1, 8 and 16 canvases and contexts 1k and 8k,
+   and one sampler step (statistics, argmax and draw, self-conditioning product) at 1, 8 and 16
+   canvases: ms each, the bytes and FLOPs it must move, and the fraction of the roofline, recorded
+   after every shape (--small: tiny shapes, the Triton kernels under Triton's interpreter).
+5. steps_per_launch: the same model at batches 1 and 16, one denoising step per launch against
    the CPU's chosen number (blockdiff/config.py STEPS_PER_LAUNCH, or --steps-per-launch), their
    runs alternating in one engine: ms per denoising step each, and the ratio (issue 28); and one
    step per launch without async scheduling, against it with.
-5. transformers: `generate` on the same config, batch 1, timed the same way, for the ratio.
-6. tests: the parity and generation tests against transformers, the CUDA-graph replay test and the
+6. transformers: `generate` on the same config, batch 1, timed the same way, for the ratio.
+7. tests: the parity and generation tests against transformers, the CUDA-graph replay test and the
    FP8 experts test, with BLOCKDIFF_TEST_DEVICE=<device> (--small: collected only; the default
    suite runs them on the CPU).
-7. compiled: 6 layers, compiled steps against uncompiled ones: compile seconds and what it buys
+8. compiled: 6 layers, compiled steps against uncompiled ones: compile seconds and what it buys
    (--small: one layer and the eager backend; the default suite tests compiled steps).
-8. fake_cuda: tests/test_fake_cuda.py and tests/test_kernels.py, the CUDA path on fake CUDA tensors
+9. fake_cuda: tests/test_fake_cuda.py and tests/test_kernels.py, the CUDA path on fake CUDA tensors
    (--small: collected only; the default suite runs them).
 
 --budget-s (default 480) bounds the whole run: a part whose estimate does not fit what is left is
@@ -48,12 +53,14 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIG = os.path.join(ROOT, "configs", "diffusiongemma-26b-a4b.json")
-PARTS = ("env", "headline", "fp8", "steps_per_launch", "transformers", "tests", "compiled", "fake_cuda")
+PARTS = ("env", "headline", "fp8", "kernels", "steps_per_launch", "transformers", "tests", "compiled", "fake_cuda")
 # Seconds each part is expected to take (device, --small); a part is skipped when its estimate
 # exceeds the budget left, and killed when it runs past twice its estimate, the budget left or --timeout-s.
 # The --small ones allow for a CPU shared with other jobs (the whole run takes ~1 min on a quiet one).
 ESTIMATES = {"env": (15, 20), "headline": (150, 40), "steps_per_launch": (150, 40), "transformers": (120, 40), "tests": (150, 45),
-             "fp8": (100, 40), "compiled": (200, 60), "fake_cuda": (60, 60)}
+             "fp8": (100, 40), "kernels": (90, 60), "compiled": (200, 60), "fake_cuda": (60, 60)}
+KERNEL_CONTEXTS, SMALL_KERNEL_CONTEXTS = (1024, 8192), (40, 80)
+KERNEL_REPS = 5  # timed calls per shape after one warm-up; the best is kept
 STEPS = 16  # per canvas, as vLLM's published figure
 COMPILED_LAYERS = 6
 SMALL_COMPILED_LAYERS = 1  # --small checks the part, not compiling: each layer adds seconds of tracing per shape
@@ -67,6 +74,8 @@ TEST_SELECTIONS = {
     # Not the compiled variant: inductor compiles every captured shape, minutes of the budget.
     "CUDA-graph replay": ["tests/test_canvas_step.py", "-k", "cuda_graph and not compiled"],
     "FP8 experts": ["tests/test_fp8_experts.py"],
+    # The Triton attention kernel compiled for the device, against the reference, on the cases of one launch.
+    "Triton attention": ["tests/test_triton_attention.py", "-k", "mixed_step or v_equal"],
 }
 
 
@@ -196,6 +205,12 @@ def summary(data: dict) -> str:
             lines.append(f"    batch {b}: K=1 {m['k1_ms_per_step']:.2f} ms/step, K={spl['k']} "
                          f"{m['k' + str(spl['k']) + '_ms_per_step']:.2f} ({m['speedup']:.2f}x); K=1 without async "
                          f"scheduling {m['k1_sync_ms_per_step']:.2f} ({m['async_speedup']:.2f}x)")
+        for shape, m in r.get("attention", {}).items():
+            lines.append(f"    attention {shape}: Triton {m['triton_ms']:.3f} ms ({100 * m['triton_fraction']:.0f}% of its "
+                         f"bound {m['bound_ms']:.3f} ms), reference {m['reference_ms']:.3f} ms ({m['speedup']:.1f}x)")
+        for shape, m in r.get("sampler", {}).items():
+            lines.append(f"    sampler {shape}: Triton {m['triton_ms']:.3f} ms ({100 * m['triton_fraction']:.0f}% of its "
+                         f"bound {m['bound_ms']:.3f} ms), reference {m['reference_ms']:.3f} ms ({m['speedup']:.1f}x)")
         for sel, t in r.get("selections", {}).items():
             lines.append(f"    {sel}: {t['summary']}")
         if "compile_s" in r:
@@ -484,6 +499,106 @@ def part_steps_per_launch(args, record) -> dict:
 def part_fp8(args, record) -> dict:
     batches = _batches(args)
     return _time_engine(args, record, True, [batches[0], batches[-1]], args.layers)
+
+
+def _best_ms(fn, device: str, reps: int) -> float:
+    fn()  # warm-up: Triton compiles (or the interpreter parses) the kernel for this shape
+    return 1e3 * min(_timed(fn, device) for _ in range(reps))
+
+
+def _bound(nbytes: float, flops: float, gbs: float, gflops: float) -> float:
+    """ms the roofline allows: the larger of the bytes at the bandwidth and the FLOPs at the peak."""
+    return 1e3 * max(nbytes / (gbs * 1e9), flops / (gflops * 1e9))
+
+
+def part_kernels(args, record) -> dict:
+    """Triton against the reference, kernel by kernel, at the model's shapes (the Triton side's
+    compulsory bytes: Q, O and the K/V each canvas reads once; the sampler's: the logits read for the
+    maxima and again for the statistics, the probabilities written and read once in bfloat16, and
+    the embedding rows read for the self-conditioning product)."""
+    import torch
+
+    if not args.device.startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined, on import
+    from blockdiff.diffusion.sampler_kernels import sampler_kernels
+    from blockdiff.diffusion.self_conditioning import soft_embedding
+    from blockdiff.diffusion.vocab_parallel import VocabParallel
+    from blockdiff.model.attention import CacheGeometry, Row, build_metadata
+    from blockdiff.model.registry import parse_config
+    from blockdiff.parallel.group import TPGroup
+    from blockdiff.parallel.vocab import VocabShard
+
+    config = parse_config(_config_raw(args))
+    arch, cl, device = config.arch, config.canvas_length, args.device
+    dtype = torch.bfloat16
+    gbs, gflops, peaks = _peak(args)
+    record("peaks", peaks)
+    batches = _batches(args) if args.small else [1, 8, 16]
+    contexts = SMALL_KERNEL_CONTEXTS if args.small else KERNEL_CONTEXTS
+    block, reps = 16, 1 if args.small else KERNEL_REPS  # the interpreter takes a second a call
+    attention: dict = {}
+    for sliding in (True, False):
+        spec = next(layer for layer in arch.layers if layer.sliding == sliding)
+        heads, kv, dim = arch.num_heads, spec.num_kv_heads, spec.head_dim
+        for context in contexts:
+            for batch in batches:
+                blocks_per = -(-(context + cl) // block)
+                tables = {s: torch.arange(batch * blocks_per).view(batch, blocks_per) for s in (True, False)}
+                tables = {s: torch.cat((t, torch.full((1, blocks_per), -1))) for s, t in tables.items()}
+                rows = [Row(i, context, cl, True) for i in range(batch)]
+                g = torch.Generator(device).manual_seed(0)
+                q = torch.randn(batch * cl, heads, dim, generator=g, device=device, dtype=dtype)
+                k, v = (torch.randn(batch * cl, kv, dim, generator=g, device=device, dtype=dtype) for _ in range(2))
+                cache = tuple(torch.randn(kv, batch * blocks_per * block, dim, generator=g, device=device, dtype=dtype)
+                              for _ in range(2))
+                times = {}
+                for backend in ("triton", "reference"):
+                    geo = CacheGeometry(block_size=block, window_past=config.sliding_window - 1,
+                                        window=config.sliding_window, backend=backend)
+                    kind = build_metadata(rows, geo, {sliding}, device, tables).kind(sliding)
+                    times[backend] = _best_ms(lambda: kind.attend(q, k, v, cache), device, reps)
+                keys = min(context, config.sliding_window - 1) if sliding else context
+                flops = 4 * batch * cl * (keys + cl) * dim * heads
+                nbytes = 2 * 2 * batch * cl * heads * dim + 2 * 2 * batch * (keys + cl) * kv * dim
+                bound = _bound(nbytes, flops, gbs, gflops)
+                attention[f"{'sliding' if sliding else 'full'} {batch} canvases, context {context}"] = {
+                    "bytes": nbytes, "flops": flops, "bound_ms": bound, "triton_ms": times["triton"],
+                    "reference_ms": times["reference"], "triton_fraction": bound / times["triton"],
+                    "speedup": times["reference"] / times["triton"]}
+                record("attention", attention)
+                say(f"  attention {'sliding' if sliding else 'full'} x{batch} at {context}: Triton {times['triton']:.3f} ms, "
+                    f"reference {times['reference']:.3f} ms, bound {bound:.3f} ms")
+    vocab, hidden = config.vocab_size, config.hidden_size
+    weight = torch.randn(vocab, hidden, device=device, dtype=dtype) * 0.02
+    shard = VocabShard.make(0, 1, vocab)
+    sampler: dict = {}
+    for batch in batches:
+        logits = torch.randn(batch, cl, vocab, device=device) * 4
+        u = torch.rand(batch, cl, device=device)
+        times = {}
+        for backend in ("triton", "reference"):
+            sampling = VocabParallel(shard, TPGroup(), device, kernels=sampler_kernels(backend))
+            work = torch.empty_like(logits)
+
+            def step():
+                work.copy_(logits)  # the statistics shift the logits in place
+                d = sampling.distribution(work)
+                sampling.argmax_and_sample(d, u)
+                # as the model embeds them (DiffusionGemma.soft_embed): in its dtype, scaled by 1 / total
+                sampling.soft_embed(d, None, lambda p, t: soft_embedding(p.to(dtype), weight, (1.0 / t).unsqueeze(-1)), dtype)
+
+            times[backend] = _best_ms(step, device, reps)
+        positions = batch * cl
+        nbytes = 4 * positions * vocab * 3 + 2 * positions * vocab * 2 + 2 * vocab * hidden  # copy, 2 reads; probs; E
+        flops = 2 * positions * vocab * hidden
+        bound = _bound(nbytes, flops, gbs, gflops)
+        sampler[f"{batch} canvases"] = {"bytes": nbytes, "flops": flops, "bound_ms": bound, "triton_ms": times["triton"],
+                                        "reference_ms": times["reference"], "triton_fraction": bound / times["triton"],
+                                        "speedup": times["reference"] / times["triton"]}
+        record("sampler", sampler)
+        say(f"  sampler x{batch}: Triton {times['triton']:.3f} ms, reference {times['reference']:.3f} ms, bound {bound:.3f} ms")
+        del logits
+    return {}
 
 
 def part_transformers(args, record) -> dict:

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["env", "headline", "fp8", "steps_per_launch", "transformers", "tests", "compiled", "fake_cuda"]
+PARTS = ["env", "headline", "fp8", "kernels", "steps_per_launch", "transformers", "tests", "compiled", "fake_cuda"]
 
 
 def _start(out, *args, **env) -> subprocess.Popen:
@@ -93,6 +93,10 @@ def test_the_device_check_runs_every_part_on_the_cpu_at_small_shapes(tmp_path, f
             assert m["two_canvases_s"] > m["one_canvas_s"] > 0 and m["ms_per_step"] > 0
             assert m["bound_ms"] == max(m["memory_ms"], m["compute_ms"]) > 0 and m["bound_limit"] in ("memory", "compute")
             assert set(m["steps_per_canvas"]) == {2}  # no early stop: every canvas took every step
+    kernels = parts["kernels"]["result"]
+    assert len(kernels["attention"]) == 2 * 2 * 2 and len(kernels["sampler"]) == 2  # kinds x contexts x batches
+    for m in [*kernels["attention"].values(), *kernels["sampler"].values()]:
+        assert m["triton_ms"] > 0 and m["reference_ms"] > 0 and m["bound_ms"] > 0 and m["bytes"] > 0 and m["flops"] > 0
     assert parts["transformers"]["result"]["version"] and parts["transformers"]["result"]["ms_per_step"] > 0
     for name, t in parts["tests"]["result"]["selections"].items():
         assert t["passed"] and int(re.search(r"(\d+)(/\d+)? tests? collected", t["summary"]).group(1)) > 0, name
