@@ -255,3 +255,30 @@ def test_the_op_log_sees_a_nondeterministic_op():
         log, runner, _ = _logged_static_step(top_k=40)
     assert runner.vocab.kernels.name == "reference"
     assert any(op.startswith("aten::cumsum on torch.float32") for op in log.nondeterministic)
+
+
+def test_the_whole_static_step_on_a_fake_h200_calls_no_op_cuda_runs_nondeterministically():
+    """Every aten op of the 26B-A4B static step on a fake H200 (the model's forward with its MoE
+    combine, the Triton attention and sampler backends, the commit): none that CUDA runs with
+    atomics, so a seed gives the same tokens in any batch there as on the CPU (issue 35, finding 4)."""
+    from fake_cuda import NoHostReads, fake_cuda
+    from test_fake_cuda import _canvas_rows, _runner
+
+    from blockdiff.step import NewRequests, TableDelta
+    from blockdiff.worker.canvas_step import CanvasSteps
+
+    log = OpLog()
+    with fake_cuda((9, 0)):
+        runner = _runner(1)
+        steps = CanvasSteps(runner.model, runner.sampler, runner.vocab, runner.kv, runner.geometry, runner.tables.tables,
+                            runner.state, runner.requests, runner.device, compile=False, cuda_graphs=False)
+        rows = _canvas_rows(runner.canvas_length)
+        p = EntropyBound().resolve(SamplingParams(top_k=40), REFERENCE_DEFAULTS)
+        params = denoise_params([16] * len(rows), [p] * len(rows), list(range(len(rows))))
+        runner.tables.apply(TableDelta.whole(rows))
+        runner.requests.admit(NewRequests.of(rows, params))
+        with NoHostReads(), log:
+            steps(rows, params.options())
+    assert runner.geometry.backend == "triton" and runner.vocab.kernels.name == "triton"
+    assert "blockdiff::paged_attention" in log.ops and len(log.ops) > 20
+    assert not log.nondeterministic, log.nondeterministic
