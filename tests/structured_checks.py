@@ -11,12 +11,13 @@ from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.ranks import RankContext
 from blockdiff.parallel.vocab import VocabShard
+from blockdiff.structured.compiler import MAX_STATES
 from blockdiff.structured.index import build_index
 from rank_checks import local_columns
 
 
 def automaton(regex: str, tokens: list[bytes | None], key: str = "test") -> Automaton:
-    return Automaton(key=key, **build_index(regex, tokens, len(tokens)))
+    return Automaton(key=key, **build_index(regex, tokens, len(tokens), MAX_STATES))
 
 
 def commit(logits: torch.Tensor, a: Automaton, constraints: list[CanvasConstraint], group: TPGroup = TPGroup(),
