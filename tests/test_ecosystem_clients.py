@@ -123,6 +123,44 @@ metric_list:
     assert accuracy >= 0.9  # chance is 0.5
 
 
+@pytest.mark.slow  # ~40 s under load: lm-eval's start and 8 generations
+def test_lm_eval_local_chat_completions_sorts_the_digits(server, tmp_path):
+    """lm-eval's chat model as its docs give it for vLLM: model, base_url and --apply_chat_template;
+    the server renders the chat template, so no tokenizer on either side of the client."""
+    pytest.importorskip("lm_eval")
+    rng = random.Random(1)
+    rows = [[rng.randint(0, 9) for _ in range(rng.randint(3, 6))] for _ in range(8)]
+    data = tmp_path / "sort_gen.jsonl"
+    data.write_text("".join(json.dumps({"question": "sort: " + " ".join(map(str, r)),
+                                        "answer": " ".join(map(str, sorted(r)))}) + "\n" for r in rows))
+    (tmp_path / "sort_gen.yaml").write_text(f"""task: demo_sort_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: []
+  max_gen_toks: 24
+metric_list:
+  - metric: exact_match
+""")
+    out = tmp_path / "results"
+    run = subprocess.run(
+        [os.path.join(BIN, "lm_eval"), "--model", "local-chat-completions", "--tasks", "demo_sort_gen",
+         "--include_path", str(tmp_path), "--output_path", str(out), "--apply_chat_template",
+         "--model_args", f"model={DEMO_CHECKPOINT},base_url={server.url}/v1/chat/completions,num_concurrent=8,max_retries=1"],
+        capture_output=True, text=True, timeout=600, env=OFFLINE)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [result] = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
+    accuracy = result["results"]["demo_sort_gen"]["exact_match,none"]
+    print(f"lm-eval local-chat-completions, demo_sort_gen (8 questions): exact match {accuracy:.3f}")
+    assert accuracy >= 0.75
+
+
 # What failed first in `guidellm run` against a server named "demo": its own steps that pick the model
 # (the first id of /v1/models) and load that id's tokenizer, which its synthetic data is built with.
 _GUIDELLM_TOKENIZER = """
