@@ -31,6 +31,7 @@ def _token_text(value) -> str | None:
 class Tokenizer:
     def __init__(self, tokenizer: _Tokenizer, config: dict, chat_template: str | None):
         self._tok = tokenizer
+        self.config = config  # tokenizer_config.json as read: /tokenizer_info serves it
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", True)) and self.bos_token is not None

@@ -1,7 +1,13 @@
 """The ecosystem's own tools against a real server on the demo model (issue 26, finding 5):
 guidellm's streaming benchmark, lm-evaluation-harness' log-likelihood (multiple-choice) path through
-`local-completions`, and langchain's structured output. Each is installed by the test extra
-(scripts/setup.sh; torch-dependent ones under a torch==2.13.0 constraint)."""
+`local-completions` and its chat model, and langchain's structured output. Each is installed by the
+test extra (scripts/setup.sh; torch-dependent ones under a torch==2.13.0 constraint).
+
+The server runs as a vLLM user would start it for these tools (issue 36, finding 7): the checkpoint
+named by its directory, which becomes the served model's id (guidellm loads its tokenizer from the
+id /v1/models reports), and --enable-tokenizer-info-endpoint (lm-eval's local-completions then
+tokenizes through the server). The tools get only the flags their docs give for a vLLM server;
+the commands are docs/server.md's."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import random
 import subprocess
 import sys
 
+import httpx
 import pytest
 from server_process import ServerProcess
 
@@ -24,7 +31,8 @@ OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRA
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "512", "--max-num-seqs", "8",
+    proc = ServerProcess(DEMO_CHECKPOINT, "--max-model-len", "512", "--max-num-seqs", "8",
+                         "--enable-tokenizer-info-endpoint",
                          log_path=str(tmp_path_factory.mktemp("clients") / "server.log"))
     yield proc
     proc.close()
@@ -48,7 +56,42 @@ def sort_choice_docs(n: int, seed: int = 0) -> list[dict]:
     return docs
 
 
-@pytest.mark.slow  # ~25 s, most of it lm-eval's start; tests/test_scoring.py sends its requests in the default run
+def test_tokenizer_info_is_vllms_and_names_no_server_path(server):
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    tokenizer = Tokenizer.from_pretrained(DEMO_CHECKPOINT)
+    # tokenizer_config.json's fields, special tokens as their text, and the template the server renders
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert (info["bos_token"], info["eos_token"], info["pad_token"]) == ("<bos>", "<eos>", "<pad>")
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == 131072
+    assert DEMO_CHECKPOINT not in json.dumps(info)
+
+
+# lm-eval's local-completions as its API guide gives it for vLLM: model and base_url, nothing else. It
+# finds /tokenizer_info and /tokenize and tokenizes through the server: no transformers needed.
+_LOCAL_COMPLETIONS = """
+import sys
+sys.modules["transformers"] = None  # lm-eval's base install has no transformers: any import of it fails
+from lm_eval.api.instance import Instance
+from lm_eval.models.openai_completions import LocalCompletionsAPI
+lm = LocalCompletionsAPI(model=sys.argv[1], base_url=sys.argv[2] + "/v1/completions", max_retries=1)
+requests = [Instance("loglikelihood", {}, (sys.argv[3], choice), 0) for choice in sys.argv[4:]]
+print(lm.tokenizer_backend, *(score for score, _ in lm.loglikelihood(requests, disable_tqdm=True)))
+"""
+
+
+def test_lm_eval_local_completions_tokenizes_through_the_server_without_transformers(server):
+    pytest.importorskip("lm_eval")
+    [doc] = sort_choice_docs(1)
+    right, wrong = doc["choices"][doc["label"]], doc["choices"][1 - doc["label"]]
+    run = subprocess.run([sys.executable, "-c", _LOCAL_COMPLETIONS, DEMO_CHECKPOINT, server.url, doc["context"], right,
+                          wrong], capture_output=True, text=True, timeout=120, env=OFFLINE)
+    assert run.returncode == 0, run.stderr[-3000:]
+    backend, right_score, wrong_score = run.stdout.split()[-3:]
+    assert backend == "remote"
+    assert float(right_score) > float(wrong_score)  # the sorted digits are the likelier continuation
+
+
+@pytest.mark.slow  # ~25 s, most of it lm-eval's start; the test above scores through the same model in the default run
 def test_lm_eval_multiple_choice_ranks_the_sorted_digits_first(server, tmp_path):
     pytest.importorskip("lm_eval")
     data = tmp_path / "sort_choice.jsonl"
@@ -71,8 +114,7 @@ metric_list:
     run = subprocess.run(
         [os.path.join(BIN, "lm_eval"), "--model", "local-completions", "--tasks", "demo_sort_choice",
          "--include_path", str(tmp_path), "--output_path", str(out),
-         "--model_args", f"model=demo,base_url={server.url}/v1/completions,tokenizer={DEMO_CHECKPOINT},"
-                         "tokenizer_backend=huggingface,num_concurrent=8,max_retries=1"],
+         "--model_args", f"model={DEMO_CHECKPOINT},base_url={server.url}/v1/completions,num_concurrent=8,max_retries=1"],
         capture_output=True, text=True, timeout=600, env=OFFLINE)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [result] = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
@@ -81,14 +123,77 @@ metric_list:
     assert accuracy >= 0.9  # chance is 0.5
 
 
+@pytest.mark.slow  # ~40 s under load: lm-eval's start and 8 generations
+def test_lm_eval_local_chat_completions_sorts_the_digits(server, tmp_path):
+    """lm-eval's chat model as its docs give it for vLLM: model, base_url and --apply_chat_template;
+    the server renders the chat template, so no tokenizer on either side of the client."""
+    pytest.importorskip("lm_eval")
+    rng = random.Random(1)
+    rows = [[rng.randint(0, 9) for _ in range(rng.randint(3, 6))] for _ in range(8)]
+    data = tmp_path / "sort_gen.jsonl"
+    data.write_text("".join(json.dumps({"question": "sort: " + " ".join(map(str, r)),
+                                        "answer": " ".join(map(str, sorted(r)))}) + "\n" for r in rows))
+    (tmp_path / "sort_gen.yaml").write_text(f"""task: demo_sort_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: []
+  max_gen_toks: 24
+metric_list:
+  - metric: exact_match
+""")
+    out = tmp_path / "results"
+    run = subprocess.run(
+        [os.path.join(BIN, "lm_eval"), "--model", "local-chat-completions", "--tasks", "demo_sort_gen",
+         "--include_path", str(tmp_path), "--output_path", str(out), "--apply_chat_template",
+         "--model_args", f"model={DEMO_CHECKPOINT},base_url={server.url}/v1/chat/completions,num_concurrent=8,max_retries=1"],
+        capture_output=True, text=True, timeout=600, env=OFFLINE)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [result] = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
+    accuracy = result["results"]["demo_sort_gen"]["exact_match,none"]
+    print(f"lm-eval local-chat-completions, demo_sort_gen (8 questions): exact match {accuracy:.3f}")
+    assert accuracy >= 0.75
+
+
+# What failed first in `guidellm run` against a server named "demo": its own steps that pick the model
+# (the first id of /v1/models) and load that id's tokenizer, which its synthetic data is built with.
+_GUIDELLM_TOKENIZER = """
+import asyncio, sys
+from guidellm.benchmark.entrypoints import resolve_backend
+from guidellm.data.tokenizers import TokenizerRegistry
+from guidellm.schemas.backends.openai_http import OpenAIHTTPBackendArgs
+from guidellm.schemas.data.tokenizers import HuggingFaceTokenizerArgs
+_, model = asyncio.run(resolve_backend(OpenAIHTTPBackendArgs(target=sys.argv[1])))
+tokenizer = TokenizerRegistry.create(HuggingFaceTokenizerArgs(model=model))()
+print(*tokenizer(sys.argv[2], add_special_tokens=False)["input_ids"])
+"""
+
+
+def test_guidellm_finds_the_model_and_its_tokenizer_from_the_server(server):
+    pytest.importorskip("guidellm")
+    run = subprocess.run([sys.executable, "-c", _GUIDELLM_TOKENIZER, server.url, "sort: 3 1 2"],
+                         capture_output=True, text=True, timeout=120, env=OFFLINE)
+    assert run.returncode == 0, run.stderr[-3000:]
+    served = httpx.post(server.url + "/tokenize", json={"prompt": "sort: 3 1 2", "add_special_tokens": False})
+    assert list(map(int, run.stdout.split())) == served.json()["tokens"]
+
+
+@pytest.mark.slow  # ~35 s under load, most of it guidellm's start; the test above runs its model and tokenizer steps
 def test_guidellm_streaming_reports_time_to_first_token_and_inter_token_latency(server, tmp_path):
     pytest.importorskip("guidellm")
     report = tmp_path / "guidellm.json"
     run = subprocess.run(
-        [os.path.join(BIN, "guidellm"), "run", "--backend", f"kind=openai_http,target={server.url},model=demo",
+        # No model and no tokenizer: guidellm takes the model's id from /v1/models, the checkpoint
+        # directory, and loads the tokenizer from it (a hub id would load from the hub or its cache).
+        [os.path.join(BIN, "guidellm"), "run", "--backend", f"kind=openai_http,target={server.url}",
          "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=6",
-         "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=24",
-         "--tokenizer", f"kind=huggingface_auto,model={DEMO_CHECKPOINT}", "--output", f"kind=json,path={report}",
+         "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=24", "--output", f"kind=json,path={report}",
          "--disable-console-interactive"],
         capture_output=True, text=True, timeout=600, env=OFFLINE, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -113,7 +218,7 @@ def test_langchain_with_structured_output_on_the_demo(server):
     class Sorted(BaseModel):
         digits: list[int]
 
-    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="demo", max_tokens=32, max_retries=0)
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=DEMO_CHECKPOINT, max_tokens=32, max_retries=0)
     assert llm.invoke("sort: 3 1 2").content  # the client works...
     answer = llm.with_structured_output(Sorted).invoke("sort: 3 1 2")  # ...and its structured output parses
     assert isinstance(answer, Sorted) and all(isinstance(d, int) for d in answer.digits)

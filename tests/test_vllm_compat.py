@@ -36,6 +36,12 @@ def test_tokenize_and_detokenize_round_trip_a_prompt(server):
     assert _post(server, "/detokenize", {"tokens": special["tokens"]}).json()["prompt"] == "<bos>reverse: block"
 
 
+def test_tokenizer_info_is_off_without_vllms_flag(server):
+    """It shows the chat template: served only with --enable-tokenizer-info-endpoint, as vLLM
+    (tests/test_ecosystem_clients.py serves it)."""
+    assert httpx.get(server.url + "/tokenizer_info", timeout=60).status_code == 404
+
+
 def test_tokenize_messages_gives_the_ids_the_chat_endpoint_prompts_with(server):
     ids = _post(server, "/tokenize", {"model": "demo", "messages": CHAT}).json()["tokens"]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")

@@ -88,6 +88,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "warning naming them, as vLLM does)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="vLLM's: let a chat request bring its own chat_template (rendered in the same sandbox)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="vLLM's: serve GET /tokenizer_info, the tokenizer's configuration and chat template, from "
+                        "which tools such as lm-eval's local-completions tokenize through the server (off by "
+                        "default: it shows the chat template)")
     p.set_defaults(func=run)
 
 
@@ -125,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         default_chat_template_kwargs=json_object(args.default_chat_template_kwargs, "--default-chat-template-kwargs"),
         strict_request_fields=args.strict_request_fields,
         trust_request_chat_template=args.trust_request_chat_template,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
     engine = dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args))
     if engine.kv_events_config is not None:  # KV events carry every client's token ids: on the server's address

@@ -39,4 +39,5 @@ class ServerConfig:
     default_chat_template_kwargs: dict = field(default_factory=dict)
     strict_request_fields: bool = False  # unknown top-level request fields: a 400 (else ignored with a warning, as vLLM)
     trust_request_chat_template: bool = False  # vLLM's: a request may bring its own chat_template
+    enable_tokenizer_info_endpoint: bool = False  # vLLM's: GET /tokenizer_info (it shows the chat template)
     media: MediaPolicy = MediaPolicy()  # where chat image URLs may point (the engine flags --allowed-media-*)

@@ -40,6 +40,7 @@ from blockdiff.entrypoints.openai.responses_protocol import DeletedResponse, Res
 from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
+from blockdiff.entrypoints.openai.tokenizer_info import tokenizer_info
 from blockdiff.startup import start_client
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,15 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     async def detokenize(request: Request) -> DetokenizeResponse:
         client = client_of(request)
         return await pool.run(client, tokenization.detokenize, await parse(await request.body(), DetokenizeRequest, client))
+
+    if cfg.enable_tokenizer_info_endpoint:
+        info = None if engine.tokenizer is None else tokenizer_info(engine.tokenizer)  # built once: it never changes
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> JSONResponse:
+            if info is None:
+                raise errors.APIError(404, "this checkpoint has no tokenizer")
+            return JSONResponse(info)
 
     playground.install(app, api_key_required=bool(cfg.api_key))
 
