@@ -281,9 +281,10 @@ class LLMEngine:
 
     def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:
         """K steps back to back in the steady state (every row a canvas, nobody reading a step's own
-        results: logprobs, reported from the step's own distribution (ModelRunner._reported),
-        drafts, min_tokens rules, a structured output's commit; no request a free slot could admit), at most as many as the canvases have steps left (more would compute
-        finished ones only); else one."""
+        results: logprobs, reported from the step's own distribution (VocabParallel.reported),
+        drafts, min_tokens rules, a structured output's commit; no request a free slot could
+        admit), at most as many as the canvases have steps left (more would compute finished ones
+        only); else one."""
         k, dec = self.executor.steps_per_launch, sched.decoder
         if k == 1 or sched.encoder or sched.score or not dec or (self.scheduler.waiting and self.scheduler.free_slots):
             return 1

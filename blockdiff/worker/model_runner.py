@@ -156,14 +156,17 @@ class ModelRunner:
         if plan.top_logprobs < 0:
             logprob = None
         elif bool(finished.any()):
-            # Only a finished canvas's logprobs are read: reported, and top-k over the vocabulary,
-            # for those alone.
+            # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone,
+            # and the tokens' and their alternatives' values reported together (one pass for raw).
             done = finished.nonzero().squeeze(1).to(self.device)
-            logprob = self._reported(res.dist, logprob, done)
+            done_lp = logprob[done].unsqueeze(-1)
             if plan.top_logprobs > 0:
-                done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
-                done_lp = self.vocab.reported(res.dist, done_lp, done)
-                top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
+                top, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
+                done_lp = torch.cat((done_lp, top), dim=-1)
+            done_lp = self.vocab.reported(res.dist, done_lp, done)
+            logprob = logprob.index_copy(0, done, done_lp[..., 0])
+            if plan.top_logprobs > 0:
+                top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp[..., 1:])
                 top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
         return StepOutput(
             finished=finished,
@@ -196,11 +199,6 @@ class ModelRunner:
             lp, ids = self.vocab.top_logprobs(dist, plan.top, torch.zeros(1, dtype=torch.long, device=self.device))
             out.update(score_top_logprobs=lp[0].cpu(), score_top_ids=ids[0].cpu())
         return out
-
-    def _reported(self, dist: Distribution, logprob: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        """`logprob` [canvases, CL] with the rows `done` (the finished canvases, whose logprobs are
-        read) as --logprobs-mode reports them; the others as they are."""
-        return logprob.index_copy(0, done, self.vocab.reported(dist, logprob[done].unsqueeze(-1), done).squeeze(-1))
 
     def _no_early_stops(self, tokens: torch.Tensor, logprob: torch.Tensor, dist: Distribution, finished: torch.Tensor,
                         rule: MinTokens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,8 +246,11 @@ class ModelRunner:
         finished = out.finished[:n].cpu()
         tokens, logprob = self._constrain(plan, finished, out.dist, out.tokens[:n], out.logprob[:n])
         if plan.top_logprobs == 0 and bool(finished.any()):
-            # out.dist is the step's own: a step that reports logprobs runs one (engine._steps_per_launch)
-            logprob = self._reported(out.dist, logprob, finished.nonzero().squeeze(1).to(self.device))
+            # Reported for the finished canvases, whose logprobs are read, from out.dist: the step's
+            # own, as a step that reports logprobs runs one (engine._steps_per_launch).
+            done = finished.nonzero().squeeze(1).to(self.device)
+            reported = self.vocab.reported(out.dist, logprob[done].unsqueeze(-1), done)
+            logprob = logprob.index_copy(0, done, reported[..., 0])
         return StepOutput(
             finished=finished,
             tokens=tokens.cpu(),
