@@ -137,6 +137,10 @@ PREFIX_CACHE_SCOPES = ("client", "global")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # The attention backends' names (blockdiff/model/attention_backends), as vLLM's --attention-backend takes them.
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "triton")
+# vLLM's --logprobs-mode: what a generated token's logprob (and its alternatives') reports. raw: the
+# model's own distribution, before the temperature; processed: the temperature-scaled one the
+# sampler drew from; *_logits: the logit values instead of log-probabilities. The first is the default.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,10 @@ class EngineConfig:
     sampler_memory_gb: float | None = flag(None, "GB the sampler may use beside the logits; it tiles over positions "
                                                  "to stay within it (default: an eighth of the free device memory, at "
                                                  "most 1 GiB)", parse="positive")
+    logprobs_mode: str = flag(LOGPROBS_MODES[0], "what generated tokens' logprobs report (vLLM's): raw_logprobs, the "
+                                                 "model's log-softmax before temperature; raw_logits, its logits; "
+                                                 "processed_logprobs / processed_logits, those of the temperature-"
+                                                 "scaled distribution the sampler drew from", choices=LOGPROBS_MODES)
     # "auto": the checkpoint's safetensors; "dummy": random weights from config.json
     load_format: str = flag("auto", "auto: the checkpoint's weights; dummy: random weights built from config.json "
                                     "alone", choices=LOAD_FORMATS)
@@ -408,6 +416,8 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got {self.prefix_cache_scope!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.num_layers_override is not None and self.load_format != "dummy":
             raise ValueError("num_layers_override needs load_format='dummy' (a checkpoint holds every layer's weights)")
 

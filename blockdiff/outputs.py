@@ -12,12 +12,14 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)  # token id -> logprob
+    # token id -> its text, for the token and its alternatives, where the engine has a tokenizer
+    texts: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
 class Logprob:
     """vLLM's: a token's log-probability, its rank among the vocabulary (1: the most likely; None
-    where unknown) and its text (None: decode it with `LLM.get_tokenizer()`)."""
+    where unknown) and its text (None where the engine has no tokenizer)."""
 
     logprob: float
     rank: int | None = None
@@ -29,8 +31,8 @@ def vllm_logprobs(lps: list[TokenLogprob]) -> list[dict[int, Logprob]]:
     out = []
     for lp in lps:
         ranks = {t: r for r, t in enumerate(lp.top, start=1)}
-        entry = {lp.token_id: Logprob(lp.logprob, ranks.get(lp.token_id))}
-        entry.update({t: Logprob(v, ranks[t]) for t, v in lp.top.items() if t != lp.token_id})
+        entry = {lp.token_id: Logprob(lp.logprob, ranks.get(lp.token_id), lp.texts.get(lp.token_id))}
+        entry.update({t: Logprob(v, ranks[t], lp.texts.get(t)) for t, v in lp.top.items() if t != lp.token_id})
         out.append(entry)
     return out
 

@@ -162,7 +162,8 @@ def backend_step(ctx: RankContext, logits: torch.Tensor, weight: torch.Tensor, p
                  mask_padding: bool = True) -> dict:
     """One entropy-bound denoising step of full-vocabulary `logits` [canvases, CL, V] (the last
     `added` ids an added vocabulary) from this rank's shard, through the sampler backend `backend`,
-    with its self-conditioning product over `weight` [V, hidden] and the drawn tokens' logprobs.
+    with its self-conditioning product over `weight` [V, hidden], the drawn tokens' logprobs, and
+    the raw logprobs of the argmax and the top 3 tokens (with their ids).
     The shard's padding columns hold a logit above every real one, so a sampler that does not mask
     them (`mask_padding` False: the mask broken on purpose) draws and weighs them."""
     from blockdiff.diffusion.entropy_bound import denoise_step
@@ -180,6 +181,11 @@ def backend_step(ctx: RankContext, logits: torch.Tensor, weight: torch.Tensor, p
     def embed(probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         return soft_embedding(probs.float(), local_rows(shard, weight), (1.0 / total).unsqueeze(-1), shard, ctx.group)
 
+    # The raw logprobs (--logprobs-mode's default) of the argmax and of the 3 most likely tokens.
+    rows = torch.arange(canvases)
+    top, top_ids = vocab.top_logprobs(res.dist, 3, rows)
+    raw_argmax = vocab.reported(res.dist, vocab.token_logprob(res.dist, res.argmax).unsqueeze(-1), rows).squeeze(-1)
     return {"argmax": res.argmax, "canvas": res.canvas, "accepted": res.accepted, "entropy": res.entropy,
             "total": res.dist.total, "logprob": vocab.token_logprob(res.dist, res.canvas),
+            "raw_argmax": raw_argmax, "raw_top": vocab.reported(res.dist, top, rows), "top_ids": top_ids,
             "soft": vocab.soft_embed(res.dist, None, embed, torch.float32)}

@@ -23,6 +23,7 @@ from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.request import IllegalTransition, Request, State
 from blockdiff.engine.scheduler import Scheduler
+from blockdiff.outputs import TokenLogprob
 from blockdiff.arg_utils import add_sampling_args, sampling_overrides
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.entrypoints.openai.protocol import request_types
@@ -390,9 +391,11 @@ def test_a_stop_token_inside_a_canvas_ends_the_output_and_its_text_is_left_out()
     stop_id = tok._tok.token_to_id("z")
     ids = tok.encode("a the", add_special_tokens=False) + [stop_id] + tok.encode(" b", add_special_tokens=False)
     det = IncrementalDetokenizer(tok, 100, {stop_id}, None, True)
-    reason = det.append(ids, logprobs=[f"lp{i}" for i in range(len(ids))])
+    reason = det.append(ids, logprobs=[TokenLogprob(t, -1.0) for t in ids])
     assert reason == "stop" and det.token_ids == ids[: ids.index(stop_id) + 1]
     assert det.text == "a the" and det.ends_with_stop_token and len(det.logprobs) == len(det.token_ids)
+    # each kept logprob holds its token's text (vLLM's Logprob.decoded_token)
+    assert [lp.texts for lp in det.logprobs] == [{t: tok.decode([t], skip_special_tokens=False)} for t in det.token_ids]
 
 
 def test_max_tokens_cuts_a_canvas():

@@ -7,7 +7,10 @@ Recorded first from the code before the sampler became a strategy (issue 27); is
 it, the one change of seeded outputs its issue allows: attention reduces over fixed key blocks in
 position order (so a recomputed prefix caches the same bits), which moves the logits in their last
 bits, and every random number is counted on the device by (seed, canvas, step, position)
-(diffusion/randoms.py) instead of drawn from a host generator per request.
+(diffusion/randoms.py) instead of drawn from a host generator per request. Issue 36 re-recorded
+the logprobs alone: they are raw by default (--logprobs-mode raw_logprobs, vLLM's), the model's
+log-softmax before the temperature; every token, top-alternative id, finish reason and step count
+stayed as recorded.
 
 **The kernels are pinned, so the recording is a property of the code, not of the CPU.** A random
 tiny model's distributions are nearly flat: a difference in the last bit of one logit moves an

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 
 import httpx
@@ -222,6 +223,16 @@ def test_logprobs(client, offline):
     for c, w in zip(content, want.outputs[0].token_logprobs):
         assert [t.logprob for t in c.top_logprobs] == pytest.approx(list(w.top.values()), abs=1e-5)
         assert bytes(c.bytes).decode() == c.token
+
+
+def test_greedy_logprobs_are_the_models_own(client):
+    """At temperature 0 the alternatives are real log-probabilities (--logprobs-mode raw_logprobs,
+    vLLM's default), not those of the greedy schedule's distribution (about -1e6 and below)."""
+    r = client.completions.create(model=MODEL, prompt="Numbers such as", max_tokens=8, seed=2, temperature=0, logprobs=5)
+    tops = r.choices[0].logprobs.top_logprobs
+    assert len(tops) == 8
+    for top in tops:  # keyed by text: tokens that decode alike share one entry
+        assert 1 <= len(top) <= 5 and min(top.values()) > -50 and sum(math.exp(v) for v in top.values()) <= 1 + 1e-6
 
 
 def test_temperature_scales_the_schedule(client, offline):

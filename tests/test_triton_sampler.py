@@ -1,8 +1,9 @@
 """The Triton sampler backend (blockdiff/ops/triton_sampler.py through diffusion/sampler_kernels.py)
 against the reference backend, under Triton's interpreter on this CPU (tests/conftest.py), on small
 shapes: one rank and the vocabulary shards of 2 and 3 gloo ranks with padding in both the original
-and the added ranges, temperature 0 and above, top-k / top-p / min-p, the drawn tokens' logprobs and
-the self-conditioning product, the same draws for the same seeds. Each case is also broken on
+and the added ranges, temperature 0 and above, top-k / top-p / min-p, the drawn tokens' logprobs,
+the raw logprobs (--logprobs-mode's default) against torch.log_softmax, and the self-conditioning
+product, the same draws for the same seeds. Each case is also broken on
 purpose (padding unmasked, another random counter, another top-k) to show the comparison fails.
 
 At the real shapes: on a fake H200 (tests/fake_cuda.py), the 26B-A4B static step picks the Triton
@@ -56,9 +57,9 @@ CASES = {
 
 
 def _assert_same(got: dict, want: dict) -> None:
-    for key in ("argmax", "canvas", "accepted"):
+    for key in ("argmax", "canvas", "accepted", "top_ids"):
         assert torch.equal(got[key], want[key]), key
-    for key in ("entropy", "total", "logprob", "soft"):
+    for key in ("entropy", "total", "logprob", "raw_argmax", "raw_top", "soft"):
         torch.testing.assert_close(got[key], want[key], rtol=2e-5, atol=2e-5, msg=key)
 
 
@@ -96,6 +97,23 @@ def test_vocabulary_shards_with_padding_match_the_reference(tp_ranks, case):
         _assert_same(g, w)
     # ...and the shards' answer is the one-rank answer
     _assert_same(got[0], _run(None, logits.clone(), weight, params, "reference", ADDED)[0])
+
+
+@pytest.mark.parametrize("case", ["greedy", "hot"])
+def test_raw_logprobs_are_the_log_softmax_of_the_logits(tp_ranks, case):
+    """Both backends, on one rank and on the shards: the reported logprobs (raw, the default) of the
+    argmax and the top tokens are torch.log_softmax of the logits before the temperature, within
+    1e-4, at temperature 0 (the schedule scaled by 1e-6) as above it."""
+    logits, weight = _inputs()
+    want = torch.log_softmax(logits, dim=-1)
+    params = _params(**CASES[case])
+    for backend in ("reference", "triton"):
+        for got in _run(None, logits.clone(), weight, params, backend, ADDED) + _run(tp_ranks, logits, weight, params,
+                                                                                     backend, ADDED):
+            torch.testing.assert_close(got["raw_argmax"], want.gather(-1, got["argmax"].unsqueeze(-1)).squeeze(-1),
+                                       rtol=0, atol=1e-4)
+            assert torch.equal(got["top_ids"], want.topk(3, dim=-1).indices)
+            torch.testing.assert_close(got["raw_top"], want.topk(3, dim=-1).values, rtol=0, atol=1e-4)
 
 
 def test_unmasked_padding_changes_the_sharded_result(tp_ranks):

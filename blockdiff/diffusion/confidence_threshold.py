@@ -48,6 +48,9 @@ class ConfidenceThreshold(DiffusionSampler):
     name = "confidence_threshold"
     fields = FIELDS
     params_type = ConfidenceParams
+    # A token's logprob is from the step that committed it, whose logits are not kept; at this
+    # sampler's temperature 1 the raw log-probabilities are the processed ones.
+    logprobs_modes = ("raw_logprobs", "processed_logprobs")
 
     def finish(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
         if given.temperature not in (None, 0):

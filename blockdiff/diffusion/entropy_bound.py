@@ -106,7 +106,7 @@ def denoise_step(
     t = temperature(params.step, params.max_denoising_steps, params.t_min, params.t_max)
     words = params.words(logits.shape[1])
     uniform, renoise = randoms.uniform(words[0]), randoms.below(words[1], vocab.shard.vocab_size)
-    dist = vocab.distribution(logits.div_(t[:, None, None]))
+    dist = vocab.distribution(logits, t[:, None, None])
     # top-k, top-p and min-p narrow the candidates only: the argmax, the entropies that accept
     # candidates and stop the canvas, and the self-conditioning input keep the full distribution.
     draw = vocab.restricted_draw(dist, params.top_k, params.top_p, params.min_p) if params.restrict else None

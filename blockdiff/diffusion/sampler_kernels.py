@@ -114,3 +114,7 @@ class TritonKernels(ReferenceKernels):
         owned = torch.ones_like(local, dtype=torch.bool) if owned is None else owned
         return self.ops.gather(y.view(-1, y.shape[-1]), local.reshape(-1).contiguous(),
                                owned.reshape(-1).contiguous()).view(lead)
+
+    def scaled_exp_sum(self, flat: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """No temporary: the kernel scales and exponentiates what it reads."""
+        return self.ops.scaled_exp_sum(flat, index.contiguous(), scale.contiguous())

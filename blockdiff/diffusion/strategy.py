@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from blockdiff.config import LOGPROBS_MODES
 from blockdiff.diffusion import randoms
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.sampling_params import (INT32_MAX, SAMPLER_FIELDS, InvalidParam, SamplerField, SamplingParams, check_field,
@@ -136,6 +137,9 @@ class DiffusionSampler:
     name: ClassVar[str]
     fields: ClassVar[tuple[SamplerField, ...]]  # the request fields this sampler reads (its table)
     self_conditioning: ClassVar[bool] = False  # whether the model's soft_embed feeds the next step
+    # The --logprobs-mode values it can report: a sampler whose logprobs come from the step that
+    # finishes the canvas converts them from that step's distribution (VocabParallel.reported).
+    logprobs_modes: ClassVar[tuple[str, ...]] = LOGPROBS_MODES
 
     # ---- one request, on the host (engine) -------------------------------------------------------
     def resolve(self, params: SamplingParams, defaults: dict, max_steps: int = INT32_MAX) -> SamplingParams:

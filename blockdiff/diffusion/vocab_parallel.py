@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockdiff.config import LOGPROBS_MODES
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
@@ -56,6 +57,10 @@ class Distribution:
     rank_bounds: torch.Tensor | None  # [ranks + 1, ...] Σ exp over the ranks before each (sharded)
     total: torch.Tensor  # [...] Σ exp over the whole vocabulary
     entropy: torch.Tensor  # [...]
+    max: torch.Tensor  # [..., 1] the max of the logits over the whole vocabulary, as `shifted` was shifted by
+    # [..., 1]-broadcastable, what the model's logits were divided by before (None: 1); the statistics
+    # above are those of the divided logits
+    temperature: torch.Tensor | None
     # [first tile's positions, local_rows] exp(shifted) of the first positions, in the tile buffer
     # that the self-conditioning product reuses (None once it has: the buffer holds other rows then)
     probs: torch.Tensor | None = None
@@ -153,14 +158,23 @@ class ReferenceKernels:
         value = y.gather(-1, local.unsqueeze(-1)).squeeze(-1)
         return value if owned is None else torch.where(owned, value, 0.0)
 
+    def scaled_exp_sum(self, flat: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """[rows] Σ exp(scale · flat[index]) per row of flat [positions, local vocab], for the
+        positions `index` [rows] and their `scale` [rows]: a [rows, local vocab] temporary."""
+        return torch.index_select(flat, 0, index).mul_(scale.unsqueeze(-1)).exp_().sum(-1)
+
 
 class VocabParallel:
     """The vocabulary layout of this rank and the collectives over it."""
 
     def __init__(self, shard: VocabShard, group: TPGroup, device: torch.device | str = "cpu",
-                 workspace_bytes: int | None = None, kernels: ReferenceKernels | None = None):
+                 workspace_bytes: int | None = None, kernels: ReferenceKernels | None = None,
+                 logprobs_mode: str = LOGPROBS_MODES[0]):
         """kernels: the passes over the shard's logits (sampler_kernels.sampler_kernels); None: the
-        reference."""
+        reference. logprobs_mode: what `reported` turns logprobs into (EngineConfig.logprobs_mode)."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs mode {logprobs_mode!r}: choose one of {', '.join(LOGPROBS_MODES)}")
+        self.logprobs_mode = logprobs_mode
         self.kernels = kernels or ReferenceKernels()
         self.shard = shard
         self.group = group
@@ -171,8 +185,11 @@ class VocabParallel:
         self.padding = None if full else ~shard.valid_rows(device)
         self.global_ids = shard.global_ids(device)
 
-    def distribution(self, x: torch.Tensor) -> Distribution:
-        """softmax statistics of logits x (float32, modified in place into x - max)."""
+    def distribution(self, x: torch.Tensor, temperature: torch.Tensor | None = None) -> Distribution:
+        """softmax statistics of logits x (float32, modified in place into x / temperature - max)
+        divided by `temperature` ([..., 1]-broadcastable; None: as they are)."""
+        if temperature is not None:
+            x.div_(temperature)
         # The vocabulary is reduced per chunk, once for the maxima and once for the sums, which
         # argmax and sampling reuse to scan a single chunk each.
         chunk_max = self.kernels.chunk_max(x, self.padding)
@@ -190,7 +207,7 @@ class VocabParallel:
             dot = dots.sum(0)
         total = local_sum if bounds is None else bounds[-1]
         entropy = total.log() - dot / total
-        return Distribution(y, chunk_max.sub_(m), cum, bounds, total, entropy, probs)
+        return Distribution(y, chunk_max.sub_(m), cum, bounds, total, entropy, m, temperature, probs)
 
     def tile_positions(self, x: torch.Tensor, bytes_per_value: int) -> int:
         """Positions per tile such that a [tile, local vocab] temporary of `bytes_per_value` per
@@ -355,6 +372,35 @@ class VocabParallel:
             value, pick = value.topk(k, dim=-1)
             ids = ids.gather(-1, pick)
         return value - d.log_total[rows].unsqueeze(-1), ids
+
+    def reported(self, d: Distribution, logprob: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The values `logprobs_mode` reports for tokens of canvases `rows` [n] whose log-probabilities
+        under d (the distribution the sampler drew from) are `logprob` [n, CL, k]: the same for
+        processed_logprobs; the logits themselves (divided by the temperature: processed_logits),
+        or the log-probabilities before the temperature (raw_logprobs), from the shifted values
+        lp + log Z. The sampling never reads these: only what is reported changes."""
+        if self.logprobs_mode == "processed_logprobs":
+            return logprob
+        shifted = logprob + d.log_total[rows].unsqueeze(-1)
+        t = None if d.temperature is None else d.temperature.expand(*d.max.shape)[rows]
+        if self.logprobs_mode.endswith("_logits"):
+            logits = shifted + d.max[rows]
+            return logits if self.logprobs_mode == "processed_logits" or t is None else logits * t
+        if t is None:
+            return logprob
+        return shifted * t - self._raw_log_total(d, rows, t).unsqueeze(-1)
+
+    def _raw_log_total(self, d: Distribution, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """[n, CL] log Σ exp(x - max) of the model's own logits x = (shifted + max) · t of canvases
+        `rows` [n] at temperature t [n, CL, 1]: the shift by the (all-reduced) max carries over, so
+        no weight exceeds 1, and each rank's sums are added in rank order, the same bits on all."""
+        flat, cl = d.shifted.view(-1, d.shifted.shape[-1]), d.shifted.shape[1]
+        positions = (rows.unsqueeze(-1) * cl + torch.arange(cl, device=rows.device)).flatten()
+        scale = t.flatten()
+        tile = self.tile_positions(d.shifted, 4)  # the reference's [tile, local vocab] float32 temporary
+        sums = torch.cat([self.kernels.scaled_exp_sum(flat, positions[a : a + tile], scale[a : a + tile])
+                          for a in range(0, positions.shape[0], tile)])
+        return self._global_sum(sums).log().view(rows.shape[0], cl)
 
 
 def rank_bounds(sums: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ class IncrementalDetokenizer:
             self.stop_reason = canvas[cut]
         self.token_ids.extend(canvas)
         if self.logprobs is not None and logprobs is not None:
-            self.logprobs.extend(logprobs[: len(canvas)])
+            self.logprobs.extend(self.with_texts(logprobs[: len(canvas)]))
         if self.tokenizer is None:
             return reason
         text_end = len(self.token_ids) - (1 if self.ends_with_stop_token and not self.include_stop else 0)
@@ -83,6 +83,15 @@ class IncrementalDetokenizer:
         self.pieces.append(window[: len(window) - keep])
         self.pending = window[len(window) - keep :]
         return reason
+
+    def with_texts(self, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
+        """`logprobs` with each token's and alternative's text (vLLM's Logprob.decoded_token: the
+        token decoded alone, special tokens included, as the server shows it); as they are without
+        a tokenizer."""
+        if self.tokenizer is not None:
+            for lp in logprobs:
+                lp.texts = {t: self.tokenizer.decode([t], skip_special_tokens=False) for t in (lp.token_id, *lp.top)}
+        return logprobs
 
     def _decode(self, start: int, end: int) -> str:
         return self.tokenizer.decode(self.token_ids[start:end], self.skip_special_tokens)

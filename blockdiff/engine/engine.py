@@ -281,13 +281,14 @@ class LLMEngine:
 
     def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:
         """K steps back to back in the steady state (every row a canvas, nobody reading a step's own
-        results: top logprobs, drafts, min_tokens rules, a structured output's commit; no request a
-        free slot could admit), at most as many as the canvases have steps left (more would compute
-        finished ones only); else one."""
+        results: logprobs, reported from the step's own distribution (VocabParallel.reported),
+        drafts, min_tokens rules, a structured output's commit; no request a free slot could
+        admit), at most as many as the canvases have steps left (more would compute finished ones
+        only); else one."""
         k, dec = self.executor.steps_per_launch, sched.decoder
         if k == 1 or sched.encoder or sched.score or not dec or (self.scheduler.waiting and self.scheduler.free_slots):
             return 1
-        if min_tokens or any(r.params.stream_drafts or r.params.draft_details or (r.params.logprobs or 0) > 0
+        if min_tokens or any(r.params.stream_drafts or r.params.draft_details or r.params.logprobs is not None
                              or r.constraint is not None for r in dec):
             return 1
         return min(k, max(r.steps_left for r in dec))

@@ -32,7 +32,7 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
         if req in gone:
             offset += n
             continue
-        if req.add_scores(_scores(req, req.tokens(start, end), out, offset)):  # it asked for no output: done
+        if req.add_scores(req.output.with_texts(_scores(req, req.tokens(start, end), out, offset))):  # it asked for no output: done
             req.finish("length")
             scheduler.release(req)
             news.append(req)

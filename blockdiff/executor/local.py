@@ -20,7 +20,7 @@ class LocalExecutor:
         self.cache_config: CacheConfig = size_cache(model, cfg, max_model_len)
         self.runner = ModelRunner(model, self.cache_config, device, make_sampler(sampler), cfg.tune_cpu_heap,
                                   cfg.sampler_memory_gb, *cfg.step_modes(device), cfg.steps_per_launch(device),
-                                  cfg.attention_backend)
+                                  cfg.attention_backend, cfg.logprobs_mode)
         self.steps_per_launch = self.runner.steps_per_launch  # 1 where the model's step is not static
 
     def execute(self, plan: StepPlan) -> StepOutput | None:

@@ -51,7 +51,8 @@ class TPExecutor:
                 # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
                 self.cache_config = size_cache(ranks.context.state["model"], cfg, self._max_model_len)
             ranks.run(_start_runner, self.cache_config, self._sampler, cfg.tune_cpu_heap, cfg.sampler_memory_gb,
-                      cfg.step_modes(self._device), cfg.steps_per_launch(self._device), cfg.attention_backend, gather=True)
+                      cfg.step_modes(self._device), cfg.steps_per_launch(self._device), cfg.attention_backend, cfg.logprobs_mode,
+                      gather=True)
             # Every rank builds the same runner: rank 0's (this process) says what the steps can do.
             self.steps_per_launch = ranks.context.state["runner"].steps_per_launch
         except BaseException:
@@ -116,9 +117,10 @@ def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype, 
 
 
 def _start_runner(ctx: RankContext, cache: CacheConfig, sampler: str, tune_cpu_heap: bool, sampler_memory_gb: float | None,
-                  step_modes: tuple[bool | None, bool], steps_per_launch: int, attention_backend: str) -> None:
+                  step_modes: tuple[bool | None, bool], steps_per_launch: int, attention_backend: str,
+                  logprobs_mode: str) -> None:
     ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, make_sampler(sampler), tune_cpu_heap,
-                                      sampler_memory_gb, *step_modes, steps_per_launch, attention_backend)
+                                      sampler_memory_gb, *step_modes, steps_per_launch, attention_backend, logprobs_mode)
 
 
 def _execute(ctx: RankContext, plan: StepPlan) -> StepOutput | None:

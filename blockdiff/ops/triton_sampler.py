@@ -171,6 +171,19 @@ def _gather_kernel(y_ptr, local_ptr, owned_ptr, out_ptr, V):
 
 
 @triton.jit
+def _scaled_exp_sum_kernel(y_ptr, index_ptr, scale_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    row = tl.load(index_ptr + i)
+    scale = tl.load(scale_ptr + i)
+    total = tl.zeros((), dtype=tl.float32)
+    for first in range(0, V, BLOCK):
+        cols = first + tl.arange(0, BLOCK)
+        y = tl.load(y_ptr + row * V + cols, mask=cols < V, other=-float("inf"))
+        total += tl.sum(tl.exp(y * scale), axis=0)
+    tl.store(out_ptr + i, total)
+
+
+@triton.jit
 def _row_cumsum_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     carry = tl.zeros((), dtype=tl.float32)
@@ -315,6 +328,19 @@ def gather(y: torch.Tensor, local: torch.Tensor, owned: torch.Tensor) -> torch.T
 @gather.register_fake
 def _(y, local, owned):
     return y.new_empty(y.shape[0])
+
+
+@torch.library.custom_op("blockdiff::sampler_scaled_exp_sum", mutates_args=())
+def scaled_exp_sum(y: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[rows] Σ exp(scale[i] · y[index[i]]) over each row's columns (scale > 0)."""
+    out = y.new_empty(index.shape[0])
+    _scaled_exp_sum_kernel[(index.shape[0],)](y, index, scale, out, y.shape[1], BLOCK=_BLOCK)
+    return out
+
+
+@scaled_exp_sum.register_fake
+def _(y, index, scale):
+    return y.new_empty(index.shape[0])
 
 
 @torch.library.custom_op("blockdiff::sampler_row_cumsum", mutates_args=())

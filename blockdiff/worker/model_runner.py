@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from blockdiff.config import LOGPROBS_MODES
 from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.sampler_kernels import choose_sampler_backend, sampler_kernels
@@ -38,7 +39,7 @@ class ModelRunner:
     def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str,
                  sampler: DiffusionSampler, tune_cpu_heap: bool = False, sampler_memory_gb: float | None = None,
                  compile: bool | None = False, cuda_graphs: bool = False, steps_per_launch: int = 1,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, logprobs_mode: str = LOGPROBS_MODES[0]):
         """sampler: how canvases are denoised (the engine's, `diffusion/registry.py`).
         sampler_memory_gb: the sampler's workspace (EngineConfig). compile / cuda_graphs
         (EngineConfig.step_modes): run all-canvas steps as the static step, compiled / replayed as
@@ -46,12 +47,16 @@ class ModelRunner:
         the device's default where the model has them. steps_per_launch (EngineConfig): denoising
         steps a steady-state step may run back to back, through the static step (eager unless
         compiled or graphed); 1 for a model without static shapes. attention_backend
-        (EngineConfig): a name of model/attention_backends, or None / "auto" for the device's."""
+        (EngineConfig): a name of model/attention_backends, or None / "auto" for the device's.
+        logprobs_mode (EngineConfig): what committed tokens' logprobs report (VocabParallel.reported)."""
         self.model = model
         self.sampler = sampler
         self.device = torch.device(device)
         if sampler.self_conditioning and not hasattr(model, "soft_embed"):
             raise ValueError(f"the {sampler.name} sampler self-conditions, which {type(model).__name__} cannot")
+        if logprobs_mode not in sampler.logprobs_modes:
+            raise ValueError(f"--logprobs-mode {logprobs_mode}: the {sampler.name} sampler reports "
+                             f"{' or '.join(sampler.logprobs_modes)} only")
         if tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
             keep_freed_memory()
         self.cache_config = cache
@@ -62,7 +67,7 @@ class ModelRunner:
         self.tables = BlockTables(cache, self.kinds, self.device)
         kernels = sampler_kernels(choose_sampler_backend(self.device))
         self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device),
-                                   kernels)
+                                   kernels, logprobs_mode)
         self.canvas_length = model.config.canvas_length
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
                                        self.device)
@@ -150,12 +155,19 @@ class ModelRunner:
         top_lp = top_ids = None
         if plan.top_logprobs < 0:
             logprob = None
-        elif plan.top_logprobs > 0 and bool(finished.any()):
-            # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone.
+        elif bool(finished.any()):
+            # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone,
+            # and the tokens' and their alternatives' values reported together (one pass for raw).
             done = finished.nonzero().squeeze(1).to(self.device)
-            done_lp, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
-            top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp)
-            top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
+            done_lp = logprob[done].unsqueeze(-1)
+            if plan.top_logprobs > 0:
+                top, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
+                done_lp = torch.cat((done_lp, top), dim=-1)
+            done_lp = self.vocab.reported(res.dist, done_lp, done)
+            logprob = logprob.index_copy(0, done, done_lp[..., 0])
+            if plan.top_logprobs > 0:
+                top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp[..., 1:])
+                top_ids = done_ids.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_ids)
         return StepOutput(
             finished=finished,
             tokens=tokens.cpu(),
@@ -233,6 +245,12 @@ class ModelRunner:
         self.requests.stepped(inputs.slots[:n], plan.steps)
         finished = out.finished[:n].cpu()
         tokens, logprob = self._constrain(plan, finished, out.dist, out.tokens[:n], out.logprob[:n])
+        if plan.top_logprobs == 0 and bool(finished.any()):
+            # Reported for the finished canvases, whose logprobs are read, from out.dist: the step's
+            # own, as a step that reports logprobs runs one (engine._steps_per_launch).
+            done = finished.nonzero().squeeze(1).to(self.device)
+            reported = self.vocab.reported(out.dist, logprob[done].unsqueeze(-1), done)
+            logprob = logprob.index_copy(0, done, reported[..., 0])
         return StepOutput(
             finished=finished,
             tokens=tokens.cpu(),
