@@ -158,7 +158,8 @@ class ModelRunner:
         elif bool(finished.any()):
             # Only a finished canvas's logprobs are read: top-k over the vocabulary for those alone,
             # and the tokens' and their alternatives' values reported together (one pass for raw).
-            done = finished.nonzero().squeeze(1).to(self.device)
+            # `finished` is on the host already: its indices cost no device read.
+            done = torch.tensor([i for i, f in enumerate(finished.tolist()) if f], dtype=torch.long, device=self.device)
             done_lp = logprob[done].unsqueeze(-1)
             if plan.top_logprobs > 0:
                 top, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
