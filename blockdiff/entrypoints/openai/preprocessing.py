@@ -313,7 +313,10 @@ class Preprocessor:
                                 f"max_denoising_steps x canvas length, and prompt positions scored), more than this "
                                 f"server's limit of {self.max_request_cost} per request: lower n, max_tokens or "
                                 "max_denoising_steps", param="max_tokens", code="request_too_costly")
-        size = sum(n * response_bytes(params) for params in resolved)
+        # Lengths beyond the context are the engine's to refuse, as above.
+        size = sum(n * response_bytes(replace(params, max_tokens=min(params.max_tokens, max(1, self.limits.max_model_len
+                                                                                             - params.prompt_len))))
+                   for params in resolved)
         if size > self.max_response_bytes:
             raise APIError(400, f"this request's response could take about {size} bytes (choices x tokens returned x "
                                 f"(1 + logprobs) entries), more than this server's limit of {self.max_response_bytes} "
