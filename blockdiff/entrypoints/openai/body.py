@@ -260,7 +260,7 @@ class BodyParser:
     `max_items`: the longest list any field takes (prompt ids, messages, prompts). Unknown top-level
     fields of the bodies that allow them are refused with `strict_fields`, else logged and ignored."""
 
-    def __init__(self, pool: WorkPool, max_items: int, strict_fields: bool = False):
+    def __init__(self, pool: WorkPool, max_items: int, strict_fields: bool):
         self.pool, self.max_items, self.strict_fields = pool, max_items, strict_fields
 
     async def __call__(self, body: bytes, model: type[Model], client: str) -> Model:
