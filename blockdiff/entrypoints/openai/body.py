@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from blockdiff.entrypoints.openai.errors import APIError
-from blockdiff.entrypoints.openai.protocol import IGNORED_FIELDS
+from blockdiff.entrypoints.openai.protocol import ignored_fields
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ class BodyParser:
         if unknown and self.strict_fields:
             raise APIError(400, f"unknown request field{'s' if len(extra) > 1 else ''} {', '.join(unknown)} (the server "
                                 "refuses unknown fields: --strict-request-fields)", param=unknown[0])
-        ignored = [f for f in IGNORED_FIELDS if getattr(parsed, f, None) is not None] + [f"{f} (unknown)" for f in unknown]
+        ignored = ignored_fields(parsed) + [f"{f} (unknown)" for f in unknown]
         if ignored:
             log.warning("request fields ignored: %s", ", ".join(ignored))
         return parsed

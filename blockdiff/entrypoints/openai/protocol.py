@@ -135,6 +135,12 @@ class _GenerationRequest(_SamplerExtensions):
     prediction: dict[str, Any] | None = None
 
 
+def ignored_fields(req: BaseModel) -> list[str]:
+    """The fields of IGNORED_FIELDS that a completion or chat request sets (the Responses API's
+    `store`, say, means something there)."""
+    return [f for f in IGNORED_FIELDS if getattr(req, f) is not None] if isinstance(req, _GenerationRequest) else []
+
+
 class CompletionRequest(_GenerationRequest):
     prompt: str | Annotated[list[str], Field(max_length=MAX_CHOICES)] | list[int] | Annotated[list[list[int]], Field(max_length=MAX_CHOICES)]
     max_tokens: int | None = None
