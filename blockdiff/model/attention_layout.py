@@ -173,6 +173,17 @@ def flat(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block
     return table[rows, positions // block_size] * block_size + positions % block_size
 
 
+class WritesCache:
+    """A backend's metadata of one layer kind, which writes the step's encoder K/V (`writes`, a
+    CacheWrite or None) into the cache before any row attends."""
+
+    writes: "CacheWrite | None"
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if self.writes is not None:
+            self.writes.apply(k, v, cache)
+
+
 @dataclass
 class CacheWrite:
     """The encoder rows' cache writes of one layer kind: token `src[i]`'s K/V go to flat entry `dst[i]`."""

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.model.attention_layout import (AttentionMetadata, CacheGeometry, CacheWrite, Piece, Row, align,
-                                              canvas_positions, pieces, step_positions, step_tables, token_starts)
+from blockdiff.model.attention_layout import (AttentionMetadata, CacheGeometry, CacheWrite, Piece, Row, WritesCache,
+                                              align, canvas_positions, pieces, step_positions, step_tables, token_starts)
 
 NAME = "reference"
 
@@ -50,7 +50,7 @@ class AttnGroup:
 
 
 @dataclass
-class ReferenceKind:
+class ReferenceKind(WritesCache):
     """Everything one layer kind (sliding or full) needs for one step: its groups and the encoder
     rows' cache writes (done before any row attends)."""
 
@@ -60,10 +60,6 @@ class ReferenceKind:
     writes: CacheWrite | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        if self.writes is not None:
-            self.writes.apply(k, v, cache)
 
     def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]."""

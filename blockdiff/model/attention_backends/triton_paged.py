@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.model.attention_layout import (AttentionMetadata, CacheGeometry, CacheWrite, Piece, Row,
+from blockdiff.model.attention_layout import (AttentionMetadata, CacheGeometry, CacheWrite, Piece, Row, WritesCache,
                                               canvas_positions, pieces, step_positions, step_tables, token_starts)
 from blockdiff.ops.triton_attention import TILE, paged_attention
 
@@ -23,7 +23,7 @@ NAME = "triton"
 
 
 @dataclass
-class TritonKind:
+class TritonKind(WritesCache):
     """One layer kind's kernel arguments for one step."""
 
     table: torch.Tensor  # [table rows, width] block ids, -1 none
@@ -33,10 +33,6 @@ class TritonKind:
     writes: CacheWrite | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        if self.writes is not None:
-            self.writes.apply(k, v, cache)
 
     def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]."""
