@@ -377,6 +377,7 @@ def test_another_client_can_neither_read_continue_nor_delete_a_stored_response(s
     assert call("127.0.0.1", "GET", f"/v1/responses/{made['id']}").json()["output"] == made["output"]
 
 
+@pytest.mark.slow  # a server of its own and 48 MiB of uploads: about 30 s
 def test_a_chain_of_large_turns_stays_within_the_store(tmp_path):
     """Issue 37, finding 5, scaled to a 4 MiB store: 24 chained responses whose input carries a 2 MiB
     reasoning summary (stored, never tokenized). The chain once kept every turn in its newest entry
