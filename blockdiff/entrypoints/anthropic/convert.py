@@ -10,15 +10,13 @@ and the sampling fields become the chat request's fields, which the chat endpoin
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from pydantic import ValidationError
 
 from blockdiff.entrypoints.anthropic import protocol as a
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai import responses_protocol as r
-from blockdiff.entrypoints.openai.errors import APIError
+from blockdiff.entrypoints.openai.errors import APIError, renamed_params
 from blockdiff.outputs import RequestOutput
 
 # The chat request's names of the fields whose errors a Messages request knows by other names.
@@ -33,17 +31,9 @@ _THINKING_EFFORT = "medium"
 _EFFORTS = {"max": "xhigh"}
 
 
-@contextmanager
-def messages_names() -> Iterator[None]:
+def messages_names():
     """Errors of the chat machinery, about fields under their chat names, under the Messages names."""
-    try:
-        yield
-    except APIError as e:
-        name = _MESSAGES_NAMES.get(e.param)
-        if name is None:
-            raise
-        message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
-        raise APIError(e.status, message, param=name, code=e.code) from None
+    return renamed_params(_MESSAGES_NAMES)
 
 
 def chat_request(req: a.CountTokensRequest, chat_type: type[p.ChatCompletionRequest],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +39,20 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@contextmanager
+def renamed_params(names: dict[str, str]) -> Iterator[None]:
+    """Errors of the chat machinery about fields under their chat names, raised under another
+    API's names (`names`: chat name -> that API's), the message's leading name too."""
+    try:
+        yield
+    except APIError as e:
+        name = names.get(e.param)
+        if name is None:
+            raise
+        message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+        raise APIError(e.status, message, param=name, code=e.code) from None
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

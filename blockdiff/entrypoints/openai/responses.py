@@ -18,8 +18,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -32,7 +31,7 @@ from blockdiff.entrypoints.openai import responses_protocol as r
 from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import client_of
-from blockdiff.entrypoints.openai.errors import APIError, bad_value
+from blockdiff.entrypoints.openai.errors import APIError, bad_value, renamed_params
 from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS
 from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, EventStream, Piece, sse, usage
 from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -55,17 +54,9 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-@contextmanager
-def _responses_names() -> Iterator[None]:
+def _responses_names():
     """Errors of the chat machinery, about fields under their chat names, under the Responses names."""
-    try:
-        yield
-    except APIError as e:
-        name = _RESPONSES_NAMES.get(e.param)
-        if name is None:
-            raise
-        message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
-        raise APIError(e.status, message, param=name, code=e.code) from None
+    return renamed_params(_RESPONSES_NAMES)
 
 
 @dataclass
