@@ -282,3 +282,43 @@ def test_steps_of_two_buckets_write_their_logits_into_one_buffer(checkpoints):
         assert fresh.dist.shifted.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
         for name, value in _tensors(fresh).items():
             assert torch.equal(value, _tensors(shared)[name]), name
+
+
+def _soft_inputs(llm: LLM, prompts, params) -> tuple[list[torch.Tensor | None], list[list[int]]]:
+    """The self-conditioning input of the canvases' tokens at every step that denoised some, and the
+    outputs: read at the model's self-conditioning module, where a step's two paths meet."""
+    model = llm.engine.executor.runner.model
+    seen = []
+    hook = model.self_conditioning.register_forward_hook(
+        lambda module, args, out: seen.append(None if args[1] is None else args[1].clone()))
+    try:
+        tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        hook.remove()
+    return seen, tokens
+
+
+def test_a_starting_canvas_is_self_conditioned_alike_on_the_eager_and_the_static_step(tiny):
+    """One step function with one rule (worker/canvas_step.forward_step): a starting canvas reads
+    its slot's zeros whichever path runs it, and a finished canvas's soft embeddings are computed
+    too, so the static step (num_scheduler_steps 2 runs every all-canvas step through it) and the
+    eager step give the model the same inputs and the slots the same state."""
+    prompts = [[5, 6, 7], [9, 10]]
+    params = [SamplingParams(max_tokens=16, max_denoising_steps=3, seed=7, ignore_eos=True) for _ in prompts]
+    runs = {}
+    for k in (1, 2):
+        with LLM(tiny, num_scheduler_steps=k) as llm:
+            runs[k] = _soft_inputs(llm, prompts, params)
+            runner = llm.engine.executor.runner
+            assert (runner.canvas_steps is None) == (k == 1)
+            runs[k] += (runner.state.soft.clone(),)
+    (eager, eager_tokens, eager_state), (static, static_tokens, static_state) = runs[1], runs[2]
+    assert eager_tokens == static_tokens
+    # A canvas's first step reads zeros, not "no input", on the eager path too.
+    assert eager[0] is not None and eager[0].count_nonzero() == 0
+    assert all(s is not None for s in eager + static)
+    canvas_steps = [s for s in eager if s.shape[0]]
+    assert len(canvas_steps) >= 6
+    # The finished canvases' slots hold the soft embeddings of their last step on both paths.
+    assert torch.equal(eager_state[: len(prompts)], static_state[: len(prompts)])
+    assert eager_state[: len(prompts)].count_nonzero() > 0

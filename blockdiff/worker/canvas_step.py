@@ -51,6 +51,11 @@ class CanvasOutputs:
     dist: Distribution
     steps: torch.Tensor  # [B] int32 denoising steps each canvas ran (up to the one that finished it)
 
+    def head(self, n: int) -> "CanvasOutputs":
+        """The first `n` canvases' outputs (a padded bucket's real ones); `dist` as it is."""
+        return CanvasOutputs({k: v[:n] for k, v in self.updates.items()},
+                             *(getattr(self, k)[:n] for k in _RESULTS), self.dist, self.steps[:n])
+
 
 def canvas_step(
     model: BlockDiffusionModel,
@@ -85,7 +90,7 @@ def canvas_step(
     out = None
     for i in range(steps):
         params = first if i == 0 else first.later(i)
-        now = _one_step(model, sampler, vocab, kv, meta, work, here, params, logits)
+        now = forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits)[1]
         if out is None:
             out = now
         else:
@@ -104,21 +109,39 @@ def _where(keep: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Te
     return torch.where(keep.view(-1, *([1] * (new.dim() - 1))), old, new)
 
 
-def _one_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, meta, state: SlotState, slots: torch.Tensor,
-              params: StepParams, buffer: torch.Tensor | None) -> CanvasOutputs:
+def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, meta, state: SlotState,
+                 slots: torch.Tensor, params: StepParams | None, prefix: torch.Tensor | None = None, scored: int = 0,
+                 images=None, logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, CanvasOutputs | None]:
+    """The one step function, of the eager and the static step alike: a forward over the tokens
+    [prefix | the canvases of `slots`] and, where there are canvases, the sampler's step and the
+    self-conditioning product of every one of them.
+
+    prefix: the encoder tokens (prompt chunks, committed canvases) and then `scored` tokens of
+    scored pieces, which are decoder tokens ahead of the canvases (`meta` packs them so). Returns the
+    scored tokens' logits [scored, local vocab] and the canvases' outputs (None without canvases).
+    One rule for self-conditioning wherever the step runs: every canvas reads its slot's soft
+    embeddings, which a starting canvas's slot holds as zeros (the self-conditioning MLP of zeros is
+    exactly zero, so that is the reference's step without a previous one), and every canvas's new
+    ones are computed, a finished canvas's too (its slot is reset when the next canvas starts)."""
     rows, cl = slots.shape[0], state.canvas.shape[1]
     ids = state.canvas.index_select(0, slots).reshape(-1)
-    # A canvas's first step reads the zeros its slot was reset to: the self-conditioning MLP of
-    # zeros is exactly zero, so that equals the reference's step without a previous one.
-    soft = state.soft.index_select(0, slots).reshape(rows * cl, -1) if sampler.self_conditioning else None
-    logits = model(ids, meta, kv, soft, logits_out=None if buffer is None else buffer[: rows * cl])
-    res = sampler.step(logits.view(rows, cl, -1), state, slots, params, vocab)
+    soft = state.soft.index_select(0, slots).flatten(0, 1) if sampler.self_conditioning else None
+    if prefix is not None:
+        ids = torch.cat((prefix, ids))
+        if soft is not None and scored:  # a scored piece is a canvas's first step: zeros
+            soft = torch.cat((soft.new_zeros(scored, soft.shape[-1]), soft))
+    if meta.num_tokens > ids.shape[0]:  # rows aligned for batch invariance (model/attention.py)
+        ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
+    logits = model(ids, meta, kv, soft, images, logits_out=None if logits_out is None else logits_out[: scored + rows * cl])
+    if rows == 0:
+        return logits[:scored], None
+    res = sampler.step(logits[scored:].view(rows, cl, -1), state, slots, params, vocab)
     updates = dict(res.updates)
     if sampler.self_conditioning:
-        # For every canvas, finished ones included: their slots are reset when the next canvas starts.
         updates["soft"] = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
-    return CanvasOutputs(updates, sampler.commit(res, params), res.finished, res.logprob, res.dist.entropy,
-                         res.accepted, res.dist, torch.ones(rows, dtype=torch.int32, device=slots.device))
+    return logits[:scored], CanvasOutputs(updates, sampler.commit(res, params), res.finished, res.logprob,
+                                          res.dist.entropy, res.accepted, res.dist,
+                                          torch.ones(rows, dtype=torch.int32, device=slots.device))
 
 
 def shape_count(num_slots: int, max_context: int, block_size: int) -> int:

@@ -5,11 +5,13 @@ argmax canvas, its run length and the self-conditioning input) lives in prealloc
 indexed by the request's slot, made by the sampler (one more, a scratch slot, takes the writes of
 padded canvases). Each slot's position and sampler parameters live there too
 (worker/request_slots.py), as its block tables do (worker/block_tables.py): a plan names the slots
-that run. A step whose rows are all canvases being denoised can run as the
-static step of worker/canvas_step.py (compiled, or replayed as a CUDA graph); every other step
-(prompt chunks, committed canvases beside canvases) runs eagerly over rows grouped by shape. Every
-rank runs the same `execute` on the same `StepPlan`; with tensor parallelism the collectives inside
-keep them equal, and rank 0 returns the results.
+that run. Every step runs one step function (worker/canvas_step.forward_step): a step whose rows
+are all canvases being denoised runs it with static shapes (a padded bucket, compiled or replayed as
+a CUDA graph, several steps per launch) where the runner has them; every other step (prompt chunks,
+committed canvases, scored pieces beside canvases) runs it eagerly over the rows as they are. What
+the host reads of a step is made in one place for both (`_finish`). Every rank runs the same
+`execute` on the same `StepPlan`; with tensor parallelism the collectives inside keep them equal,
+and rank 0 returns the results.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.sampler_kernels import choose_sampler_backend, sampler_kernels
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.kernels import step_modes, target
-from blockdiff.model.attention import Row, build_metadata
+from blockdiff.model.attention import build_metadata
 from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
 from blockdiff.worker.block_tables import BlockTables
-from blockdiff.worker.canvas_step import CanvasSteps, all_canvases
+from blockdiff.worker.canvas_step import CanvasOutputs, CanvasSteps, all_canvases, forward_step
 from blockdiff.worker.cpu_heap import keep_freed_memory
 from blockdiff.worker.kv_cache import allocate, geometry
 from blockdiff.worker.request_slots import RequestSlots
@@ -99,59 +101,46 @@ class ModelRunner:
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
             self._start_canvases(plan, slots)
-        if (self.canvas_steps is not None and all_canvases(rows) and plan.top_logprobs <= 0 and plan.score is None
-                and plan.min_tokens is None):
-            return self._canvas_step(plan, rows)
-        if plan.steps > 1:
-            raise ValueError(f"{plan.steps} steps per launch need a step of canvases only, run as the static step")
+        score = {}
+        if self.canvas_steps is not None and plan.score is None and all_canvases(rows):
+            # The step function with static shapes (a padded bucket), compiled or graphed.
+            out = self.canvas_steps(rows, plan.denoise, plan.steps)[1].head(len(dec_rows))
+        else:
+            if plan.steps > 1:
+                raise ValueError(f"{plan.steps} steps per launch need a step of canvases only, run as the static step")
+            ids = plan.encoder_ids.to(self.device)
+            scored_tokens = 0
+            if plan.score is not None:
+                ids = torch.cat((ids, plan.score.ids.to(self.device)))
+                scored_tokens = plan.score.ids.shape[0]
+            meta = build_metadata(rows, self.geometry, self.kinds, self.device, self.tables.tables)
+            params = self.requests.step_params(slots, plan.denoise) if dec_rows else None
+            images = None if plan.images is None else plan.images.to(self.device)
+            score_logits, out = forward_step(self.model, self.sampler, self.vocab, self.kv, meta, self.state, slots,
+                                             params, ids, scored_tokens, images)
+            if plan.score is not None:
+                score = self._score(score_logits, plan.score)
+            if out is None:
+                if not score:
+                    return None
+                return StepOutput(finished=torch.zeros(0, dtype=torch.bool), tokens=torch.zeros(
+                    0, self.canvas_length, dtype=torch.long), logprob=None, top_logprobs=None, top_ids=None, **score)
+        return self._finish(plan, slots, out, score)
 
-        ids = plan.encoder_ids.to(self.device)
-        score_tokens = 0
-        if plan.score is not None:
-            ids = torch.cat((ids, plan.score.ids.to(self.device)))
-            score_tokens = plan.score.ids.shape[0]
-        soft = None
-        if dec_rows:
-            ids = torch.cat((ids, self.state.canvas[slots].reshape(-1)))
-            # Every canvas that is not starting went on from the previous step, which computed its
-            # soft embeddings (a finished one starts a new canvas next: the scheduler's steps_left).
-            if self.sampler.self_conditioning and len(plan.new_canvas_rows) < len(dec_rows):
-                soft = self.state.soft[slots].reshape(-1, self.state.soft.shape[-1])
-                if score_tokens:  # a scored piece is a canvas's first step: no self-conditioning (zeros)
-                    soft = torch.cat((soft.new_zeros(score_tokens, soft.shape[-1]), soft))
-        meta = build_metadata(rows, self.geometry, self.kinds, self.device, self.tables.tables)
-        if meta.num_tokens > ids.shape[0]:
-            ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
-        images = None if plan.images is None else plan.images.to(self.device)
-        logits = self.model(ids, meta, self.kv, soft, images)
-        score = self._score(logits[:score_tokens], plan.score) if plan.score is not None else {}
-        logits = logits[score_tokens:]
-        if not dec_rows:
-            if not score:
-                return None
-            return StepOutput(finished=torch.zeros(0, dtype=torch.bool), tokens=torch.zeros(0, self.canvas_length,
-                              dtype=torch.long), logprob=None, top_logprobs=None, top_ids=None, **score)
-
-        params = self.requests.step_params(slots, plan.denoise)
-        res = self.sampler.step(logits.view(len(dec_rows), self.canvas_length, -1), self.state, slots, params, self.vocab)
-        self.state.put(slots, res.updates)
-        self.requests.stepped(slots, 1)
-        finished = res.finished.cpu()  # the only host sync the control flow below needs
-        tokens, logprob = self.sampler.commit(res, params), res.logprob
+    def _finish(self, plan: StepPlan, slots: torch.Tensor, out: CanvasOutputs, score: dict) -> StepOutput:
+        """The canvases' new state kept, and what the host reads of the step: which finished, what
+        they commit (min_tokens and structured outputs applied) and the logprobs asked for."""
+        self.state.put(slots, out.updates)
+        self.requests.stepped(slots, plan.steps)
+        finished = out.finished.cpu()  # the only host sync the control flow below needs
+        tokens, logprob, dist = out.tokens, out.logprob, out.dist
+        if plan.steps > 1 and (plan.min_tokens is not None or plan.constraints or plan.top_logprobs >= 0):
+            # they read the finishing step's distribution; `dist` is the last step's (engine._steps_per_launch)
+            raise ValueError(f"{plan.steps} steps per launch cannot apply min_tokens, constraints or logprobs")
         if plan.min_tokens is not None:
-            tokens, logprob = self._no_early_stops(tokens, logprob, res.dist, finished, plan.min_tokens)
+            tokens, logprob = self._no_early_stops(tokens, logprob, dist, finished, plan.min_tokens)
         # Last: a constrained canvas commits what its automaton accepts, whatever came before.
-        tokens, logprob = self._constrain(plan, finished, res.dist, tokens, logprob)
-        if self.sampler.self_conditioning:
-            # A finished canvas is committed and the next one starts without self-conditioning, so
-            # only the canvases that go on need their soft embeddings (the product is as big as the
-            # LM head).
-            going = ~finished
-            if bool(going.any()):
-                rows = None if bool(going.all()) else going.nonzero().squeeze(1).to(self.device)
-                keep = slots if rows is None else slots[rows]
-                self.state.soft[keep] = self.vocab.soft_embed(res.dist, rows, self.model.soft_embed, self.model.dtype)
-
+        tokens, logprob = self._constrain(plan, finished, dist, tokens, logprob)
         top_lp = top_ids = None
         if plan.top_logprobs < 0:
             logprob = None
@@ -162,9 +151,9 @@ class ModelRunner:
             done = torch.tensor([i for i, f in enumerate(finished.tolist()) if f], dtype=torch.long, device=self.device)
             done_lp = logprob[done].unsqueeze(-1)
             if plan.top_logprobs > 0:
-                top, done_ids = self.vocab.top_logprobs(res.dist, plan.top_logprobs, done)
+                top, done_ids = self.vocab.top_logprobs(dist, plan.top_logprobs, done)
                 done_lp = torch.cat((done_lp, top), dim=-1)
-            done_lp = self.vocab.reported(res.dist, done_lp, done)
+            done_lp = self.vocab.reported(dist, done_lp, done)
             logprob = logprob.index_copy(0, done, done_lp[..., 0])
             if plan.top_logprobs > 0:
                 top_lp = done_lp.new_zeros(*tokens.shape, plan.top_logprobs).index_copy_(0, done, done_lp[..., 1:])
@@ -175,8 +164,9 @@ class ModelRunner:
             logprob=None if logprob is None else logprob.cpu(),
             top_logprobs=None if top_lp is None else top_lp.cpu(),
             top_ids=None if top_ids is None else top_ids.cpu(),
-            entropy=res.dist.entropy.cpu() if plan.draft_details else None,
-            accepted=res.accepted.cpu() if plan.draft_details else None,
+            entropy=out.entropy.cpu() if plan.draft_details else None,
+            accepted=out.accepted.cpu() if plan.draft_details else None,
+            steps=out.steps.cpu() if plan.steps > 1 else None,
             **score,
         )
 
@@ -236,29 +226,3 @@ class ModelRunner:
             new, lp = constrained_tokens(dist, tokens[rows], group, self.automata[key], self.vocab)
             tokens[rows], logprob[rows] = new, lp
         return tokens, logprob
-
-    def _canvas_step(self, plan: StepPlan, rows: list[Row]) -> StepOutput:
-        """The static step (plan.steps of them back to back) of the canvases `rows`; only the
-        finished flags, the steps run, the committed tokens (and logprobs) come back, once."""
-        n = len(rows)
-        inputs, out = self.canvas_steps(rows, plan.denoise, plan.steps)
-        self.state.put(inputs.slots[:n], {name: value[:n] for name, value in out.updates.items()})
-        self.requests.stepped(inputs.slots[:n], plan.steps)
-        finished = out.finished[:n].cpu()
-        tokens, logprob = self._constrain(plan, finished, out.dist, out.tokens[:n], out.logprob[:n])
-        if plan.top_logprobs == 0 and bool(finished.any()):
-            # Reported for the finished canvases, whose logprobs are read, from out.dist: the step's
-            # own, as a step that reports logprobs runs one (engine._steps_per_launch).
-            done = finished.nonzero().squeeze(1).to(self.device)
-            reported = self.vocab.reported(out.dist, logprob[done].unsqueeze(-1), done)
-            logprob = logprob.index_copy(0, done, reported[..., 0])
-        return StepOutput(
-            finished=finished,
-            tokens=tokens.cpu(),
-            logprob=logprob.cpu() if plan.top_logprobs == 0 else None,
-            top_logprobs=None,
-            top_ids=None,
-            entropy=out.entropy[:n].cpu() if plan.draft_details else None,
-            accepted=out.accepted[:n].cpu() if plan.draft_details else None,
-            steps=out.steps[:n].cpu() if plan.steps > 1 else None,
-        )
