@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from blockdiff.matmul import _ONEDNN_FP32
+from blockdiff.ops.matmul import _ONEDNN_FP32
 
 
 def cpu_us(fn, n: int = 20) -> float:

@@ -32,7 +32,7 @@ import torch
 
 from blockdiff.model.gemma_config import GemmaConfig
 from blockdiff.model.registry import parse_config
-from blockdiff.matmul import linear
+from blockdiff.ops.matmul import linear
 from blockdiff.model.moe import Experts
 from blockdiff.model.tiny import TinySpec, config_dict
 from blockdiff.parallel.group import TPGroup

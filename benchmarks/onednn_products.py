@@ -14,7 +14,7 @@ import time
 
 import torch
 
-import blockdiff.matmul as matmul
+import blockdiff.ops.matmul as matmul
 from blockdiff import LLM, SamplingParams
 
 

@@ -67,7 +67,7 @@ def run_variant(variant: str, batch: int, reps: int, memory_gb: float | None, hi
         runs = [[run_variant(v, batch, 1, memory_gb, hidden)["seconds"] for v in ("before", "tiled")] for _ in range(reps)]
         return {"before": [r[0] for r in runs], "tiled": [r[1] for r in runs]}
     from blockdiff.diffusion import vocab_parallel as current
-    from blockdiff.diffusion.self_conditioning import soft_embedding
+    from blockdiff.parallel.self_conditioning import soft_embedding
     from blockdiff.parallel.group import TPGroup
     from blockdiff.parallel.vocab import VocabShard
     from blockdiff.worker.cpu_heap import keep_freed_memory

@@ -6,7 +6,7 @@
 (b) One whole denoising step (decoder forward, sampler, self-conditioning) of a `ModelRunner` on a
     model built from the parallel layers, against the same runner on the same model with every
     parallel layer swapped for a plain linear layer / `nn.Embedding` sharing the same weights and
-    the same matmul kernel (blockdiff/matmul.py), and the sampler's and the helper's single-device
+    the same matmul kernel (blockdiff/ops/matmul.py), and the sampler's and the helper's single-device
     arithmetic without any group logic (`PlainSampler` says what of it is written out here and what
     is inherited); and, as the measurement's noise floor, against a second identical runner of our own.
 
@@ -32,13 +32,12 @@ from torch import nn
 
 import blockdiff.model.diffusion_gemma as diffusion_gemma
 from blockdiff.diffusion.entropy_bound import DenoiseParams, EntropyBound, denoise_params
-from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.parallel.self_conditioning import soft_embedding
 from blockdiff.diffusion.vocab_parallel import Distribution, Draw, VocabParallel, exp_statistics, first_argmax, inverse_cdf, per_chunk
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
 from blockdiff.step import CacheConfig, NewRequests, StepPlan, StepRow, TableDelta
 from blockdiff.worker.model_runner import ModelRunner
-from blockdiff.matmul import linear
-from blockdiff.model.attention import Row
+from blockdiff.ops.matmul import linear
 from blockdiff.model.loader import load_model
 from blockdiff.model.tiny import TinySpec, make_tiny_model
 from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -91,7 +90,7 @@ class PlainEmbedding(nn.Embedding):
 
 
 class PlainLinear(nn.Module):
-    """A bias-free linear layer on the engine's matmul kernel (blockdiff/matmul.py), so both sides
+    """A bias-free linear layer on the engine's matmul kernel (blockdiff/ops/matmul.py), so both sides
     differ only in the parallel layers' own logic."""
 
     def __init__(self, weight: torch.Tensor):
@@ -168,7 +167,7 @@ def step_plans(prompt: int, vocab: int, blocks: tuple[int, ...]) -> tuple[StepPl
         return denoise_params([8], [params], [0])
 
     prefill = StepPlan([StepRow(0, prompt, False)], torch.randint(0, vocab, (prompt,), generator=g), [], empty, None,
-                       tables=TableDelta.whole([Row(0, 0, prompt, False, blocks)]),
+                       tables=TableDelta.of([0], [(0, i, b) for i, b in enumerate(blocks)], [(0, i, b) for i, b in enumerate(blocks)]),
                        new_requests=NewRequests([0], [0], denoise()))
     decode = [StepRow(0, CANVAS, True)]
     first = StepPlan(decode, torch.empty(0, dtype=torch.long), [0], torch.randint(0, vocab, (1, CANVAS), generator=g),

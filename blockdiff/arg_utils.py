@@ -71,7 +71,7 @@ port.__name__ = "int"
 
 def device(text: str) -> str:
     """argparse type: auto, cpu, cuda or cuda:N (whether this build can run it is checked at startup)."""
-    from blockdiff.startup import check_device
+    from blockdiff.engine.startup import check_device
 
     try:
         check_device(text)

@@ -11,7 +11,7 @@ from blockdiff.engine.sync_client import SyncClient
 from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import SamplingParams
-from blockdiff.startup import start_client, start_engine
+from blockdiff.engine.startup import start_client, start_engine
 from blockdiff.vllm_options import engine_keywords
 
 # A prompt: text, token ids, or (vLLM's form) {"prompt": text or "prompt_token_ids": ids,

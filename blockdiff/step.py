@@ -3,14 +3,136 @@ KV-cache geometry the executor sized. Both sides import this module; it imports 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from blockdiff.diffusion.constrained import Automaton, CanvasConstraint
-from blockdiff.diffusion.strategy import StepParams
-from blockdiff.model.attention import Row
-from blockdiff.model.vision import ImageInputs
+UNREACHABLE = np.iinfo(np.int64).max // 2  # distance to acceptance of a state that never accepts
+
+
+@dataclass
+class StepParams:
+    """A sampler's inputs of one step: tensors whose first dimension is the step's canvases, and
+    Python values decided on the host that choose a code path (`options()`: a static step keeps one
+    graph for each distinct set of them). Every sampler's start with the step count and the
+    counters of the step's random numbers. Each rank keeps the tensors per slot, a row for each
+    (worker/request_slots.py: `DiffusionSampler.params_table`), and a step selects its canvases' rows;
+    a plan carries only the options."""
+
+    step: torch.Tensor  # [canvases] int32, steps remaining including this one (n)
+    seed: torch.Tensor  # [canvases, 2] int64: the request's seed as two 32-bit words (randoms.seed_words)
+    canvas: torch.Tensor  # [canvases] int64: the canvas's index in its request (0: the first)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+
+    def later(self, steps: int) -> "StepParams":
+        """The same canvases `steps` steps on: n counts down (to 1 at least: a canvas that finished
+        before runs on masked, its results unused)."""
+        return dataclasses.replace(self, step=(self.step - steps).clamp(min=1))
+
+    def options(self) -> dict:
+        """The Python values (what a plan carries: the ranks keep the tensors per slot)."""
+        return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}
+
+    def with_options(self, options: dict) -> "StepParams":
+        return dataclasses.replace(self, **options)
+
+    def select(self, index: torch.Tensor) -> "StepParams":
+        """The rows `index` (of a per-slot table: the rows of a step's slots)."""
+        return self._map(lambda v: v.index_select(0, index))
+
+    def put(self, index: torch.Tensor, rows: "StepParams") -> None:
+        """Write `rows` [len(index), ...] at rows `index` of this table (they may sit on the host)."""
+        for k, v in rows.tensors().items():
+            getattr(self, k).index_copy_(0, index, v.to(index.device))
+
+    def _map(self, fn) -> "StepParams":
+        return type(self)(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
+
+
+@dataclass
+class Automaton:
+    """A token automaton over the model's vocabulary, in plain arrays (what the engine builds once
+    per schema and sends to every rank). States are 0..num_states-1."""
+
+    key: str  # names it in plans and caches (a digest of the constraint and the vocabulary)
+    initial: int
+    final: np.ndarray  # [states] bool: accepting
+    distance: np.ndarray  # [states] int64: fewest tokens to an accepting state (UNREACHABLE: never)
+    atom_of: np.ndarray  # [vocab] int32: each token's atom, -1 for a token no state allows
+    src: np.ndarray  # [transitions] int32: one per (state, atom) allowed...
+    atom: np.ndarray  # [transitions] int32
+    dst: np.ndarray  # [transitions] int32: ...and the state it leads to
+
+    @property
+    def num_states(self) -> int:
+        return len(self.final)
+
+    @property
+    def num_atoms(self) -> int:
+        return int(self.atom_of.max(initial=-1)) + 1
+
+    def walk(self, state: int, tokens: list[int]) -> int:
+        """The state after `tokens` from `state`; ValueError if the automaton refuses one."""
+        table = self._table
+        for t in tokens:
+            a = int(self.atom_of[t]) if 0 <= t < len(self.atom_of) else -1
+            nxt = table.get((state, a))
+            if nxt is None:
+                raise ValueError(f"token {t} is not allowed in automaton state {state}")
+            state = nxt
+        return state
+
+    @property
+    def sources(self) -> frozenset[int]:
+        """The states any token leaves."""
+        out = self.__dict__.get("_sources")
+        if out is None:
+            out = self.__dict__["_sources"] = frozenset(self.src.tolist())
+        return out
+
+    @property
+    def _table(self) -> dict[tuple[int, int], int]:
+        table = self.__dict__.get("_lookup")
+        if table is None:
+            table = self.__dict__["_lookup"] = dict(zip(zip(self.src.tolist(), self.atom.tolist()), self.dst.tolist()))
+        return table
+
+    def __getstate__(self) -> dict:  # the lookup table is rebuilt where it is needed
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lookup", "_sources")}
+
+
+@dataclass(frozen=True)
+class CanvasConstraint:
+    """What one canvas of a step must satisfy if it finishes."""
+
+    row: int  # the canvas's decoder row in the step
+    automaton: str  # Automaton.key
+    state: int  # where the previous canvas left the automaton
+    remaining: int  # tokens max_tokens leaves, this canvas's included
+    ends: tuple[int, ...]  # token ids that end the output (EOS and stop tokens)
+
+
+@dataclass
+class ImageInputs:
+    """The images of one forward pass and where their soft tokens go.
+
+    Every image is encoded whole; `feature_rows` picks rows of the concatenated soft tokens of all
+    images (a prompt chunk may hold only the tail of an image whose head came from the prefix
+    cache) and `token_index` names the packed tokens they replace, in the same order.
+    """
+
+    pixel_values: list[torch.Tensor]  # per image [patches, 3 * patch_size**2]
+    position_ids: list[torch.Tensor]  # per image [patches, 2] (x, y)
+    feature_rows: torch.Tensor  # [n] long
+    token_index: torch.Tensor  # [n] long
+
+    def to(self, device: torch.device) -> "ImageInputs":
+        return ImageInputs([p.to(device) for p in self.pixel_values], [q.to(device) for q in self.position_ids],
+                           self.feature_rows.to(device), self.token_index.to(device))
 
 
 @dataclass(frozen=True)
@@ -62,16 +184,6 @@ class TableDelta:
     def of(cls, reset: list[int], full: list[tuple[int, int, int]], sliding: list[tuple[int, int, int]]) -> "TableDelta":
         return cls(reset, torch.tensor(full, dtype=torch.long).view(-1, 3), torch.tensor(sliding, dtype=torch.long).view(-1, 3))
 
-    @classmethod
-    def whole(cls, rows: list[Row]) -> "TableDelta":
-        """The rows' own tables (`Row.blocks`, `Row.sliding_blocks`) written whole: for plans
-        built by hand, outside an engine."""
-        by_slot = {r.slot: r for r in rows}
-        full = [(s, i, b) for s, r in by_slot.items() for i, b in enumerate(r.blocks)]
-        sliding = [(s, i, b) for s, r in by_slot.items()
-                   for i, b in enumerate(r.blocks if r.sliding_blocks is None else r.sliding_blocks)]
-        return cls.of(list(by_slot), full, sliding)
-
 
 @dataclass
 class StepRow:
@@ -84,10 +196,6 @@ class StepRow:
     decoder: bool
     bidirectional: tuple[tuple[int, int], ...] = ()  # as Row.bidirectional (an image's soft tokens)
 
-    @classmethod
-    def of(cls, row: Row) -> "StepRow":
-        return cls(row.slot, row.length, row.decoder, row.bidirectional)
-
 
 @dataclass
 class NewRequests:
@@ -99,13 +207,6 @@ class NewRequests:
     slots: list[int]
     positions: list[int]  # tokens of each one already in the cache (a prefix-cache hit: more than 0)
     params: StepParams  # [len(slots)] the sampler's per-request parameters: seed, per-canvas fields
-
-    @classmethod
-    def of(cls, rows: list[Row], params: StepParams) -> "NewRequests":
-        """The requests of `rows` (one per slot, in order of first appearance) from their rows' starts,
-        with `params` of one row per slot: for plans built by hand, outside an engine."""
-        starts = {r.slot: r.start for r in rows}
-        return cls(list(starts), list(starts.values()), params)
 
 
 @dataclass

@@ -6,7 +6,7 @@ Parts, most valuable first; each runs in its own process (killed with its childr
 and records its own results; a part that fails records the tail of its traceback and the next one runs:
 
 1. env: versions, the GPU and its compute capability, which experts kernel and step modes
-   blockdiff/kernels.py picks for the 26B-A4B shapes, which SDPA backends take its attention shapes.
+   blockdiff/ops/kernels.py picks for the 26B-A4B shapes, which SDPA backends take its attention shapes.
 2. headline: DiffusionGemma-26B-A4B (configs/diffusiongemma-26b-a4b.json), dummy bfloat16 weights,
    CUDA graphs without compile, batches 1, 8 and 16, each warmed up over both canvases' shapes
    before it is timed: ms per denoising step and per 256-token canvas at 16 steps (two canvases
@@ -396,7 +396,7 @@ def part_env(args, record) -> dict:
     import torch.nn.functional as F
 
     from blockdiff.model.registry import parse_config
-    from blockdiff.kernels import FP8, INSTALLED, ExpertShape, choose, padded, target
+    from blockdiff.ops.kernels import FP8, INSTALLED, ExpertShape, choose, padded, target
 
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
     for name in ("transformers", "triton", "numpy", "safetensors", "tokenizers", "jinja2", "pytest", "fastapi"):
@@ -521,7 +521,7 @@ def part_kernels(args, record) -> dict:
     if not args.device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined, on import
     from blockdiff.diffusion.sampler_kernels import sampler_kernels
-    from blockdiff.diffusion.self_conditioning import soft_embedding
+    from blockdiff.parallel.self_conditioning import soft_embedding
     from blockdiff.diffusion.vocab_parallel import VocabParallel
     from blockdiff.model.attention import CacheGeometry, Row, build_metadata
     from blockdiff.model.registry import parse_config

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 from blockdiff.model.tiny import TinySpec, make_tiny_model
 from blockdiff.parallel.ranks import RankProcesses
 
-# One intra-op thread, as the engine itself picks for models this small (blockdiff/startup.py): on a
+# One intra-op thread, as the engine itself picks for models this small (blockdiff/engine/startup.py): on a
 # shared 2-core machine two threads made each tiny op wait for both to be scheduled, and tests
 # that run the model directly took 10 to 25 times longer.
 torch.set_num_threads(1)

@@ -20,7 +20,7 @@ from torch._C._distributed_c10d import FakeProcessGroup
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
-from blockdiff.kernels import FP8
+from blockdiff.ops.kernels import FP8
 from blockdiff.parallel.group import TPGroup
 
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from blockdiff.step import CacheConfig
+from blockdiff.step import CacheConfig, NewRequests, StepRow, TableDelta
 from blockdiff.worker.kv_cache import allocate, geometry
 from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.interface import layer_kinds
@@ -117,3 +117,24 @@ def _padded(ids: list[int], meta) -> torch.Tensor:
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def whole_tables(rows) -> TableDelta:
+    """The rows' own block tables (`Row.blocks`, `Row.sliding_blocks`) written whole: a plan's
+    TableDelta built by hand, outside an engine."""
+    by_slot = {r.slot: r for r in rows}
+    full = [(s, i, b) for s, r in by_slot.items() for i, b in enumerate(r.blocks)]
+    sliding = [(s, i, b) for s, r in by_slot.items()
+               for i, b in enumerate(r.blocks if r.sliding_blocks is None else r.sliding_blocks)]
+    return TableDelta.of(list(by_slot), full, sliding)
+
+
+def step_row(row) -> StepRow:
+    return StepRow(row.slot, row.length, row.decoder, row.bidirectional)
+
+
+def new_requests(rows, params) -> NewRequests:
+    """The requests of `rows` (one per slot, in order of first appearance) from their rows' starts,
+    with `params` of one row per slot."""
+    starts = {r.slot: r.start for r in rows}
+    return NewRequests(list(starts), list(starts.values()), params)

@@ -8,7 +8,7 @@ import signal
 
 import torch
 
-from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.parallel.self_conditioning import soft_embedding
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.parallel.ranks import RankContext
 from blockdiff.parallel.vocab import VocabShard
@@ -85,7 +85,7 @@ def image_prompt_logits(ctx: RankContext, path: str, ids, per_image, spans, canv
     from helpers import Harness
 
     from blockdiff.model.loader import load_model
-    from blockdiff.model.vision import ImageInputs
+    from blockdiff.step import ImageInputs
 
     model = load_model(path, group=ctx.group)
     index = torch.tensor([i for i, t in enumerate(ids) if t == model.config.vision.image_token_id])

@@ -11,14 +11,14 @@ import argparse
 
 import pytest
 import torch
-from helpers import hf_generate_with_draft, load_hf
+from helpers import hf_generate_with_draft, load_hf, new_requests, whole_tables
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.arg_utils import add_engine_args, engine_config
-from blockdiff.kernels import expert_kernel, static_kernel, target
+from blockdiff.ops.kernels import expert_kernel, static_kernel, target
 from blockdiff.model.attention import canvas_metadata
 from blockdiff.model.loader import load_model
-from blockdiff.step import CacheConfig, NewRequests, TableDelta
+from blockdiff.step import CacheConfig
 from blockdiff.worker.block_tables import BlockTables
 from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.model.attention import Row
@@ -235,8 +235,8 @@ def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
             rows = [Row(slot, start, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(n)]
             params = denoise_params([3] * n, [EntropyBound().resolve(SamplingParams(top_k=5 if restrict else -1), REFERENCE_DEFAULTS)] * n,
                                     list(range(n)))
-            tables.apply(TableDelta.whole(rows))
-            requests.admit(NewRequests.of(rows, params))
+            tables.apply(whole_tables(rows))
+            requests.admit(new_requests(rows, params))
             steps(rows, params.options())
     assert len(steps.shapes) == len(graphs) == 12 > torch._dynamo.config.recompile_limit
     for (size, context, options, _), (inputs, _, _) in steps.shapes.items():  # keys: (size, context, options, steps)
@@ -270,8 +270,8 @@ def test_steps_of_two_buckets_write_their_logits_into_one_buffer(checkpoints):
     for n in (1, 2):
         rows = [Row(slot, 5, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(n)]
         params = denoise_params([3] * n, [sampler.resolve(SamplingParams(), REFERENCE_DEFAULTS)] * n, list(range(n)))
-        tables.apply(TableDelta.whole(rows))
-        requests.admit(NewRequests.of(rows, params))
+        tables.apply(whole_tables(rows))
+        requests.admit(new_requests(rows, params))
         inputs = CanvasInputs(torch.arange(n))
         with torch.inference_mode():
             steps.logits = None

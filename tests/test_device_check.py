@@ -139,7 +139,7 @@ def test_what_does_not_fit_the_budget_is_skipped_and_says_so(tmp_path):
 
 
 def test_the_summary_shows_what_a_part_recorded_before_it_failed():
-    """env records the GPU before it asks blockdiff/kernels.py for its choices: a failure between
+    """env records the GPU before it asks blockdiff/ops/kernels.py for its choices: a failure between
     the two leaves `gpu` without `kernels`, and the summary still prints."""
     spec = importlib.util.spec_from_file_location("device_check", os.path.join(ROOT, "scripts", "device_check.py"))
     check = importlib.util.module_from_spec(spec)

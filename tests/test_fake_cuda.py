@@ -32,6 +32,7 @@ from dataclasses import replace
 import pytest
 import torch
 from fake_cuda import GroupedCalls, HostReads, NoHostReads, fake_cuda, fake_group, fake_module
+from helpers import new_requests, step_row, whole_tables
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
 
 from blockdiff.config import ModelConfig
@@ -43,7 +44,7 @@ from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.quantize import FP8_DYNAMIC
 from blockdiff.parallel.group import TPGroup
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
-from blockdiff.step import CacheConfig, NewRequests, StepPlan, StepRow, TableDelta
+from blockdiff.step import CacheConfig, StepPlan
 from blockdiff.worker import canvas_step as canvas_step_module
 from blockdiff.worker.canvas_step import CanvasSteps
 from blockdiff.worker.model_runner import ModelRunner
@@ -91,8 +92,8 @@ def _static_step(runner: ModelRunner):
                         runner.requests, runner.device, compile=False, cuda_graphs=False)
     rows = _canvas_rows(runner.canvas_length)
     params = _params(len(rows), runner.canvas_length)
-    runner.tables.apply(TableDelta.whole(rows))
-    runner.requests.admit(NewRequests.of(rows, params))
+    runner.tables.apply(whole_tables(rows))
+    runner.requests.admit(new_requests(rows, params))
     with NoHostReads():
         return steps(rows, params.options())
 
@@ -223,9 +224,9 @@ def test_mixed_step_on_a_fake_h200(tp):
                 Row(2, 40, cl, True, _blocks(2, 3)),  # a new canvas
                 Row(3, 1200, cl, True, _blocks(3, 75))]  # a canvas going on
         params = _params(len(rows), cl)
-        plan = StepPlan([StepRow.of(r) for r in rows], torch.randint(0, 262144, (300 + cl,)), [0],
-                        torch.randint(0, 262144, (1, cl)), params.options(), top_logprobs=0, tables=TableDelta.whole(rows),
-                        new_requests=NewRequests.of(rows, params), new_canvas_steps=[16], new_canvas_index=[0])
+        plan = StepPlan([step_row(r) for r in rows], torch.randint(0, 262144, (300 + cl,)), [0],
+                        torch.randint(0, 262144, (1, cl)), params.options(), top_logprobs=0, tables=whole_tables(rows),
+                        new_requests=new_requests(rows, params), new_canvas_steps=[16], new_canvas_index=[0])
         with reads, _no_reads_inside(runner.model):
             out = runner.execute(plan)
     assert out.finished.shape == (2,) and out.tokens.shape == (2, cl) and out.logprob.shape == (2, cl)

@@ -10,8 +10,8 @@ from dataclasses import replace
 import torch
 from helpers import DEVICE, rel_err
 
-from blockdiff.fp8 import quantize_rows
-from blockdiff.kernels import PER_EXPERT, SCALED_GROUPED, target
+from blockdiff.ops.fp8 import quantize_rows
+from blockdiff.ops.kernels import PER_EXPERT, SCALED_GROUPED, target
 from blockdiff.model.moe import Experts, Fp8Experts
 from blockdiff.model.quantize import FP8_DYNAMIC
 from blockdiff.model.registry import load_config
@@ -21,7 +21,7 @@ BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 
 def test_fp8_experts_equal_the_dequantized_bfloat16_experts():
-    """16 of the 128 experts, top 4, run as the kernel blockdiff/kernels.py picks on the device (one
+    """16 of the 128 experts, top 4, run as the kernel blockdiff/ops/kernels.py picks on the device (one
     torch._scaled_grouped_mm per projection on CUDA 9.x / 10.x, one product per expert on the CPU):
     within FP8's activation rounding of bfloat16 experts holding the dequantized weights."""
     arch = replace(load_config(BIG).arch, num_experts=16, top_k_experts=4)

@@ -1,4 +1,4 @@
-"""blockdiff/kernels.py: one decision of the experts' kernel and of compile / CUDA graphs, from the
+"""blockdiff/ops/kernels.py: one decision of the experts' kernel and of compile / CUDA graphs, from the
 device type, compute capability, dtype and shapes, and the experts taking it on a fake CUDA device."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from blockdiff.model.gemma_config import GemmaConfig
 from blockdiff.model.registry import load_config
-from blockdiff.kernels import (
+from blockdiff.ops.kernels import (
     FP8, GROUPED, PER_EXPERT, SCALED_GROUPED, ExpertShape, Ops, Target, choose, expert_kernel, padded,
 )
 from blockdiff.model.moe import Experts, Fp8Experts, combine_top_k

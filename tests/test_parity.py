@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import DEVICE, Harness, Oracle, load_hf, rel_err
 
-from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.parallel.self_conditioning import soft_embedding
 from blockdiff.model.loader import load_model
 
 FP32_TOL = 1e-4

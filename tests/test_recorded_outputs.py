@@ -16,7 +16,7 @@ stayed as recorded.
 tiny model's distributions are nearly flat: a difference in the last bit of one logit moves an
 inverse-CDF draw, and the next canvases follow it. With each library's own choice of kernels the
 outputs differ between CPUs: ATen's AVX-512 exp against its AVX2 one, oneDNN's float32 products
-(blockdiff/matmul.py takes them where ATen reports AVX-512) against MKL's, MKL's AVX-512 sgemm on
+(blockdiff/ops/matmul.py takes them where ATen reports AVX-512) against MKL's, MKL's AVX-512 sgemm on
 Intel against the AVX2 one it runs on AMD. So the outputs are computed in a child process whose
 kernels every x86-64 CPU that CI may run on (AMD Zen 3 to 5, Intel Xeons with AVX-512 and AMX)
 computes the same way: ATen's AVX2 kernels (ATEN_CPU_CAPABILITY), oneDNN capped at AVX2, MKL in its

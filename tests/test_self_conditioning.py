@@ -7,8 +7,8 @@ import torch
 from rank_checks import local_columns, local_rows, sharded_soft_embedding
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from blockdiff.diffusion.self_conditioning import soft_embedding
-from blockdiff.matmul import linear
+from blockdiff.parallel.self_conditioning import soft_embedding
+from blockdiff.ops.matmul import linear
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
@@ -47,7 +47,7 @@ def test_one_rank_is_one_matmul_and_the_scale():
     group = TPGroup()
     rows = probs[0]
     views = ("view", "_unsafe_view", "t", "transpose")
-    with OpRecorder() as product:  # the matmul kernel of this device (blockdiff/matmul.py)
+    with OpRecorder() as product:  # the matmul kernel of this device (blockdiff/ops/matmul.py)
         linear(rows, weight.t())
     matmul = [op for op in product.ops if op not in views]
     assert len(matmul) == 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blockdiff import LLM
-from blockdiff.startup import _TORCH_DEFAULT_THREADS
+from blockdiff.engine.startup import _TORCH_DEFAULT_THREADS
 
 
 @pytest.fixture

@@ -231,7 +231,7 @@ def _logged_static_step(top_k: int) -> tuple[OpLog, object, object]:
     from fake_cuda import NoHostReads, fake_cuda
     from test_fake_cuda import _canvas_rows, _runner
 
-    from blockdiff.step import NewRequests, TableDelta
+    from helpers import new_requests, whole_tables
     from blockdiff.worker.canvas_step import CanvasSteps
 
     log = OpLog()
@@ -247,8 +247,8 @@ def _logged_static_step(top_k: int) -> tuple[OpLog, object, object]:
         rows = _canvas_rows(runner.canvas_length)
         p = EntropyBound().resolve(SamplingParams(top_k=top_k), REFERENCE_DEFAULTS)
         params = denoise_params([16] * len(rows), [p] * len(rows), list(range(len(rows))))
-        runner.tables.apply(TableDelta.whole(rows))
-        runner.requests.admit(NewRequests.of(rows, params))
+        runner.tables.apply(whole_tables(rows))
+        runner.requests.admit(new_requests(rows, params))
         with NoHostReads():
             _, out = steps(rows, params.options())
     return log, runner, out
@@ -282,7 +282,7 @@ def test_the_whole_static_step_on_a_fake_h200_calls_no_op_cuda_runs_nondetermini
     from fake_cuda import NoHostReads, fake_cuda
     from test_fake_cuda import _canvas_rows, _runner
 
-    from blockdiff.step import NewRequests, TableDelta
+    from helpers import new_requests, whole_tables
     from blockdiff.worker.canvas_step import CanvasSteps
 
     log = OpLog()
@@ -293,8 +293,8 @@ def test_the_whole_static_step_on_a_fake_h200_calls_no_op_cuda_runs_nondetermini
         rows = _canvas_rows(runner.canvas_length)
         p = EntropyBound().resolve(SamplingParams(top_k=40), REFERENCE_DEFAULTS)
         params = denoise_params([16] * len(rows), [p] * len(rows), list(range(len(rows))))
-        runner.tables.apply(TableDelta.whole(rows))
-        runner.requests.admit(NewRequests.of(rows, params))
+        runner.tables.apply(whole_tables(rows))
+        runner.requests.admit(new_requests(rows, params))
         with NoHostReads(), log:
             steps(rows, params.options())
     assert runner.geometry.backend == "triton" and runner.vocab.kernels.name == "triton"

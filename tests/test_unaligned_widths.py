@@ -1,5 +1,5 @@
 """Widths that torch's grouped products cannot take as they are: each expert's per-rank intermediate
-width and the hidden size are zero-padded at load time (blockdiff/kernels.py, model/moe.py), and
+width and the hidden size are zero-padded at load time (blockdiff/ops/kernels.py, model/moe.py), and
 greedy generation stays token for token transformers' at one, two and three ranks.
 
 moe_intermediate_size 20 at two ranks is 10 float32 columns (40 bytes) per rank, which

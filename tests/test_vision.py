@@ -13,7 +13,7 @@ from transformers import AutoImageProcessor
 
 from blockdiff.model.loader import load_model
 from blockdiff.model.tiny import BOI, EOI, IMAGE
-from blockdiff.model.vision import ImageInputs
+from blockdiff.step import ImageInputs
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.ranks import RankContext, RankProcesses
 

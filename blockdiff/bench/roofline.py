@@ -20,7 +20,7 @@ import torch
 from blockdiff.config import ModelConfig
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.attention import Row
-from blockdiff.matmul import linear
+from blockdiff.ops.matmul import linear
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from blockdiff.demo.tasks import AGENT_TASKS, TASKS, Problem, training_problems
 from blockdiff.demo.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_DEMO, VOCAB, build_char_tokenizer, save_char_tokenizer
-from blockdiff.diffusion.self_conditioning import soft_embedding
+from blockdiff.parallel.self_conditioning import soft_embedding
 from blockdiff.step import CacheConfig
 from blockdiff.worker.kv_cache import allocate, geometry
 from blockdiff.model.attention import Row, build_metadata

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdiff.diffusion import randoms
-from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, start
+from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, start, step_words
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.sampling_params import ENGINE_FIELDS, InvalidParam, SamplerField, SamplingParams
 
@@ -80,7 +80,7 @@ class ConfidenceThreshold(DiffusionSampler):
         tokens = torch.where(fixed, canvas, argmax)  # committed tokens stay; open positions: the argmax
         logprob = torch.where(new, top, state.logprob.index_select(0, slots))
         finished = now_fixed.all(dim=-1) | (params.step <= 1)
-        renoise = randoms.below(params.words(canvas.shape[1])[1], vocab.shard.vocab_size)  # the renoise word
+        renoise = randoms.below(step_words(params, canvas.shape[1])[1], vocab.shard.vocab_size)  # the renoise word
         return StepResult(
             updates={"canvas": torch.where(now_fixed, tokens, renoise), "fixed": now_fixed, "logprob": logprob},
             tokens=tokens, logprob=torch.where(now_fixed, logprob, top), accepted=now_fixed, finished=finished, dist=dist)

@@ -28,78 +28,14 @@ their logprobs (an all-reduce max of [canvases, P]). The logits are never gather
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
+from blockdiff.step import Automaton, CanvasConstraint
 
 _BIG = torch.iinfo(torch.long).max
-UNREACHABLE = np.iinfo(np.int64).max // 2  # distance to acceptance of a state that never accepts
-
-
-@dataclass
-class Automaton:
-    """A token automaton over the model's vocabulary, in plain arrays (what the engine builds once
-    per schema and sends to every rank). States are 0..num_states-1."""
-
-    key: str  # names it in plans and caches (a digest of the constraint and the vocabulary)
-    initial: int
-    final: np.ndarray  # [states] bool: accepting
-    distance: np.ndarray  # [states] int64: fewest tokens to an accepting state (UNREACHABLE: never)
-    atom_of: np.ndarray  # [vocab] int32: each token's atom, -1 for a token no state allows
-    src: np.ndarray  # [transitions] int32: one per (state, atom) allowed...
-    atom: np.ndarray  # [transitions] int32
-    dst: np.ndarray  # [transitions] int32: ...and the state it leads to
-
-    @property
-    def num_states(self) -> int:
-        return len(self.final)
-
-    @property
-    def num_atoms(self) -> int:
-        return int(self.atom_of.max(initial=-1)) + 1
-
-    def walk(self, state: int, tokens: list[int]) -> int:
-        """The state after `tokens` from `state`; ValueError if the automaton refuses one."""
-        table = self._table
-        for t in tokens:
-            a = int(self.atom_of[t]) if 0 <= t < len(self.atom_of) else -1
-            nxt = table.get((state, a))
-            if nxt is None:
-                raise ValueError(f"token {t} is not allowed in automaton state {state}")
-            state = nxt
-        return state
-
-    @property
-    def sources(self) -> frozenset[int]:
-        """The states any token leaves."""
-        out = self.__dict__.get("_sources")
-        if out is None:
-            out = self.__dict__["_sources"] = frozenset(self.src.tolist())
-        return out
-
-    @property
-    def _table(self) -> dict[tuple[int, int], int]:
-        table = self.__dict__.get("_lookup")
-        if table is None:
-            table = self.__dict__["_lookup"] = dict(zip(zip(self.src.tolist(), self.atom.tolist()), self.dst.tolist()))
-        return table
-
-    def __getstate__(self) -> dict:  # the lookup table is rebuilt where it is needed
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lookup", "_sources")}
-
-
-@dataclass(frozen=True)
-class CanvasConstraint:
-    """What one canvas of a step must satisfy if it finishes."""
-
-    row: int  # the canvas's decoder row in the step
-    automaton: str  # Automaton.key
-    state: int  # where the previous canvas left the automaton
-    remaining: int  # tokens max_tokens leaves, this canvas's included
-    ends: tuple[int, ...]  # token ids that end the output (EOS and stop tokens)
 
 
 class DeviceAutomaton:

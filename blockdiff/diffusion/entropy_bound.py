@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from blockdiff.diffusion import randoms
-from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, start
+from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams, StepResult, start, step_words
 from blockdiff.diffusion.vocab_parallel import Distribution, ReferenceKernels, VocabParallel
 from blockdiff.sampling_params import (FIELDS_BY_NAME, MAX_TEMPERATURE, MIN_TEMPERATURE, SAMPLER_FIELDS, InvalidParam,
                                        SamplingParams, within)
@@ -104,7 +104,7 @@ def denoise_step(
 ) -> DenoiseResult:
     """logits [canvases, CL, local vocab] float32 (overwritten)."""
     t = temperature(params.step, params.max_denoising_steps, params.t_min, params.t_max)
-    words = params.words(logits.shape[1])
+    words = step_words(params, logits.shape[1])
     uniform, renoise = randoms.uniform(words[0]), randoms.below(words[1], vocab.shard.vocab_size)
     dist = vocab.distribution(logits, t[:, None, None])
     # top-k, top-p and min-p narrow the candidates only: the argmax, the entropies that accept

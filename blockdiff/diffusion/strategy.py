@@ -34,54 +34,15 @@ import torch
 from blockdiff.config import LOGPROBS_MODES
 from blockdiff.diffusion import randoms
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
+from blockdiff.step import StepParams
 from blockdiff.sampling_params import (INT32_MAX, SAMPLER_FIELDS, InvalidParam, SamplerField, SamplingParams, check_field,
                                        field_value, with_field_values)
 
 
-@dataclass
-class StepParams:
-    """A sampler's inputs of one step: tensors whose first dimension is the step's canvases, and
-    Python values decided on the host that choose a code path (`options()`: a static step keeps one
-    graph for each distinct set of them). Every sampler's start with the step count and the
-    counters of the step's random numbers. Each rank keeps the tensors per slot, a row for each
-    (worker/request_slots.py: `DiffusionSampler.params_table`), and a step selects its canvases' rows;
-    a plan carries only the options."""
-
-    step: torch.Tensor  # [canvases] int32, steps remaining including this one (n)
-    seed: torch.Tensor  # [canvases, 2] int64: the request's seed as two 32-bit words (randoms.seed_words)
-    canvas: torch.Tensor  # [canvases] int64: the canvas's index in its request (0: the first)
-
-    def words(self, canvas_length: int) -> tuple[torch.Tensor, ...]:
-        """This step's four random 32-bit words per canvas position [canvases, CL] (randoms.STEP):
-        the same for a request alone, in any batch, after a preemption and on every rank."""
-        return randoms.canvas_words(self.seed, self.canvas, self.step, randoms.STEP, canvas_length)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
-
-    def later(self, steps: int) -> "StepParams":
-        """The same canvases `steps` steps on: n counts down (to 1 at least: a canvas that finished
-        before runs on masked, its results unused)."""
-        return dataclasses.replace(self, step=(self.step - steps).clamp(min=1))
-
-    def options(self) -> dict:
-        """The Python values (what a plan carries: the ranks keep the tensors per slot)."""
-        return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}
-
-    def with_options(self, options: dict) -> "StepParams":
-        return dataclasses.replace(self, **options)
-
-    def select(self, index: torch.Tensor) -> "StepParams":
-        """The rows `index` (of a per-slot table: the rows of a step's slots)."""
-        return self._map(lambda v: v.index_select(0, index))
-
-    def put(self, index: torch.Tensor, rows: "StepParams") -> None:
-        """Write `rows` [len(index), ...] at rows `index` of this table (they may sit on the host)."""
-        for k, v in rows.tensors().items():
-            getattr(self, k).index_copy_(0, index, v.to(index.device))
-
-    def _map(self, fn) -> "StepParams":
-        return type(self)(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
+def step_words(params: StepParams, canvas_length: int) -> tuple[torch.Tensor, ...]:
+    """A step's four random 32-bit words per canvas position [canvases, CL] (randoms.STEP): the
+    same for a request alone, in any batch, after a preemption and on every rank."""
+    return randoms.canvas_words(params.seed, params.canvas, params.step, randoms.STEP, canvas_length)
 
 
 def start(value) -> dataclasses.Field:

@@ -34,12 +34,11 @@ from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
 from blockdiff.engine.sent_slots import SentSlots
 from blockdiff.executor import make_executor
-from blockdiff.model.vision import ImageInputs
 from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, generation_defaults
-from blockdiff.step import MinTokens, NewRequests, ScorePlan, StepPlan, StepRow
+from blockdiff.step import ImageInputs, MinTokens, NewRequests, ScorePlan, StepPlan, StepRow
 from blockdiff.structured.compiler import StructuredOutputs
 from blockdiff.structured.plan import AutomataSent
 from blockdiff.tokenizer import Tokenizer

@@ -50,7 +50,7 @@ from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.server import build_app
 from blockdiff.hub import resolve_model
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
-from blockdiff.startup import start_engine
+from blockdiff.engine.startup import start_engine
 
 log = logging.getLogger(__name__)
 

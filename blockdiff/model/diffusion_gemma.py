@@ -12,18 +12,19 @@ import torch
 from torch import nn
 
 from blockdiff.config import ModelConfig
-from blockdiff.diffusion.self_conditioning import soft_embedding
-from blockdiff.kernels import expert_kernel, static_kernel, target
+from blockdiff.parallel.self_conditioning import soft_embedding
+from blockdiff.ops.kernels import expert_kernel, static_kernel, target
 from blockdiff.model.attention import Attention, AttentionMetadata
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.interface import LayerCacheSpec
 from blockdiff.model.layers import RMSNorm, Rotary, unit_rms
 from blockdiff.model.moe import GatedMLP, Router, make_experts
-from blockdiff.model.vision import ImageInputs, VisionEncoder
+from blockdiff.model.vision import VisionEncoder
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import VocabParallelEmbedding
 from blockdiff.parallel.vocab import VocabShard
 from blockdiff.quantization import QuantizationError, covering
+from blockdiff.step import ImageInputs
 
 # The checkpoint's name of the modules that the quantization_config's patterns match.
 PREFIX = "model.decoder"
@@ -132,7 +133,7 @@ class DiffusionGemma(nn.Module):
 
     def static_shapes(self, device: torch.device) -> bool:
         """Whether a step can run with static shapes and no host sync on `device`: every MoE block
-        runs grouped expert products there (blockdiff/kernels.py)."""
+        runs grouped expert products there (blockdiff/ops/kernels.py)."""
         where = target(device)
         return all(static_kernel(expert_kernel(where, self.dtype, layer.experts.shape)[0]) for layer in self.layers)
 

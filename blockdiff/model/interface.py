@@ -15,7 +15,7 @@ from torch import nn
 
 from blockdiff.config import ModelConfig
 from blockdiff.model.attention import AttentionMetadata
-from blockdiff.model.vision import ImageInputs
+from blockdiff.step import ImageInputs
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdiff.model.gemma_config import GemmaConfig
-from blockdiff.fp8 import FP8, fp8_linear, scaled_grouped_linear, sharded_token_scales
-from blockdiff.kernels import PER_EXPERT, ExpertShape, kernel_on, padded, transposed_experts
-from blockdiff.matmul import grouped_linear, linear
+from blockdiff.ops.fp8 import FP8, fp8_linear, scaled_grouped_linear, sharded_token_scales
+from blockdiff.ops.kernels import PER_EXPERT, ExpertShape, kernel_on, padded, transposed_experts
+from blockdiff.ops.matmul import grouped_linear, linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.parallel.group import TPGroup
@@ -90,7 +90,7 @@ class Experts(nn.Module):
 
     Each rank owns `owned` of every expert's `moe_intermediate_size` columns (ceil(I / ranks); the
     last ranks may own fewer), stored in a width W padded to what the grouped kernels accept
-    (blockdiff/kernels.py), and H' is the hidden size padded the same way. The padding is zeros:
+    (blockdiff/ops/kernels.py), and H' is the hidden size padded the same way. The padding is zeros:
     zero rows of gate/up give activations gelu(0) * 0 = 0, zero columns of down add nothing, and the
     input's padded columns are zero, so every product equals the unpadded one."""
 
@@ -107,7 +107,7 @@ class Experts(nn.Module):
         self.group = group
         self.reduce = group.size > 1
         self.act = activation(config.hidden_activation)
-        self.shape = ExpertShape(self.hidden_in, self.local, dtype)  # what blockdiff/kernels.py decides on
+        self.shape = ExpertShape(self.hidden_in, self.local, dtype)  # what blockdiff/ops/kernels.py decides on
         # [E, out, in] like the checkpoint: each expert's slice is a plain linear weight (in memory
         # [E, in, out] where the grouped kernel reads that faster: kernels.transposed_experts).
         transposed = transposed_experts(torch.get_default_device(), dtype, self.shape)
@@ -152,7 +152,7 @@ class Experts(nn.Module):
         return torch.cat((self.gate_up.data[:, gate, :h], self.gate_up.data[:, up, :h]), dim=1)
 
     def kernel(self, x: torch.Tensor) -> str:
-        """The products' kernel for x (blockdiff/kernels.py): grouped wherever torch runs them
+        """The products' kernel for x (blockdiff/ops/kernels.py): grouped wherever torch runs them
         without a host sync; on this CPU they measured faster than per-expert oneDNN products in
         float32 as well (docs/benchmarks.md, "MoE: grouped against per-expert products"). Training
         (the demo's) takes the per-expert products: the grouped ops have no backward."""
@@ -182,7 +182,7 @@ class Experts(nn.Module):
         # Row gathers through index_select (a copy per row) rather than advanced indexing (index
         # arithmetic per element, ~5x slower on CPU); gap rows repeat token 0 and are dropped.
         source = torch.zeros(capacity, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
-        if self.hidden_in != self.hidden:  # zero columns for the padded weights (blockdiff/kernels.py)
+        if self.hidden_in != self.hidden:  # zero columns for the padded weights (blockdiff/ops/kernels.py)
             x = F.pad(x, (0, self.hidden_in - self.hidden))
         xs = x.index_select(0, source)
         if self.grouped(x):

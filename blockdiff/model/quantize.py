@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from blockdiff.fp8 import quantize_rows
+from blockdiff.ops.fp8 import quantize_rows
 from blockdiff.model.gemma_checkpoint import DECODER, ENCODER
 from blockdiff.model.loader import checkpoint_files
 from blockdiff.quantization import Fp8Config

@@ -17,7 +17,6 @@ small beside the text model (docs/images.md) and a replicated one needs no colle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,28 +24,10 @@ from torch import nn
 
 from blockdiff.config import VisionConfig
 from blockdiff.model.layers import RMSNorm, activation
+from blockdiff.step import ImageInputs
 
 PREFIX = "model.encoder.vision_tower."
 PROJECTOR_PREFIX = "model.encoder.embed_vision."
-
-
-@dataclass
-class ImageInputs:
-    """The images of one forward pass and where their soft tokens go.
-
-    Every image is encoded whole; `feature_rows` picks rows of the concatenated soft tokens of all
-    images (a prompt chunk may hold only the tail of an image whose head came from the prefix
-    cache) and `token_index` names the packed tokens they replace, in the same order.
-    """
-
-    pixel_values: list[torch.Tensor]  # per image [patches, 3 * patch_size**2]
-    position_ids: list[torch.Tensor]  # per image [patches, 2] (x, y)
-    feature_rows: torch.Tensor  # [n] long
-    token_index: torch.Tensor  # [n] long
-
-    def to(self, device: torch.device) -> "ImageInputs":
-        return ImageInputs([p.to(device) for p in self.pixel_values], [q.to(device) for q in self.position_ids],
-                           self.feature_rows.to(device), self.token_index.to(device))
 
 
 class ClippableLinear(nn.Module):

@@ -1,6 +1,6 @@
 """Linear and embedding layers split over the tensor-parallel group.
 
-At group size 1 each layer is exactly its plain counterpart: one `linear` (blockdiff/matmul.py) or `F.embedding`,
+At group size 1 each layer is exactly its plain counterpart: one `linear` (blockdiff/ops/matmul.py) or `F.embedding`,
 no slicing, no collective. Each parameter carries a `weight_loader(param, source, name, *part)` that
 takes this rank's slice out of a checkpoint tensor (a safetensors slice or a tensor), after checking
 the full tensor's shape.
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdiff.fp8 import FP8, fp8_linear, sharded_token_scales
-from blockdiff.matmul import linear
+from blockdiff.ops.fp8 import FP8, fp8_linear, sharded_token_scales
+from blockdiff.ops.matmul import linear
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 from blockdiff.quantization import Fp8Config

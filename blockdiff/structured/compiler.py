@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from blockdiff.diffusion.constrained import UNREACHABLE, Automaton, CanvasConstraint
+from blockdiff.step import UNREACHABLE, Automaton, CanvasConstraint
 from blockdiff.sampling_params import InvalidParam, StructuredOutputsParams
 from blockdiff.structured.builds import Build, BuildPool
 from blockdiff.structured.regexes import MAX_REGEX_CHARS, regex_job

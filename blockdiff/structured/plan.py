@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from blockdiff.diffusion.constrained import Automaton
+from blockdiff.step import Automaton
 
 WORKER_AUTOMATA = 32
 

@@ -25,7 +25,7 @@ from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.sampler_kernels import choose_sampler_backend, sampler_kernels
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
-from blockdiff.kernels import step_modes, target
+from blockdiff.ops.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds

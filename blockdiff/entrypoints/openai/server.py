@@ -41,7 +41,7 @@ from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
 from blockdiff.entrypoints.openai.tokenizer_info import tokenizer_info
-from blockdiff.startup import start_client
+from blockdiff.engine.startup import start_client
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from blockdiff.matmul import linear
+from blockdiff.ops.matmul import linear
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 

@@ -6,14 +6,14 @@ repeated on its rows). Activations follow the checkpoint's scheme, as compressed
 None leaves them alone.
 
 - CPU: the activations are quantized and dequantized in their own dtype, the weight is dequantized
-  to that dtype for this one product, and `linear` (blockdiff/matmul.py) runs it. The dequantized
+  to that dtype for this one product, and `linear` (blockdiff/ops/matmul.py) runs it. The dequantized
   copy lives only during the product, so a layer's weights are never resident in full precision.
 - CUDA with compute capability 8.9 or above, bfloat16 activations and FP8-aligned shapes:
   `torch._scaled_mm` with row-wise scales (activation scale per row, weight scale per column of
   the product), the activations quantized to FP8 on the fly. This branch follows PyTorch's
   documented API but has not run on hardware yet (docs/fp8.md).
 - Experts on CUDA 9.x / 10.x: `scaled_grouped_linear`, every expert in one `torch._scaled_grouped_mm`
-  with the same row-wise scales (blockdiff/kernels.py decides where; not yet run on hardware either).
+  with the same row-wise scales (blockdiff/ops/kernels.py decides where; not yet run on hardware either).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import functools
 
 import torch
 
-from blockdiff.kernels import FP8
-from blockdiff.matmul import linear
+from blockdiff.ops.kernels import FP8
+from blockdiff.ops.matmul import linear
 
 FP8_MAX = torch.finfo(FP8).max
 
@@ -122,7 +122,7 @@ def scaled_grouped_linear(
     """Rows ends[g-1]:ends[g] of x [rows, in] (bfloat16) times (weight[g] [out, in] FP8 * scale[g]
     [out, 1]).T, as one `torch._scaled_grouped_mm` with row-wise scales: the activations quantized
     per row ("dynamic", or by `x_scales` when x is one rank's slice of its rows) or with the static
-    input scale. CUDA compute capability 9.x / 10.x only (blockdiff/kernels.py decides); `ends`
+    input scale. CUDA compute capability 9.x / 10.x only (blockdiff/ops/kernels.py decides); `ends`
     int32 on x's device; rows past ends[-1] are left undefined. -> [rows, out] bfloat16."""
     x_scale = _activation_scales(x, activations, input_scale, x_scales)
     return torch._scaled_grouped_mm(_to_fp8(x, x_scale), weight.transpose(1, 2), x_scale.reshape(-1),

@@ -162,7 +162,7 @@ def step_modes(where: Target, static: bool, compile: bool | None, cuda_graphs: b
     tensor-parallel size: under compile the collectives are functional ones (parallel/group.py)."""
     if compile and not static:
         raise ValueError(f"compile=True needs a step with static shapes, which this model cannot run on {where.type}: "
-                         "its experts read group sizes on the host (see blockdiff/kernels.py)")
+                         "its experts read group sizes on the host (see blockdiff/ops/kernels.py)")
     if compile is None:
         compile = COMPILE_BY_DEFAULT.get(where.type, False) and static
     graphs = cuda_graphs and static and where.type == "cuda"
