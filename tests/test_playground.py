@@ -248,13 +248,13 @@ def test_the_key_is_asked_once_sent_with_every_call_and_refusals_explained(serve
     expect(page.locator("#prompt")).to_have_value("reverse: diffusion")
 
     # Esc stops a turn in progress: the page drops it, and the server aborts the request.
-    before = server.metrics()['blockdiff_requests_total{outcome="abort"}']
+    before = server.metrics().total("vllm:request_success_total", finished_reason="abort")
     page.press("#prompt", "Enter")
     expect(page.locator("#canvas-index")).to_have_text(re.compile(r"^canvas \d+$"), timeout=60_000)  # a draft
     page.keyboard.press("Escape")
     expect(page.locator("#finish")).to_have_text("stopped")
     expect(page.locator("#prompt")).to_have_value("reverse: diffusion")
-    assert server.wait_idle()['blockdiff_requests_total{outcome="abort"}'] == before + 1
+    assert server.wait_idle().total("vllm:request_success_total", finished_reason="abort") == before + 1
     # A new tab is a new session, which asks again.
     other = browser.new_page()
     other.goto(server.url + "/")
