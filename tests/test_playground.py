@@ -151,6 +151,9 @@ def test_autorun_shows_the_canvas_denoising_live(server, browser):
     page.fill("#key-input", KEY)
     page.press("#key-input", "Enter")
     expect(page.locator("#finish")).to_contain_text("finish reason: stop", timeout=60_000)
+    # The server panel, read from /metrics (vLLM's families added up over the engines) after the run.
+    expect(page.locator("#stat-spc")).not_to_have_text("–", timeout=10_000)
+    expect(page.locator("#stat-running")).to_have_text("0", timeout=10_000)
 
     expect(page.locator("#transcript li.user .content")).to_have_text("sort: 3 1 2")
     assert page.inner_text("#transcript li.assistant .content") == "1 2 3"
