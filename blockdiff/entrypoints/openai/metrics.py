@@ -39,40 +39,42 @@ def _engine_order(name: str) -> tuple:
     return (0, int(name), "") if name.isdigit() else (1, 0, name)
 
 
+# vLLM's families that the engines keep: (EngineStats field, name, help, kind).
+_ENGINE_STATE = [
+    ("num_running", "vllm:num_requests_running", "Requests holding a slot and KV cache.", GaugeMetricFamily),
+    ("num_waiting", "vllm:num_requests_waiting", "Requests waiting for a slot or KV cache.", GaugeMetricFamily),
+    ("kv_cache_usage", "vllm:kv_cache_usage_perc", "Fraction of full-attention KV cache blocks reserved (1 = full).",
+     GaugeMetricFamily),
+    # Totals the engine counts: counters, though read here, not incremented.
+    ("prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first "
+     "admissions).", CounterMetricFamily),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (first admissions).",
+     CounterMetricFamily),
+    ("num_preemptions", "vllm:num_preemptions", "Requests preempted (fairness or KV cache exhausted).",
+     CounterMetricFamily),
+]
+_CACHE_INFO = (*_ENGINE, "block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "prefix_caching_hash_algo")
+
+
 class EngineState(Collector):
-    """vLLM's families that the engines keep, read from `client.engine_stats()` at each scrape. An
-    engine that is not there now (a replica restarting) has no sample."""
+    """The engines' gauges and totals, read from `client.engine_stats()` at each scrape. An engine
+    that is not there now (a replica restarting) has no sample."""
 
     def __init__(self, client: EngineClient, model_name: str):
         self.client, self.model_name = client, model_name
 
     def collect(self):
-        v = "vllm:"
-        gauges = {"num_running": GaugeMetricFamily(v + "num_requests_running", "Requests holding a slot and KV cache.",
-                                                   labels=_ENGINE),
-                  "num_waiting": GaugeMetricFamily(v + "num_requests_waiting", "Requests waiting for a slot or KV cache.",
-                                                   labels=_ENGINE),
-                  "kv_cache_usage": GaugeMetricFamily(v + "kv_cache_usage_perc", "Fraction of full-attention KV cache "
-                                                      "blocks reserved (1 = full).", labels=_ENGINE)}
-        # Totals the engine counts: counters, though read rather than incremented here.
-        counters = {"prefix_cache_queries": CounterMetricFamily(v + "prefix_cache_queries", "Prompt tokens looked up in "
-                                                                "the prefix cache (first admissions).", labels=_ENGINE),
-                    "prefix_cache_hits": CounterMetricFamily(v + "prefix_cache_hits", "Prompt tokens found in the prefix "
-                                                             "cache (first admissions).", labels=_ENGINE),
-                    "num_preemptions": CounterMetricFamily(v + "num_preemptions", "Requests preempted (fairness or KV "
-                                                           "cache exhausted).", labels=_ENGINE)}
-        info_labels = (*_ENGINE, "block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks",
-                       "prefix_caching_hash_algo")
-        info = GaugeMetricFamily(v + "cache_config_info", "Information of the KV cache (its labels; the value is 1).",
-                                 labels=info_labels)
+        families = [(field, kind(name, help, labels=_ENGINE)) for field, name, help, kind in _ENGINE_STATE]
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache (its labels; the value is 1).",
+                                 labels=_CACHE_INFO)
         stats = self.client.engine_stats()
         for engine in sorted(stats, key=_engine_order):
             now, labels = stats[engine], [self.model_name, engine]
-            for field, family in (gauges | counters).items():
+            for field, family in families:
                 family.add_metric(labels, getattr(now, field))
             info.add_metric([*labels, str(now.block_size), "auto", str(now.prefix_caching), str(now.kv_cache_blocks),
                              "sha256"], 1)
-        yield from (*gauges.values(), *counters.values(), info)
+        return [family for _, family in families] + [info]
 
 
 class ServingMetrics:
