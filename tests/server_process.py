@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import resource
 import signal
 import socket
@@ -14,6 +13,7 @@ import threading
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -22,19 +22,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$")
+class Metrics(dict):
+    """A /metrics scrape, read by prometheus_client's parser (which fails on text that is not the
+    exposition format): {'name{labels}': value}, labels sorted by name as prometheus_client writes
+    them, and `total` to add up a family's samples (vLLM's are per engine)."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        for s in self.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            self[s.name + ("{" + labels + "}" if labels else "")] = s.value
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum of `name`'s samples that carry `labels` (0 with none)."""
+        return sum(s.value for s in self.samples if s.name == name and labels.items() <= s.labels.items())
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}; fails on any line that is not a comment or a sample."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"not a Prometheus sample line: {line!r}"
-        out[m.group(1)] = float(m.group(2))
-    return out
+def parse_metrics(text: str) -> Metrics:
+    return Metrics(text)
 
 
 def _limit_files(n: int) -> None:
@@ -86,19 +92,19 @@ class ServerProcess:
         with open(self.log_path) as f:
             return f.read()
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> Metrics:
         r = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10)
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/plain")
         return parse_metrics(r.text)
 
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+    def wait_idle(self, timeout: float = 10.0) -> Metrics:
         """Poll /metrics until no request runs or waits and the KV cache is empty; -> the metrics."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = m["blockdiff_requests_running"] == 0 and m["blockdiff_requests_waiting"] == 0
-            if (idle and m["blockdiff_kv_cache_usage_ratio"] == 0) or time.monotonic() > deadline:
+            idle = m.total("vllm:num_requests_running") == 0 and m.total("vllm:num_requests_waiting") == 0
+            if (idle and m.total("vllm:kv_cache_usage_perc") == 0) or time.monotonic() > deadline:
                 return m
             time.sleep(0.1)
 

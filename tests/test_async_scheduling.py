@@ -230,6 +230,6 @@ def test_the_server_with_async_scheduling(tiny, tmp_path):
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
         m = server.wait_idle()
-        assert m["blockdiff_requests_running"] == 0 and m["blockdiff_kv_cache_usage_ratio"] == 0
+        assert m.total("vllm:num_requests_running") == 0 and m.total("vllm:kv_cache_usage_perc") == 0
     finally:
         server.close()

@@ -283,12 +283,12 @@ def test_a_backend_that_contradicts_the_endpoint_is_refused(argv):
 def test_an_unwritable_result_path_is_refused_before_the_run(server, tiny, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    before = server.metrics()["blockdiff_prompt_tokens_total"]
+    before = server.metrics().total("vllm:prompt_tokens_total")
     argv = ["bench", "serve", "--base-url", server.url, "--model", tiny, "--random-input-len", "4",
             "--random-output-len", "8", "--num-prompts", "2", "--save-result", "--result-filename", str(blocker / "r.json")]
     assert main(argv) == 1
     assert "error: cannot make the folder of the result file" in capsys.readouterr().err
-    assert server.metrics()["blockdiff_prompt_tokens_total"] == before  # no request was sent
+    assert server.metrics().total("vllm:prompt_tokens_total") == before  # no request was sent
 
 
 @pytest.fixture(scope="module")

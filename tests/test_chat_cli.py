@@ -32,7 +32,7 @@ def test_a_failed_turn_prints_one_error_line_and_is_left_out_of_the_conversation
 def test_chat_against_a_server_streams_and_keeps_the_conversation(tmp_path):
     server = ServerProcess(None, "--max-model-len", "128", log_path=str(tmp_path / "server.log"))
     try:
-        before = server.metrics()["blockdiff_prompt_tokens_total"]
+        before = server.metrics().total("vllm:prompt_tokens_total")
         done = _chat("sort: 3 1 2\nreverse: block\n", "--url", server.url + "/v1", "--max-tokens", "16")
         assert done.returncode == 0 and done.stderr == "", done.stderr
         first, second = done.stdout.splitlines()
@@ -41,7 +41,7 @@ def test_chat_against_a_server_streams_and_keeps_the_conversation(tmp_path):
         one = [{"role": "user", "content": "sort: 3 1 2"}]
         two = [*one, {"role": "assistant", "content": first}, {"role": "user", "content": "reverse: block"}]
         counts = [httpx.post(server.url + "/tokenize", json={"messages": m}, timeout=30).json()["count"] for m in (one, two)]
-        assert server.wait_idle()["blockdiff_prompt_tokens_total"] - before == sum(counts)
+        assert server.wait_idle().total("vllm:prompt_tokens_total") - before == sum(counts)
     finally:
         server.close()
 

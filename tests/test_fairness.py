@@ -67,12 +67,12 @@ def test_a_small_request_completes_while_one_client_holds_every_slot(server):
 
     thread = threading.Thread(target=hog, daemon=True)
     thread.start()
-    while server.metrics()["blockdiff_requests_running"] < 2:
+    while server.metrics().total("vllm:num_requests_running") < 2:
         pass
-    before = server.metrics()["blockdiff_step_duration_seconds_count"]
+    before = server.metrics()["blockdiff:step_duration_seconds_count"]
     r = client.chat.completions.create(model=server_model(server), messages=[{"role": "user", "content": "sort: 2 1"}],
                                        max_tokens=8, extra_body={"max_denoising_steps": 8})
-    steps = server.metrics()["blockdiff_step_duration_seconds_count"] - before
+    steps = server.metrics()["blockdiff:step_duration_seconds_count"] - before
     assert r.choices[0].finish_reason in ("stop", "length")
     assert not hog_done.is_set()  # the hog still holds its work: the small request did not wait it out
     # The bound, plus the steps the hog runs while the response and the scrape travel (a few).
@@ -92,14 +92,14 @@ def test_one_call_of_many_prompts_does_not_hold_back_another_client(server):
     with httpx.stream("POST", server.url + "/v1/completions", json=hog, timeout=300) as hogging:
         lines = hogging.iter_lines()  # kept: a collected iterator would close the stream
         next(line for line in lines if line.startswith("data: "))  # its first canvas is committed
-        assert server.metrics()["blockdiff_requests_waiting"] >= 30  # the rest of the call waits
-        before = server.metrics()["blockdiff_step_duration_seconds_count"]
+        assert server.metrics().total("vllm:num_requests_waiting") >= 30  # the rest of the call waits
+        before = server.metrics()["blockdiff:step_duration_seconds_count"]
         with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=300) as other:
             r = other.post(server.url + "/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "sort: 2 1"}], "max_tokens": 8, "max_denoising_steps": 8})
-        steps = server.metrics()["blockdiff_step_duration_seconds_count"] - before
+        steps = server.metrics()["blockdiff:step_duration_seconds_count"] - before
         assert r.status_code == 200, r.text
-        assert server.metrics()["blockdiff_requests_waiting"] >= 28  # the call of many is far from done
+        assert server.metrics().total("vllm:num_requests_waiting") >= 28  # the call of many is far from done
     # The bound of the test above.
     assert steps <= 2 * (limit + 1) + 1 + 8 + 20, steps
     server.wait_idle(30)  # the call's requests are aborted with its stream

@@ -151,6 +151,9 @@ def test_autorun_shows_the_canvas_denoising_live(server, browser):
     page.fill("#key-input", KEY)
     page.press("#key-input", "Enter")
     expect(page.locator("#finish")).to_contain_text("finish reason: stop", timeout=60_000)
+    # The server panel, read from /metrics (vLLM's families added up over the engines) after the run.
+    expect(page.locator("#stat-spc")).not_to_have_text("–", timeout=10_000)
+    expect(page.locator("#stat-running")).to_have_text("0", timeout=10_000)
 
     expect(page.locator("#transcript li.user .content")).to_have_text("sort: 3 1 2")
     assert page.inner_text("#transcript li.assistant .content") == "1 2 3"
@@ -248,13 +251,13 @@ def test_the_key_is_asked_once_sent_with_every_call_and_refusals_explained(serve
     expect(page.locator("#prompt")).to_have_value("reverse: diffusion")
 
     # Esc stops a turn in progress: the page drops it, and the server aborts the request.
-    before = server.metrics()['blockdiff_requests_total{outcome="abort"}']
+    before = server.metrics().total("vllm:request_success_total", finished_reason="abort")
     page.press("#prompt", "Enter")
     expect(page.locator("#canvas-index")).to_have_text(re.compile(r"^canvas \d+$"), timeout=60_000)  # a draft
     page.keyboard.press("Escape")
     expect(page.locator("#finish")).to_have_text("stopped")
     expect(page.locator("#prompt")).to_have_value("reverse: diffusion")
-    assert server.wait_idle()['blockdiff_requests_total{outcome="abort"}'] == before + 1
+    assert server.wait_idle().total("vllm:request_success_total", finished_reason="abort") == before + 1
     # A new tab is a new session, which asks again.
     other = browser.new_page()
     other.goto(server.url + "/")

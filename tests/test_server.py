@@ -85,10 +85,12 @@ def test_health_models_and_metrics(server, tiny):
     assert models["data"][0]["root"] == os.path.basename(tiny) and os.path.dirname(tiny) not in json.dumps(models)
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     m = server.metrics()
-    assert m["blockdiff_kv_cache_blocks"] == KV_BLOCKS
-    for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "step_duration_seconds_count",
-                 "canvases_total", "denoising_steps_total", "prompt_tokens_total", "generation_tokens_total"):
-        assert "blockdiff_" + name in m
+    [info] = [s for s in m.samples if s.name == "vllm:cache_config_info"]
+    assert info.labels["num_gpu_blocks"] == str(KV_BLOCKS)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "blockdiff:step_duration_seconds_count", "blockdiff:canvases_total",
+                 "vllm:diffusion_num_denoising_steps_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert any(s.name == name for s in m.samples), name
 
 
 def test_vllm_ping_and_version(server):
@@ -126,9 +128,9 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
     after = server.metrics()
     assert [r.usage.prompt_tokens_details.cached_tokens for r in runs] == [0, 32]
     assert runs[0].choices[0].token_ids == runs[1].choices[0].token_ids
-    delta = {k: after[k] - before[k] for k in ("blockdiff_prefix_cache_queries_total", "blockdiff_prefix_cache_hits_total")}
-    assert delta == {"blockdiff_prefix_cache_queries_total": 80, "blockdiff_prefix_cache_hits_total": 32}
-    assert "blockdiff_num_preemptions_total" in after
+    delta = {k: after.total(k) - before.total(k) for k in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
+    assert delta == {"vllm:prefix_cache_queries_total": 80, "vllm:prefix_cache_hits_total": 32}
+    assert any(s.name == "vllm:num_preemptions_total" for s in after.samples)
 
 
 def test_completion_stream_one_chunk_per_canvas(client, offline):
@@ -343,7 +345,7 @@ def test_concurrent_requests_equal_requests_alone(server):
     assert all(reason in ("stop", "length") for _, _, reason in alone)
     assert together == alone
     m = server.wait_idle()
-    assert m["blockdiff_requests_running"] == 0 and m["blockdiff_kv_cache_usage_ratio"] == 0
+    assert m.total("vllm:num_requests_running") == 0 and m.total("vllm:kv_cache_usage_perc") == 0
 
 
 def test_client_hangup_frees_its_request(server):
@@ -357,17 +359,18 @@ def test_client_hangup_frees_its_request(server):
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["text"] is not None
         busy = server.metrics()
-        assert busy["blockdiff_requests_running"] == 1 and busy["blockdiff_kv_cache_usage_ratio"] > 0, (first, busy)
+        assert busy.total("vllm:num_requests_running") == 1 and busy.total("vllm:kv_cache_usage_perc") > 0, (first, busy)
     # Non-streaming: the client gives up waiting.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=long, headers=_auth(), timeout=1.0)
 
     after = server.wait_idle()
-    assert after["blockdiff_requests_running"] == 0 and after["blockdiff_kv_cache_usage_ratio"] == 0
-    aborts = 'blockdiff_requests_total{outcome="abort"}'
-    lengths = 'blockdiff_requests_total{outcome="length"}'
-    assert after[aborts] == before[aborts] + 2
-    assert after[lengths] == before[lengths]
+    assert after.total("vllm:num_requests_running") == 0 and after.total("vllm:kv_cache_usage_perc") == 0
+    def ended(m, reason):
+        return m.total("vllm:request_success_total", finished_reason=reason)
+
+    assert ended(after, "abort") == ended(before, "abort") + 2
+    assert ended(after, "length") == ended(before, "length")
 
 
 # ---- bad input ----------------------------------------------------------------------------------
@@ -518,7 +521,7 @@ def test_openai_client_sees_typed_errors(client):
 
 def test_serves_after_bad_input(server, client):
     m = server.wait_idle()
-    assert m["blockdiff_requests_running"] == 0 and m["blockdiff_requests_waiting"] == 0
-    assert m['blockdiff_http_responses_total{status="400"}'] >= sum(1 for b in BAD if b[4] == 400)
+    assert m.total("vllm:num_requests_running") == 0 and m.total("vllm:num_requests_waiting") == 0
+    assert m['blockdiff:http_responses_total{status="400"}'] >= sum(1 for b in BAD if b[4] == 400)
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1

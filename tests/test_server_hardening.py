@@ -198,13 +198,13 @@ def test_a_trickled_body_is_cut_off_at_the_minimum_rate(server):
 
 
 def test_uvicorns_own_refusal_is_openai_shaped_and_counted(server):
-    before = server.metrics().get('blockdiff_http_refusals_total{reason="invalid_http"}', 0)
+    before = server.metrics().get('blockdiff:http_refusals_total{reason="invalid_http"}', 0)
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
         status, error = _reply(s)
     assert status.startswith(b"HTTP/1.1 400"), status
     assert error["error"]["code"] == "invalid_http"
-    assert server.metrics()['blockdiff_http_refusals_total{reason="invalid_http"}'] == before + 1
+    assert server.metrics()['blockdiff:http_refusals_total{reason="invalid_http"}'] == before + 1
 
 
 def test_unfinished_bodies_from_one_address_cannot_take_the_connections(tiny, tmp_path):
@@ -235,8 +235,8 @@ def test_unfinished_bodies_from_one_address_cannot_take_the_connections(tiny, tm
         print(f"{len(held)} connections opened, {refused} failed to connect; {probe}")
         probe.check()
         m = server.metrics()
-        assert m['blockdiff_http_refusals_total{reason="too_many_uploads"}'] >= 1000
-        assert m['blockdiff_http_responses_total{status="429"}'] >= 1000
+        assert m['blockdiff:http_refusals_total{reason="too_many_uploads"}'] >= 1000
+        assert m['blockdiff:http_responses_total{status="429"}'] >= 1000
         for s in held:
             s.close()
         held.clear()
@@ -290,7 +290,7 @@ def test_a_500_is_counted_and_the_app_survives(tiny, monkeypatch):
                 assert r.status_code == 500
                 assert r.json()["error"]["type"] == "server_error"
                 metrics = (await client.get("/metrics")).text
-        assert 'blockdiff_http_responses_total{status="500"} 1' in metrics, metrics
+        assert 'blockdiff:http_responses_total{status="500"} 1.0' in metrics, metrics
 
     asyncio.run(main())
 

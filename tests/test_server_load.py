@@ -81,12 +81,12 @@ def test_64_clients_for_a_minute_lose_nothing_and_equal_their_solo_runs(tmp_path
         rss_after = rss_mib(server.proc.pid)
         differ = [case for case, got in results if got != solo[case]]
         print(f"{len(results)} requests from {CLIENTS} clients in {seconds:.0f} s; {len(differ)} differ from their solo "
-              f"run; {m['blockdiff_num_preemptions_total']:.0f} preemptions; /health p50 "
+              f"run; {m.total('vllm:num_preemptions_total'):.0f} preemptions; /health p50 "
               f"{statistics.median(health) * 1e3:.1f} ms, max {max(health) * 1e3:.0f} ms over {len(health)} probes; "
               f"RSS {rss_before:.0f} -> {rss_after:.0f} MiB")
         assert all(reason in ("stop", "length") for _, (_, reason) in results)
-        assert m['blockdiff_http_responses_total{status="200"}'] >= len(results) + len(solo)
-        assert not [k for k in m if k.startswith("blockdiff_http_responses_total") and not k.endswith('"200"}')], m
+        assert m['blockdiff:http_responses_total{status="200"}'] >= len(results) + len(solo)
+        assert not [k for k in m if k.startswith("blockdiff:http_responses_total") and not k.endswith('"200"}')], m
         assert not differ, differ[:10]
         assert rss_after - rss_before < 200
     finally:

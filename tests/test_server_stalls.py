@@ -194,12 +194,12 @@ def test_client_mistakes_are_4xx_without_a_traceback(server, what, body, says):
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
 def test_only_json_bodies_are_read(server, content_type):
     """A web page can post these to any address without a CORS preflight."""
-    before = server.metrics().get('blockdiff_http_refusals_total{reason="unsupported_media_type"}', 0)
+    before = server.metrics().get('blockdiff:http_refusals_total{reason="unsupported_media_type"}', 0)
     headers = {"Content-Type": content_type} if content_type else {}
     r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', headers=headers, timeout=30)
     assert r.status_code == 415, r.text
     assert r.json()["error"]["code"] == "unsupported_media_type"
-    assert server.metrics()['blockdiff_http_refusals_total{reason="unsupported_media_type"}'] == before + 1
+    assert server.metrics()['blockdiff:http_refusals_total{reason="unsupported_media_type"}'] == before + 1
 
 
 def test_head_health(server):
@@ -211,7 +211,7 @@ def test_a_stream_left_unread_is_dropped_past_its_buffer(server):
     """Before: a stream never read kept its output queued until the client hung up (1.5 MB per demo
     stream with drafts and logprobs). Now the connection is dropped past --max-stream-buffer (64 KiB
     here) and the call's engine requests end."""
-    closed = 'blockdiff_connections_closed_total{reason="unread_stream"}'
+    closed = 'blockdiff:connections_closed_total{reason="unread_stream"}'
     before = server.metrics().get(closed, 0)
     body = json.dumps({"prompt": "sort: 1 2", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 16,
                        "stream_drafts": True, "logprobs": 20, "max_denoising_steps": 2}).encode()
@@ -225,7 +225,7 @@ def test_a_stream_left_unread_is_dropped_past_its_buffer(server):
             time.sleep(0.5)
         assert server.metrics().get(closed, 0) == before + 1
         m = server.wait_idle(30)  # its 16 requests were aborted
-        assert m["blockdiff_requests_running"] == 0 and m["blockdiff_requests_waiting"] == 0
+        assert m.total("vllm:num_requests_running") == 0 and m.total("vllm:num_requests_waiting") == 0
         s.settimeout(30)
         try:
             while s.recv(65536):  # what was sent before the drop, then the end

@@ -6,10 +6,17 @@ from __future__ import annotations
 import json
 import re
 
+from types import SimpleNamespace
+
 import httpx
 import openai
 import pytest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess
+
+from blockdiff.engine.client import EngineStats
+from blockdiff.entrypoints.openai.metrics import ServingMetrics
 
 CHAT = [{"role": "user", "content": "sort: 3 1 2"}]
 
@@ -135,40 +142,71 @@ def test_the_requests_of_vllm_bench_serve_are_served(server):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "repetition_penalty"
 
 
-VLLM_COUNTERS = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:diffusion_num_denoising_steps_total",
-                 "vllm:diffusion_num_canvas_positions_total", "vllm:diffusion_num_committed_tokens_total",
-                 "vllm:prefix_cache_queries_total"]
-VLLM_HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                   "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
-                   "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-                   "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
-                   "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens"]
+# Every family /metrics has: vLLM's names, and blockdiff's own for what vLLM has no name for; no
+# event is counted under two names.
+VLLM_FAMILIES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:cache_config_info", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                 "vllm:num_preemptions", "vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens",
+                 "vllm:diffusion_num_denoising_steps", "vllm:diffusion_num_canvas_positions",
+                 "vllm:diffusion_num_committed_tokens", "vllm:time_to_first_token_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens"}
+BLOCKDIFF_FAMILIES = {"blockdiff:canvases", "blockdiff:step_duration_seconds", "blockdiff:http_responses"}
+BLOCKDIFF_REFUSALS = {"blockdiff:http_refusals", "blockdiff:connections_closed"}  # there once one happened
+# One observation per ended request.
+PER_REQUEST = ["vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds",
+               "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+               "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
+               "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens"]
 
 
-def test_vllm_metric_names_are_reported_beside_ours_and_increase(server):
-    label = '{model_name="demo",engine="0"}'
+def test_metrics_count_each_event_once_under_vllms_names(server):
     before = server.wait_idle()
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
-        assert name + label in before
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    out = client.completions.create(model="demo", prompt="reverse: diffusion", max_tokens=24, seed=1,
-                                    extra_body={"ignore_eos": True})
+    outs = [client.completions.create(model="demo", prompt=prompt, max_tokens=24, seed=1, extra_body={"ignore_eos": True})
+            for prompt in ("reverse: diffusion", "upper: canvas")]
     after = server.wait_idle()
-    for name in VLLM_COUNTERS:
-        assert after[name + label] > before[name + label], name
-    for name in VLLM_HISTOGRAMS:
-        assert after[f"{name}_count{label}"] > before[f"{name}_count{label}"], name
-        assert after[f'{name}_bucket{{model_name="demo",engine="0",le="+Inf"}}'] == after[f"{name}_count{label}"]
-    success = 'vllm:request_success_total{model_name="demo",engine="0",finished_reason="length"}'
-    assert after[success] == before[success] + 1
-    # The aliases count what ours count.
-    assert after["vllm:generation_tokens_total" + label] - before["vllm:generation_tokens_total" + label] == \
-        out.usage.completion_tokens == 24
-    assert after["vllm:diffusion_num_denoising_steps_total" + label] == after["blockdiff_denoising_steps_total"]
-    canvases = after["blockdiff_canvases_total"] - before["blockdiff_canvases_total"]
-    gaps = after["vllm:inter_token_latency_seconds_count" + label] - before["vllm:inter_token_latency_seconds_count" + label]
-    assert canvases >= 3 and gaps == canvases - 1
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.headers["content-type"] == CONTENT_TYPE_LATEST
+    # prometheus_client writes each counter's and histogram's creation time as a family of its own.
+    families = {f.name for f in text_string_to_metric_families(r.text) if not f.name.endswith("_created")}
+    assert VLLM_FAMILIES | BLOCKDIFF_FAMILIES <= families <= VLLM_FAMILIES | BLOCKDIFF_FAMILIES | BLOCKDIFF_REFUSALS
+
+    def grew(name: str, **labels: str) -> float:
+        return after.total(name, model_name="demo", engine="0", **labels) - before.total(name, **labels)
+
+    usage = {k: sum(getattr(o.usage, k) for o in outs) for k in ("prompt_tokens", "completion_tokens")}
+    diffusion = {k: sum(o.usage.diffusion[k] for o in outs)
+                 for k in ("canvases", "denoising_steps", "canvas_positions_evaluated")}
+    assert grew("vllm:request_success_total") == grew("vllm:request_success_total", finished_reason="length") == 2
+    assert grew("vllm:prompt_tokens_total") == usage["prompt_tokens"]
+    assert grew("vllm:generation_tokens_total") == grew("vllm:diffusion_num_committed_tokens_total") == \
+        usage["completion_tokens"] == 48
+    assert grew("vllm:diffusion_num_denoising_steps_total") == diffusion["denoising_steps"]
+    assert grew("vllm:diffusion_num_canvas_positions_total") == diffusion["canvas_positions_evaluated"]
+    assert after.total("blockdiff:canvases_total") - before.total("blockdiff:canvases_total") == diffusion["canvases"]
+    for name in PER_REQUEST:
+        assert grew(name + "_count") == 2, name
+        assert after.total(name + "_bucket", le="+Inf") == after.total(name + "_count"), name
+    # A diffusion model's "token" latency is a canvas's: one gap between consecutive canvases.
+    assert grew("vllm:inter_token_latency_seconds_count") == diffusion["canvases"] - 2
+    assert grew("vllm:request_generation_tokens_sum") == 48
+    assert after.total("vllm:num_requests_running") == after.total("vllm:num_requests_waiting") == 0
+    [info] = [s for s in after.samples if s.name == "vllm:cache_config_info"]
+    assert info.labels["model_name"] == "demo" and info.labels["block_size"] == "16" and info.value == 1
+
+
+def test_each_server_has_its_own_registry():
+    """Two servers in one process (tests build several apps) count apart, and neither in the global registry."""
+    stats = EngineStats(0, 0, 4, 0.0, 64, 0, 0, 0, 16, True, 64, "")
+    client = SimpleNamespace(engine_stats=lambda: {"0": stats}, limits=SimpleNamespace(max_model_len=256))
+    one, two = ServingMetrics(client, "demo"), ServingMetrics(client, "demo")
+    one.response(200)
+    assert 'blockdiff:http_responses_total{status="200"} 1.0' in one.render().decode()
+    assert "blockdiff:http_responses_total{" not in two.render().decode()
+    assert not any(f.name.startswith(("vllm:", "blockdiff:")) for f in REGISTRY.collect())
 
 
 @pytest.fixture(scope="module")

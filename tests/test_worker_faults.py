@@ -51,7 +51,7 @@ def _start_load(server: ServerProcess, count: int) -> tuple[list[threading.Threa
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while server.metrics()["blockdiff_requests_running"] < count and time.monotonic() < deadline:
+    while server.metrics().total("vllm:num_requests_running") < count and time.monotonic() < deadline:
         time.sleep(0.1)
     return threads, results
 

@@ -14,7 +14,8 @@ from dataclasses import replace
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic.json_schema import models_json_schema
 
 from blockdiff import __version__
@@ -28,7 +29,7 @@ from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, BodyAdmission, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.media import ChatImages
-from blockdiff.entrypoints.openai.metrics import CONTENT_TYPE, ServingMetrics
+from blockdiff.entrypoints.openai.metrics import ServingMetrics
 from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, DetokenizeRequest, DetokenizeResponse,
                                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now,
                                                    request_types)
@@ -180,7 +181,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

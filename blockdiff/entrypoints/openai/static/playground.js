@@ -463,21 +463,36 @@
     return m;
   }
 
+  // A family's samples added up: vLLM's families have one per engine (data-parallel replica).
+  function total(m, name) {
+    let sum = 0;
+    let found = false;
+    for (const [key, value] of m) {
+      if (key === name || key.startsWith(name + "{")) {
+        sum += value;
+        found = true;
+      }
+    }
+    return found ? sum : undefined;
+  }
+
   function showStats(m) {
     const now = performance.now() / 1000;
-    samples.push([now, m.get("blockdiff_generation_tokens_total") ?? 0]);
+    samples.push([now, total(m, "vllm:generation_tokens_total") ?? 0]);
     while (samples.length > 2 && samples[1][0] <= now - 10) samples.shift();
     const [t0, g0] = samples[0];
     const [t1, g1] = samples[samples.length - 1];
     $("stat-tps").textContent = t1 > t0 ? ((g1 - g0) / (t1 - t0)).toFixed(1) : "–";
-    const steps = m.get("blockdiff_denoising_steps_total");
-    const canvases = m.get("blockdiff_canvases_total");
+    const steps = total(m, "vllm:diffusion_num_denoising_steps_total");
+    const canvases = total(m, "blockdiff:canvases_total");
     $("stat-spc").textContent = canvases ? (steps / canvases).toFixed(1) : "–";
-    const count = m.get("blockdiff_step_duration_seconds_count");
-    $("stat-step").textContent = count ? `${((m.get("blockdiff_step_duration_seconds_sum") / count) * 1000).toFixed(1)} ms` : "–";
-    $("stat-running").textContent = String(m.get("blockdiff_requests_running") ?? "–");
-    $("stat-waiting").textContent = String(m.get("blockdiff_requests_waiting") ?? "–");
-    const kv = m.get("blockdiff_kv_cache_usage_ratio") ?? 0;
+    const count = total(m, "blockdiff:step_duration_seconds_count");
+    $("stat-step").textContent = count ? `${((total(m, "blockdiff:step_duration_seconds_sum") / count) * 1000).toFixed(1)} ms` : "–";
+    $("stat-running").textContent = String(total(m, "vllm:num_requests_running") ?? "–");
+    $("stat-waiting").textContent = String(total(m, "vllm:num_requests_waiting") ?? "–");
+    // The engines' mean: replicas have caches of one size.
+    const engines = [...m.keys()].filter((key) => key.startsWith("vllm:kv_cache_usage_perc{")).length;
+    const kv = engines ? total(m, "vllm:kv_cache_usage_perc") / engines : 0;
     $("stat-kv-meter").value = kv;
     $("stat-kv").textContent = `${(kv * 100).toFixed(1)} %`;
   }
