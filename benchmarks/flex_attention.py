@@ -1,4 +1,4 @@
-"""Canvas attention on the CPU: SDPA with a key mask (what `CanvasKind` runs) against FlexAttention
+"""Canvas attention on the CPU: SDPA with a key mask (what the reference attention backend runs for canvases) against FlexAttention
 with a block mask, both under torch.compile(fullgraph=True), at the 15.8M bench checkpoint's shapes
 (4 query heads over 2 KV heads of 64, canvases of 64 tokens) over a 256-position prefix of which
 each canvas has a random part; 1 and 8 canvases; alternating, medians of 20 timings of 10 calls.

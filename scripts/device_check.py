@@ -396,7 +396,7 @@ def part_env(args, record) -> dict:
     import torch.nn.functional as F
 
     from blockdiff.model.registry import parse_config
-    from blockdiff.ops.kernels import FP8, INSTALLED, ExpertShape, choose, padded, target
+    from blockdiff.ops.kernels import FP8, INSTALLED, ExpertShape, expert_kernel, padded, static_kernel, step_modes, target
 
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
     for name in ("transformers", "triton", "numpy", "safetensors", "tokenizers", "jinja2", "pytest", "fastapi"):
@@ -417,9 +417,10 @@ def part_env(args, record) -> dict:
     for label, weights, dtype, acts in (("bfloat16", torch.bfloat16, torch.bfloat16, None), ("fp8", FP8, torch.bfloat16, "dynamic"),
                                         ("float32", torch.float32, torch.float32, None)):
         shape = ExpertShape(padded(config.hidden_size, weights), padded(config.arch.moe_intermediate_size, weights), weights, acts)
-        plan = choose(where, dtype, shape, None, where.type == "cuda")
-        kernels[label] = {"experts": plan.experts, "why": plan.experts_why, "compile": plan.compile,
-                          "cuda_graphs": plan.cuda_graphs, "steps": plan.steps_why}
+        kernel, why = expert_kernel(where, dtype, shape)
+        modes = step_modes(where, static_kernel(kernel), None, where.type == "cuda")
+        kernels[label] = {"experts": kernel, "why": why, "compile": modes.compile, "cuda_graphs": modes.cuda_graphs,
+                          "steps": modes.why}
     record("kernels", kernels)
     record("torch_ops", {"grouped_mm": INSTALLED.grouped_mm, "scaled_grouped_mm": INSTALLED.scaled_grouped_mm,
                          "cpu_grouped_mm": [str(d) for d in INSTALLED.cpu_grouped_mm]})

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from blockdiff.model.gemma_config import GemmaConfig
 from blockdiff.model.registry import load_config
 from blockdiff.ops.kernels import (
-    FP8, GROUPED, PER_EXPERT, SCALED_GROUPED, ExpertShape, Ops, Target, choose, expert_kernel, padded,
+    FP8, GROUPED, PER_EXPERT, SCALED_GROUPED, ExpertShape, Ops, Target, expert_kernel, padded, static_kernel, step_modes,
 )
 from blockdiff.model.moe import Experts, Fp8Experts, combine_top_k
 from blockdiff.quantization import Fp8Config
@@ -87,13 +87,14 @@ def test_the_per_expert_loop_is_kept_only_where_the_grouped_op_is_missing():
     (CPU, torch.float32, ExpertShape(50, 20, torch.float32), (None, False), (False, False)),
 ])
 def test_step_modes(where, dtype, shape, asked, modes):
-    plan = choose(where, dtype, shape, *asked, ops=ALL_OPS)
+    plan = step_modes(where, static_kernel(expert_kernel(where, dtype, shape, ALL_OPS)[0]), *asked)
     assert (plan.compile, plan.cuda_graphs) == modes, plan
 
 
 def test_compile_of_a_step_with_host_syncs_is_refused():
     with pytest.raises(ValueError, match="static shapes"):
-        choose(H200, torch.float32, ExpertShape(2816, 704, torch.float32), True, True, ops=ALL_OPS)
+        shape = ExpertShape(2816, 704, torch.float32)
+        step_modes(H200, static_kernel(expert_kernel(H200, torch.float32, shape, ALL_OPS)[0]), True, True)
 
 
 def _config(**changes) -> GemmaConfig:

@@ -53,16 +53,6 @@ class BlockDiffusionModel(Protocol):
         ...
 
 
-class SelfConditionedModel(BlockDiffusionModel, Protocol):
-    """A model whose decoder takes the previous step's soft embeddings (`forward`'s soft_embeds), as
-    a self-conditioning sampler feeds them (diffusion/strategy.py)."""
-
-    def soft_embed(self, probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """The next step's self-conditioning input [rows * CL, hidden] from this rank's unnormalised
-        probabilities [rows, CL, local vocab] and their full-vocabulary sums [rows, CL]."""
-        ...
-
-
 class CheckpointFormat:
     """How an architecture's checkpoints are read: its config.json parsed, and its tensor names
     mapped to its model's parameters (model/loader.py loads by them)."""

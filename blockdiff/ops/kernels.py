@@ -1,6 +1,6 @@
-"""Which kernels a model runs on a device, decided in one place: `choose`.
+"""Which kernels a model runs on a device: `expert_kernel` and `step_modes`.
 
-From the device type, its compute capability, the dtype and the shapes it decides how a layer's
+From the device type, its compute capability, the dtype and the shapes they decide how a layer's
 experts multiply, and whether a step of canvases can run as one static step, compiled and/or
 captured as a CUDA graph:
 
@@ -16,7 +16,7 @@ captured as a CUDA graph:
 
 Every grouped product reads its matrices with leading strides of 16 bytes (and FP8 dimensions
 divisible by 16); model/moe.py pads each expert's widths at load time to `padded(n, dtype)`, which
-is exact (zero columns of gate/up, zero rows of down), so an unpadded width is a shape `choose` only
+is exact (zero columns of gate/up, zero rows of down), so an unpadded width is a shape `expert_kernel` only
 meets when something skipped the padding, and it then takes the per-expert path.
 """
 
@@ -70,7 +70,7 @@ class ExpertShape:
 
 @dataclass(frozen=True)
 class Ops:
-    """Which of the ops `choose` weighs this torch has."""
+    """Which of the ops `expert_kernel` weighs this torch has."""
 
     grouped_mm: bool
     scaled_grouped_mm: bool
@@ -171,21 +171,3 @@ def step_modes(where: Target, static: bool, compile: bool | None, cuda_graphs: b
     else:
         why = " and ".join(m for m, on in (("compiled", compile), ("CUDA graphs", graphs)) if on) or "eager"
     return StepModes(bool(compile), graphs, why)
-
-
-@dataclass(frozen=True)
-class Plan:
-    experts: str | None
-    experts_why: str
-    compile: bool
-    cuda_graphs: bool
-    steps_why: str
-
-
-def choose(where: Target, dtype: torch.dtype, shape: ExpertShape | None, compile: bool | None = None,
-           cuda_graphs: bool = False, ops: Ops | None = None) -> Plan:
-    """The whole decision for a model with experts of `shape` (None: no experts) run in `dtype` on
-    `where`: the experts' kernel, and how steps of canvases run."""
-    kernel, why = (None, "no experts") if shape is None else expert_kernel(where, dtype, shape, ops)
-    modes = step_modes(where, kernel is None or static_kernel(kernel), compile, cuda_graphs)
-    return Plan(kernel, why, modes.compile, modes.cuda_graphs, modes.why)
