@@ -1,9 +1,9 @@
 """One engine replica in a process of its own: the engine core that the data-parallel front end
 (dp_client.py) routes requests to.
 
-The front end starts it as a fresh interpreter (`python -c`, as parallel/ranks.py starts the
-tensor-parallel workers: the caller's main module is never re-imported) with one end of a socket
-pair, and sends it a `Bootstrap`. The replica builds its engine (its own tensor-parallel group, if
+The front end starts it with parallel/processes.py, as parallel/ranks.py starts the tensor-parallel
+workers (a fresh interpreter with one end of a socket pair, which exits when the front end's
+process does), and sends it a `Bootstrap`. The replica builds its engine (its own tensor-parallel group, if
 any, is started under it), answers with a `Handshake` and serves the front end's messages until it
 is stopped or the front end goes away. An `AsyncEngine` drives the engine inside: a lost
 tensor-parallel worker is restarted within the replica, as in a server of one engine, and only a
@@ -35,16 +35,11 @@ its engine down and exits, the front end fails the replica's requests and starts
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import pickle
-import signal
 import socket
 import struct
-import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,12 +47,13 @@ from blockdiff.config import EngineConfig
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestFailed, StreamOverflow
 from blockdiff.engine.client import EngineLimits, EngineStats, structured_specs
 from blockdiff.image import ImageError
+from blockdiff.parallel import processes
 from blockdiff.sampling_params import InvalidParam
 
 log = logging.getLogger(__name__)
 
 STATE_S = 0.25  # how often a replica reports its state and stats
-_PARENT_POLL_S = 0.5
+ENTRY = "blockdiff.engine.core_process:main"  # what processes.spawn runs in a replica's process
 _HEADER = struct.Struct(">I")
 
 
@@ -66,8 +62,6 @@ class Bootstrap:
     cfg: EngineConfig  # this replica's: its data_parallel_rank and device set
     start: Callable  # EngineConfig -> LLMEngine, by reference (startup.start_engine)
     max_queued_requests: int | None
-    parent_pid: int
-    pdeathsig: bool  # started from the front end's main thread: PR_SET_PDEATHSIG follows that thread
     log_level: int
 
 
@@ -232,14 +226,10 @@ class _Replica:
             self.calls.pop(call, None)
 
 
-def main() -> None:
-    """The replica process (`python -c "... main()" FD`): FD is its end of the socket pair."""
-    sock = socket.socket(fileno=int(sys.argv[1]))
+def main(fd: int) -> None:
+    """The replica process (processes.spawn(ENTRY)): fd is its end of the socket pair."""
+    sock = socket.socket(fileno=fd)
     boot: Bootstrap = recv_frame(sock)
-    if boot.pdeathsig and sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    threading.Thread(target=_exit_with_parent, args=(boot.parent_pid,), name="blockdiff-parent-watch",
-                     daemon=True).start()
     rank = boot.cfg.replica
     logging.basicConfig(level=boot.log_level,
                         format=f"%(asctime)s %(levelname)s replica {rank} %(name)s: %(message)s")
@@ -248,7 +238,7 @@ def main() -> None:
     except BaseException as e:
         log.debug("the engine could not be built", exc_info=True)
         send_frame(sock, ("failed", wire_error(e)))
-        _exit(1)
+        processes.exit_now(1)
     client = AsyncEngine(engine, boot.max_queued_requests)
     try:
         send_frame(sock, ("ready", Handshake.of(engine)))
@@ -256,23 +246,4 @@ def main() -> None:
     except (EOFError, OSError):  # the front end went away before we could begin
         client.shutdown()
         code = 0
-    _exit(code)
-
-
-def _exit(code: int) -> None:
-    # Everything is shut down; tearing down an interpreter that imported torch takes a second.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(_PARENT_POLL_S)
-    os._exit(1)
-
-
-# How the front end starts a replica; SIGINT (Ctrl-C in a terminal reaches the whole process
-# group) is the front end's to handle: it stops the replicas.
-COMMAND = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-           "from blockdiff.engine.core_process import main; main()")
+    processes.exit_now(code)

@@ -20,11 +20,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import socket
 import subprocess
-import sys
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -35,13 +32,14 @@ from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.async_engine import RESTART_TRIES, EngineUnavailable, RequestStream
 from blockdiff.engine.block_allocator import block_keys, key_root
 from blockdiff.engine.client import EngineClient, EngineStats, Prompt
-from blockdiff.engine.core_process import COMMAND, Bootstrap, Handshake, encode_frame, error_of, read_frame, recv_frame, send_frame
+from blockdiff.engine.core_process import ENTRY, Bootstrap, Handshake, encode_frame, error_of, read_frame, recv_frame, send_frame
 from blockdiff.engine.images import ImageIntake, PromptImages, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
 from blockdiff.image import ProcessedImage
 from blockdiff.model.registry import load_config
+from blockdiff.parallel import processes
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
 
@@ -164,7 +162,6 @@ class DPClient(EngineClient):
         self._start_engine = start_engine
         self._max_queued = max_queued_requests
         self._env = env or {}
-        self._main_thread = threading.main_thread()
         self.replicas = [_Replica(r) for r in range(cfg.data_parallel_size)]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
@@ -207,20 +204,9 @@ class DPClient(EngineClient):
         """Start rep's process and send its bootstrap (the handshake comes when its engine is built)."""
         cfg = replace(self.cfg, data_parallel_rank=rep.rank, device=replica_device(self.cfg, rep.rank))
         rep.device = cfg.device
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ, **self._env, PYTHONPATH=os.pathsep.join(sys.path))
-        try:
-            rep.proc = subprocess.Popen([sys.executable, "-c", COMMAND, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                                        env=env)
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        rep.sock = ours
-        pdeathsig = threading.current_thread() is self._main_thread
-        send_frame(ours, Bootstrap(cfg, self._start_engine, self._max_queued, os.getpid(), pdeathsig,
-                                   logging.getLogger().getEffectiveLevel()))
+        child = processes.spawn(ENTRY, self._env)
+        rep.proc, rep.sock = child.proc, child.sock
+        send_frame(rep.sock, Bootstrap(cfg, self._start_engine, self._max_queued, logging.getLogger().getEffectiveLevel()))
 
     def _ready(self, rep: _Replica, message: tuple) -> Handshake:
         kind, value = message
@@ -230,21 +216,16 @@ class DPClient(EngineClient):
         return value
 
     def _end_process(self, rep: _Replica, wait: float = _KILL_WAIT_S) -> None:
-        """Close rep's socket (it exits on end of file) and make sure its process is gone: killed if it
-        has not exited within `wait` seconds."""
+        """Close rep's socket (it exits on end of file) and make sure its process is gone: stopped
+        (processes.stop) if it has not exited within `wait` seconds."""
         if rep.writer is not None:
             rep.writer.close()
         elif rep.sock is not None:
             rep.sock.close()
         rep.writer = rep.reader = rep.sock = None
         proc, rep.proc = rep.proc, None
-        if proc is None:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            processes.stop([proc], grace=wait)
 
     # ---- EngineClient ------------------------------------------------------------------------------
     def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:

@@ -6,9 +6,9 @@ Socket pairs, not collectives, carry these control messages: an idle worker wait
 with no timeout, a socket reports at once when the other end is gone, and the small CPU tensors of
 a step pickle through numpy in microseconds.
 
-Workers are fresh interpreters started with `subprocess` (`python -c`, this process's sys.path),
-not with multiprocessing: the caller's main module is never re-imported (no `__main__` guard
-needed) and no multiprocessing helper process (the resource tracker) outlives the group.
+Workers are fresh interpreters started by processes.py (`python -c`, this process's sys.path), not
+with multiprocessing: the caller's main module is never re-imported (no `__main__` guard needed)
+and no multiprocessing helper process (the resource tracker) outlives the group.
 
 Nothing is left running and nobody waits forever:
 - a worker that raises sends its traceback and exits; a worker that dies shows in its sentinel
@@ -16,27 +16,25 @@ Nothing is left running and nobody waits forever:
   rank 0. Rank 0 then raises `WorkerError` naming the rank, stops every worker, and the group is
   closed. On CUDA a watchdog aborts the
   NCCL communicator when a worker dies, since NCCL would otherwise wait for it forever.
-- workers exit when rank 0's process dies: end of file on the socket, a thread that polls the
-  parent's pid (for a worker blocked in a collective), and PR_SET_PDEATHSIG where the parent
-  started them from its main thread (the signal follows the starting thread, not the process).
+- workers exit when rank 0's process dies: end of file on the socket, and processes.py's parent
+  death handling (a thread that polls the parent's pid, for a worker blocked in a collective, and
+  PR_SET_PDEATHSIG where the parent started them from its main thread).
 - a worker that is alive but stuck (SIGSTOP, a hang) fails rank 0's collective after
   `step_timeout`, and a gathered reply after `run(..., timeout=)`; `ping()` checks an idle group.
   After any failure the group is closed for good: a caller that wants to go on starts a new one.
 - `close()`, garbage collection of the `RankProcesses` and interpreter exit stop the workers:
-  a stop message, then SIGTERM (with SIGCONT, so a stopped worker acts on it), then SIGKILL;
-  after a failure, without waiting for the stop message to be read.
+  a stop message, then processes.stop (SIGTERM with SIGCONT, so a stopped worker acts on it, then
+  SIGKILL); after a failure, without waiting for the stop message to be read.
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import io
 import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -49,11 +47,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from blockdiff.parallel import processes
 from blockdiff.parallel.group import TPGroup, connect
 
 _STOP = b""
-_PARENT_POLL_S = 0.5
-_JOIN_S = 5.0  # a stopped worker's time to exit before SIGTERM, then again before SIGKILL
+_JOIN_S = 5.0  # a stopped worker's time to exit before SIGTERM; and for its exit status once its sentinel shows its end
 _FAILURE_WAIT_S = 5.0  # after a failed collective, how long to wait for the worker that caused it
 
 
@@ -97,22 +95,11 @@ class _Worker:
     """Rank 0's handle on one worker: its process, its control socket, and its sentinel."""
 
     def __init__(self, rank: int, bootstrap: tuple, extra_env: dict[str, str]):
-        ours, theirs = socket.socketpair()
-        sentinel, held = os.pipe()  # `held` stays open in the worker only: EOF here when it exits
-        env = dict(os.environ, **extra_env, PYTHONPATH=os.pathsep.join(sys.path))
-        command = [sys.executable, "-c", _WORKER_COMMAND, str(theirs.fileno())]
-        try:
-            self.proc = subprocess.Popen(command, pass_fds=(theirs.fileno(), held), env=env)
-        except BaseException:
-            ours.close()
-            os.close(sentinel)
-            raise
-        finally:
-            theirs.close()
-            os.close(held)
+        child = processes.spawn("blockdiff.parallel.ranks:_worker_main", extra_env, sentinel=True)
+        self.proc = child.proc
         self.rank = rank
-        self.conn = mpc.Connection(ours.detach())
-        self.sentinel = sentinel
+        self.conn = mpc.Connection(child.sock.detach())
+        self.sentinel = child.sentinel
         self.conn.send_bytes(_dumps(bootstrap))
 
     @property
@@ -158,14 +145,13 @@ class RankProcesses:
         self._failure: str | None = None  # why the group was closed, if it failed
         self._reports: dict[int, tuple[float, str]] = {}  # rank -> (time, traceback) of its failure
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
-        pdeathsig = threading.current_thread() is threading.main_thread()
         self._workers: list[_Worker] = []
         self._group_box: list[TPGroup] = []  # rank 0's group, once joined, for the finalizer
         self._abort = [False]  # whether close() follows a failure: abort the group, not shut it down
         self._finalizer = weakref.finalize(self, _stop, self._workers, self._group_box, self._abort)
         try:
             for rank in range(1, size):
-                bootstrap = (rank, size, store.port, devices[rank], os.getpid(), pdeathsig, timeout)
+                bootstrap = (rank, size, store.port, devices[rank], timeout)
                 self._workers.append(_Worker(rank, bootstrap, env or {}))
             for rank in range(1, size):
                 self._reply(rank)  # started: imported, on its device, about to join the group
@@ -352,41 +338,16 @@ def _stop(workers: list[_Worker], group_box: list, abort: list) -> None:
         # After a failure a worker may be stuck in a collective and never read the message; and
         # aborting gloo's group waits for a collective that rank 0's step thread may still be in,
         # which ends once the workers are gone.
-        _end(workers)
+        processes.stop([w.proc for w in workers])
         for group in group_box:
             group.shutdown(abort=True)
     else:
         for group in group_box:
             group.shutdown()
-        deadline = time.monotonic() + _JOIN_S
-        for w in workers:
-            w.join(max(0.0, deadline - time.monotonic()))
-        _end(workers)
+        processes.stop([w.proc for w in workers], grace=_JOIN_S)
     for w in workers:
         w.close()
     workers.clear()
-
-
-def _end(workers: list[_Worker]) -> None:
-    """SIGTERM the workers still running, then SIGKILL those that outlive it."""
-    for escalate in ("terminate", "kill"):
-        alive = [w for w in workers if w.proc.poll() is None]
-        if not alive:
-            break
-        for w in alive:
-            getattr(w.proc, escalate)()
-            if escalate == "terminate":
-                _continue(w.proc)
-        for w in alive:
-            w.join(_JOIN_S)
-
-
-def _continue(proc: subprocess.Popen) -> None:
-    """SIGCONT: a stopped process keeps a SIGTERM pending until it runs again."""
-    try:
-        os.kill(proc.pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
 
 
 def _alive(ctx: RankContext) -> None:
@@ -418,20 +379,10 @@ def message_bytes(fn: Callable, *args) -> int:
 
 
 # ---- the worker side -----------------------------------------------------------------------------
-# Ctrl-C in a terminal reaches the whole process group: it is rank 0's to handle (it stops us), so
-# the worker ignores it from its first line on.
-_WORKER_COMMAND = (
-    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-    "from blockdiff.parallel.ranks import _worker_main; _worker_main()"
-)
-
-
-def _worker_main() -> None:
-    conn = mpc.Connection(int(sys.argv[1]))
-    rank, size, port, device, parent_pid, pdeathsig, timeout = pickle.loads(conn.recv_bytes())
-    if pdeathsig and sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="blockdiff-parent-watch", daemon=True).start()
+def _worker_main(fd: int) -> None:
+    """A worker (processes.spawn): fd is its end of the socket pair."""
+    conn = mpc.Connection(fd)
+    rank, size, port, device, timeout = pickle.loads(conn.recv_bytes())
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -456,10 +407,7 @@ def _worker_main() -> None:
             _fail(conn)
     context.group.shutdown()
     conn.close()
-    # Nothing is left to clean up, and tearing down an interpreter that imported torch takes a second.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    processes.exit_now(0)
 
 
 def _fail(conn) -> None:
@@ -472,10 +420,4 @@ def _fail(conn) -> None:
         pass
     sys.stderr.write(text)
     sys.stderr.flush()
-    os._exit(1)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(_PARENT_POLL_S)
     os._exit(1)

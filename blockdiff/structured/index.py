@@ -31,11 +31,10 @@ states, is refused (`Refused`).
 
 from __future__ import annotations
 
-import ctypes
+import importlib.util
 import os
 import pickle
 import resource
-import signal
 import sys
 
 import numpy as np
@@ -267,12 +266,21 @@ def regex_of(what: tuple) -> str:
 
 def _bound_process(memory: int, parent: int) -> None:
     """This process's address space at most `memory` bytes (numpy's and outlines-core's
-    allocations fail past it), and its end when the thread that started it ends (Linux)."""
+    allocations fail past it), and its end when the thread that started it ends (Linux): a build
+    thread lives as long as the server, so PR_SET_PDEATHSIG alone covers a server killed outright."""
+    _processes().exit_with_parent(parent, pdeathsig=True, poll=False)
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl: nobody waits for this build
-            sys.exit(1)
+
+
+def _processes():
+    """parallel/processes.py, loaded by its path: importing it as blockdiff.parallel.processes would
+    import the blockdiff package, and torch with it."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel", "processes.py")
+    spec = importlib.util.spec_from_file_location("_blockdiff_processes", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
