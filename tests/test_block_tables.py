@@ -1,7 +1,7 @@
 """The step contract sends only what changed (issue 28, item 2): each rank keeps the block tables,
 positions and sampler parameters of every slot on its device (worker/block_tables.py,
 worker/request_slots.py) and a plan carries the new table entries (step.TableDelta) and the
-requests that took a slot (step.NewRequests), both from engine/sent_slots.py. The workers' tables
+requests that took a slot (step.NewRequests), both from engine/worker_record.py. The workers' tables
 equal the engine's after every step, through admissions, growth, sliding blocks given back,
 prefix-cache hits and preemptions; a steady-state step's message to the tensor-parallel workers is
 the same size at a short and a long context, and carries no per-canvas sampler parameter."""

@@ -32,15 +32,14 @@ from blockdiff.engine.kv_events import KVEvent, make_publisher
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
 from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
-from blockdiff.engine.sent_slots import SentSlots
+from blockdiff.engine.worker_record import WorkerRecord
 from blockdiff.executor import make_executor
 from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, generation_defaults
-from blockdiff.step import ImageInputs, MinTokens, NewRequests, ScorePlan, StepPlan, StepRow
+from blockdiff.step import ImageInputs, MinTokens, ScorePlan, StepPlan, StepRow
 from blockdiff.structured.compiler import StructuredOutputs
-from blockdiff.structured.plan import AutomataSent
 from blockdiff.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,8 +82,7 @@ class LLMEngine:
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             self.tokenizer, self.vocab_size, timeout=cfg.structured_outputs_timeout, memory=cfg.structured_outputs_memory,
             builds=cfg.structured_outputs_builds)
-        self.automata_sent = AutomataSent()  # the automata the workers hold
-        self.sent_slots = SentSlots()  # what the workers keep per slot
+        self.sent = WorkerRecord()  # what the workers hold: per slot, and the automata
         self.inputs = InputProcessor(
             self.tokenizer, self.sampler, {**self.defaults, **cfg.sampling_defaults},
             tuple(eos),
@@ -147,8 +145,7 @@ class LLMEngine:
             self.abort(req.request_id)
         self.kv.forget()  # the prefixes the old workers held are gone too
         self._publish_kv_events()
-        self.automata_sent = AutomataSent()
-        self.sent_slots.forget()
+        self.sent.forget()
         return lost
 
     def has_unfinished(self) -> bool:
@@ -245,10 +242,11 @@ class LLMEngine:
         min_tokens = _min_tokens(sched.decoder, cl)
         steps = self._steps_per_launch(sched, min_tokens is not None)
         denoise = self.sampler.step_options([r.params for r in sched.decoder]) if sched.decoder else None
-        taken, tables = self.sent_slots.delta([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder)
+        new_requests, tables = self.sent.slots([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder,
+                                               self._step_params)
         constraints = [req.constraint.canvas(i, req.params.max_tokens - len(req.output.token_ids))
                        for i, req in enumerate(sched.decoder) if req.constraint is not None]
-        automata, forget = self.automata_sent.update([r.constraint.automaton for r in sched.decoder if r.constraint])
+        automata, forget = self.sent.automata([r.constraint.automaton for r in sched.decoder if r.constraint])
         return StepPlan(
             rows=rows,
             encoder_ids=torch.tensor(ids, dtype=torch.long),
@@ -261,7 +259,7 @@ class LLMEngine:
             score=score,
             min_tokens=min_tokens,
             tables=tables,
-            new_requests=self._new_requests(taken),
+            new_requests=new_requests,
             new_canvas_steps=[r.steps_left for r in started],
             new_canvas_index=[r.metrics.canvases for r in started],
             steps=steps,
@@ -270,13 +268,10 @@ class LLMEngine:
             forget_automata=forget,
         )
 
-    def _new_requests(self, taken: list[Request]) -> NewRequests | None:
-        """What the workers keep of the requests that took their slots: sent once per admission."""
-        if not taken:
-            return None
-        return NewRequests([r.slot for r in taken], [r.num_cached for r in taken],
-                           self.sampler.step_params([r.steps_left for r in taken], [r.params for r in taken],
-                                                    [r.seed for r in taken], [r.metrics.canvases for r in taken]))
+    def _step_params(self, taken: list[Request]):
+        """The sampler's per-request inputs of the requests that took their slots (sent once per admission)."""
+        return self.sampler.step_params([r.steps_left for r in taken], [r.params for r in taken],
+                                        [r.seed for r in taken], [r.metrics.canvases for r in taken])
 
     def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:
         """K steps back to back in the steady state (every row a canvas, nobody reading a step's own
