@@ -52,7 +52,7 @@ class ConfidenceThreshold(DiffusionSampler):
     # sampler's temperature 1 the raw log-probabilities are the processed ones.
     logprobs_modes = ("raw_logprobs", "processed_logprobs")
 
-    def finish(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
+    def after_resolve(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
         if given.temperature not in (None, 0):
             raise InvalidParam("temperature", f"temperature {given.temperature}: the {self.name} sampler commits "
                                               "each position's most likely token (greedy); only 0 is accepted")

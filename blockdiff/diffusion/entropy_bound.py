@@ -130,7 +130,7 @@ class EntropyBound(DiffusionSampler):
     self_conditioning = True
     params_type = DenoiseParams
 
-    def finish(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
+    def after_resolve(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
         """The request temperature applied to the schedule, and the schedule checked as a whole."""
         out = resolved
         if out.temperature is not None:

@@ -127,9 +127,9 @@ class DiffusionSampler:
             if f.steps and values[f.name] > max_steps:
                 raise InvalidParam(f.name, f"{f.name} must be at most {max_steps} (this engine's denoising-steps "
                                            f"limit), got {values[f.name]}")
-        return self.finish(out, params)
+        return self.after_resolve(out, params)
 
-    def finish(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
+    def after_resolve(self, resolved: SamplingParams, given: SamplingParams) -> SamplingParams:
         """What the sampler does beyond filling its fields (`given`: the request's own values)."""
         return resolved
 

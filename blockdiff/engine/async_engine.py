@@ -122,6 +122,7 @@ class AsyncEngine(EngineClient):
         self.tokenizer = engine.tokenizer
         self.limits = engine.limits
         self.sampler = engine.sampler
+        self.inputs = engine.inputs
         self.images = engine.inputs.images
         self.defaults = engine.inputs.defaults
         self.name = str(engine.cfg.replica)
@@ -144,12 +145,6 @@ class AsyncEngine(EngineClient):
         self._dead = False  # the workers could not be restarted
 
     # ---- EngineClient: what the engine offers -------------------------------------------------
-    def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
-        return self.engine.inputs.resolve(params, prompt_len)
-
-    def cost(self, params: ResolvedParams) -> int:
-        return self.engine.inputs.cost(params)
-
     def engine_stats(self) -> dict[str, EngineStats]:
         return {self.name: self.engine.stats()}
 

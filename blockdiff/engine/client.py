@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.images import ImageIntake, PromptImages
+from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
@@ -104,14 +105,18 @@ class EngineClient(abc.ABC):
     on_step: Callable[..., None]
     on_finish: Callable[..., None]
 
-    @abc.abstractmethod
+    # The engine's input processor (a copy of it in front of remote engines): the one place where a
+    # request's parameters are resolved and priced, whichever client serves it.
+    inputs: InputProcessor
+
     def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
         """`params` with every default merged and every bound checked, for a prompt of
-        `prompt_len` tokens (images expanded)."""
+        `prompt_len` tokens (images expanded): once, at the edge; the engine takes the result as it is."""
+        return self.inputs.resolve(params, prompt_len)
 
-    @abc.abstractmethod
     def cost(self, params: ResolvedParams) -> int:
         """Canvas positions the decoder evaluates for a request at most."""
+        return self.inputs.cost(params)
 
     def stats(self) -> EngineStats:
         """The engines' stats added up."""

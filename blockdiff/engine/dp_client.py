@@ -190,7 +190,7 @@ class DPClient(EngineClient):
         front = FrontEnd(cfg, first, min(hs.cache_tokens for hs in handshakes))
         self.limits, self.defaults, self.tokenizer, self.sampler, self.images = (
             front.limits, front.defaults, front.tokenizer, front.sampler, front.images)
-        self._inputs, self.block_size, self.prefix_caching = front.inputs, front.block_size, front.prefix_caching
+        self.inputs, self.block_size, self.prefix_caching = front.inputs, front.block_size, front.prefix_caching
         self.prefix_cache_scope = front.prefix_cache_scope
         lim = self.limits
         self.router = PrefixRouter(default_imbalance(lim.max_num_seqs))
@@ -228,12 +228,6 @@ class DPClient(EngineClient):
             processes.stop([proc], grace=wait)
 
     # ---- EngineClient ------------------------------------------------------------------------------
-    def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
-        return self._inputs.resolve(params, prompt_len)
-
-    def cost(self, params: ResolvedParams) -> int:
-        return self._inputs.cost(params)
-
     def engine_stats(self) -> dict[str, EngineStats]:
         return {rep.name: rep.stats for rep in self.replicas if rep.state == "up" and rep.stats is not None}
 

@@ -301,19 +301,13 @@ class RayEngineClient(EngineClient):
         front = FrontEnd(cfg, hs, hs.cache_tokens)
         self.limits, self.defaults, self.tokenizer, self.sampler, self.images = (
             front.limits, front.defaults, front.tokenizer, front.sampler, front.images)
-        self._inputs = front.inputs
+        self.inputs = front.inputs
         self._stats: dict[str, EngineStats] = {}
         self._calls: dict[str, tuple] = {}  # request id -> (its call's generator, its pump)
         self._ids = itertools.count()
         self._open = False
         self.on_step = lambda seconds, engine="0": None
         self.on_finish = lambda finish_reason, prompt_tokens, generated_tokens, metrics, engine="0": None
-
-    def resolve(self, params: SamplingParams | None, prompt_len: int) -> ResolvedParams:
-        return self._inputs.resolve(params, prompt_len)
-
-    def cost(self, params: ResolvedParams) -> int:
-        return self._inputs.cost(params)
 
     def engine_stats(self) -> dict[str, EngineStats]:
         return dict(self._stats)
