@@ -124,9 +124,8 @@ def vocabulary_automaton(key: str, vocab_size: int, allowed: list[int] | None, b
             break
         live -= stuck
     if 0 not in live:
-        field = "bad_words" if banned else "allowed_token_ids"
-        raise InvalidParam(field, f"{field}: no output of the allowed tokens holds no bad word and needs no end "
-                                  "token (none is allowed)")
+        raise InvalidParam("bad_words", "bad_words: every output of the allowed tokens comes to a bad word, and no "
+                                        "end token is allowed to stop it before")
     number = {q: i for i, q in enumerate(sorted(live))}
     src, atom, dst = [], [], []
     for q in sorted(live):
