@@ -6,13 +6,16 @@ side is in tests/test_request_fields.py."""
 from __future__ import annotations
 
 import itertools
+import re
 
+import numpy as np
 import pytest
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.demo import demo_checkpoint
 from blockdiff.sampling_params import StructuredOutputsParams
-from blockdiff.structured.restrictions import bad_words_token_ids, vocabulary_automaton
+from blockdiff.diffusion.constrained import Automaton
+from blockdiff.structured.restrictions import bad_words_token_ids, product, vocabulary_automaton
 
 SORT = [{"role": "user", "content": "sort: 3 1 2"}]
 
@@ -47,6 +50,30 @@ def test_allowed_token_ids_alone_are_one_state_over_their_tokens():
     for allowed, banned in (([5], [[5]]), ([5, 6], [[6], [5, 5]])):
         with pytest.raises(ValueError, match="bad_words"):
             vocabulary_automaton("k", 8, allowed, banned, ())
+
+
+def _accepts(a, seq: list[int]) -> bool:
+    try:
+        return bool(a.final[a.walk(a.initial, seq)])
+    except ValueError:
+        return False
+
+
+def test_the_product_accepts_what_both_automata_accept():
+    """A structured output's automaton (here: outputs of 0s and 1s of even length, by hand) times a
+    bad-words one: what both accept, and the fewest tokens to acceptance of the pairs of states."""
+    atom_of = np.array([0, 0, 1, -1, -1, -1], dtype=np.int32)  # tokens 0, 1: atom 0; token 2: atom 1
+    even = Automaton("even", 0, np.array([True, False]), np.array([0, 1]), atom_of, np.array([0, 1, 0], dtype=np.int32),
+                     np.array([0, 0, 1], dtype=np.int32), np.array([1, 0, 0], dtype=np.int32))
+    banned = [[0, 0], [1, 0, 1]]
+    words = vocabulary_automaton("w", 6, None, banned, (5,))
+    both = product("p", even, words)
+    for n in range(0, 7):
+        for seq in map(list, itertools.product(range(4), repeat=n)):
+            assert _accepts(both, seq) == (_accepts(even, seq) and not _contains(seq, banned)), seq
+    assert both.distance[both.initial] == 0 and both.atom_of[3] == -1
+    with pytest.raises(ValueError, match="bad_words"):
+        product("p", even, words, limit=4)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +111,11 @@ def test_bad_words_offline(llm):
     # vLLM's tokenization: the word as it is, and with a leading space where that is as many tokens.
     ids = bad_words_token_ids(tok, ["2", " 3"])
     assert ids[0] == tok.encode("2", add_special_tokens=False) and tok.encode("3", add_special_tokens=False) in ids
-    with pytest.raises(ValueError, match="bad_words"):
-        _reply(llm, bad_words=["2"], structured_outputs=StructuredOutputsParams(regex="[0-9 ]+"))
+    # With a structured output: the product of the two automata.
+    regex = StructuredOutputsParams(regex="[0-9]( [0-9])*")
+    assert _reply(llm, temperature=0, structured_outputs=regex).text == "1 2 3"
+    out = _reply(llm, temperature=0, structured_outputs=regex, bad_words=["2"])
+    assert re.fullmatch("[0-9]( [0-9])*", out.text) and "2" not in out.text
 
 
 @pytest.mark.parametrize("field,value", [("allowed_token_ids", [-1]), ("allowed_token_ids", []),

@@ -138,13 +138,10 @@ class InputProcessor:
         if self.structured is None:
             raise InvalidParam("structured_outputs", "structured outputs need the checkpoint's tokenizer, and this "
                                                      "checkpoint has none")
-        if params.bad_words:
-            raise InvalidParam("bad_words", "bad_words cannot be combined with a structured output (or a forced "
-                                            "tool_choice): give one of them")
         automaton = self.structured.automaton(params.structured_outputs)
         ends = check_ends(automaton, stops)
-        if params.allowed_token_ids is not None:
-            automaton, ends = self.rules.restricted(automaton, params.allowed_token_ids, ends)
+        if restricts:
+            automaton, ends = self.rules.structured(automaton, params.allowed_token_ids, params.bad_words, ends)
         need = tokens_needed(automaton)
         if need > params.max_tokens:
             raise InvalidParam("max_tokens", f"max_tokens ({params.max_tokens}) is too small for the structured output, "

@@ -15,7 +15,8 @@ vLLM's semantics, kept here:
 
 Every state of these automata accepts (an output may end anywhere), and every state has a way on,
 so a restriction alone never finishes an output early. With a structured output, allowed_token_ids
-restricts its automaton's tokens (`restricted`); bad_words there is refused.
+restricts its automaton's tokens (`restricted`), and bad_words make the product of its automaton and
+theirs (`product`, bounded in size).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from blockdiff.tokenizer import Tokenizer
 # vLLM's bounds on one request's bad words (after tokenization) and their tokens.
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 1024
+# A structured output's automaton times bad_words' is built in the engine's thread: bounded.
+MAX_PRODUCT_TRANSITIONS = 2**18
 CACHE_SIZE = 64
 
 
@@ -151,20 +154,68 @@ def restricted(key: str, a: Automaton, allowed: list[int]) -> Automaton:
     atom_of = np.where(atom_of >= 0, renumber[atom_of], -1).astype(np.int32)
     t_keep = renumber[a.atom] >= 0
     src, atom, dst = a.src[t_keep], renumber[a.atom[t_keep]].astype(np.int32), a.dst[t_keep]
-    # Fewest tokens to acceptance: a breadth-first search back from the accepting states.
-    distance = np.where(a.final, 0, UNREACHABLE).astype(np.int64)
+    return Automaton(key=key, initial=a.initial, final=a.final, distance=_distances(a.final, src, dst),
+                     atom_of=atom_of, src=src, atom=atom, dst=dst)
+
+
+def _distances(final: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Per state, the fewest tokens to an accepting state (UNREACHABLE: none): a breadth-first
+    search back from the accepting states."""
+    distance = np.where(final, 0, UNREACHABLE).astype(np.int64)
     into: dict[int, list[int]] = {}
     for s, d in zip(src.tolist(), dst.tolist()):
         into.setdefault(d, []).append(s)
-    order = deque(np.flatnonzero(a.final).tolist())
+    order = deque(np.flatnonzero(final).tolist())
     while order:
         q = order.popleft()
         for s in into.get(q, ()):
             if distance[s] == UNREACHABLE:
                 distance[s] = distance[q] + 1
                 order.append(s)
-    return Automaton(key=key, initial=a.initial, final=a.final, distance=distance, atom_of=atom_of, src=src,
-                     atom=atom, dst=dst)
+    return distance
+
+
+def product(key: str, a: Automaton, b: Automaton, limit: int = MAX_PRODUCT_TRANSITIONS) -> Automaton:
+    """The outputs both `a` (a structured output's) and `b` (a vocabulary restriction's, every
+    state accepting) accept: their pairs of states reachable from the initial pair, accepting where
+    `a` accepts; an atom per pair of atoms some token has. InvalidParam (bad_words) past `limit`
+    transitions."""
+    both = (a.atom_of >= 0) & (b.atom_of >= 0)
+    pairs, atom_of = np.unique(np.stack((a.atom_of[both], b.atom_of[both]), axis=1), axis=0, return_inverse=True)
+    atoms = np.full(len(a.atom_of), -1, dtype=np.int32)
+    atoms[both] = atom_of.reshape(-1)
+    by_a: dict[int, list[tuple[int, int]]] = {}
+    for k, (x, y) in enumerate(pairs.tolist()):
+        by_a.setdefault(x, []).append((k, y))
+    out_a: dict[int, list[tuple[int, int]]] = {}
+    for s, x, d in zip(a.src.tolist(), a.atom.tolist(), a.dst.tolist()):
+        out_a.setdefault(s, []).append((x, d))
+    table_b = b._table
+    number = {(a.initial, b.initial): 0}
+    order = deque([(a.initial, b.initial)])
+    src, atom, dst = [], [], []
+    while order:
+        s, t = order.popleft()
+        here = number[(s, t)]
+        for x, s2 in out_a.get(s, ()):
+            for k, y in by_a.get(x, ()):
+                t2 = table_b.get((t, y))
+                if t2 is None:
+                    continue
+                there = number.get((s2, t2))
+                if there is None:
+                    there = number[(s2, t2)] = len(number)
+                    order.append((s2, t2))
+                src.append(here), atom.append(k), dst.append(there)
+                if len(src) > limit:
+                    raise InvalidParam("bad_words", f"bad_words with this structured output make an automaton of more "
+                                                    f"than {limit} transitions: fewer bad words, or a simpler constraint")
+    final = np.zeros(len(number), dtype=bool)
+    for (s, _), q in number.items():
+        final[q] = a.final[s]
+    src_a, dst_a = np.asarray(src, dtype=np.int32), np.asarray(dst, dtype=np.int32)
+    return Automaton(key=key, initial=0, final=final, distance=_distances(final, src_a, dst_a), atom_of=atoms,
+                     src=src_a, atom=np.asarray(atom, dtype=np.int32), dst=dst_a)
 
 
 class VocabularyRules:
@@ -201,15 +252,28 @@ class VocabularyRules:
         a = self._cached(key, lambda: vocabulary_automaton(key, self.vocab_size, allowed_ids, banned, tuple(ends)))
         return a, tuple(sorted(ends))
 
-    def restricted(self, a: Automaton, allowed: list[int], ends: tuple[int, ...]) -> tuple[Automaton, tuple[int, ...]]:
-        """A structured output's automaton under allowed_token_ids, and its end tokens that are allowed."""
-        allowed_ids = sorted(set(allowed))
-        key = _digest("restricted", a.key, allowed_ids)
-        out = self._cached(key, lambda: restricted(key, a, allowed_ids))
-        if out.distance[out.initial] >= UNREACHABLE:
-            raise InvalidParam("allowed_token_ids", "allowed_token_ids: no output of the allowed tokens satisfies the "
-                                                    "structured output")
-        return out, tuple(t for t in ends if t in set(allowed_ids))
+    def structured(self, a: Automaton, allowed: list[int] | None, bad_words: list[str] | None,
+                   ends: tuple[int, ...]) -> tuple[Automaton, tuple[int, ...]]:
+        """A structured output's automaton `a` under allowed_token_ids (its tokens restricted) and
+        bad_words (its product with theirs), and the end tokens left to it."""
+        field = "allowed_token_ids"
+        if allowed is not None:
+            allowed_ids = sorted(set(allowed))
+            key = _digest("restricted", a.key, allowed_ids)
+            a = self._cached(key, lambda: restricted(key, a, allowed_ids))
+            ends = tuple(t for t in ends if t in set(allowed_ids))
+        if bad_words:
+            field = "bad_words"
+            banned = bad_words_token_ids(self.tokenizer, bad_words)
+            ends = tuple(t for t in ends if [t] not in banned)
+            words_key = _digest("vocabulary", self.vocab_size, None, banned, list(ends))
+            words = self._cached(words_key, lambda: vocabulary_automaton(words_key, self.vocab_size, None, banned, ends))
+            key = _digest("product", a.key, words_key)
+            a = self._cached(key, lambda: product(key, a, words))
+        if a.distance[a.initial] >= UNREACHABLE:
+            raise InvalidParam(field, f"{field}: no output of the allowed tokens without a bad word satisfies the "
+                                      "structured output")
+        return a, ends
 
 
 def _digest(*parts) -> str:
