@@ -32,6 +32,7 @@ MIN_TEMPERATURE = 1e-20
 MAX_TEMPERATURE = 1e4
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS = 128, 16384  # vLLM's 128 words (as token sequences); characters in all
 
 
 class InvalidParam(ValueError):
@@ -251,6 +252,11 @@ class SamplingParams:
                                                                         for w in self.bad_words):
                 raise InvalidParam("bad_words", f"bad_words must be a list of non-blank strings, got {self.bad_words!r:.80}")
             self.bad_words = list(self.bad_words)
+            # vLLM's bound is on their token sequences (checked once tokenized); this bounds the tokenizer's work.
+            if len(self.bad_words) > MAX_BAD_WORDS or sum(map(len, self.bad_words)) > MAX_BAD_WORDS_CHARS:
+                raise InvalidParam("bad_words", f"bad_words: at most {MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS} "
+                                                f"characters in all, got {len(self.bad_words)} of "
+                                                f"{sum(map(len, self.bad_words))}")
         for name in ("logprobs", "prompt_logprobs"):
             _int(self, name, minimum=0)
             if getattr(self, name) is not None and getattr(self, name) > MAX_LOGPROBS:

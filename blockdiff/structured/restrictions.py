@@ -28,11 +28,10 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from blockdiff.diffusion.constrained import UNREACHABLE, Automaton
-from blockdiff.sampling_params import InvalidParam
+from blockdiff.sampling_params import MAX_BAD_WORDS, InvalidParam
 from blockdiff.tokenizer import Tokenizer
 
-# vLLM's bounds on one request's bad words (after tokenization) and their tokens.
-MAX_BAD_WORDS = 128
+# vLLM's bounds on one request's bad words after tokenization (MAX_BAD_WORDS sequences) and their tokens.
 MAX_BAD_WORD_TOKENS = 1024
 # A structured output's automaton times bad_words' is built in the engine's thread: bounded.
 MAX_PRODUCT_TRANSITIONS = 2**18
