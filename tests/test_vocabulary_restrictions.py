@@ -98,8 +98,10 @@ def test_allowed_token_ids_offline(llm):
     eos = plain.token_ids[-1]
     out = _reply(llm, structured_outputs=choice, allowed_token_ids=[one, space, eos])
     assert out.text == "1 1 1" and out.finish_reason == "stop"
-    with pytest.raises(ValueError, match="allowed_token_ids"):
+    with pytest.raises(ValueError, match="allowed_token_ids: no output"):
         _reply(llm, structured_outputs=choice, allowed_token_ids=[space, eos])
+    with pytest.raises(ValueError, match="allowed_token_ids: the structured output needs an end token"):
+        _reply(llm, structured_outputs=choice, allowed_token_ids=[one, space])
 
 
 def test_bad_words_offline(llm):

@@ -269,6 +269,9 @@ class VocabularyRules:
             words = self._cached(words_key, lambda: vocabulary_automaton(words_key, self.vocab_size, None, banned, ends))
             key = _digest("product", a.key, words_key)
             a = self._cached(key, lambda: product(key, a, words))
+        if not ends:  # a structured output ends with an end token after its text, in an accepting state
+            raise InvalidParam(field, f"{field}: the structured output needs an end token (EOS or a stop token), and "
+                                      f"{field} leave none")
         if a.distance[a.initial] >= UNREACHABLE:
             raise InvalidParam(field, f"{field}: no output of the allowed tokens without a bad word satisfies the "
                                       "structured output")
