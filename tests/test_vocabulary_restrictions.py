@@ -93,9 +93,16 @@ def test_allowed_token_ids_offline(llm):
     one, space = tok.encode("1", add_special_tokens=False)[0], tok.encode(" ", add_special_tokens=False)[0]
     out = _reply(llm, allowed_token_ids=[one, space])
     assert set(out.token_ids) <= {one, space} and len(out.token_ids) == 8 and out.finish_reason == "length"
+    # min_tokens holds as in vLLM: no EOS before it, and still only allowed tokens after it.
+    eos = plain.token_ids[-1]
+    allowed = set(plain.token_ids)
+    out = llm.chat(SORT, SamplingParams(seed=0, max_tokens=12, min_tokens=8, allowed_token_ids=sorted(allowed)),
+                   use_tqdm=False)[0]
+    assert set(out.token_ids) <= allowed and len(out.token_ids) >= 8 and eos not in out.token_ids[:-1]
+    with pytest.raises(ValueError, match="allowed_token_ids holds only end tokens"):
+        _reply(llm, allowed_token_ids=[eos])
     # A structured output under allowed_token_ids: the one choice its tokens can spell.
     choice = StructuredOutputsParams(choice=["1 2 3", "3 2 1", "1 1 1"])
-    eos = plain.token_ids[-1]
     out = _reply(llm, structured_outputs=choice, allowed_token_ids=[one, space, eos])
     assert out.text == "1 1 1" and out.finish_reason == "stop"
     with pytest.raises(ValueError, match="allowed_token_ids: no output"):

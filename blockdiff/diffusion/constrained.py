@@ -100,6 +100,9 @@ class CanvasConstraint:
     state: int  # where the previous canvas left the automaton
     remaining: int  # tokens max_tokens leaves, this canvas's included
     ends: tuple[int, ...]  # token ids that end the output (EOS and stop tokens)
+    # Positions before this take no end token (min_tokens not reached yet; only where every state
+    # goes on, so that the canvas still has a path: vocabulary restrictions)
+    ends_from: int = 0
 
 
 class DeviceAutomaton:
@@ -145,6 +148,9 @@ def constrained_tokens(d: Distribution, fallback: torch.Tensor, constraints: lis
     rows = [c.row for c in constraints]
     b, p = len(rows), d.shifted.shape[1]
     scores = _atom_scores(d, rows, [c.ends for c in constraints], automaton, vocab)  # [B, P, atoms + 2]
+    for i, c in enumerate(constraints):
+        if c.ends_from > 0:
+            scores[i, : c.ends_from, -1] = float("-inf")
     # Edge weights: class maxima, end-token scores, DONE's self-loop (0: the position's maximum).
     atom_max = scores[..., : automaton.atoms]
     classes = atom_max.new_full((b, p, automaton.num_classes), float("-inf"))

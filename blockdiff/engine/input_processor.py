@@ -134,7 +134,8 @@ class InputProcessor:
             if not restricts:
                 return None
             automaton, ends = self.rules.automaton(params.allowed_token_ids, params.bad_words, stops)
-            return OutputConstraint(automaton, ends)
+            # Every state goes on, so min_tokens can hold here: no end token before it, as vLLM.
+            return OutputConstraint(automaton, ends, params.min_tokens, params.max_tokens)
         if self.structured is None:
             raise InvalidParam("structured_outputs", "structured outputs need the checkpoint's tokenizer, and this "
                                                      "checkpoint has none")

@@ -14,7 +14,7 @@ vLLM's semantics, kept here:
   is a proper prefix of a sequence).
 
 Every state of these automata accepts (an output may end anywhere), and every state has a way on,
-so a restriction alone never finishes an output early. With a structured output, allowed_token_ids
+so a restriction alone never finishes an output early, and min_tokens holds (no end token before it). With a structured output, allowed_token_ids
 restricts its automaton's tokens (`restricted`), and bad_words make the product of its automaton and
 theirs (`product`, bounded in size).
 """
@@ -71,6 +71,9 @@ def vocabulary_automaton(key: str, vocab_size: int, allowed: list[int] | None, b
     if allowed is not None:
         ok[np.asarray(allowed, dtype=np.int64)] = True
     ok[[t for t in ends if 0 <= t < vocab_size]] = False
+    if not ok.any():
+        raise InvalidParam("allowed_token_ids", "allowed_token_ids holds only end tokens (EOS, stop tokens): nothing "
+                                                "could be generated")
     # The trie of the sequences; a node that completes one (or whose suffix does) is banned.
     children: list[dict[int, int]] = [{}]
     bad = [False]
@@ -117,17 +120,18 @@ def vocabulary_automaton(key: str, vocab_size: int, allowed: list[int] | None, b
     has_other = bool((atom_of == other).any())
     edges = {q: [(a, int(signatures[q, a])) for a in range(other) if not bad[signatures[q, a]]]
              + ([(other, 0)] if has_other else []) for q in range(n) if not bad[q]}
-    # The states: the trie's nodes that hold no banned sequence; without an end token, only those
-    # with a way on forever (else an output could reach one and have no token left to generate).
+    # The states: the trie's nodes that hold no banned sequence, and only those with a way on
+    # forever (else an output could reach one and have no token left but an end token, which it may
+    # not take before min_tokens, or at all when none is allowed). So an output that could only end
+    # right after a token is not generated: bad words that ban every way on after it are contrived.
     live = set(edges)
-    while not ends:
+    while True:
         stuck = {q for q in live if not any(d in live for _, d in edges[q])}
         if not stuck:
             break
         live -= stuck
     if 0 not in live:
-        raise InvalidParam("bad_words", "bad_words: every output of the allowed tokens comes to a bad word, and no "
-                                        "end token is allowed to stop it before")
+        raise InvalidParam("bad_words", "bad_words: every output of the allowed tokens comes to a bad word")
     number = {q: i for i, q in enumerate(sorted(live))}
     src, atom, dst = [], [], []
     for q in sorted(live):
