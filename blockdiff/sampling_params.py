@@ -32,6 +32,7 @@ MIN_TEMPERATURE = 1e-20
 MAX_TEMPERATURE = 1e4
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS = 128, 16384  # vLLM's 128 words (as token sequences); characters in all
 
 
 class InvalidParam(ValueError):
@@ -191,6 +192,11 @@ class SamplingParams:
     extra_args: dict[str, int | float] | None = None
     # What the output must be: a JSON schema, a regex, a choice (docs/structured_outputs.md).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's vocabulary restrictions (blockdiff/structured/restrictions.py): only these token ids may
+    # be generated (end tokens too: an EOS not among them never ends the output); no generated text
+    # holds one of these words' tokens (each word tokenized with and without a leading space).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @classmethod
     def of(cls, **values) -> "SamplingParams":
@@ -237,6 +243,20 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidParam("structured_outputs", "structured_outputs must be a StructuredOutputsParams, got "
                                                      f"{type(self.structured_outputs).__name__}")
+        _token_list(self, "allowed_token_ids")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidParam("allowed_token_ids", "allowed_token_ids is empty: it would allow no token (leave it "
+                                                    "unset to allow every token)")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip()
+                                                                        for w in self.bad_words):
+                raise InvalidParam("bad_words", f"bad_words must be a list of non-blank strings, got {self.bad_words!r:.80}")
+            self.bad_words = list(self.bad_words)
+            # vLLM's bound is on their token sequences (checked once tokenized); this bounds the tokenizer's work.
+            if len(self.bad_words) > MAX_BAD_WORDS or sum(map(len, self.bad_words)) > MAX_BAD_WORDS_CHARS:
+                raise InvalidParam("bad_words", f"bad_words: at most {MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS} "
+                                                f"characters in all, got {len(self.bad_words)} of "
+                                                f"{sum(map(len, self.bad_words))}")
         for name in ("logprobs", "prompt_logprobs"):
             _int(self, name, minimum=0)
             if getattr(self, name) is not None and getattr(self, name) > MAX_LOGPROBS:

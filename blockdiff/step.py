@@ -114,6 +114,9 @@ class CanvasConstraint:
     state: int  # where the previous canvas left the automaton
     remaining: int  # tokens max_tokens leaves, this canvas's included
     ends: tuple[int, ...]  # token ids that end the output (EOS and stop tokens)
+    # Positions before this take no end token (min_tokens not reached yet; only where every state
+    # goes on, so that the canvas still has a path: vocabulary restrictions)
+    ends_from: int = 0
 
 
 @dataclass

@@ -5,17 +5,23 @@ are ignored with a warning (or refused with --strict-request-fields)."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
 from server_process import ServerProcess
 
 SORT = [{"role": "user", "content": "sort: 3 1 2"}]
-# Every field of the finding at a value a vLLM or OpenAI client sends.
+# The demo tokenizer's ids of "1", "2", "3", " " and EOS: every token of the sorted reply.
+REPLY_TOKENS = [7, 8, 9, 100, 1]
+# Every field of the finding at a value a vLLM or OpenAI client sends (the vocabulary restrictions
+# and prompt_logprobs at values that mean something, which leave the reply as it is).
 FIELDS = {
     "include_stop_str_in_output": False, "add_generation_prompt": True, "continue_final_message": False,
     "chat_template_kwargs": {}, "documents": [], "truncate_prompt_tokens": -1, "priority": 0, "request_id": "r-1",
-    "cache_salt": "tenant-a", "allowed_token_ids": [], "bad_words": [], "use_beam_search": False, "prompt_logprobs": 0,
+    "cache_salt": "tenant-a", "allowed_token_ids": REPLY_TOKENS, "bad_words": ["4"], "use_beam_search": False,
+    "prompt_logprobs": 1,
     "return_tokens_as_token_ids": False, "add_special_tokens": False,
     "store": False, "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "s", "verbosity": "medium",
     "modalities": ["text"], "prediction": {"type": "content", "content": "1 2 3"},
@@ -50,6 +56,7 @@ def test_every_field_is_accepted_and_the_ignored_ones_are_named_in_one_warning(s
     client = _client(server)
     chat = client.chat.completions.create(model="demo", messages=SORT, seed=0, extra_body=FIELDS)
     assert chat.choices[0].message.content == "1 2 3" and chat.id == "chatcmpl-r-1"
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
     completion = client.completions.create(model="demo", prompt="sort: 3 1 2", max_tokens=8, seed=0,
                                            extra_body={k: v for k, v in FIELDS.items() if k not in CHAT_ONLY})
     assert completion.id == "cmpl-r-1"
@@ -69,7 +76,8 @@ def test_strict_request_fields_refuse_unknown_ones(strict):
 
 
 @pytest.mark.parametrize("field,value", [("use_beam_search", True), ("priority", 1), ("truncate_prompt_tokens", 0),
-                                         ("allowed_token_ids", [5]), ("bad_words", ["1"]), ("prompt_logprobs", 1),
+                                         ("allowed_token_ids", [10**6]), ("allowed_token_ids", []), ("bad_words", [" "]),
+                                         ("prompt_logprobs", 21), ("prompt_logprobs", -1),
                                          ("chat_template", "{{ messages[0]['content'] }}")])
 def test_values_that_cannot_be_honoured_are_a_400_naming_the_field(server, field, value):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "demo", "messages": SORT, field: value}, timeout=60)
@@ -150,3 +158,77 @@ def test_cache_salt_keeps_prefix_cache_entries_apart(server):
     cached(cache_salt="a")
     assert cached(cache_salt="a") > 0
     assert cached(cache_salt="b") == 0 and cached() == 0
+
+
+def _reply(server, **extra):
+    """The sorted reply's choice, its token ids with it."""
+    return _client(server).chat.completions.create(model="demo", messages=SORT, seed=0, max_tokens=8,
+                                                   extra_body={"return_token_ids": True, **extra}).choices[0]
+
+
+def test_allowed_token_ids_restrict_the_generated_tokens(server):
+    """vLLM's allowed_token_ids: only those tokens are generated, each logprob entry too; an EOS
+    that is not among them never ends the output, so max_tokens does."""
+    plain = _reply(server)
+    one, two, space = (_tokens(server, prompt=t, add_special_tokens=False)[0] for t in ("1", "2", " "))
+    allowed = {one, two, space}
+    assert not set(plain.model_extra["token_ids"]) <= allowed and plain.finish_reason == "stop"
+    r = _reply(server, allowed_token_ids=sorted(allowed), logprobs=True, return_tokens_as_token_ids=True)
+    ids = r.model_extra["token_ids"]
+    assert set(ids) <= allowed and len(ids) == 8 and r.finish_reason == "length"
+    assert [e.token for e in r.logprobs.content] == [f"token_id:{t}" for t in ids]
+    eos = REPLY_TOKENS[-1]
+    stopped = _reply(server, allowed_token_ids=sorted(allowed | {eos}))
+    assert set(stopped.model_extra["token_ids"]) <= allowed | {eos} and stopped.finish_reason == "stop"
+    completion = _client(server).completions.create(model="demo", prompt="sort: 3 1 2", max_tokens=6, seed=0,
+                                                    extra_body={"allowed_token_ids": [one], "return_token_ids": True})
+    assert completion.choices[0].model_extra["token_ids"] == [one] * 6
+
+
+def test_out_of_vocabulary_allowed_token_ids_are_a_400(server):
+    for body in ({"messages": SORT}, {"prompt": "sort: 3 1 2"}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(server.url + path, json={"model": "demo", **body, "allowed_token_ids": [3, 10**6]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+        assert str(10**6) in r.json()["error"]["message"]
+
+
+def test_bad_words_keep_a_word_of_the_greedy_reply_out(server):
+    assert _reply(server, temperature=0).message.content == "1 2 3"
+    for words in (["2"], ["1 2"], [" 3"]):
+        content = _reply(server, temperature=0, bad_words=words).message.content
+        assert all(w.strip() not in content for w in words) and content, (words, content)
+    completion = _client(server).completions.create(model="demo", prompt="sort: 3 1 2", max_tokens=8, seed=0,
+                                                    temperature=0, extra_body={"bad_words": ["2"]})
+    assert "2" not in completion.choices[0].text
+    # With a structured output: both hold.
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "messages": SORT, "bad_words": ["2"], "temperature": 0,
+        "structured_outputs": {"regex": "[0-9]( [0-9])*"}})
+    content = r.json()["choices"][0]["message"]["content"]
+    assert re.fullmatch("[0-9]( [0-9])*", content) and "2" not in content, r.text
+
+
+def test_chat_prompt_logprobs_score_the_prompt_as_completions_do(server):
+    """vLLM's shape: at the response's top level, one entry per prompt token, None for the first,
+    then {token id: {logprob, rank, decoded_token}} holding the token and its alternatives; the
+    same scores as /v1/completions gives the same ids with echo and logprobs."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "demo", "messages": SORT, "seed": 0, "max_tokens": 4, "prompt_logprobs": 2}).json()
+    ids = _tokens(server, messages=SORT)
+    scores = r["prompt_logprobs"]
+    assert len(scores) == len(ids) == r["usage"]["prompt_tokens"] and scores[0] is None
+    for t, entry in zip(ids[1:], scores[1:]):
+        assert str(t) in entry and 2 <= len(entry) <= 3
+        assert set(entry[str(t)]) == {"logprob", "rank", "decoded_token"}
+        ranked = sorted(e["rank"] for k, e in entry.items() if e["rank"] is not None)
+        assert ranked == [1, 2]
+    echo = _client(server).completions.create(model="demo", prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    expected = echo.choices[0].logprobs.token_logprobs
+    assert expected[0] is None and len(expected) == len(ids)
+    assert [scores[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(expected[1:], abs=1e-4)
+    assert httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "messages": SORT, "max_tokens": 4}).json()["prompt_logprobs"] is None
+    streamed = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "messages": SORT, "stream": True, "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"

@@ -81,6 +81,9 @@ def constrained_tokens(d: Distribution, fallback: torch.Tensor, constraints: lis
     rows = [c.row for c in constraints]
     b, p = len(rows), d.shifted.shape[1]
     scores = _atom_scores(d, rows, [c.ends for c in constraints], automaton, vocab)  # [B, P, atoms + 2]
+    for i, c in enumerate(constraints):
+        if c.ends_from > 0:
+            scores[i, : c.ends_from, -1] = float("-inf")
     # Edge weights: class maxima, end-token scores, DONE's self-loop (0: the position's maximum).
     atom_max = scores[..., : automaton.atoms]
     classes = atom_max.new_full((b, p, automaton.num_classes), float("-inf"))
@@ -102,13 +105,19 @@ def _atom_scores(d: Distribution, rows: list[int], ends: list[tuple[int, ...]], 
     p, v = d.shifted.shape[1:]
     out = d.shifted.new_full((len(rows), p, automaton.atoms + 2), float("-inf"))
     index = automaton.atom_local.expand(p, v)
+    # A canvas may have no end token (a vocabulary restriction that allows none: only max_tokens
+    # ends the output); its end column stays -inf, so no end edge is ever taken.
     width = max(map(len, ends))
-    end_ids = torch.tensor([list(e) + [e[0]] * (width - len(e)) for e in ends], device=d.shifted.device)
-    local, owned = vocab.shard.to_local(end_ids)  # [B, width]
+    if width:
+        end_ids = torch.tensor([list(e) + [0] * (width - len(e)) for e in ends], device=d.shifted.device)
+        real = torch.tensor([[k < len(e) for k in range(width)] for e in ends], device=d.shifted.device)
+        local, owned = vocab.shard.to_local(end_ids)  # [B, width]
+        owned = owned & real
     for i, r in enumerate(rows):
         out[i, :, : automaton.atoms + 1].scatter_reduce_(-1, index, d.shifted[r], "amax")
-        e = d.shifted[r].index_select(-1, local[i])  # [P, width]
-        out[i, :, -1] = torch.where(owned[i], e, float("-inf")).amax(-1)
+        if width:
+            e = d.shifted[r].index_select(-1, local[i])  # [P, width]
+            out[i, :, -1] = torch.where(owned[i], e, float("-inf")).amax(-1)
     if vocab.sharded:
         vocab.group.all_reduce(out, op="max")
     return out
@@ -189,6 +198,8 @@ def _winning_tokens(d: Distribution, rows: list[int], weights: torch.Tensor, edg
         ok = members_t[i, pos, automaton.atom_local[row]]
         ids = torch.where(ok, vocab.global_ids[row], _BIG)
         out[i] = torch.full((p,), _BIG, dtype=torch.long, device=device).scatter_reduce_(0, pos, ids, "amin")
+        if not constraints[i].ends:  # no end edge could be taken
+            continue
         ends = torch.tensor(sorted(constraints[i].ends), device=device)
         local, owned = vocab.shard.to_local(ends)
         e = d.shifted[r].index_select(-1, local)  # [P, ends]

@@ -11,6 +11,7 @@ from blockdiff.engine.images import ImageIntake, PromptImages
 from blockdiff.engine.request import Request
 from blockdiff.sampling_params import InvalidParam, ResolvedParams, SamplingParams
 from blockdiff.structured.compiler import OutputConstraint, StructuredOutputs, check_ends, tokens_needed
+from blockdiff.structured.restrictions import VocabularyRules
 from blockdiff.tokenizer import Tokenizer
 
 
@@ -24,6 +25,7 @@ class InputProcessor:
         outputs (None: the checkpoint has no tokenizer, so no text to constrain)."""
         self.tokenizer = tokenizer
         self.structured = structured
+        self.rules = VocabularyRules(tokenizer, vocab_size)  # allowed_token_ids and bad_words
         self.sampler = sampler
         self.images = images
         self.defaults = defaults
@@ -69,7 +71,7 @@ class InputProcessor:
                 f"max_model_len={self.max_model_len}: ask for at most {self.max_model_len - len(ids)}"
             )
         self._check_tokens("prompt", ids)
-        for name in ("draft", "stop_token_ids"):
+        for name in ("draft", "stop_token_ids", "allowed_token_ids"):
             self._check_tokens(name, getattr(params, name) or [])
         if params.stop and self.tokenizer is None:
             raise InvalidParam("stop", f"stop strings {params.stop!r} need a tokenizer, and this checkpoint has none: "
@@ -84,7 +86,7 @@ class InputProcessor:
             raise InvalidParam("prompt_logprobs", "prompt_logprobs: a prompt with images cannot be scored")
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
                                         params.skip_special_tokens, params.min_tokens, params.include_stop_str_in_output)
-        constraint = None if params.structured_outputs is None else self._constraint(params, stops)
+        constraint = self._constraint(params, stops)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(request_id, text, ids, params, self.canvas_length, seed, output, constraint=constraint)
         if mm is not None:
@@ -123,13 +125,24 @@ class InputProcessor:
         mm = self.images.expand(ids, self.images.load(images or []))
         return text, mm.token_ids, mm
 
-    def _constraint(self, params: SamplingParams, stops: set[int]) -> OutputConstraint:
-        """The request's structured-output constraint (its automaton built now unless cached)."""
+    def _constraint(self, params: SamplingParams, stops: set[int]) -> OutputConstraint | None:
+        """What the request's committed output must be (its automaton built now unless cached): its
+        structured output, its vocabulary restrictions (allowed_token_ids, bad_words), or both; None
+        when it has none of them."""
+        restricts = params.allowed_token_ids is not None or bool(params.bad_words)
+        if params.structured_outputs is None:
+            if not restricts:
+                return None
+            automaton, ends = self.rules.automaton(params.allowed_token_ids, params.bad_words, stops)
+            # Every state goes on, so min_tokens can hold here: no end token before it, as vLLM.
+            return OutputConstraint(automaton, ends, params.min_tokens, params.max_tokens)
         if self.structured is None:
             raise InvalidParam("structured_outputs", "structured outputs need the checkpoint's tokenizer, and this "
                                                      "checkpoint has none")
         automaton = self.structured.automaton(params.structured_outputs)
         ends = check_ends(automaton, stops)
+        if restricts:
+            automaton, ends = self.rules.structured(automaton, params.allowed_token_ids, params.bad_words, ends)
         need = tokens_needed(automaton)
         if need > params.max_tokens:
             raise InvalidParam("max_tokens", f"max_tokens ({params.max_tokens}) is too small for the structured output, "

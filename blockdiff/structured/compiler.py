@@ -157,10 +157,13 @@ class OutputConstraint:
     """A request's constraint: its automaton, the tokens that end the output, and the state its
     committed output has reached."""
 
-    def __init__(self, automaton: Automaton, ends: tuple[int, ...]):
+    def __init__(self, automaton: Automaton, ends: tuple[int, ...], min_tokens: int = 0, max_tokens: int = 0):
+        """min_tokens, max_tokens: the request's, where no end token may come before min_tokens
+        (an automaton whose every state goes on: vocabulary restrictions); 0: no such rule."""
         self.automaton = automaton
         self.ends = ends
         self.state = automaton.initial
+        self.min_tokens, self.max_tokens = min_tokens, max_tokens
 
     def commit(self, tokens: list[int]) -> None:
         """A canvas's committed tokens (the output cut at its end already) move the state on."""
@@ -173,7 +176,9 @@ class OutputConstraint:
         return bool(self.automaton.final[self.state]) and self.state not in self.automaton.sources
 
     def canvas(self, row: int, remaining: int) -> CanvasConstraint:
-        return CanvasConstraint(row, self.automaton.key, self.state, remaining, self.ends)
+        # remaining: what max_tokens leaves after the output so far
+        ends_from = max(0, self.min_tokens - (self.max_tokens - remaining)) if self.min_tokens else 0
+        return CanvasConstraint(row, self.automaton.key, self.state, remaining, self.ends, ends_from)
 
 
 def check_ends(automaton: Automaton, ends: set[int]) -> tuple[int, ...]:

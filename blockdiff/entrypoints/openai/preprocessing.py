@@ -107,9 +107,6 @@ def check_common(req: p._GenerationRequest) -> int:
     if req.use_beam_search:
         raise APIError(400, "use_beam_search is not supported: a diffusion canvas is denoised whole, with no beams",
                        param="use_beam_search")
-    for name in ("allowed_token_ids", "bad_words", "prompt_logprobs"):
-        if getattr(req, name, None):
-            raise APIError(400, f"{name} is not supported yet", param=name)
     if req.priority not in (None, 0):
         raise APIError(400, f"priority {req.priority}: this server serves requests first come, first served (only "
                             "priority 0)", param="priority")

@@ -42,7 +42,7 @@ SAMPLER_EXTENSIONS = (*(f.name for f in ENGINE_FIELDS if f.per_canvas), "ignore_
                       "stream_drafts", "draft_details")
 # OpenAI/vLLM sampling fields, passed to SamplingParams, which says what it supports.
 VLLM_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                 "include_stop_str_in_output", "cache_salt")
+                 "include_stop_str_in_output", "cache_salt", "allowed_token_ids", "bad_words")
 # Fields of OpenAI's and vLLM's that change nothing here: accepted, and named in a warning when set.
 IGNORED_FIELDS = ("store", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "modalities",
                   "prediction")
@@ -122,7 +122,8 @@ class _GenerationRequest(_SamplerExtensions):
     use_beam_search: bool | None = None  # only false: a diffusion canvas has no beams
     priority: int | None = None  # only 0: requests are served first come, first served
     cache_salt: str | None = None  # prefix-cache entries shared only with requests of the same salt
-    # Not supported yet: refused with a 400 unless at their neutral value (check_common)
+    # vLLM's vocabulary restrictions (blockdiff/structured/restrictions.py): only these tokens are
+    # generated (an EOS not among them never ends the output); no output holds one of these words
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     # OpenAI's fields that change nothing here (IGNORED_FIELDS)
@@ -233,7 +234,8 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool | None = None  # vLLM's: the reply continues the last (assistant) message
     chat_template: str | None = None  # vLLM's: the request's own template (with --trust-request-chat-template)
     documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None  # the template's `documents`
-    prompt_logprobs: int | None = None  # vLLM's; not supported yet on chats (completions score with echo)
+    # vLLM's: the prompt's tokens scored, with this many alternatives each (the response's prompt_logprobs)
+    prompt_logprobs: int | None = None
 
 
 def sampler_extensions(table: tuple[SamplerField, ...]) -> tuple[str, ...]:
@@ -348,6 +350,15 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: a prompt token's (or an alternative's) log-probability, its rank (1: the most
+    likely; None where unknown) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -355,6 +366,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's, with the request's prompt_logprobs: per prompt token, {token id: its score and each
+    # alternative's}; None for the first token, which nothing scores
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class Delta(BaseModel):

@@ -21,16 +21,17 @@ from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseF
 from blockdiff.entrypoints.openai.structured import request_constraint, tool_call_constraint
 from blockdiff.engine.async_engine import RequestStream
 from blockdiff.engine.client import EngineClient
-from blockdiff.outputs import TokenLogprob
+from blockdiff.outputs import TokenLogprob, vllm_logprobs
 from blockdiff.sampling_params import MAX_LOGPROBS
 
 class ChatFormat(ResponseFormat):
     draft_object = "chat.completion.draft"
 
     def __init__(self, serving, request_id, model, return_token_ids, logprobs: bool, rules: OutputRules,
-                 echo: str | None = None, tokens_as_ids: bool = False):
+                 echo: str | None = None, tokens_as_ids: bool = False, prompt_logprobs: bool = False):
         super().__init__(serving, request_id, model, return_token_ids, tokens_as_ids)
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs  # vLLM's: the prompt's scores at the response's top level
         self.rules = rules
         self.echo = echo  # vLLM's chat echo: the last (assistant) message's content, which each reply starts with
         self._outputs: dict[int, ChatOutput] = {}
@@ -89,7 +90,16 @@ class ChatFormat(ResponseFormat):
 
     def response(self, pieces: dict[int, Piece], u: p.Usage) -> BaseModel:
         choices = [self._choice(i, pieces[i]) for i in sorted(pieces)]
-        return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+        scores = self._prompt_scores(pieces[min(pieces)].prompt_logprobs) if self.prompt_logprobs and pieces else None
+        return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u,
+                                        prompt_logprobs=scores)
+
+    def _prompt_scores(self, scores: list[TokenLogprob] | None) -> list[dict[int, p.PromptLogprob] | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then each token's {id: Logprob}
+        (itself and its alternatives, ranked), the texts as the response's logprobs spell them.
+        Every choice shares the one prompt, so its scores are the first choice's."""
+        return [None, *({t: p.PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=self.token_text(t))
+                         for t, lp in entry.items()} for entry in vllm_logprobs(scores or []))]
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -130,15 +140,16 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        prompt_logprobs = self.prompt_logprobs(req)
         rules = self.output_rules(req)
         request_id = p.new_id("chatcmpl", req.request_id)
         images = await self.preprocess.chat_images(req.messages, client_of(raw))
         prompts, requests = await self.preprocess.pool.run(client_of(raw), self.chat_requests, req, images, n, max_tokens,
-                                                           logprobs, rules, request_id)
+                                                           logprobs, rules, request_id, prompt_logprobs)
         last = req.messages[-1]
         echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
         fmt = ChatFormat(self, request_id, model, bool(req.return_token_ids), bool(req.logprobs), rules, echo,
-                         bool(req.return_tokens_as_token_ids))
+                         bool(req.return_tokens_as_token_ids), prompt_logprobs is not None)
         return await self.respond(req, prompts, requests, fmt, raw)
 
     async def start(self, req: p.ChatCompletionRequest, request_id: str,
@@ -155,14 +166,30 @@ class OpenAIServingChat(OpenAIServing):
         stream, release = await self.add(requests, client, raw)  # the share is held until the response ends
         return rules, prompts, stream, release
 
+    @staticmethod
+    def prompt_logprobs(req: p.ChatCompletionRequest) -> int | None:
+        """vLLM's prompt_logprobs: the alternatives each prompt token is scored with; as vLLM, not
+        with a stream (0 there scores nothing)."""
+        k = req.prompt_logprobs
+        if k is None:
+            return None
+        if not 0 <= k <= MAX_LOGPROBS:
+            raise APIError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs")
+        if req.stream:
+            if k > 0:
+                raise APIError(400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs")
+            return None
+        return k
+
     def chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
-                      logprobs: int | None, rules: OutputRules, request_id: str):
+                      logprobs: int | None, rules: OutputRules, request_id: str, prompt_logprobs: int | None = None):
         """(In the pool) -> (the prompt ids usage counts, the engine requests)."""
         constraint = self.chat_constraint(req, rules)
         prompt, prompts = self.chat_prompt(req, images, request_id)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
         return prompts, self.preprocess.engine_requests(req, [prompt], prompts, n, max_tokens, logprobs,
-                                                        skip_special_tokens=not rules.parses, structured_outputs=constraint)
+                                                        skip_special_tokens=not rules.parses,
+                                                        prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
 
     def chat_prompt(self, req: p.ChatCompletionRequest, images: list, request_id: str):
         """(In the pool) -> (the engine's prompt, images expanded; the prompt ids usage counts)."""
