@@ -41,7 +41,8 @@ import time
 import torch
 
 from blockdiff.config import EngineConfig
-from blockdiff.diffusion.constrained import CanvasConstraint, DeviceAutomaton, constrained_tokens
+from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
+from blockdiff.step import CanvasConstraint
 from blockdiff.diffusion.entropy_bound import denoise_step, denoise_params
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.parallel.group import TPGroup

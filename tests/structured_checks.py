@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from blockdiff.diffusion.constrained import Automaton, CanvasConstraint, DeviceAutomaton, constrained_tokens
+from blockdiff.diffusion.constrained import DeviceAutomaton, constrained_tokens
+from blockdiff.step import Automaton, CanvasConstraint
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.ranks import RankContext

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from blockdiff.diffusion.constrained import CanvasConstraint
+from blockdiff.step import CanvasConstraint
 from structured_checks import automaton, commit, ranked_commit
 
 # A small vocabulary: tokens spell these bytes; EOS (4) and a special token (6) spell nothing.

@@ -14,7 +14,7 @@ import pytest
 from blockdiff import LLM, SamplingParams
 from blockdiff.demo import demo_checkpoint
 from blockdiff.sampling_params import StructuredOutputsParams
-from blockdiff.diffusion.constrained import Automaton
+from blockdiff.step import Automaton
 from blockdiff.structured.restrictions import bad_words_token_ids, product, vocabulary_automaton
 
 SORT = [{"role": "user", "content": "sort: 3 1 2"}]

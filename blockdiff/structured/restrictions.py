@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-from blockdiff.diffusion.constrained import UNREACHABLE, Automaton
+from blockdiff.step import UNREACHABLE, Automaton
 from blockdiff.sampling_params import MAX_BAD_WORDS, InvalidParam
 from blockdiff.tokenizer import Tokenizer
 
