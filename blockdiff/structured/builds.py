@@ -21,11 +21,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
 from typing import Any
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from blockdiff.fairness import RoundRobin
 from blockdiff.sampling_params import InvalidParam
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class BuildPool:
 
     def __init__(self, workers: int, timeout: float, memory: int, done: Callable[[Build, dict | BaseException], Any]):
         self.workers, self.timeout, self.memory, self.done = workers, timeout, memory, done
-        self._queues: OrderedDict[str, deque[Build]] = OrderedDict()
+        self._queue: RoundRobin[Build] = RoundRobin(newcomers_first=True)
         self._running: set[Build] = set()
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
@@ -68,11 +68,7 @@ class BuildPool:
             if self._closed:
                 build.future.set_exception(BuildCancelled())
                 return
-            if build.client not in self._queues:
-                # A client with nothing waiting goes first: the others have been served since it was.
-                self._queues[build.client] = deque()
-                self._queues.move_to_end(build.client, last=False)
-            self._queues[build.client].append(build)
+            self._queue.push(build.client, build)
             if len(self._threads) < self.workers:  # started with the first builds: most servers never build
                 thread = threading.Thread(target=self._work, name=f"structured-build-{len(self._threads)}", daemon=True)
                 self._threads.append(thread)
@@ -94,8 +90,7 @@ class BuildPool:
                 build.cancelled = True
                 if build.proc is not None:
                     build.proc.kill()
-            waiting = [b for q in self._queues.values() for b in q]
-            self._queues.clear()
+            waiting = self._queue.drain()
             self._cond.notify_all()
         for build in waiting:
             build.future.set_exception(BuildCancelled())
@@ -106,13 +101,8 @@ class BuildPool:
             while True:
                 if self._closed:
                     return None
-                while self._queues:
-                    client, queue = next(iter(self._queues.items()))
-                    build = queue.popleft()
-                    if queue:
-                        self._queues.move_to_end(client)
-                    else:
-                        del self._queues[client]
+                while self._queue:
+                    build = self._queue.pop()
                     if build.cancelled:
                         build.future.set_exception(BuildCancelled())
                         continue

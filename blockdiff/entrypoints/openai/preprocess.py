@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from blockdiff.entrypoints.openai.errors import APIError
+from blockdiff.fairness import RoundRobin
 
 
 class DeadlineExceeded(BaseException):
@@ -90,7 +90,7 @@ class WorkPool:
         self.threads, self.timeout = threads, timeout
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self._busy = 0
-        self._queues: OrderedDict[str, deque[_Task]] = OrderedDict()  # clients in round-robin order
+        self._queue: RoundRobin[_Task] = RoundRobin()
 
     async def run(self, client: str, fn: Callable, *args: Any, deadline: Deadline | None = None) -> Any:
         """Raises what fn raises, or APIError 413 once the request's deadline (or the `deadline`
@@ -102,7 +102,7 @@ class WorkPool:
             _deadline.set(deadline)
         loop = asyncio.get_running_loop()
         task = _Task(fn, args, contextvars.copy_context(), deadline, loop.create_future(), loop.create_future())
-        self._queues.setdefault(client, deque()).append(task)
+        self._queue.push(client, task)
         self._dispatch()
         try:
             await task.started
@@ -115,21 +115,12 @@ class WorkPool:
             if not task.done.done():  # timed out, or the caller went away: the thread stops at its next check
                 task.abandoned = True
                 deadline.abandon()
-                queue = self._queues.get(client)
-                if queue is not None and task in queue:
-                    queue.remove(task)
-                    if not queue:
-                        del self._queues[client]
+                self._queue.remove(client, task)
 
     def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._busy < self.threads and self._queues:
-            client, queue = next(iter(self._queues.items()))
-            task = queue.popleft()
-            if queue:
-                self._queues.move_to_end(client)
-            else:
-                del self._queues[client]
+        while self._busy < self.threads and self._queue:
+            task = self._queue.pop()
             self._busy += 1
             task.deadline.start()
             future = self._executor.submit(task.context.run, task.fn, *task.args)
