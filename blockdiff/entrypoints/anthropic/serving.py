@@ -18,11 +18,11 @@ from blockdiff.entrypoints.anthropic import protocol as a
 from blockdiff.entrypoints.anthropic.convert import chat_request, messages_names, stop_reason
 from blockdiff.entrypoints.anthropic.errors import error_body
 from blockdiff.entrypoints.openai import protocol as p
-from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
+from blockdiff.entrypoints.openai.chat_output import OutputRules
 from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
 from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS
-from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, EventStream, Piece, sse, usage
+from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, EventStream, OutputEvents, sse, usage
 from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.outputs import RequestOutput
@@ -32,42 +32,21 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class _Blocks:
-    """The content blocks of one message, built from the parsed pieces of its output as they arrive.
-    Each step returns the stream events it makes (a whole message drops them). A text or thinking
-    block stays open while its text grows and is stopped when another kind of output begins or the
-    message ends; blank text waits for more, so that blank space around calls makes no block."""
+class _Blocks(OutputEvents):
+    """The content blocks of one message (OutputEvents), in Anthropic's event sequence."""
+
+    thinking, text = a.ThinkingOut, a.TextOut
 
     def __init__(self, rules: OutputRules):
-        self._parser = ChatOutput(rules)
+        super().__init__(rules)
         self.content: list[a.TextOut | a.ThinkingOut | a.ToolUseOut] = []
-        self._open: a.TextOut | a.ThinkingOut | None = None
-        self._blank = ""
 
     @property
     def called(self) -> bool:
         return any(isinstance(block, a.ToolUseOut) for block in self.content)
 
-    def feed(self, piece: Piece) -> list[dict]:
-        parsed = self._parser.feed(piece.text, piece.finish_reason is not None)
-        events = self._text(a.ThinkingOut, parsed.reasoning) if parsed.reasoning else []
-        if parsed.content:
-            events += self._answer(parsed.content)
-        for call in parsed.calls:
-            events += self._close() + self._call(call)
-        return events
-
     def finish(self) -> list[dict]:
         return self._close()
-
-    def _answer(self, text: str) -> list[dict]:
-        if isinstance(self._open, a.TextOut):
-            return self._text(a.TextOut, text)
-        self._blank += text
-        if not self._blank.strip():
-            return []
-        text, self._blank = self._blank, ""
-        return self._text(a.TextOut, text)
 
     def _text(self, kind: type[a.TextOut] | type[a.ThinkingOut], text: str) -> list[dict]:
         events = []

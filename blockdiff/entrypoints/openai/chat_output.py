@@ -94,3 +94,4 @@ class ChatOutput:
 
 def _names(allowed: frozenset[str]) -> str:
     return " or ".join(repr(n) for n in sorted(allowed))
+

@@ -29,11 +29,11 @@ from blockdiff.engine.async_engine import EngineUnavailable, RequestFailed, Requ
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai import responses_protocol as r
 from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
-from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
+from blockdiff.entrypoints.openai.chat_output import OutputRules
 from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, renamed_params
 from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS
-from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, EventStream, Piece, sse, usage
+from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, EventStream, OutputEvents, Piece, sse, usage
 from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.outputs import RequestOutput
@@ -193,29 +193,21 @@ def _assistant_text(i: int, content: str | list) -> str:
     return "".join(part.refusal if isinstance(part, r.Refusal) else part.text for part in content)
 
 
-class _Output:
-    """The output items of one response, built from the parsed pieces of its text as they arrive.
-    Each step returns the stream events it makes (a whole response drops them). An item stays open
-    while its text grows and is closed when another kind of output begins or the response ends;
-    blank text before an answer waits, so that blank space around calls makes no message."""
+class _Output(OutputEvents):
+    """The output items of one response (OutputEvents). An empty response still gets its (empty)
+    message."""
+
+    thinking, text = r.OutputReasoning, r.OutputMessage
 
     def __init__(self, rules: OutputRules, reasoning_markers: tuple[int | None, int | None]):
-        self._parser = ChatOutput(rules)
+        super().__init__(rules)
         self._markers = reasoning_markers
         self.items: list[r.OutputItem] = []
-        self._open: r.OutputMessage | r.OutputReasoning | None = None
-        self._blank = ""
         self._token_ids: list[int] = []
 
     def feed(self, piece: Piece) -> list[dict]:
         self._token_ids += piece.token_ids
-        parsed = self._parser.feed(piece.text, piece.finish_reason is not None)
-        events = self._text(r.OutputReasoning, parsed.reasoning) if parsed.reasoning else []
-        if parsed.content:
-            events += self._content(parsed.content)
-        for call in parsed.calls:
-            events += self._close("completed") + self._call(call)
-        return events
+        return super().feed(piece)
 
     def finish(self, status: str) -> list[dict]:
         """Close the last item; a response with neither text nor calls still gets its (empty) message."""
@@ -234,19 +226,10 @@ class _Output:
             inside = inside and token != end
         return count
 
-    def _content(self, text: str) -> list[dict]:
-        if isinstance(self._open, r.OutputMessage):
-            return self._text(r.OutputMessage, text)
-        self._blank += text
-        if not self._blank.strip():
-            return []
-        text, self._blank = self._blank, ""
-        return self._text(r.OutputMessage, text)
-
     def _text(self, kind: type, text: str) -> list[dict]:
         events = []
         if not isinstance(self._open, kind):
-            events += self._close("completed")
+            events += self._close()
             item = kind(id=_id("msg" if kind is r.OutputMessage else "rs"))
             self.items.append(item)
             events.append(self._event("response.output_item.added", item=item.model_dump()))
@@ -263,7 +246,7 @@ class _Output:
                                       delta=text, **extra))
         return events
 
-    def _close(self, status: str) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         """Events that end the open item (the last one), if any."""
         item = self._open
         if item is None:

@@ -18,9 +18,11 @@ from pydantic import BaseModel
 from blockdiff.engine.async_engine import EngineUnavailable, RequestFailed, RequestStream
 from blockdiff.engine.client import EngineClient, structured_specs
 from blockdiff.entrypoints.openai import protocol as p
+from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
 from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS, Preprocessor, request_names
+from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.outputs import RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,50 @@ class Piece:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's scores (echo), in a choice's first piece
+
+
+class OutputEvents:
+    """A streamed message's parts (content blocks, output items), built from the parsed pieces of its
+    output as they arrive; each `feed` returns the stream events it makes (a whole response drops
+    them). A text or thinking part stays open while its text grows and is closed when another kind
+    of output begins; blank text before an answer waits, so that blank space around calls makes no
+    part. An API's subclass says how a part opens, grows and closes (`_text`, `_close`, `_call`) and
+    which kinds are thinking and text."""
+
+    thinking: type
+    text: type
+
+    def __init__(self, rules: OutputRules):
+        self._parser = ChatOutput(rules)
+        self._open = None
+        self._blank = ""
+
+    def feed(self, piece: Piece) -> list[dict]:
+        parsed = self._parser.feed(piece.text, piece.finish_reason is not None)
+        events = self._text(self.thinking, parsed.reasoning) if parsed.reasoning else []
+        if parsed.content:
+            events += self._answer(parsed.content)
+        for call in parsed.calls:
+            events += self._close() + self._call(call)
+        return events
+
+    def _answer(self, text: str) -> list[dict]:
+        if isinstance(self._open, self.text):
+            return self._text(self.text, text)
+        self._blank += text
+        if not self._blank.strip():
+            return []
+        text, self._blank = self._blank, ""
+        return self._text(self.text, text)
+
+    def _text(self, kind: type, text: str) -> list[dict]:
+        raise NotImplementedError
+
+    def _close(self) -> list[dict]:
+        raise NotImplementedError
+
+    def _call(self, call: ToolCall) -> list[dict]:
+        raise NotImplementedError
 
 
 class ChoiceState:
