@@ -83,27 +83,35 @@ def json_object(text: str | dict | None, what: str) -> dict:
     """A JSON object given as text (a flag) or as a dict (LLM's keyword); ValueError naming `what`."""
     if text is None:
         return {}
-    value = text
-    if isinstance(text, str):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{what} must be a JSON object ({e}), got {text!r}") from None
+    try:
+        return _object(text) if isinstance(text, str) else _object_or_error(text)
+    except ValueError as e:
+        raise ValueError(f"{what} must be a JSON object ({e}), got {text!r}") from None
+
+
+def _object(text: str) -> dict:
+    """`text` parsed as a JSON object; ValueError saying what it is instead."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
+    return _object_or_error(value)
+
+
+def _object_or_error(value) -> dict:
     if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object, got {text!r}")
+        raise ValueError(f"a {type(value).__name__}, not an object")
     return value
 
 
 def read_json(path: str) -> dict:
     """A checkpoint's JSON file; a ConfigError names the file and where it is broken."""
     with open(path) as f:
-        try:
-            value = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path} must hold a JSON object, not {type(value).__name__}")
-    return value
+        text = f.read()
+    try:
+        return _object(text)
+    except ValueError as e:
+        raise ConfigError(f"{path} is {e}") from None
 
 
 def parse_dtype(name: str | torch.dtype, config: ModelConfig) -> torch.dtype:

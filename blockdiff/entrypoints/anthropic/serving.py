@@ -8,7 +8,7 @@ block is started, filled by deltas as canvases commit, and stopped, in Anthropic
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -20,9 +20,8 @@ from blockdiff.entrypoints.anthropic.errors import error_body
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.chat_output import OutputRules
 from blockdiff.entrypoints.openai.clients import client_of
-from blockdiff.entrypoints.openai.errors import APIError, bad_value
-from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS
-from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, EventStream, OutputEvents, sse, usage
+from blockdiff.entrypoints.openai.errors import APIError
+from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, OutputEvents, sse, usage
 from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.outputs import RequestOutput
@@ -93,21 +92,15 @@ class AnthropicServingMessages:
         model = self.serving.model_name(req.model)
         message_id = _id("msg")
         try:
-            rules, prompts, stream, release = await self._start(await self._chat(req, raw), message_id, raw)
+            chat = await self._chat(req, raw)
+            rules, prompts, stream, release = await self.serving.start(
+                chat, message_id, raw, messages_names(), {"prompt": "messages", "stop": "stop_sequences"})
         except ClientGone:
             return Response(status_code=499)
         blocks = _Blocks(rules)
         if req.stream:
-            def close() -> None:
-                stream.abort()
-                release()
-
-            stream.max_unread = self.serving.max_stream_buffer
-            return EventStream(self._events(stream, blocks, message_id, model, prompts), stream, close)
-        try:
-            finals = await self.serving.collect(stream, raw)
-        finally:
-            release()
+            return self.serving.event_stream(stream, release, self._events(stream, blocks, message_id, model, prompts))
+        finals = await self.serving.collect(stream, raw, release)
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         out = finals[0]
@@ -133,15 +126,6 @@ class AnthropicServingMessages:
         pre = self.serving.preprocess
         return await pre.pool.run(client_of(raw), chat_request, req, self.chat_type, pre.sampler_extensions)
 
-    async def _start(self, chat: p.ChatCompletionRequest, message_id: str,
-                     raw: Request) -> tuple[OutputRules, list[list[int]], RequestStream, Callable[[], None]]:
-        """The chat request started as the chat endpoint starts it, its errors under the Messages names."""
-        try:
-            with messages_names():
-                return await self.serving.start(chat, message_id, raw)
-        except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS, {"prompt": "messages", "stop": "stop_sequences"}) from None
-
     @staticmethod
     def _message(message_id: str, model: str, blocks: _Blocks, prompts: list[list[int]],
                  out: RequestOutput) -> a.MessageResponse:
@@ -158,11 +142,8 @@ class AnthropicServingMessages:
         yield _sse({"type": "message_start", "message": begun.model_dump()})
         yield _sse({"type": "ping"})
         try:
-            state = ChoiceState()
-            async for _, out in stream:
-                if state.is_draft(out):
-                    continue
-                for event in blocks.feed(state.advance(out)):
+            async for events, out in blocks.follow(stream):
+                for event in events:
                     yield _sse(event)
                 if out.finished:
                     for event in blocks.finish():

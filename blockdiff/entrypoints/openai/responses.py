@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -31,9 +31,8 @@ from blockdiff.entrypoints.openai import responses_protocol as r
 from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
 from blockdiff.entrypoints.openai.chat_output import OutputRules
 from blockdiff.entrypoints.openai.clients import client_of
-from blockdiff.entrypoints.openai.errors import APIError, bad_value, renamed_params
-from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS
-from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, EventStream, OutputEvents, Piece, sse, usage
+from blockdiff.entrypoints.openai.errors import APIError, renamed_params
+from blockdiff.entrypoints.openai.serving import ChoiceState, ClientGone, OutputEvents, Piece, sse, usage
 from blockdiff.entrypoints.openai.serving_chat import OpenAIServingChat
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.outputs import RequestOutput
@@ -304,7 +303,8 @@ class OpenAIServingResponses:
         # The conversation as a chat request (its call arguments decoded) in the pool, off the loop.
         chat = await self.serving.preprocess.pool.run(client, self._chat, req, conversation)
         try:
-            rules, prompts, stream, release = await self._start(chat, response_id, raw)
+            rules, prompts, stream, release = await self.serving.start(chat, response_id, raw, _responses_names(), {
+                "prompt": "input", "max_tokens": "max_output_tokens", "structured_outputs": "text.format"})
         except ClientGone:
             return Response(status_code=499)
         output = _Output(rules, self._reasoning_markers)
@@ -322,16 +322,8 @@ class OpenAIServingResponses:
             return response
 
         if req.stream:
-            def close() -> None:
-                stream.abort()
-                release()
-
-            stream.max_unread = self.serving.max_stream_buffer
-            return EventStream(self._events(stream, output, begun, finish), stream, close)
-        try:
-            finals = await self.serving.collect(stream, raw)
-        finally:
-            release()
+            return self.serving.event_stream(stream, release, self._events(stream, output, begun, finish))
+        finals = await self.serving.collect(stream, raw, release)
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         out = finals[0]
@@ -351,16 +343,6 @@ class OpenAIServingResponses:
         return r.DeletedResponse(id=response_id)
 
     # ---- request -> engine request ------------------------------------------------------------
-    async def _start(self, chat: p.ChatCompletionRequest, response_id: str,
-                     raw: Request) -> tuple[OutputRules, list[list[int]], RequestStream, Callable[[], None]]:
-        """The chat request started as the chat endpoint starts it, its errors under the Responses names."""
-        try:
-            with _responses_names():
-                return await self.serving.start(chat, response_id, raw)
-        except ValueError as e:
-            raise bad_value(e, REQUEST_FIELDS, {"prompt": "input", "max_tokens": "max_output_tokens",
-                                                "structured_outputs": "text.format"}) from None
-
     def _earlier(self, previous_response_id: str | None, client: str) -> list:
         if previous_response_id is None:
             return []
@@ -442,11 +424,8 @@ class OpenAIServingResponses:
         yield send({"type": "response.created", "response": begun.model_dump()})
         yield send({"type": "response.in_progress", "response": begun.model_dump()})
         try:
-            state = ChoiceState()
-            async for _, out in stream:
-                if state.is_draft(out):
-                    continue
-                for event in output.feed(state.advance(out)):
+            async for events, out in output.follow(stream):
+                for event in events:
                     yield send(event)
                 if out.finished:
                     status = _status(out)

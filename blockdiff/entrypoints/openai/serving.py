@@ -54,6 +54,13 @@ class OutputEvents:
         self._open = None
         self._blank = ""
 
+    async def follow(self, stream: RequestStream) -> AsyncIterator[tuple[list[dict], RequestOutput]]:
+        """Each output of the one request of `stream` that is not a draft, with the events it makes."""
+        state = ChoiceState()
+        async for _, out in stream:
+            if not state.is_draft(out):
+                yield self.feed(state.advance(out)), out
+
     def feed(self, piece: Piece) -> list[dict]:
         parsed = self._parser.feed(piece.text, piece.finish_reason is not None)
         events = self._text(self.thinking, parsed.reasoning) if parsed.reasoning else []
@@ -248,17 +255,8 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-
-            def close() -> None:
-                stream.abort()
-                release()
-
-            stream.max_unread = self.max_stream_buffer
-            return EventStream(self._events(stream, states, prompts, fmt, include_usage, continuous), stream, close)
-        try:
-            finals = await self.collect(stream, raw)
-        finally:
-            release()
+            return self.event_stream(stream, release, self._events(stream, states, prompts, fmt, include_usage, continuous))
+        finals = await self.collect(stream, raw, release)
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         pieces = {i: states[i].advance(out) for i, out in finals.items()}
@@ -305,8 +303,19 @@ class OpenAIServing:
             choice.entropy, choice.accepted = out.draft_entropy, out.draft_accepted
         return p.DraftEvent(id=fmt.id, object=fmt.draft_object, created=fmt.created, model=fmt.model, choices=[choice])
 
-    async def collect(self, stream: RequestStream, raw: Request) -> dict[int, RequestOutput] | None:
-        """-> the final output of every request, or None if the client disconnected first."""
+    def event_stream(self, stream: RequestStream, release: Callable[[], None], events: AsyncIterator[str]) -> EventStream:
+        """A streamed response of `events`: when it ends or its client leaves, the engine requests are
+        aborted and their hold on the client's count released."""
+        def close() -> None:
+            stream.abort()
+            release()
+
+        stream.max_unread = self.max_stream_buffer
+        return EventStream(events, stream, close)
+
+    async def collect(self, stream: RequestStream, raw: Request, release: Callable[[], None]) -> dict[int, RequestOutput] | None:
+        """-> the final output of every request, or None if the client disconnected first; then the
+        requests' hold on the client's count is released."""
 
         async def gather() -> dict[int, RequestOutput]:
             return {index: out async for index, out in stream if out.finished}
@@ -320,6 +329,7 @@ class OpenAIServing:
             task.cancel()
             gone.cancel()
             stream.abort()
+            release()
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:

@@ -6,6 +6,7 @@ and a tool_choice, thinking; each choice's output read by the reasoning and tool
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -15,8 +16,8 @@ from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai import reasoning, tool_parsers, vllm_fields
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
-from blockdiff.entrypoints.openai.errors import APIError
-from blockdiff.entrypoints.openai.preprocessing import Preprocessor, check_common, generation_prompt
+from blockdiff.entrypoints.openai.errors import APIError, bad_value
+from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS, Preprocessor, check_common, generation_prompt
 from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat
 from blockdiff.entrypoints.openai.structured import request_constraint, tool_call_constraint
 from blockdiff.engine.async_engine import RequestStream
@@ -152,18 +153,24 @@ class OpenAIServingChat(OpenAIServing):
                          bool(req.return_tokens_as_token_ids), prompt_logprobs is not None)
         return await self.respond(req, prompts, requests, fmt, raw)
 
-    async def start(self, req: p.ChatCompletionRequest, request_id: str,
-                    raw: Request) -> tuple[OutputRules, list[list[int]], RequestStream, Callable[[], None]]:
+    async def start(self, req: p.ChatCompletionRequest, request_id: str, raw: Request, renamed: AbstractContextManager,
+                    value_names: dict[str, str]) -> tuple[OutputRules, list[list[int]], RequestStream, Callable[[], None]]:
         """A one-choice chat request through this endpoint's steps (its preprocessing in the server's
         pool, its engine request held against the client's share), up to the stream of its engine
-        request and the release of that share: what /v1/responses and /v1/messages run. Raises
-        APIError, ClientGone, and the engine's ValueError for bad parameters."""
+        request and the release of that share: what /v1/responses and /v1/messages run, for a request
+        of theirs that became `req`. Its errors name that API's fields: `renamed` (errors.renamed_params)
+        renames the chat machinery's, `value_names` the engine's for bad parameters. Raises APIError
+        and ClientGone."""
         client = client_of(raw)
-        rules = self.output_rules(req)
-        images = await self.preprocess.chat_images(req.messages, client)
-        prompts, requests = await self.preprocess.pool.run(client, self.chat_requests, req, images, 1, req.max_tokens, None,
-                                                           rules, request_id)
-        stream, release = await self.add(requests, client, raw)  # the share is held until the response ends
+        try:
+            with renamed:
+                rules = self.output_rules(req)
+                images = await self.preprocess.chat_images(req.messages, client)
+                prompts, requests = await self.preprocess.pool.run(client, self.chat_requests, req, images, 1,
+                                                                   req.max_tokens, None, rules, request_id)
+                stream, release = await self.add(requests, client, raw)  # the share is held until the response ends
+        except ValueError as e:
+            raise bad_value(e, REQUEST_FIELDS, value_names) from None
         return rules, prompts, stream, release
 
     @staticmethod
