@@ -16,7 +16,7 @@ from blockdiff.entrypoints.cli import main
 from blockdiff.model.attention import Row
 
 CANVAS = 8  # the `tiny` checkpoint's canvas length
-BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "diffusiongemma-26b-a4b.json")
+BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 
 
 def _offline(tiny, tmp_path, capsys, *extra):

@@ -11,7 +11,7 @@ import torch
 from blockdiff.entrypoints.cli import main as cli
 from blockdiff.model.loader import load_model
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "fp8_memory.py")
+_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "fp8_memory.py")
 
 
 def _bench():

@@ -191,7 +191,7 @@ def test_setup_script_says_what_each_stage_does(tmp_path):
 
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)
-    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "scripts", "setup.sh"), root / "scripts" / "setup.sh")
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "setup.sh"), root / "scripts" / "setup.sh")
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "python3").write_text('#!/bin/sh\n# python3 -m venv DIR: a venv whose python echoes what it was asked\n'

@@ -82,7 +82,7 @@ def test_default_model_is_the_demo(capsys):
 def test_readme_first_command_answers_a_task(tmp_path):
     """The README's first command serves the demo with no model given, and its curl example gets
     the task's answer back."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     first = next(line.strip() for line in readme.splitlines() if line.startswith("    bash scripts/setup.sh"))
     assert first.endswith("blockdiff serve")
     curl = next(line.strip() for line in readme.splitlines() if line.startswith("    curl "))

@@ -24,7 +24,7 @@ conditional-numerical-reproducibility mode COMPATIBLE (MKL_CBWR: the same bits o
 processor), one thread. The tiny checkpoint is made in that process too (its random weights come
 from vectorized kernels).
 
-The recording is data/recorded_outputs.json; `python tests/test_recorded_outputs.py` rewrites it
+The recording is data/recorded_outputs.json; `python tests/diffusion/test_recorded_outputs.py` rewrites it
 (only ever from code whose outputs are known to be right), under the same pinned kernels."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from blockdiff import LLM, SamplingParams
 from blockdiff.model.tiny import TinySpec, make_tiny_model
 from blockdiff.worker.canvas_step import CanvasSteps
 
-RECORDING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "recorded_outputs.json")
+RECORDING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "recorded_outputs.json")
 TINY = dict(vocab_size=301, canvas_length=8, sliding_window=6, seed=1)  # conftest's `tiny`
 # Kernels that every x86-64 CPU computes the same way (the module's docstring says why each).
 PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE",

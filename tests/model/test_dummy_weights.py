@@ -15,7 +15,7 @@ from blockdiff.demo import demo_checkpoint
 from blockdiff.model.loader import DUMMY_RANGE
 from blockdiff.model.registry import model_class, parse_config
 
-BIG = os.path.join(os.path.dirname(__file__), "..", "configs", "diffusiongemma-26b-a4b.json")
+BIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "diffusiongemma-26b-a4b.json")
 
 
 def test_the_26b_config_has_the_released_shapes_and_size():

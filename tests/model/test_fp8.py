@@ -176,8 +176,9 @@ def test_bad_fp8_tensors_are_named(fp8, tmp_path, edit, message):
 
 @pytest.mark.usefixtures("single_threaded_workers")
 def test_greedy_generation_equals_oracle_and_tp2(checkpoints, tmp_path):
-    from helpers import hf_generate_with_draft
-    from test_tensor_parallel import DRAFTS, GREEDY, PROMPTS, TP_SPEC, _greedy
+    from helpers import hf_generate_with_draft, import_test_file
+    tp = import_test_file("parallel/test_tensor_parallel.py")
+    DRAFTS, GREEDY, PROMPTS, TP_SPEC, _greedy = tp.DRAFTS, tp.GREEDY, tp.PROMPTS, tp.TP_SPEC, tp._greedy
 
     from blockdiff import LLM
 

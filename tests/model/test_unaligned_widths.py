@@ -22,7 +22,7 @@ from blockdiff.model.moe import Experts
 from blockdiff.model.saver import checkpoint_tensors
 from blockdiff.parallel.group import TPGroup
 
-BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "diffusiongemma-26b-a4b.json")
+BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 GREEDY = dict(t_min=1e-6, t_max=2e-6)
 MAX_TOKENS, STEPS = 16, 4
 # Odd vocabulary, GQA, two head dims, the prompt of 11 tokens longer than the window of 7.

@@ -19,7 +19,7 @@ Attention runs the device's backend, the Triton kernel on the fake H200 (its cus
 
 Tensor parallelism: the group is rank 0 of a torch FakeProcessGroup of N ranks, whose collectives
 move nothing. Rank 0's shapes are every rank's (each holds 1/N of the heads, experts' widths and
-vocabulary), so this checks the shard shapes, not the sharded arithmetic (tests/test_tensor_parallel.py
+vocabulary), so this checks the shard shapes, not the sharded arithmetic (tests/parallel/test_tensor_parallel.py
 does that with gloo processes).
 """
 
@@ -49,7 +49,7 @@ from blockdiff.worker import canvas_step as canvas_step_module
 from blockdiff.worker.canvas_step import CanvasSteps
 from blockdiff.worker.model_runner import ModelRunner
 
-BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "diffusiongemma-26b-a4b.json")
+BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 BLOCK = 16
 CACHE = CacheConfig(num_slots=4, num_blocks=4 * 2048 // BLOCK, block_size=BLOCK, max_model_len=2048)
 

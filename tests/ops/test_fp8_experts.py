@@ -1,6 +1,6 @@
 """The FP8 experts at the 26B-A4B widths against bfloat16 experts holding the dequantized weights,
 on the test device (BLOCKDIFF_TEST_DEVICE). It imports nothing the GPU machine lacks
-(compressed-tensors, the oracle of tests/test_fp8.py): scripts/device_check.sh runs it there."""
+(compressed-tensors, the oracle of tests/model/test_fp8.py): scripts/device_check.sh runs it there."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from blockdiff.model.quantize import FP8_DYNAMIC
 from blockdiff.model.registry import load_config
 from blockdiff.parallel.group import TPGroup
 
-BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "diffusiongemma-26b-a4b.json")
+BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 
 
 def test_fp8_experts_equal_the_dequantized_bfloat16_experts():

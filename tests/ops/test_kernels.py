@@ -19,7 +19,7 @@ from blockdiff.ops.kernels import (
 from blockdiff.model.moe import Experts, Fp8Experts, combine_top_k
 from blockdiff.quantization import Fp8Config
 
-BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "diffusiongemma-26b-a4b.json")
+BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 CPU, H200, B200, A100, L40, RTX5090 = (Target("cpu"), Target("cuda", (9, 0)), Target("cuda", (10, 0)),
                                        Target("cuda", (8, 0)), Target("cuda", (8, 9)), Target("cuda", (12, 0)))
 ALL_OPS = Ops(grouped_mm=True, scaled_grouped_mm=True, cpu_grouped_mm=(torch.float32, torch.bfloat16))

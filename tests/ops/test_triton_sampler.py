@@ -226,7 +226,7 @@ class OpLog(TorchDispatchMode):
 
 
 def _logged_static_step(top_k: int) -> tuple[OpLog, object, object]:
-    """The 26B-A4B static step of three canvases (tests/test_fake_cuda.py) with top_k, on a fake
+    """The 26B-A4B static step of three canvases (tests/ops/test_fake_cuda.py) with top_k, on a fake
     H200, no host read allowed, the sampler's part (step and self-conditioning) under an OpLog."""
     from fake_cuda import NoHostReads, fake_cuda
     from test_fake_cuda import _canvas_rows, _runner

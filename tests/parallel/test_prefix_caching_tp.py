@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_prefix_caching import BS, PREFIX, _llm, _params
+from helpers import import_test_file
+
+_caching = import_test_file("engine/test_prefix_caching.py")
+BS, PREFIX, _llm, _params = _caching.BS, _caching.PREFIX, _caching._llm, _caching._params
 
 pytestmark = pytest.mark.usefixtures("single_threaded_workers")
 

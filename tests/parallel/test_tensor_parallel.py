@@ -252,7 +252,7 @@ def _env() -> dict:
     """This environment, with this checkout of blockdiff and the tests' helpers importable."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(blockdiff.__file__))
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, tests, env.get("PYTHONPATH")]))
     return env
 

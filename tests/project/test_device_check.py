@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PARTS = ["env", "headline", "fp8", "kernels", "steps_per_launch", "transformers", "tests", "compiled", "fake_cuda"]
 
 

@@ -31,7 +31,7 @@ import httpx
 import pytest
 from server_process import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL, PYTHON = "shell", "python"
 DOC_PORTS = ("8000", "8123")

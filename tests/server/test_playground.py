@@ -24,7 +24,7 @@ KEY = "playground-key"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ARTIFACTS = Path(os.environ.get("BLOCKDIFF_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
+ARTIFACTS = Path(os.environ.get("BLOCKDIFF_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
 STEPS = 16  # the demo checkpoint's max_denoising_steps
 
 # Installed before the page's own script: records every distinct state of the canvas grid and its

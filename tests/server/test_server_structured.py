@@ -12,7 +12,10 @@ import jsonschema
 import openai
 import pytest
 from server_process import ServerProcess
-from test_structured_outputs import CHOICES, REGEXES, SCHEMAS, make_json_tiny
+from helpers import import_test_file
+
+_structured = import_test_file("structured/test_structured_outputs.py")
+CHOICES, REGEXES, SCHEMAS, make_json_tiny = _structured.CHOICES, _structured.REGEXES, _structured.SCHEMAS, _structured.make_json_tiny
 
 
 @pytest.fixture(scope="module")

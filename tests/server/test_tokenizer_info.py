@@ -1,5 +1,5 @@
 """/tokenizer_info's body from a checkpoint's tokenizer files: vLLM's shape (special tokens as their
-text), with no field that names a path on the server (tests/test_ecosystem_clients.py serves it)."""
+text), with no field that names a path on the server (tests/server/test_ecosystem_clients.py serves it)."""
 
 from __future__ import annotations
 

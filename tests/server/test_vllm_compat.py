@@ -45,7 +45,7 @@ def test_tokenize_and_detokenize_round_trip_a_prompt(server):
 
 def test_tokenizer_info_is_off_without_vllms_flag(server):
     """It shows the chat template: served only with --enable-tokenizer-info-endpoint, as vLLM
-    (tests/test_ecosystem_clients.py serves it)."""
+    (tests/server/test_ecosystem_clients.py serves it)."""
     assert httpx.get(server.url + "/tokenizer_info", timeout=60).status_code == 404
 
 
