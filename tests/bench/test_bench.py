@@ -14,6 +14,7 @@ from blockdiff.bench.roofline import _keys_seen, bound, parameter_count, plan_co
 from blockdiff.model.registry import load_config
 from blockdiff.entrypoints.cli import main
 from blockdiff.model.attention import Row
+from server_process import fixture_value, serve
 
 CANVAS = 8  # the `tiny` checkpoint's canvas length
 BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
@@ -112,13 +113,7 @@ def test_the_26b_step_is_memory_bound_alone_and_compute_bound_at_batch_16():
     assert fp8.limit == "memory" and 5e-3 < fp8.seconds < 6.5e-3, fp8  # the LM head and KV cache stay bfloat16
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    from server_process import ServerProcess
-
-    proc = ServerProcess(tiny, "--max-num-seqs", "4", log_path=str(tmp_path_factory.mktemp("bench") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(fixture_value("tiny"), "--max-num-seqs", "4")
 
 
 @pytest.fixture(scope="module")
@@ -291,13 +286,7 @@ def test_an_unwritable_result_path_is_refused_before_the_run(server, tiny, tmp_p
     assert server.metrics().total("vllm:prompt_tokens_total") == before  # no request was sent
 
 
-@pytest.fixture(scope="module")
-def demo_server(tmp_path_factory):
-    from server_process import ServerProcess
-
-    proc = ServerProcess(None, "--max-num-seqs", "4", log_path=str(tmp_path_factory.mktemp("bench-demo") / "server.log"))
-    yield proc
-    proc.close()
+demo_server = serve(None, "--max-num-seqs", "4")
 
 
 def test_the_seeds_bench_command_runs_as_written(demo_server, tmp_path):

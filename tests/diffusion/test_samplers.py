@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 import torch
-from server_process import ServerProcess
+from server_process import fixture_value, serve
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.arg_utils import add_engine_args, add_sampling_args, engine_config, sampling_params
@@ -171,13 +171,8 @@ def test_request_bodies_take_the_fields_of_the_models_sampler():
     assert "entropy_bound" in completion.model_fields and "threshold" not in chat.model_fields
 
 
-@pytest.fixture(scope="module")
-def ct_server(tiny, tmp_path_factory):
-    proc = ServerProcess(tiny, "--diffusion-sampler", "confidence_threshold", "--threshold", "0.2",
-                         "--max-model-len", "64", "--served-model-name", "tiny",
-                         log_path=str(tmp_path_factory.mktemp("ct") / "server.log"))
-    yield proc
-    proc.close()
+ct_server = serve(fixture_value("tiny"), "--diffusion-sampler", "confidence_threshold", "--threshold", "0.2",
+                  "--max-model-len", "64", "--served-model-name", "tiny")
 
 
 def test_confidence_threshold_through_the_server(ct_server, tiny):

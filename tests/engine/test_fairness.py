@@ -7,10 +7,9 @@ import threading
 
 import httpx
 import openai
-import pytest
 
 from blockdiff import LLM, SamplingParams
-from server_process import ServerProcess
+from server_process import ServerProcess, fixture_value, serve
 
 GREEDY = dict(t_min=1e-6, t_max=2e-6)
 
@@ -43,13 +42,8 @@ def test_preemption_lets_a_waiting_request_in_and_changes_no_output(tiny):
         assert hog.output.token_ids == alone.token_ids and hog.finish_reason == "length"
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    proc = ServerProcess(tiny, "--max-num-seqs", "2", "--preempt-after-canvases", "2", "--max-model-len", "256",
-                         "--max-request-cost", str(10**8),
-                         log_path=str(tmp_path_factory.mktemp("fair") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(fixture_value("tiny"), "--max-num-seqs", "2", "--preempt-after-canvases", "2", "--max-model-len", "256",
+               "--max-request-cost", str(10**8))
 
 
 def test_a_small_request_completes_while_one_client_holds_every_slot(server):

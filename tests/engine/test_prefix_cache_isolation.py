@@ -6,8 +6,7 @@ source addresses on the loopback (127.0.0.1 and 127.0.0.2), against the real ser
 from __future__ import annotations
 
 import httpx
-import pytest
-from server_process import ServerProcess
+from server_process import fixture_value, serve
 
 KEY = "k"
 SECRET = "the vault code is 4821 and the vault is under the old oak tree by the river"
@@ -21,14 +20,8 @@ def _cached(server, source: str, prompt: str, **extra) -> int:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.fixture(scope="module", params=["client", "global"])
-def server(request, tiny, tmp_path_factory):
-    proc = ServerProcess(tiny, "--served-model-name", "tiny", "--api-key", KEY, "--max-model-len", "256",
-                         "--block-size", "4", "--prefix-cache-scope", request.param,
-                         log_path=str(tmp_path_factory.mktemp("isolation") / "server.log"))
-    proc.scope = request.param
-    yield proc
-    proc.close()
+server = serve(fixture_value("tiny"), "--served-model-name", "tiny", "--api-key", KEY, "--max-model-len", "256",
+               "--block-size", "4", "--prefix-cache-scope", lambda request: request.param, params=["client", "global"])
 
 
 def test_another_client_cannot_confirm_a_prompt_through_cached_tokens(server):
@@ -37,7 +30,7 @@ def test_another_client_cannot_confirm_a_prompt_through_cached_tokens(server):
     # Each guess from an address of its own: a client's own earlier guess is its own to reuse.
     guesses = {pin: _cached(server, source, SECRET.replace("4821", pin))
                for pin, source in (("4821", "127.0.0.2"), ("1234", "127.0.0.3"))}
-    if server.scope == "client":
+    if server.param == "client":
         assert guesses == {"4821": 0, "1234": 0}
     else:  # shared on purpose: the right guess shows
         assert guesses["4821"] > guesses["1234"]

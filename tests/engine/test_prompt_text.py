@@ -8,18 +8,14 @@ import logging
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import serve
 
 from blockdiff import LLM, SamplingParams
 
 UNENCODABLE = "upper: 中文😀"
 
 
-@pytest.fixture(scope="module")
-def demo_server(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "64", log_path=str(tmp_path_factory.mktemp("demo") / "server.log"))
-    yield proc
-    proc.close()
+demo_server = serve(None, "--max-model-len", "64")
 
 
 def test_unencodable_text_is_answered_with_a_warning_naming_the_request(demo_server):

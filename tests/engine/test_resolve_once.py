@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
-from server_process import ServerProcess
+from server_process import fixture_value, serve
 
 MODEL = "mm"
 VISION_SPEC = dict(vocab_size=301, canvas_length=8, sliding_window=6, seed=3, vision=True)
@@ -67,23 +67,27 @@ class Calls:
         return {kind: new.count(kind) for kind in ("resolve", "expand")}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-engine", "dp2"])
-def served(request, checkpoints, tmp_path_factory):
-    model = checkpoints("vision", **VISION_SPEC)
+@pytest.fixture(scope="module")
+def counting(tmp_path_factory) -> str:
+    """A folder holding the counting sitecustomize.py; the calls go to calls.txt beside it."""
     where = tmp_path_factory.mktemp("resolve-once")
     (where / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    calls = str(where / "calls.txt")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(where), os.environ.get("PYTHONPATH")])))
-        patch.setenv("BLOCKDIFF_TEST_CALLS", calls)
-        proc = ServerProcess(model, "--served-model-name", MODEL, "--max-denoising-steps", "4", "--max-model-len", "256",
-                             "--data-parallel-size", str(request.param), log_path=str(where / "server.log"))
-    try:
-        assert os.path.exists(calls), "the counting sitecustomize.py did not run in the server"
-        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        yield client, Calls(calls)
-    finally:
-        proc.close()
+    return str(where)
+
+
+server = serve(fixture_value("checkpoints", lambda checkpoints: checkpoints("vision", **VISION_SPEC)),
+               "--served-model-name", MODEL, "--max-denoising-steps", "4", "--max-model-len", "256",
+               "--data-parallel-size", lambda request: str(request.param), params=[1, 2], ids=["one-engine", "dp2"],
+               env={"PYTHONPATH": fixture_value("counting", lambda where: os.pathsep.join(filter(None, [where, os.environ.get("PYTHONPATH")]))),
+                    "BLOCKDIFF_TEST_CALLS": fixture_value("counting", lambda where: os.path.join(where, "calls.txt"))})
+
+
+@pytest.fixture(scope="module")
+def served(server, counting):
+    calls = os.path.join(counting, "calls.txt")
+    assert os.path.exists(calls), "the counting sitecustomize.py did not run in the server"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return client, Calls(calls)
 
 
 def _image_url(seed: int) -> str:

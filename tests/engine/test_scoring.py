@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import serve
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.engine.request import score_pieces
@@ -81,12 +81,7 @@ def test_scoring_is_vocabulary_parallel(tiny, llm, single_threaded_workers):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and list(a.top) == list(b.top)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "256", "--max-response-bytes", "8MiB",
-                         log_path=str(tmp_path_factory.mktemp("score") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(None, "--max-model-len", "256", "--max-response-bytes", "8MiB")
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, fixture_value, serve
 
 WORKER_TIMEOUT = 4
 LONG = {"prompt": "sort: 5 4 3 2 1", "max_tokens": 1500, "ignore_eos": True, "max_denoising_steps": 16}
@@ -102,13 +102,8 @@ def _lose_a_worker_under_load(server: ServerProcess, sig: signal.Signals) -> Non
     assert _cached_prefix_tokens(server) == before  # the new workers' cache holds no stale prefix
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    proc = ServerProcess(tiny, "--tensor-parallel-size", "2", "--max-model-len", "2048",
-                         "--worker-timeout", str(WORKER_TIMEOUT),
-                         log_path=str(tmp_path_factory.mktemp("faults") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(fixture_value("tiny"), "--tensor-parallel-size", "2", "--max-model-len", "2048",
+               "--worker-timeout", str(WORKER_TIMEOUT))
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from blockdiff import LLM, SamplingParams
-from server_process import ServerProcess, free_port
+from server_process import ServerProcess, fixture_value, free_port, serve
 
 SUCCESS = 'vllm:request_success_total{{engine="{}",finished_reason="{}",model_name="demo"}}'
 RUNNING = 'vllm:num_requests_running{{engine="{}",model_name="demo"}}'
@@ -33,14 +33,9 @@ def events_port():
             return port
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, events_port):
-    config = ('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:%d", "topic": "kv"}'
-              % events_port)
-    proc = ServerProcess(None, "--data-parallel-size", "2", "--kv-events-config", config,
-                         log_path=str(tmp_path_factory.mktemp("dp") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(None, "--data-parallel-size", "2", "--kv-events-config", fixture_value(
+    "events_port", lambda port: '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:%d", "topic": "kv"}'
+    % port))
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import serve
 
 from blockdiff.demo.tasks import WEATHER_TOOL
 from blockdiff.config import EngineConfig
@@ -39,12 +39,7 @@ STREAM_TYPES = ["message_start", "content_block_start", "content_block_delta", "
                 "message_stop"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "512", "--api-key", KEY,
-                         log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(None, "--max-model-len", "512", "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")

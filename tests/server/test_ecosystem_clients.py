@@ -19,7 +19,7 @@ import sys
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import serve
 
 from blockdiff.hub import DEMO_CHECKPOINT
 from blockdiff.tokenizer import Tokenizer
@@ -29,13 +29,7 @@ OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRA
            "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "WARNING"}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(DEMO_CHECKPOINT, "--max-model-len", "512", "--max-num-seqs", "8",
-                         "--enable-tokenizer-info-endpoint",
-                         log_path=str(tmp_path_factory.mktemp("clients") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(DEMO_CHECKPOINT, "--max-model-len", "512", "--max-num-seqs", "8", "--enable-tokenizer-info-endpoint")
 
 
 def sort_choice_docs(n: int, seed: int = 0) -> list[dict]:

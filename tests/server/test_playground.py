@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from PIL import Image
-from server_process import ServerProcess
+from server_process import serve
 
 KEY = "playground-key"
 CHROMIUM = "/usr/bin/chromium"
@@ -42,12 +42,7 @@ new MutationObserver(() => {
 """
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(None, "--api-key", KEY, "--t-min", "1.2", "--t-max", "2.4",
-                         log_path=str(tmp_path_factory.mktemp("playground") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(None, "--api-key", KEY, "--t-min", "1.2", "--t-max", "2.4")
 
 
 @pytest.fixture(scope="module")

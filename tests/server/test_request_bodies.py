@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from server_process import HealthProbe, ServerProcess, cpu_seconds, rss_mib
+from server_process import HealthProbe, ServerProcess, cpu_seconds, fixture_value, rss_mib, serve
 
 from blockdiff.demo import demo_checkpoint
 from blockdiff.tokenizer import Tokenizer
@@ -30,14 +30,14 @@ STALL = ("{%- if stall -%}{%- for m in messages -%}{%- for o in messages -%}{%- 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("stalls")
-    template = tmp / "template.jinja"
+def stalling_template(tmp_path_factory) -> str:
+    template = tmp_path_factory.mktemp("stalls") / "template.jinja"
     template.write_text(STALL + Tokenizer.from_pretrained(demo_checkpoint()).chat_template)
-    proc = ServerProcess(None, "--chat-template", str(template), "--preprocess-timeout", str(TIMEOUT),
-                         "--max-stream-buffer", "64KiB", log_path=str(tmp / "server.log"))
-    yield proc
-    proc.close()
+    return str(template)
+
+
+server = serve(None, "--chat-template", fixture_value("stalling_template"), "--preprocess-timeout", str(TIMEOUT),
+               "--max-stream-buffer", "64KiB")
 
 
 def _attack(server: ServerProcess, path: str, body: bytes | dict, times: int = 1) -> tuple[list[httpx.Response], HealthProbe]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import serve
 
 SORT = [{"role": "user", "content": "sort: 3 1 2"}]
 # Every field of the finding at a value a vLLM or OpenAI client sends.
@@ -23,19 +23,8 @@ FIELDS = {
 CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents", "prompt_logprobs")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "256", log_path=str(tmp_path_factory.mktemp("fields") / "server.log"))
-    yield proc
-    proc.close()
-
-
-@pytest.fixture(scope="module")
-def strict(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "256", "--strict-request-fields", "--trust-request-chat-template",
-                         log_path=str(tmp_path_factory.mktemp("strict") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(None, "--max-model-len", "256")
+strict = serve(None, "--max-model-len", "256", "--strict-request-fields", "--trust-request-chat-template")
 
 
 def _client(server) -> openai.OpenAI:

@@ -14,7 +14,7 @@ import os
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, fixture_value, serve
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.config import EngineConfig
@@ -29,20 +29,19 @@ KEY = "test-key"
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
+def _kv_bytes(tiny: str) -> str:
+    """The KV cache of KV_BLOCKS full blocks (and the sliding blocks MAX_NUM_SEQS requests need), in bytes."""
     model = load_model(tiny)
     sliding = sliding_blocks_needed(model.config.window_past(MAX_MODEL_LEN), model.config.canvas_length, 16,
                                     MAX_NUM_SEQS, EngineConfig.max_prefill_tokens)
-    kv_bytes = sliding_bytes_per_block(model, 16) * sliding + cache_bytes_per_block(model, 16) * KV_BLOCKS
-    proc = ServerProcess(
-        tiny, "--served-model-name", MODEL, "--api-key", KEY, "--max-denoising-steps", str(STEPS),
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--kv-cache-memory", str(kv_bytes),
-        "--max-queued-requests", "64", "--max-request-size", "256KiB",
-        log_path=str(tmp_path_factory.mktemp("server") / "server.log"),
-    )
-    yield proc
-    proc.close()
+    return str(sliding_bytes_per_block(model, 16) * sliding + cache_bytes_per_block(model, 16) * KV_BLOCKS)
+
+
+server = serve(
+    fixture_value("tiny"), "--served-model-name", MODEL, "--api-key", KEY, "--max-denoising-steps", str(STEPS),
+    "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+    "--kv-cache-memory", fixture_value("tiny", _kv_bytes), "--max-queued-requests", "64", "--max-request-size", "256KiB",
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, serve
 
 from blockdiff.demo.tasks import WEATHER_TOOL
 
@@ -24,11 +24,12 @@ def _client(proc: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
+server = serve(None, "--max-model-len", "512")
+
+
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "512", log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
-    yield _client(proc)
-    proc.close()
+def client(server) -> openai.OpenAI:
+    return _client(server)
 
 
 def chat(client, messages, **kw):

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from server_process import HealthProbe, ServerProcess, rss_mib
+from server_process import HealthProbe, ServerProcess, rss_mib, serve
 
 from benchmarks.structured_outputs import SCHEMA as TWENTY_FIELDS
 from benchmarks.structured_outputs import plain
@@ -32,11 +32,7 @@ def start(tmp_path_factory) -> ServerProcess:
     return ServerProcess(None, *ARGS, log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = start(tmp_path_factory)
-    yield proc
-    proc.close()
+server = serve(None, *ARGS)
 
 
 def build_processes(server: ServerProcess) -> list[int]:

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from server_process import HealthProbe, ServerProcess
+from server_process import HealthProbe, ServerProcess, fixture_value, serve
 
 from blockdiff.config import EngineConfig
 from blockdiff.engine.engine import LLMEngine
@@ -26,13 +26,8 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 HEADER_TIMEOUT = 2
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    proc = ServerProcess(tiny, "--api-key", KEY, "--max-model-len", "256", "--max-denoising-steps", "4",
-                         "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", "30", "--min-body-rate", "1000",
-                         log_path=str(tmp_path_factory.mktemp("hardening") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(fixture_value("tiny"), "--api-key", KEY, "--max-model-len", "256", "--max-denoising-steps", "4",
+               "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", "30", "--min-body-rate", "1000")
 
 
 def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int, dict, str | None]:

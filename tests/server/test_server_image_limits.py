@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from server_process import HealthProbe, ServerProcess, rss_mib
+from server_process import HealthProbe, fixture_value, rss_mib, serve
 from test_server_images import VISION_SPEC, _data_url, _messages, _png
 
 FETCH_TIMEOUT = 2
@@ -27,14 +27,10 @@ def files(tmp_path_factory):
     return tmp_path_factory.mktemp("media")
 
 
-@pytest.fixture(scope="module")
-def server(checkpoints, files, tmp_path_factory):
-    proc = ServerProcess(checkpoints("vision", **VISION_SPEC), "--max-model-len", "512", "--max-denoising-steps", "4",
-                         "--media-fetch-timeout", str(FETCH_TIMEOUT), "--image-fetch-threads", "2",
-                         "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(files),
-                         log_path=str(tmp_path_factory.mktemp("images") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(fixture_value("checkpoints", lambda checkpoints: checkpoints("vision", **VISION_SPEC)),
+               "--max-model-len", "512", "--max-denoising-steps", "4",
+               "--media-fetch-timeout", str(FETCH_TIMEOUT), "--image-fetch-threads", "2",
+               "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", fixture_value("files"))
 
 
 def _chat(server, messages, timeout=300) -> httpx.Response:

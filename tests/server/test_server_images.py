@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
-from server_process import ServerProcess
+from server_process import ServerProcess, fixture_value, serve
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.model.tiny import IMAGE
@@ -47,15 +47,10 @@ def mm(checkpoints) -> str:
     return checkpoints("vision", **VISION_SPEC)
 
 
-@pytest.fixture(scope="module")
-def server(mm, tmp_path_factory):
-    proc = ServerProcess(
-        mm, "--served-model-name", MODEL, "--max-denoising-steps", str(STEPS), "--max-model-len", "512",
-        "--limit-mm-per-prompt", '{"image": 2}', "--max-image-bytes", "40KiB", "--max-image-pixels", "100000",
-        log_path=str(tmp_path_factory.mktemp("server") / "server.log"),
-    )
-    yield proc
-    proc.close()
+server = serve(
+    fixture_value("mm"), "--served-model-name", MODEL, "--max-denoising-steps", str(STEPS), "--max-model-len", "512",
+    "--limit-mm-per-prompt", '{"image": 2}', "--max-image-bytes", "40KiB", "--max-image-pixels", "100000",
+)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, serve
 
 from blockdiff.demo.tasks import WEATHER_TOOL
 from blockdiff.entrypoints.openai import responses_protocol as r
@@ -27,11 +27,7 @@ TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's f
 THOUGHT = "<|channel>thought\nI reverse the word.<channel|>"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "512", log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(None, "--max-model-len", "512")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, fixture_value, serve
 from helpers import import_test_file
 
 _structured = import_test_file("structured/test_structured_outputs.py")
@@ -23,12 +23,7 @@ def json_tiny(tmp_path_factory) -> str:
     return make_json_tiny(str(tmp_path_factory.mktemp("json_tiny")))
 
 
-@pytest.fixture(scope="module")
-def server(json_tiny, tmp_path_factory):
-    proc = ServerProcess(json_tiny, "--max-model-len", "256", "--served-model-name", "tiny",
-                         log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(fixture_value("json_tiny"), "--max-model-len", "256", "--served-model-name", "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess
+from server_process import serve
 
 from blockdiff.engine.client import EngineStats
 from blockdiff.entrypoints.openai.metrics import ServingMetrics
@@ -21,11 +21,7 @@ from blockdiff.entrypoints.openai.metrics import ServingMetrics
 CHAT = [{"role": "user", "content": "sort: 3 1 2"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(None, "--max-model-len", "256", log_path=str(tmp_path_factory.mktemp("vllm") / "server.log"))
-    yield proc
-    proc.close()
+server = serve(None, "--max-model-len", "256")
 
 
 def _post(server, path: str, body: dict, **kw) -> httpx.Response:
@@ -209,14 +205,9 @@ def test_each_server_has_its_own_registry():
     assert not any(f.name.startswith(("vllm:", "blockdiff:")) for f in REGISTRY.collect())
 
 
-@pytest.fixture(scope="module")
-def random_demo(tmp_path_factory):
-    """The demo's tokenizer (with Gemma 4's tool and thinking markers, so its chats are parsed) on
-    random weights: a model that writes special tokens often."""
-    proc = ServerProcess(None, "--load-format", "dummy", "--max-model-len", "256",
-                         log_path=str(tmp_path_factory.mktemp("random_demo") / "server.log"))
-    yield proc
-    proc.close()
+# The demo's tokenizer (with Gemma 4's tool and thinking markers, so its chats are parsed) on
+# random weights: a model that writes special tokens often.
+random_demo = serve(None, "--load-format", "dummy", "--max-model-len", "256")
 
 
 def test_a_parsed_chat_reply_carries_no_special_token_unless_asked(random_demo):

@@ -10,7 +10,7 @@ from dataclasses import replace
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, serve
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.arg_utils import engine_config, sampling_overrides
@@ -177,11 +177,7 @@ def test_llm_takes_vllms_keywords_with_the_clis_warning(caplog):
 
 
 # ---- the server's vLLM fields -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess("demo", "--max-model-len", "256", log_path=str(tmp_path_factory.mktemp("vllm_user") / "server.log"))
-    yield proc
-    proc.close()
+server = serve("demo", "--max-model-len", "256")
 
 
 @pytest.fixture(scope="module")
