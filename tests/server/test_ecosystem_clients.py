@@ -1,9 +1,10 @@
-"""The ecosystem's own tools against a real server on the demo model (issue 26, finding 5):
-guidellm's streaming benchmark, lm-evaluation-harness' log-likelihood (multiple-choice) path through
-`local-completions` and its chat model, and langchain's structured output. Each is installed by the
-test extra (scripts/setup.sh; torch-dependent ones under a torch==2.13.0 constraint).
+"""The ecosystem's own tools against a real server on the demo model: guidellm's streaming
+benchmark, and lm-evaluation-harness' log-likelihood (multiple-choice) path through
+`local-completions` and its chat model (langchain's structured output is in
+test_server_structured.py). Each is installed by the test extra (scripts/setup.sh; torch-dependent
+ones under a torch==2.13.0 constraint).
 
-The server runs as a vLLM user would start it for these tools (issue 36, finding 7): the checkpoint
+The server runs as a vLLM user would start it for these tools: the checkpoint
 named by its directory, which becomes the served model's id (guidellm loads its tokenizer from the
 id /v1/models reports), and --enable-tokenizer-info-endpoint (lm-eval's local-completions then
 tokenizes through the server). The tools get only the flags their docs give for a vLLM server;
@@ -200,19 +201,3 @@ def test_guidellm_streaming_reports_time_to_first_token_and_inter_token_latency(
     tokens = metrics["output_token_count"]["successful"]["mean"]
     print(f"guidellm synchronous, 6 requests: TTFT {ttft:.1f} ms, ITL {itl:.2f} ms, {tokens:.0f} output tokens")
     assert ttft > 0 and itl > 0 and tokens > 0
-
-
-def test_langchain_with_structured_output_on_the_demo(server):
-    """langchain's with_structured_output sends response_format with the model's JSON schema; the
-    constrained commit makes the demo's reply parse into it (docs/structured_outputs.md)."""
-    pytest.importorskip("langchain_openai")
-    from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel
-
-    class Sorted(BaseModel):
-        digits: list[int]
-
-    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=DEMO_CHECKPOINT, max_tokens=32, max_retries=0)
-    assert llm.invoke("sort: 3 1 2").content  # the client works...
-    answer = llm.with_structured_output(Sorted).invoke("sort: 3 1 2")  # ...and its structured output parses
-    assert isinstance(answer, Sorted) and all(isinstance(d, int) for d in answer.digits)

@@ -147,18 +147,6 @@ def test_n_gives_n_completions_offline_as_the_server_does(demo):
         demo.engine.add_request("sort: 1", SamplingParams(n=2))
 
 
-@pytest.mark.parametrize("field,value", [("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
-                                         ("min_tokens", -1), ("prompt_logprobs", 21)])
-def test_penalties_and_bad_values_are_value_errors_naming_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**{field: value})
-    SamplingParams(repetition_penalty=1.0, presence_penalty=0.0)  # the neutral values vLLM's tools send
-    with pytest.raises(ValueError, match="min_tokens"):
-        SamplingParams(min_tokens=5, max_tokens=4)
-    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
-        SamplingParams(max_tokens=0)
-
-
 def test_llm_takes_vllms_keywords_with_the_clis_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="blockdiff"):
         llm = LLM("demo", trust_remote_code=True, gpu_memory_utilization=0.9, swap_space=4, tokenizer_mode="auto",
