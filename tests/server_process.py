@@ -182,7 +182,7 @@ class HealthProbe:
     """While a `with` block runs, a thread polls /health on one keep-alive connection every 10 ms.
     `idle` is the median latency of 30 probes just before, `worst` the slowest during; `check()`
     asserts every probe got a 200 and that the worst took less than RATIO times the idle median:
-    the issue's "within 1 s" on a machine that answers /health in 1 ms, scaled to this one's load."""
+    "within 1 s" on a machine that answers /health in 1 ms, scaled to this one's load."""
 
     RATIO = 1000
 

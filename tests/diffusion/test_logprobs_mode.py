@@ -1,4 +1,4 @@
-"""Logprobs as vLLM reports them (issue 36, finding 6): `--logprobs-mode` raw_logprobs by default,
+"""Logprobs as vLLM reports them: `--logprobs-mode` raw_logprobs by default,
 the model's own log-softmax before the temperature, so a greedy request's alternatives are real
 log-probabilities; processed_logprobs the temperature-scaled distribution the sampler drew from
 (what blockdiff reported before); the *_logits modes the logits themselves; and each Logprob's

@@ -1,4 +1,4 @@
-"""Counter-based random numbers on the device (diffusion/randoms.py, issue 28): Philox4x32-10 as
+"""Counter-based random numbers on the device (diffusion/randoms.py): Philox4x32-10 as
 Random123 defines it, a request's numbers a function of (seed, canvas, step, position) only, so that
 seeded outputs are the same bits alone, in a batch of 8, after preemptions (for memory and for
 fairness) and at two tensor-parallel ranks against one; and nothing random is drawn on the host

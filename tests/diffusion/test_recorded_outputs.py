@@ -3,12 +3,12 @@ counts, bit for bit, through the eager forward over rows and through the static 
 eagerly (the same bits: attention's result for a query depends on its own keys only), at two
 tensor-parallel ranks (gloo), several steps per launch, on the tiny checkpoint and on the demo model.
 
-Recorded first from the code before the sampler became a strategy (issue 27); issue 28 re-recorded
-it, the one change of seeded outputs its issue allows: attention reduces over fixed key blocks in
+Recorded first from the code before the sampler became a strategy; re-recorded once for the one
+change of seeded outputs allowed since: attention reduces over fixed key blocks in
 position order (so a recomputed prefix caches the same bits), which moves the logits in their last
 bits, and every random number is counted on the device by (seed, canvas, step, position)
-(diffusion/randoms.py) instead of drawn from a host generator per request. Issue 36 re-recorded
-the logprobs alone: they are raw by default (--logprobs-mode raw_logprobs, vLLM's), the model's
+(diffusion/randoms.py) instead of drawn from a host generator per request. The logprobs alone were
+re-recorded once more: they are raw by default (--logprobs-mode raw_logprobs, vLLM's), the model's
 log-softmax before the temperature; every token, top-alternative id, finish reason and step count
 stayed as recorded.
 
@@ -158,7 +158,7 @@ def test_a_changed_seeded_output_fails_the_comparison(runs, recording):
 
 
 def test_several_steps_per_launch_give_the_recording(runs, recording):
-    """Five steps back to back per launch (issue 28, item 4), through the static step: the tokens,
+    """Five steps back to back per launch, through the static step: the tokens,
     logprobs and step counts of one step at a time."""
     assert runs["tiny_launch5"] == recording["tiny_eager"]
     assert runs["demo_launch5"] == recording["demo_eager"]

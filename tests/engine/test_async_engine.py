@@ -39,7 +39,7 @@ def _fail_next_step(engine: LLMEngine, monkeypatch) -> tuple[threading.Event, th
 
 def test_failed_step_fails_its_requests_and_serving_goes_on(engine, monkeypatch):
     """The requests of a step that raises end with RequestFailed; one that arrived meanwhile, and
-    every later one, is served: one bad step no longer disables the engine (issue 18, item 2)."""
+    every later one, is served: one bad step no longer disables the engine."""
     running, release = _fail_next_step(engine, monkeypatch)
 
     async def main():

@@ -1,4 +1,4 @@
-"""Scheduling overlapped with execution (issue 28, item 5): with async scheduling the engine starts
+"""Scheduling overlapped with execution: with async scheduling the engine starts
 step n+1 as soon as step n's results are applied and makes step n's outputs while n+1 runs, so the
 caller's own work between two `step()` calls (delivering outputs, adding and aborting requests)
 happens while the model computes. Outputs are the same with and without it, and a request aborted

@@ -76,7 +76,7 @@ def test_a_small_request_completes_while_one_client_holds_every_slot(server):
 
 
 def test_one_call_of_many_prompts_does_not_hold_back_another_client(server):
-    """Issue 25, finding 6: fairness counts engine requests per client. One call of 32 prompts from
+    """Fairness counts engine requests per client. One call of 32 prompts from
     one address (32 engine requests of 5 canvases at the steps limit) and then a small chat request
     from another: the chat request starts within the same bound as above, not behind the 32
     (before: 38 s behind 512 prompts). The call of many keeps its place: it is still running."""

@@ -1,4 +1,4 @@
-"""The prefix cache is no oracle across clients (issue 37, finding 8): by default a client finds
+"""The prefix cache is no oracle across clients: by default a client finds
 only its own cached prefixes (or those of the same cache_salt), so `cached_tokens` cannot confirm
 another client's prompt; `--prefix-cache-scope global` shares them, as before. Two clients are two
 source addresses on the loopback (127.0.0.1 and 127.0.0.2), against the real server."""

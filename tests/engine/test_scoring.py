@@ -125,7 +125,7 @@ def test_a_one_token_prompt_has_nothing_to_score_and_ends_at_once(llm):
 
 
 def test_a_scoring_request_whose_response_is_too_large_is_refused_before_any_work(server):
-    """Issue 37, finding 6, at this server's 8 MiB: 128 choices echoing a 250-token prompt with 20
+    """--max-response-bytes, at this server's 8 MiB: 128 choices echoing a 250-token prompt with 20
     alternatives each would answer about 16 MB. It is a 400 at once, /health stays quick, and the
     estimate is a low one: a smaller request's real response is larger than its estimate."""
     from blockdiff.entrypoints.openai.preprocessing import LOGPROB_ENTRY_BYTES

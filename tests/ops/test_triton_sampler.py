@@ -278,7 +278,7 @@ def test_the_op_log_sees_a_nondeterministic_op():
 def test_the_whole_static_step_on_a_fake_h200_calls_no_op_cuda_runs_nondeterministically():
     """Every aten op of the 26B-A4B static step on a fake H200 (the model's forward with its MoE
     combine, the Triton attention and sampler backends, the commit): none that CUDA runs with
-    atomics, so a seed gives the same tokens in any batch there as on the CPU (issue 35, finding 4)."""
+    atomics, so a seed gives the same tokens in any batch there as on the CPU."""
     from fake_cuda import NoHostReads, fake_cuda
     from test_fake_cuda import _canvas_rows, _runner
 

@@ -76,7 +76,7 @@ def _without_the_gpus_missing_packages(root) -> str:
 
 
 def test_the_device_check_runs_every_part_on_the_cpu_at_small_shapes(tmp_path, failing_check):
-    """Every part, in the issue's order, without the packages the GPU machine lacks; the tests
+    """Every part, in the script's order, without the packages the GPU machine lacks; the tests
     part collects the CUDA test selections under the same blocks, so a CUDA-only test that imports
     one of them fails here. (It asks for failing_check only to start that check first: both run at once.)"""
     proc, report = _check(tmp_path / "out", PYTHONPATH=_without_the_gpus_missing_packages(tmp_path / "blocked"))

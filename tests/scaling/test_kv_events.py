@@ -1,4 +1,4 @@
-"""vLLM-compatible KV cache events (issue 30): subscribed to with pyzmq and decoded with msgpack in
+"""vLLM-compatible KV cache events: subscribed to with pyzmq and decoded with msgpack in
 the field layout of vLLM's EventBatch (vllm/distributed/kv_events.py), as llm-d, Dynamo or SGLang's
 router would. The block hashes are computed here from the documented scheme (engine/kv_events.py:
 the low 64 bits of blockdiff's SHA-256 block key), independently of the engine."""

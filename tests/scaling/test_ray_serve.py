@@ -1,4 +1,4 @@
-"""The Ray Serve application (entrypoints/ray_serve.py, issue 30) on a local Ray instance: two
+"""The Ray Serve application (entrypoints/ray_serve.py) on a local Ray instance: two
 replicas of the demo model behind Ray's HTTP proxy, served to the official openai client."""
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Issue 25's findings 1, 2, 7, 8 and 9 against one real server of the demo model: no request
-body, however it is built, stalls /health, keeps memory, or gets anything but a 4xx; a good
-request is served after each.
+"""Request bodies built to stall or exhaust the server, against one real server of the demo model:
+chat templates and tool arguments worked off the event loop and within a deadline, `n` that
+multiplies no work, client mistakes that are 4xx without a traceback, only JSON bodies read, and
+streams left unread dropped past their buffer. No request body, however it is built, stalls
+/health, keeps memory, or gets anything but a 4xx; a good request is served after each.
 
 Each attack is sent from a thread while `HealthProbe` polls /health; it must answer within
-HealthProbe.RATIO times its idle latency (the issue's 1 s, scaled to this machine's load).
+HealthProbe.RATIO times its idle latency (1 s, scaled to this machine's load).
 Before the work these stalled /health for 2 to 60 s and kept up to 2 GB."""
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def _with_arguments(arguments: str) -> dict:
                          {"role": "tool", "tool_call_id": "c0", "content": "ok"}], "max_tokens": 4}
 
 
-# ---- finding 1: template, tokenizer and arguments, before and off the event loop ---------------------
+# ---- template, tokenizer and arguments, before and off the event loop --------------------------------
 def test_a_quadratic_template_over_4094_tool_messages_is_cut_off_by_the_context(server):
     # The demo template looks back over every earlier message for each tool message. Before: 200 after
     # 60.7 s here, and 400 after 17 s with 2,000. Now 4,094 have more text than the context holds, and
@@ -133,14 +135,14 @@ def test_arguments_are_json_within_the_bounds_of_a_body(server):
     (_CHAT, "more than 32768 JSON objects", {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 1000}] * 40}),
     ("/v1/completions", "more than 2097152 values", {"prompt": [[5] * 1100] * 2048, "max_tokens": 4}),
     (_CHAT, "more than 64 deep", {"messages": [{"role": "user", "content": "hi", "x": json.loads("[" * 64 + "]" * 64)}]}),
-    # Finding 8: Python's digit limit was a 500.
+    # Python's digit limit was once a 500.
     ("/v1/completions", "a number Python cannot read", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"),
 ])
 def test_bodies_are_decoded_within_bounds(server, path, says, body):
     _refused(server, path, body, 400, says=says)
 
 
-# ---- finding 2: n multiplies nothing ------------------------------------------------------------------
+# ---- n multiplies nothing -----------------------------------------------------------------------------
 def test_n_times_a_long_draft_is_refused_before_any_copy(server):
     # Before: 200 after 56 s, /health stalled 51 s, +700 MB kept.
     body = {"prompt": "hi", "max_tokens": 4, "n": 32, "draft": [5] * 2_000_000}
@@ -164,12 +166,12 @@ def test_choices_share_their_checked_lists_and_draw_from_their_seeds(server):
         assert alone["choices"][0]["token_ids"] == together[i]["token_ids"]
 
 
-# ---- findings 7 and 8: client mistakes are 4xx, one log line each, no traceback ---------------------
+# ---- client mistakes are 4xx, one log line each, no traceback ---------------------------------
 @pytest.mark.parametrize("what, body, says", [
-    # Finding 7: a RecursionError in the template's recursive format_argument, an 86 kB traceback each.
+    # Once a RecursionError in the template's recursive format_argument, an 86 kB traceback each.
     ("arguments nested 200 deep", _with_arguments("[" * 200 + "]" * 200), "more than 64 deep"),
     ("arguments nested 60 deep", _with_arguments('{"a":' * 60 + "1" + "}" * 60), None),
-    # Finding 8: AttributeError and TypeError, answered 500.
+    # Once AttributeError and TypeError, answered 500.
     ("properties not an object", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": [1, 2]}}}]},
      "properties must be an object"),
@@ -190,7 +192,7 @@ def test_client_mistakes_are_4xx_without_a_traceback(server, what, body, says):
     _served_after(server)
 
 
-# ---- finding 9 ----------------------------------------------------------------------------------------
+# ---- only JSON bodies (no cross-site form posts), HEAD /health, unread streams ----------------------
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
 def test_only_json_bodies_are_read(server, content_type):
     """A web page can post these to any address without a CORS preflight."""

@@ -80,7 +80,7 @@ def test_health_models_and_metrics(server, tiny):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     models = httpx.get(server.url + "/v1/models", headers=_auth()).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
-    # The checkpoint's directory by its name, not the server's path to it (issue 37, finding 9)
+    # The checkpoint's directory by its name, not the server's path to it
     assert models["data"][0]["root"] == os.path.basename(tiny) and os.path.dirname(tiny) not in json.dumps(models)
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     m = server.metrics()
@@ -436,7 +436,7 @@ BAD = [
      None, 400, "max_completion_tokens"),
     ("chat zero max_tokens", _CHAT, {"model": MODEL, "messages": _MSG, "max_tokens": 0}, None, 400, "max_tokens"),
     ("chat t_max below t_min", _CHAT, {"model": MODEL, "messages": _MSG, "t_min": 0.9, "t_max": 0.1}, None, 400, "t_max"),
-    # Values the engine could not represent once failed it for everyone (issue 18, findings 1 and 7).
+    # Values the engine could not represent once failed it for everyone.
     ("stability over int64", _C, {**_OK, "stability_threshold": 2**63}, None, 400, "stability_threshold"),
     ("steps over int32", _C, {**_OK, "max_denoising_steps": 2**31}, None, 400, "max_denoising_steps"),
     ("steps over the server limit", _C, {**_OK, "max_denoising_steps": 10**9, "stability_threshold": 10**9}, None, 400,

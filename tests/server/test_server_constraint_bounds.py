@@ -1,7 +1,7 @@
-"""Constraint builds bounded in time, memory and size, and fair (issue 37, findings 1, 2, 3, 7 and
-9's empty enum), through the real server on the bundled demo model: each finding's payload, scaled
-to run in seconds, gets a 4xx naming the bound while /health keeps answering; no build process
-grows past its memory bound or outlives its requests or the server; and a cached schema is served
+"""Constraint builds bounded in time, memory and size, and fair, through the real server on the
+bundled demo model: exploding regexes and schemas, a forced tool's regex, JSON inside strings and an
+empty enum, each scaled to run in seconds, get a 4xx naming the bound while /health keeps
+answering; no build process grows past its memory bound or outlives its requests or the server; and a cached schema is served
 at its idle pace while abandoned builds run.
 """
 
@@ -99,9 +99,9 @@ class BuildMemory:
         self._thread.join()
 
 
-# ---- finding 1: memory ----------------------------------------------------------------------------
+# ---- memory ---------------------------------------------------------------------------------------
 def test_a_regex_past_the_memory_bound_is_a_400(server):
-    """The issue's 27-byte regex grew a build to 6 GB; here it stops at --structured-outputs-memory."""
+    """A 27-byte regex once grew a build to 6 GB; here it stops at --structured-outputs-memory."""
     with HealthProbe(server) as health, BuildMemory(server) as builds:
         t0 = time.monotonic()
         r = chat(server, structured_outputs={"regex": r"(\p{L}{1,1000}){1,1000}"})
@@ -117,7 +117,7 @@ def test_a_regex_past_the_memory_bound_is_a_400(server):
 
 
 def test_a_schema_whose_regex_explodes_is_a_400(server):
-    """6 optional properties 4 deep (44 KB; the issue's 5 deep is 275 KB): a 13 MB regex, refused by
+    """6 optional properties 4 deep (44 KB; 5 deep is 275 KB): a 13 MB regex, refused by
     its length in the build process, as response_format and as structured_outputs.json text."""
     with HealthProbe(server) as health:
         r = chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": nested(6, 4)}})
@@ -142,10 +142,10 @@ def test_the_twenty_field_schema_still_builds(server):
     refused(chat(server, max_tokens=1, **tools), "max_tokens", "too small for the structured output")
 
 
-# ---- finding 2: a forced tool's regex -------------------------------------------------------------
+# ---- a forced tool's regex ------------------------------------------------------------------------
 @pytest.mark.parametrize("width", [6, 7])
 def test_a_forced_tool_with_an_exploding_schema_is_a_400(server, width):
-    """The issue's 6 x 5 (275 KB) and 7 x 5 (572 KB) parameter schemas, on /v1/chat/completions and
+    """The 6 x 5 (275 KB) and 7 x 5 (572 KB) parameter schemas, on /v1/chat/completions and
     /v1/responses: refused before the regex is written, off the loop."""
     params = nested(width, 5)
     tool = {"type": "function", "function": {"name": "f", "parameters": params}}
@@ -157,10 +157,10 @@ def test_a_forced_tool_with_an_exploding_schema_is_a_400(server, width):
             "tool_choice": "required"}, timeout=60)
         refused(r, "tools", "a constraint may have")
     health.check()
-    assert health.peak_rss - before < 512, (before, health.peak_rss)  # the issue's 7 x 5 took 6.1 GB
+    assert health.peak_rss - before < 512, (before, health.peak_rss)  # unbounded, the 7 x 5 took 6.1 GB
 
 
-# ---- finding 7: JSON inside strings ---------------------------------------------------------------
+# ---- JSON inside strings --------------------------------------------------------------------------
 def test_constraint_json_text_nested_2000_deep_is_a_400(server):
     deep = '{"items":' * 2000 + "{}" + "}" * 2000
     refused(chat(server, structured_outputs={"json": deep}), "structured_outputs", "more than 64 deep")
@@ -180,7 +180,7 @@ def test_responses_call_arguments_nested_deep_are_a_400(server):
     health.check()
 
 
-# ---- finding 9: an empty enum ---------------------------------------------------------------------
+# ---- an empty enum --------------------------------------------------------------------------------
 def test_an_empty_enum_is_a_400(server):
     refused(chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}}),
             "response_format", "non-empty")
@@ -189,7 +189,7 @@ def test_an_empty_enum_is_a_400(server):
     refused(chat(server, tools=[tool], tool_choice="required"), "tools", "non-empty")
 
 
-# ---- finding 3: fairness --------------------------------------------------------------------------
+# ---- fairness -------------------------------------------------------------------------------------
 def test_a_cached_schema_is_not_delayed_by_abandoned_builds(server):
     """Eight clients ask for distinct slow regexes and hang up after 1 s: their builds are killed, and
     meanwhile another client's cached schema is answered within 5x its idle time."""
@@ -252,7 +252,7 @@ def test_builds_are_fair_across_clients(server):
     assert sum(t > answered for t in finished) >= 2, (sorted(finished), answered)
 
 
-# ---- finding 1: builds die with the server ---------------------------------------------------------
+# ---- builds die with the server --------------------------------------------------------------------
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_no_build_outlives_the_server(tmp_path_factory, sig):
     """A build running when the server is stopped (SIGTERM) or killed (SIGKILL) is gone 5 s after."""

@@ -1,6 +1,7 @@
-"""Issue 18's findings 3-6 and 9, and issue 25's finding 3, as regression tests against a real
-server: no request, no connection pattern and no text may take the server down, stall it, or hide
-from /metrics."""
+"""The server against hostile clients, on a real server: text the tokenizer cannot take, the API
+key, large bodies and list limits, slow and silent connections, unfinished bodies from one address,
+every response counted in /metrics, and per-client concurrency. No request, no connection pattern
+and no text may take the server down, stall it, or hide from /metrics."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-# ---- finding 5: text the tokenizer cannot take ----------------------------------------------------
+# ---- text the tokenizer cannot take ---------------------------------------------------------------
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", b'{"prompt": "sort: \\ud800", "max_tokens": 4}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}], "max_tokens": 4}'),
@@ -69,7 +70,7 @@ def test_nul_noncharacters_and_surrogate_pairs_are_served(server, text):
     assert out["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-# ---- finding 9: the API key ---------------------------------------------------------------------------
+# ---- the API key --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path", ["/docs", "/openapi.json", "/metrics", "/v1/models", "/redoc", "/nowhere"])
 def test_everything_but_health_needs_the_key(server, path):
     r = httpx.get(server.url + path, timeout=30)
@@ -94,7 +95,7 @@ def test_the_key_in_x_api_key(server):
     assert r.status_code == 400 and "more than one x-api-key header" in r.json()["error"]["message"]
 
 
-# ---- finding 4: large bodies --------------------------------------------------------------------------
+# ---- large bodies -------------------------------------------------------------------------------------
 _SEND = """
 import sys, httpx
 r = httpx.post(sys.argv[1], content=open(sys.argv[2], "rb").read(), headers={"Authorization": sys.argv[3],
@@ -145,7 +146,7 @@ def test_too_many_prompts(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
-# ---- finding 3: connections ---------------------------------------------------------------------------
+# ---- connections --------------------------------------------------------------------------------------
 def test_a_silent_connection_is_closed_after_the_header_timeout(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.settimeout(HEADER_TIMEOUT + 20)
@@ -203,7 +204,7 @@ def test_uvicorns_own_refusal_is_openai_shaped_and_counted(server):
 
 
 def test_unfinished_bodies_from_one_address_cannot_take_the_connections(tiny, tmp_path):
-    """Issue 25, finding 3: 1,100 connections, each sending the headers of a 100 kB body and then
+    """1,100 connections, each sending the headers of a 100 kB body and then
     only "{", under `ulimit -n 1024`. Before: every request, /health included, got uvicorn's plain
     503 for as long as they were held. Now the address may hold --max-client-uploads of them; the
     rest get a counted, OpenAI-shaped 429 and are closed, and every whole request is served."""
@@ -266,7 +267,7 @@ def test_accepted_connections_have_nagle_off():
     assert asyncio.run(main()) == 1
 
 
-# ---- finding 6: every response is counted -------------------------------------------------------------
+# ---- every response is counted ------------------------------------------------------------------------
 def test_a_500_is_counted_and_the_app_survives(tiny, monkeypatch):
     """In-process: no request makes the real server fail any more, so the tokenizer is made to."""
     engine = LLMEngine(EngineConfig(tiny, max_model_len=64))
@@ -290,7 +291,7 @@ def test_a_500_is_counted_and_the_app_survives(tiny, monkeypatch):
     asyncio.run(main())
 
 
-# ---- per-client concurrency, in engine requests (issue 25, finding 6) -----------------------------------
+# ---- per-client concurrency, in engine requests -----------------------------------------------------
 def test_a_client_over_its_concurrency_limit_gets_429(tiny, tmp_path):
     server = ServerProcess(tiny, "--max-model-len", "2048", "--max-client-concurrency", "3",
                            log_path=str(tmp_path / "server.log"))

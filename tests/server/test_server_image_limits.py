@@ -1,5 +1,5 @@
-"""Issue 25's findings 4, 5 and the image cases of 8, against a real server of a tiny vision
-checkpoint with the default image limits: decompression bombs are refused from their header,
+"""Image input within bounds, against a real server of a tiny vision checkpoint with the default
+image limits: decompression bombs are refused from their header,
 large images are decoded in a bounded pool without keeping their memory, URL fetches have a total
 deadline and a pool of their own, broken images are 400s, and errors name no server path."""
 
@@ -105,7 +105,7 @@ def _jpeg(size: int = 256) -> bytes:
 
 
 @pytest.mark.parametrize("name, url, says", [
-    # Finding 8: Pillow's DecompressionBombError at open, and a truncated JPEG's OSError, were 500s.
+    # Pillow's DecompressionBombError at open, and a truncated JPEG's OSError, were once 500s.
     ("png-header-100000x100000", _data_url(_png_header(100_000, 100_000)), "above the limit of 40000000 pixels"),
     ("bmp-header-100000x100000", _data_url(_bmp_header(100_000, 100_000), "image/bmp"), "above the limit of 40000000 pixels"),
     ("jpeg-cut-to-a-third", _data_url(_jpeg()[: len(_jpeg()) // 3], "image/jpeg"), "is corrupt"),
@@ -155,7 +155,7 @@ def trickle():
 
 
 def test_url_fetches_have_a_total_deadline_and_a_pool_of_their_own(server, trickle):
-    """Finding 5: the 10 s timeout was per read, so a trickle held a fetch for as long as it lasted
+    """The 10 s timeout was once per read, so a trickle held a fetch for as long as it lasted
     (40 s seen), and eight filled the pool that a data: image then waited 38 s behind. Now four
     fetches, for two fetch threads, each end with a 400 at --media-fetch-timeout, and a data: image
     sent meanwhile is served without waiting for them."""

@@ -1,4 +1,4 @@
-"""Issue 25's load test: 64 clients for a minute, mixed completions and chat, streamed and not,
+"""The server under load: 64 clients for a minute, mixed completions and chat, streamed and not,
 every request seeded, against the demo server with its default limits and 8 slots. Nothing may be lost, every
 output must equal the same request run alone, /health must keep answering, and RSS must stay
 flat. `pytest -s -m slow tests/server/test_server_load.py` prints what it measured (docs/server.md,

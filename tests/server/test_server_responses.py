@@ -358,7 +358,7 @@ def test_openai_agents_default_model_runs_a_tool_round_trip(server, streamed):
 
 
 def test_another_client_can_neither_read_continue_nor_delete_a_stored_response(server):
-    """A stored response is its client's (issue 37, finding 5): another address gets a 404 for it,
+    """A stored response is its client's: another address gets a 404 for it,
     as for one that does not exist, and it stays stored for its own client."""
     def call(source: str, method: str, path: str, **kw) -> httpx.Response:
         with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=60) as c:
@@ -375,7 +375,7 @@ def test_another_client_can_neither_read_continue_nor_delete_a_stored_response(s
 
 @pytest.mark.slow  # a server of its own and 48 MiB of uploads: about 30 s
 def test_a_chain_of_large_turns_stays_within_the_store(tmp_path):
-    """Issue 37, finding 5, scaled to a 4 MiB store: 24 chained responses whose input carries a 2 MiB
+    """The response store bounded, scaled to 4 MiB: 24 chained responses whose input carries a 2 MiB
     reasoning summary (stored, never tokenized). The chain once kept every turn in its newest entry
     (48 MiB); now each turn is stored once and the oldest go, so the server's memory stays flat."""
     import psutil

@@ -1,4 +1,4 @@
-"""What a vLLM user brings (issue 26): the seed's serve command with vLLM's diffusion flags, the
+"""What a vLLM user brings: the seed's serve command with vLLM's diffusion flags, the
 offline API in vLLM's shape, and the request fields vLLM accepts, on the real engine and server."""
 
 from __future__ import annotations

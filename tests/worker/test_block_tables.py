@@ -1,4 +1,4 @@
-"""The step contract sends only what changed (issue 28, item 2): each rank keeps the block tables,
+"""The step contract sends only what changed: each rank keeps the block tables,
 positions and sampler parameters of every slot on its device (worker/block_tables.py,
 worker/request_slots.py) and a plan carries the new table entries (step.TableDelta) and the
 requests that took a slot (step.NewRequests), both from engine/sent_slots.py. The workers' tables

@@ -1,4 +1,4 @@
-"""Several denoising steps per launch (issue 28, item 4): in the steady state the engine runs K steps
+"""Several denoising steps per launch: in the steady state the engine runs K steps
 back to back through the static step (worker/canvas_step.py); a canvas that finishes inside them
 keeps its state and results from the step it finished at, and the host reads the finished flags
 once per launch. Outputs (tokens, logprobs, step counts) are the same for every K, with canvases
