@@ -15,7 +15,6 @@ import threading
 import time
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -151,6 +150,7 @@ def serve(model=None, *args, scope: str = "module", params: list | None = None, 
     computed: `request.getfixturevalue`, `request.param`), resolved when the server starts. With
     `params`, one server per parameter; the server's `param` is it. `options` go to `ServerProcess`
     (ready_timeout, max_open_files). Its log is server.log in a fresh temporary folder."""
+    import pytest  # here: benchmarks/server_abuse.py imports this module without pytest
 
     @pytest.fixture(scope=scope, params=params, ids=ids)
     def server(request, tmp_path_factory):
