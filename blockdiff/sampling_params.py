@@ -146,7 +146,7 @@ class StructuredOutputsParams:
 class SamplingParams:
     """Sampling parameters of one request; the engine's sampler fills the unset fields of its table
     (`DiffusionSampler.resolve`). The first fields are those of `SAMPLER_FIELDS`, in the table's
-    order (tests/test_engine_core.py checks it); other samplers' fields go in `extra_args`."""
+    order (tests/engine/test_engine_core.py checks it); other samplers' fields go in `extra_args`."""
 
     max_tokens: int | None = None
     max_denoising_steps: int | None = None

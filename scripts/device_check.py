@@ -29,7 +29,7 @@ and records its own results; a part that fails records the tail of its traceback
    suite runs them on the CPU).
 8. compiled: 6 layers, compiled steps against uncompiled ones: compile seconds and what it buys
    (--small: one layer and the eager backend; the default suite tests compiled steps).
-9. fake_cuda: tests/test_fake_cuda.py and tests/test_kernels.py, the CUDA path on fake CUDA tensors
+9. fake_cuda: tests/ops/test_fake_cuda.py and tests/ops/test_kernels.py, the CUDA path on fake CUDA tensors
    (--small: collected only; the default suite runs them).
 
 --budget-s (default 480) bounds the whole run: a part whose estimate does not fit what is left is
@@ -70,12 +70,12 @@ SMALL = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, num_attentio
 SMALL_FULL_LAYER = {"head_dim": 32, "num_key_value_heads": 1}
 SMALL_CANVAS, SMALL_LAYERS, SMALL_STEPS, SMALL_BATCHES = 16, 6, 2, "1,2"
 TEST_SELECTIONS = {
-    "parity and generation": ["tests/test_parity.py", "tests/test_generation.py", "-k", "parity or reference"],
+    "parity and generation": ["tests/model/test_parity.py", "tests/model/test_generation.py", "-k", "parity or reference"],
     # Not the compiled variant: inductor compiles every captured shape, minutes of the budget.
-    "CUDA-graph replay": ["tests/test_canvas_step.py", "-k", "cuda_graph and not compiled"],
-    "FP8 experts": ["tests/test_fp8_experts.py"],
+    "CUDA-graph replay": ["tests/worker/test_canvas_step.py", "-k", "cuda_graph and not compiled"],
+    "FP8 experts": ["tests/ops/test_fp8_experts.py"],
     # The Triton attention kernel compiled for the device, against the reference, on the cases of one launch.
-    "Triton attention": ["tests/test_triton_attention.py", "-k", "mixed_step or v_equal"],
+    "Triton attention": ["tests/ops/test_triton_attention.py", "-k", "mixed_step or v_equal"],
 }
 
 
@@ -701,7 +701,7 @@ def part_compiled(args, record) -> dict:
 def part_fake_cuda(args, record) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "BLOCKDIFF_TEST_DEVICE": "cpu",  # the fake device, on a torch that sees no GPU
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    result = _pytest(args, (["--collect-only"] if args.small else []) + ["tests/test_fake_cuda.py", "tests/test_kernels.py"], env)
+    result = _pytest(args, (["--collect-only"] if args.small else []) + ["tests/ops/test_fake_cuda.py", "tests/ops/test_kernels.py"], env)
     record("selections", {"fake CUDA and kernel choice": result})
     say(f"  {result['summary']}")
     if not result["passed"]:

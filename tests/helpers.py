@@ -138,3 +138,23 @@ def new_requests(rows, params) -> NewRequests:
     with `params` of one row per slot."""
     starts = {r.slot: r.start for r in rows}
     return NewRequests(list(starts), list(starts.values()), params)
+
+
+def import_test_file(path: str):
+    """The test module at `path` under tests/ (as "parallel/test_tensor_parallel.py"), for the pieces
+    another folder's tests share with it: imported once, under its basename, as pytest itself
+    imports it (test basenames are unique across the folders)."""
+    import importlib.util
+    import sys
+
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)), path))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]

@@ -1,4 +1,6 @@
-"""A real `blockdiff serve` subprocess on a free port, for the server tests."""
+"""A real `blockdiff serve` subprocess on a free port, for the server tests: `ServerProcess` for a
+server a test starts and stops itself, `serve(...)` for a server fixture (the one way a test module
+declares the server it shares)."""
 
 from __future__ import annotations
 
@@ -53,14 +55,14 @@ class ServerProcess:
     found by its process group), ready once /health answers 200."""
 
     def __init__(self, model: str | None, *args: str, log_path: str, ready_timeout: float = 180.0,
-                 max_open_files: int | None = None):
+                 max_open_files: int | None = None, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         # With --api-key, everything but /health needs it, /metrics included.
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        env = {k: v for k, v in os.environ.items() if k != "BLOCKDIFF_API_KEY"}
+        env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "BLOCKDIFF_API_KEY"}
         # Tiny models gain nothing from a second thread, and on a shared 2-core machine two OpenMP
         # threads stall each other whenever the test process or anything else takes a core.
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -130,6 +132,40 @@ class ServerProcess:
         self._log.close()
 
 
+def fixture_value(name: str, then=str):
+    """An argument of `serve` taken from another fixture (`then` of its value, a string by default)."""
+    return lambda request: then(request.getfixturevalue(name))
+
+
+def serve(model=None, *args, scope: str = "module", params: list | None = None, ids: list | None = None,
+          env: dict | None = None, **options):
+    """A pytest fixture: one real `python -m blockdiff serve [MODEL] ARGS...` (a `ServerProcess`), started
+    when the first test asks for it and closed when its scope ends. Assign it to the fixture's name:
+
+        server = serve(None, "--max-model-len", "256")                 # the bundled demo
+        server = serve(fixture_value("tiny"), "--max-num-seqs", "4")  # a model from another fixture
+
+    `model`, each of `args` and each value of `env` (variables added to the server's environment) may be
+    a callable of the fixture's `request` (`fixture_value(name)`, or `lambda request: ...` for anything
+    computed: `request.getfixturevalue`, `request.param`), resolved when the server starts. With
+    `params`, one server per parameter; the server's `param` is it. `options` go to `ServerProcess`
+    (ready_timeout, max_open_files). Its log is server.log in a fresh temporary folder."""
+    import pytest  # here: benchmarks/server_abuse.py imports this module without pytest
+
+    @pytest.fixture(scope=scope, params=params, ids=ids)
+    def server(request, tmp_path_factory):
+        def value(arg):
+            return arg(request) if callable(arg) else arg
+
+        proc = ServerProcess(value(model), *map(value, args), env={k: value(v) for k, v in (env or {}).items()},
+                             log_path=str(tmp_path_factory.mktemp("server") / "server.log"), **options)
+        proc.param = getattr(request, "param", None)
+        yield proc
+        proc.close()
+
+    return server
+
+
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
@@ -146,7 +182,7 @@ class HealthProbe:
     """While a `with` block runs, a thread polls /health on one keep-alive connection every 10 ms.
     `idle` is the median latency of 30 probes just before, `worst` the slowest during; `check()`
     asserts every probe got a 200 and that the worst took less than RATIO times the idle median:
-    the issue's "within 1 s" on a machine that answers /health in 1 ms, scaled to this one's load."""
+    "within 1 s" on a machine that answers /health in 1 ms, scaled to this one's load."""
 
     RATIO = 1000
 

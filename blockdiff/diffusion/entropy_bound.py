@@ -35,7 +35,7 @@ GREEDY_SCALE = 1e-6
 class DenoiseParams(StepParams):
     """Per-canvas parameters of one step, [canvases]: the step count n and the counters of the
     step's random numbers (StepParams), and one tensor per per-canvas field of the sampler-field
-    table, by its name and in its order (tests/test_engine_core.py checks it)."""
+    table, by its name and in its order (tests/engine/test_engine_core.py checks it)."""
 
     max_denoising_steps: torch.Tensor  # int32
     entropy_bound: torch.Tensor

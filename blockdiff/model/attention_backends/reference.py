@@ -12,7 +12,7 @@ exact zero wherever it sits, so the result for a query does not depend on how it
 into chunks, on which rows share its step, on how many padding keys or blocks its row carries, or
 on whether the step is the eager mixed one or the static one: a prompt prefilled in one chunk or in
 many, a prefix cached by another request and a recomputation after a preemption all write the same
-K/V bits (`tests/test_attention.py`). Query rows are padded to a multiple of 8, where CPU BLAS
+K/V bits (`tests/model/test_attention.py`). Query rows are padded to a multiple of 8, where CPU BLAS
 kernels compute a row the same way wherever it sits.
 
 Rows of the same mode, query length and key-block count form one group: one batched product per
@@ -102,7 +102,7 @@ def _products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., m, k] @ b [..., k, n] as one batched product of contiguous [m, k] and [k, n] matrices.
     CPU BLAS computes an element of such a product the same way whatever the batch count, but a
     transposed or strided operand takes other kernels whose results change with it
-    (tests/test_attention.py)."""
+    (tests/model/test_attention.py)."""
     lead = a.shape[:-2]
     out = torch.bmm(a.reshape(-1, *a.shape[-2:]).contiguous(), b.reshape(-1, *b.shape[-2:]).contiguous())
     return out.view(*lead, *out.shape[-2:])

@@ -1,0 +1,103 @@
+"""Fair scheduling: a request that finds every slot held still starts within a bounded number of
+steps (docs/server.md, "Fairness"), and preemption changes no output."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+
+from blockdiff import LLM, SamplingParams
+from server_process import ServerProcess, fixture_value, serve
+
+GREEDY = dict(t_min=1e-6, t_max=2e-6)
+
+
+def _hog(steps: int, max_tokens: int) -> SamplingParams:
+    # ignore_eos and a stability threshold no canvas reaches: every canvas takes all its steps
+    return SamplingParams(max_tokens=max_tokens, max_denoising_steps=steps, stability_threshold=steps, ignore_eos=True,
+                          seed=1, **GREEDY)
+
+
+def test_preemption_lets_a_waiting_request_in_and_changes_no_output(tiny):
+    """One slot, held by a long request: a short one arriving later finishes first, within the bound,
+    and the long one, preempted and recomputed, commits the same tokens as alone."""
+    steps, canvas = 6, 8
+    with LLM(tiny, max_num_seqs=1, preempt_after_canvases=1) as llm:
+        [alone] = llm.generate([5, 6, 7], _hog(steps, 6 * canvas), use_tqdm=False)
+        engine = llm.engine
+        hog = engine.add_request([5, 6, 7], _hog(steps, 6 * canvas))
+        engine.step()  # the hog is admitted and prefilled
+        small = engine.add_request([8, 9], SamplingParams(max_tokens=canvas, max_denoising_steps=steps, **GREEDY))
+        waited = 0
+        while not small.finished:
+            engine.step()
+            waited += 1
+        # The hog's canvas (steps), then the small request's prefill and canvas (1 + steps).
+        assert waited <= steps + 1 + steps
+        assert not hog.finished and hog.metrics.preemptions == 1
+        while engine.has_unfinished():
+            engine.step()
+        assert hog.output.token_ids == alone.token_ids and hog.finish_reason == "length"
+
+
+server = serve(fixture_value("tiny"), "--max-num-seqs", "2", "--preempt-after-canvases", "2", "--max-model-len", "256",
+               "--max-request-cost", str(10**8))
+
+
+def test_a_small_request_completes_while_one_client_holds_every_slot(server):
+    """A client holding both slots with the largest requests the server allows (the steps limit,
+    a threshold never reached, no EOS) cannot keep a small request out for more than the bound in
+    docs/server.md: preempt_after x (steps limit + 1) steps, then the small request's own."""
+    limit = 48  # the tiny checkpoint: max(4 x canvas length 8, the default 48 steps)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    hog_done = threading.Event()
+
+    def hog():
+        client.completions.create(model=server_model(server), prompt=[5, 6, 7], n=2, max_tokens=40, seed=0,
+                                  extra_body={"max_denoising_steps": limit, "stability_threshold": limit, "ignore_eos": True})
+        hog_done.set()
+
+    thread = threading.Thread(target=hog, daemon=True)
+    thread.start()
+    while server.metrics().total("vllm:num_requests_running") < 2:
+        pass
+    before = server.metrics()["blockdiff:step_duration_seconds_count"]
+    r = client.chat.completions.create(model=server_model(server), messages=[{"role": "user", "content": "sort: 2 1"}],
+                                       max_tokens=8, extra_body={"max_denoising_steps": 8})
+    steps = server.metrics()["blockdiff:step_duration_seconds_count"] - before
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert not hog_done.is_set()  # the hog still holds its work: the small request did not wait it out
+    # The bound, plus the steps the hog runs while the response and the scrape travel (a few).
+    assert steps <= 2 * (limit + 1) + 1 + 8 + 20, steps
+    thread.join(300)
+    assert hog_done.is_set()
+
+
+def test_one_call_of_many_prompts_does_not_hold_back_another_client(server):
+    """Fairness counts engine requests per client. One call of 32 prompts from
+    one address (32 engine requests of 5 canvases at the steps limit) and then a small chat request
+    from another: the chat request starts within the same bound as above, not behind the 32
+    (before: 38 s behind 512 prompts). The call of many keeps its place: it is still running."""
+    limit = 48
+    hog = {"prompt": [[5, 6, i] for i in range(32)], "max_tokens": 40, "seed": 0, "max_denoising_steps": limit,
+           "stability_threshold": limit, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=hog, timeout=300) as hogging:
+        lines = hogging.iter_lines()  # kept: a collected iterator would close the stream
+        next(line for line in lines if line.startswith("data: "))  # its first canvas is committed
+        assert server.metrics().total("vllm:num_requests_waiting") >= 30  # the rest of the call waits
+        before = server.metrics()["blockdiff:step_duration_seconds_count"]
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=300) as other:
+            r = other.post(server.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "sort: 2 1"}], "max_tokens": 8, "max_denoising_steps": 8})
+        steps = server.metrics()["blockdiff:step_duration_seconds_count"] - before
+        assert r.status_code == 200, r.text
+        assert server.metrics().total("vllm:num_requests_waiting") >= 28  # the call of many is far from done
+    # The bound of the test above.
+    assert steps <= 2 * (limit + 1) + 1 + 8 + 20, steps
+    server.wait_idle(30)  # the call's requests are aborted with its stream
+
+
+def server_model(server: ServerProcess) -> str:
+    return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]

@@ -1,0 +1,158 @@
+"""blockdiff/ops/kernels.py: one decision of the experts' kernel and of compile / CUDA graphs, from the
+device type, compute capability, dtype and shapes, and the experts taking it on a fake CUDA device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from fake_cuda import GroupedCalls, fake_cuda, fake_group, fake_module
+from torch._subclasses.fake_tensor import DataDependentOutputException
+
+from blockdiff.model.gemma_config import GemmaConfig
+from blockdiff.model.registry import load_config
+from blockdiff.ops.kernels import (
+    FP8, GROUPED, PER_EXPERT, SCALED_GROUPED, ExpertShape, Ops, Target, expert_kernel, padded, static_kernel, step_modes,
+)
+from blockdiff.model.moe import Experts, Fp8Experts, combine_top_k
+from blockdiff.quantization import Fp8Config
+
+BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
+CPU, H200, B200, A100, L40, RTX5090 = (Target("cpu"), Target("cuda", (9, 0)), Target("cuda", (10, 0)),
+                                       Target("cuda", (8, 0)), Target("cuda", (8, 9)), Target("cuda", (12, 0)))
+ALL_OPS = Ops(grouped_mm=True, scaled_grouped_mm=True, cpu_grouped_mm=(torch.float32, torch.bfloat16))
+# The 26B-A4B experts on one rank: hidden 2816, width 704.
+BF16_26B = ExpertShape(2816, 704, torch.bfloat16)
+FP8_26B = ExpertShape(2816, 704, FP8, "dynamic")
+
+
+def test_padded_widths_are_whole_16_byte_rows():
+    assert [padded(n, torch.float32) for n in (10, 12, 18, 50)] == [12, 12, 20, 52]
+    assert [padded(n, torch.bfloat16) for n in (10, 12, 24, 88)] == [16, 16, 24, 88]
+    assert [padded(n, FP8) for n in (88, 176, 704, 235)] == [96, 176, 704, 240]
+
+
+@pytest.mark.parametrize("where,dtype,shape,kernel", [
+    (CPU, torch.float32, ExpertShape(2816, 704, torch.float32), GROUPED),
+    (CPU, torch.bfloat16, BF16_26B, GROUPED),
+    (H200, torch.bfloat16, BF16_26B, GROUPED),
+    (B200, torch.bfloat16, BF16_26B, GROUPED),
+    # float32 on CUDA: torch's kernel loops over groups with the offsets copied to the host
+    (H200, torch.float32, ExpertShape(2816, 704, torch.float32), PER_EXPERT),
+    # no-sync grouped kernels exist for compute capability 9.x and 10.x only
+    (A100, torch.bfloat16, BF16_26B, PER_EXPERT),
+    (RTX5090, torch.bfloat16, BF16_26B, PER_EXPERT),
+    # unpadded widths that miss 16-byte rows: 10 float32 columns (moe 20 at TP 2), 12 bfloat16 ones
+    (CPU, torch.float32, ExpertShape(48, 10, torch.float32), PER_EXPERT),
+    (H200, torch.bfloat16, ExpertShape(2816, 12, torch.bfloat16), PER_EXPERT),
+    (CPU, torch.float32, ExpertShape(50, 20, torch.float32), PER_EXPERT),
+    # FP8: one scaled grouped product on Hopper and Blackwell, with quantized bfloat16 activations
+    (H200, torch.bfloat16, FP8_26B, SCALED_GROUPED),
+    (H200, torch.bfloat16, replace(FP8_26B, activations="static"), SCALED_GROUPED),
+    (B200, torch.bfloat16, FP8_26B, SCALED_GROUPED),
+    (H200, torch.bfloat16, replace(FP8_26B, activations=None), PER_EXPERT),
+    (H200, torch.float32, FP8_26B, PER_EXPERT),
+    (L40, torch.bfloat16, FP8_26B, PER_EXPERT),
+    (CPU, torch.bfloat16, FP8_26B, PER_EXPERT),
+    (H200, torch.bfloat16, ExpertShape(2816, 88, FP8, "dynamic"), PER_EXPERT),  # 704 / 8 ranks, unpadded
+    (H200, torch.bfloat16, ExpertShape(2816, padded(88, FP8), FP8, "dynamic"), SCALED_GROUPED),
+])
+def test_expert_kernel(where, dtype, shape, kernel):
+    assert expert_kernel(where, dtype, shape, ALL_OPS)[0] == kernel
+
+
+def test_the_per_expert_loop_is_kept_only_where_the_grouped_op_is_missing():
+    no_scaled = replace(ALL_OPS, scaled_grouped_mm=False)
+    no_grouped = Ops(grouped_mm=False, scaled_grouped_mm=False, cpu_grouped_mm=())
+    assert expert_kernel(H200, torch.bfloat16, FP8_26B, no_scaled)[0] == PER_EXPERT
+    assert expert_kernel(H200, torch.bfloat16, BF16_26B, no_scaled)[0] == GROUPED
+    assert expert_kernel(H200, torch.bfloat16, BF16_26B, no_grouped)[0] == PER_EXPERT
+    assert expert_kernel(CPU, torch.float32, ExpertShape(64, 32, torch.float32), no_grouped)[0] == PER_EXPERT
+
+
+@pytest.mark.parametrize("where,dtype,shape,asked,modes", [
+    # (compile, cuda_graphs) asked -> (compile, cuda_graphs) run; compile None: the device's default
+    (CPU, torch.float32, ExpertShape(64, 32, torch.float32), (None, False), (False, False)),
+    (CPU, torch.float32, ExpertShape(64, 32, torch.float32), (True, False), (True, False)),
+    (H200, torch.bfloat16, BF16_26B, (None, True), (False, True)),  # graphs without compile by default
+    (H200, torch.bfloat16, BF16_26B, (True, True), (True, True)),
+    (H200, torch.bfloat16, BF16_26B, (False, True), (False, True)),
+    (H200, torch.bfloat16, FP8_26B, (False, True), (False, True)),
+    # a step whose experts read group sizes on the host is never captured nor compiled by default
+    (H200, torch.float32, ExpertShape(2816, 704, torch.float32), (None, True), (False, False)),
+    (A100, torch.bfloat16, BF16_26B, (None, True), (False, False)),
+    (L40, torch.bfloat16, FP8_26B, (False, True), (False, False)),
+    (CPU, torch.float32, ExpertShape(50, 20, torch.float32), (None, False), (False, False)),
+])
+def test_step_modes(where, dtype, shape, asked, modes):
+    plan = step_modes(where, static_kernel(expert_kernel(where, dtype, shape, ALL_OPS)[0]), *asked)
+    assert (plan.compile, plan.cuda_graphs) == modes, plan
+
+
+def test_compile_of_a_step_with_host_syncs_is_refused():
+    with pytest.raises(ValueError, match="static shapes"):
+        shape = ExpertShape(2816, 704, torch.float32)
+        step_modes(H200, static_kernel(expert_kernel(H200, torch.float32, shape, ALL_OPS)[0]), True, True)
+
+
+def _config(**changes) -> GemmaConfig:
+    """The 26B-A4B's own config (what its experts read)."""
+    return replace(load_config(BIG).arch, **changes)
+
+
+@pytest.mark.parametrize("capability,dtype,kernel", [((9, 0), torch.bfloat16, GROUPED), ((9, 0), torch.float32, PER_EXPERT),
+                                                     ((8, 0), torch.bfloat16, PER_EXPERT)])
+@pytest.mark.parametrize("ranks", [1, 8])
+def test_experts_on_a_fake_gpu_take_the_chosen_kernel(capability, dtype, kernel, ranks):
+    """The 26B-A4B experts (one rank's shard of 1 or 8) on a fake GPU: where the grouped kernel is
+    chosen the forward calls it with operands the CUDA kernel accepts and reads nothing on the host;
+    elsewhere the per-expert path reads the group sizes, which the fake device reports as a host sync."""
+    config = _config()
+    with fake_cuda(capability), GroupedCalls().watch() as calls:
+        experts = fake_module(lambda: Experts(config, fake_group(ranks), dtype))
+        x = torch.randn(512, config.hidden_size, dtype=dtype, device="cuda")
+        weights = torch.rand(512, 8, device="cuda")
+        index = torch.randint(0, 128, (512, 8), device="cuda")
+        assert experts.kernel(x) == kernel
+        if kernel == GROUPED:
+            out = experts(x, weights, index)
+            assert out.device.type == "cuda" and out.dtype == dtype and out.shape == x.shape
+            assert [a[1] for a in calls.grouped] == [(128, 2816, 2 * 704 // ranks), (128, 704 // ranks, 2816)]
+        else:
+            with pytest.raises(DataDependentOutputException):
+                experts(x, weights, index)
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_fp8_experts_are_one_scaled_grouped_product_on_hopper(activations, ranks):
+    """FP8 experts of the 26B-A4B on a fake H200: two torch._scaled_grouped_mm calls, whose operands
+    pass the CUDA kernel's checks (FP8 row-major activations and column-major weights, dimensions
+    divisible by 16, float32 row-wise scales, int32 offsets on the device), bfloat16 out, no host
+    read. At eight ranks the 88 columns of each expert are padded to 96."""
+    config = _config()
+    quant = Fp8Config("channel", activations, ("Linear",), ())
+    with fake_cuda((9, 0)), GroupedCalls().watch() as calls:
+        experts = fake_module(lambda: Fp8Experts(config, fake_group(ranks), quant))
+        x = torch.randn(512, config.hidden_size, dtype=torch.bfloat16, device="cuda")
+        out = experts(x, torch.rand(512, 8, device="cuda"), torch.randint(0, 128, (512, 8), device="cuda"))
+        assert out.dtype == torch.bfloat16 and out.shape == x.shape and out.is_cuda
+    width = padded(704 // ranks, FP8)
+    assert experts.local == width and (ranks < 8 or width == 96)
+    assert [c[1] for c in calls.scaled] == [(128, 2816, 2 * width), (128, width, 2816)]
+    assert not calls.grouped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_moe_combine_adds_what_index_add_adds_on_the_cpu(dtype):
+    """The fixed-order combine of each token's top-k expert outputs (no atomics on CUDA) gives the
+    bits of the index_add_ it replaced, on the CPU, where that op adds in a fixed order too."""
+    g = torch.Generator().manual_seed(0)
+    n, k, experts, hidden = 300, 8, 128, 96
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+    order = index.reshape(-1).argsort(stable=True)
+    y = (torch.randn(n * k, hidden, generator=g) * 3).to(dtype)
+    want = torch.zeros(n, hidden, dtype=dtype).index_add_(0, order // k, y)
+    assert torch.equal(combine_top_k(y, order, n, k), want)
