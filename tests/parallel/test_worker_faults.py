@@ -1,4 +1,4 @@
-"""Issue 18's finding 8: a lost tensor-parallel worker (killed, or stopped) under load or while idle.
+"""A lost tensor-parallel worker (killed, or stopped) under load or while idle.
 The server notices within the worker timeout, ends the requests that were running with a 503 that
 names no PID, restarts its workers and serves again, all in the same process; if the workers cannot
 be restarted, it exits non-zero. A real server with TP=2 on gloo."""

@@ -1,4 +1,4 @@
-"""`blockdiff serve --data-parallel-size 2` on the demo model (issue 30): two engine-core processes
+"""`blockdiff serve --data-parallel-size 2` on the demo model: two engine-core processes
 behind one front end, served to the official openai client. Which replica served a request is read
 from /metrics, where vLLM's families are labelled by `engine`. One server is shared by the module;
 the test that kills a replica runs last."""

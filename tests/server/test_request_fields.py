@@ -1,4 +1,4 @@
-"""vLLM's and OpenAI's request fields (issue 36, finding 3), sent as a vLLM user's scripts send
+"""vLLM's and OpenAI's request fields, sent as a vLLM user's scripts send
 them, through the official openai client's extra_body, to the real server on the demo checkpoint:
 every field is accepted, the ones that mean something here do what vLLM documents, unknown fields
 are ignored with a warning (or refused with --strict-request-fields)."""
@@ -15,7 +15,7 @@ from server_process import serve
 SORT = [{"role": "user", "content": "sort: 3 1 2"}]
 # The demo tokenizer's ids of "1", "2", "3", " " and EOS: every token of the sorted reply.
 REPLY_TOKENS = [7, 8, 9, 100, 1]
-# Every field of the finding at a value a vLLM or OpenAI client sends (the vocabulary restrictions
+# Every vLLM and OpenAI field at a value a vLLM or OpenAI client sends (the vocabulary restrictions
 # and prompt_logprobs at values that mean something, which leave the reply as it is).
 FIELDS = {
     "include_stop_str_in_output": False, "add_generation_prompt": True, "continue_final_message": False,

@@ -54,7 +54,7 @@ def test_invalid_sampler_flags_fail_startup(tiny):
 
 def test_a_failed_step_fails_its_request_and_serving_goes_on(tiny, monkeypatch):
     """In-process (no subprocess can make a real step fail): a step that raises ends its request with
-    500 request_failed; /health stays 200 and the next request is served (issue 18, item 2)."""
+    500 request_failed; /health stays 200 and the next request is served."""
     engine = LLMEngine(EngineConfig(tiny, max_model_len=64))
     stepping = threading.Event()
     real = engine.executor.execute

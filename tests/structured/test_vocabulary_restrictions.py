@@ -1,7 +1,7 @@
 """vLLM's vocabulary restrictions offline (blockdiff/structured/restrictions.py): allowed_token_ids
 and bad_words as token automata, committed by the constrained commit, through LLM and
 SamplingParams on the demo checkpoint; their automata against a brute-force check. The server's
-side is in tests/test_request_fields.py."""
+side is in tests/server/test_request_fields.py."""
 
 from __future__ import annotations
 
