@@ -36,12 +36,12 @@ SITECUSTOMIZE = textwrap.dedent('''
         return wrapper
 
     if os.environ.get("BLOCKDIFF_TEST_CALLS"):
-        from blockdiff.engine.images import ImageIntake
+        from blockdiff.engine.multimodal import MultiModalIntake
         from blockdiff.engine.input_processor import InputProcessor
 
         InputProcessor.resolve = _counted("resolve", InputProcessor.resolve)
         # Expanding placeholders for images; without any, expand only checks that the prompt has none.
-        ImageIntake.expand = _counted("expand", ImageIntake.expand, lambda intake, ids, images: bool(images))
+        MultiModalIntake.expand = _counted("expand", MultiModalIntake.expand, lambda intake, ids, items: bool(items))
 ''')
 
 

@@ -10,17 +10,17 @@ import copy
 import json
 from dataclasses import fields, replace
 
-from blockdiff.chat_parts import IMAGE_PART_TYPES, template_content
+from blockdiff.chat_parts import PART_MODALITY, template_content
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.engine.client import EngineClient
-from blockdiff.engine.images import PromptImages
+from blockdiff.engine.multimodal import PromptInputs
 from blockdiff.entrypoints.openai import limits, protocol as p
 from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
-from blockdiff.entrypoints.openai.media import ChatImages
+from blockdiff.entrypoints.openai.media import ChatMedia
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
 from blockdiff.entrypoints.openai.structured import constraint_field
-from blockdiff.image import ImageError
+from blockdiff.multimodal import MediaError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -45,9 +45,9 @@ def request_names(req: p._GenerationRequest) -> dict[str, str]:
     return names
 
 
-def prompt_length(prompt: list[int] | PromptImages) -> int:
+def prompt_length(prompt: list[int] | PromptInputs) -> int:
     """Tokens of an engine prompt, each image counting its expanded placeholder."""
-    return len(prompt.token_ids if isinstance(prompt, PromptImages) else prompt)
+    return len(prompt.token_ids if isinstance(prompt, PromptInputs) else prompt)
 
 
 def check_choices(prompts: int, n: int) -> None:
@@ -120,15 +120,15 @@ def check_common(req: p._GenerationRequest) -> int:
 class Preprocessor:
     """API requests -> engine requests, for every endpoint of one server."""
 
-    def __init__(self, engine: EngineClient, pool: WorkPool, images: ChatImages, max_request_cost: int | None,
+    def __init__(self, engine: EngineClient, pool: WorkPool, media: ChatMedia, max_request_cost: int | None,
                  max_response_bytes: int, default_chat_template_kwargs: dict | None = None):
         """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
         self.engine = engine
         self.max_response_bytes = max_response_bytes
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
-        # (preprocess.py), its images in `images` (media.py).
+        # (preprocess.py), its images and videos in `media` (media.py).
         self.pool = pool
-        self.images = images
+        self.media = media
         self.limits = engine.limits
         self.tokenizer = engine.tokenizer
         self.sampler_extensions = p.sampler_extensions(engine.sampler.fields)  # what the bodies add
@@ -245,23 +245,23 @@ class Preprocessor:
                            param="chat_template_kwargs")
         return kwargs
 
-    # ---- images in chat messages (docs/images.md) -----------------------------------------------
+    # ---- images and videos in chat messages (docs/images.md, docs/video.md) ---------------------
     async def chat_images(self, messages: list[p.ChatMessage], client: str) -> list:
-        """The images of the messages' image_url parts, fetched, decoded and preprocessed off the
-        event loop (media.py); a bad one is a 400 naming it."""
-        if not any(isinstance(m.content, list) and any(part.type in IMAGE_PART_TYPES for part in m.content) for m in messages):
+        """The items of the messages' image_url and video_url parts, fetched, decoded and
+        preprocessed off the event loop (media.py); a bad one is a 400 naming it."""
+        if not any(isinstance(m.content, list) and any(part.type in PART_MODALITY for part in m.content) for m in messages):
             return []
-        return await self.images.load([m.model_dump(exclude_none=True) for m in messages], client)
+        return await self.media.load([m.model_dump(exclude_none=True) for m in messages], client)
 
-    def with_images(self, ids: list[int], images: list) -> tuple[list[int] | PromptImages, list[list[int]]]:
-        """-> (the engine's prompt: with images, their placeholders expanded, here and only here; the
-        prompt ids that usage counts)."""
-        if not images:
+    def with_images(self, ids: list[int], items: list) -> tuple[list[int] | PromptInputs, list[list[int]]]:
+        """-> (the engine's prompt: with images or videos, their placeholders expanded, here and only
+        here; the prompt ids that usage counts)."""
+        if not items:
             return ids, [ids]
         try:
-            expanded = self.engine.images.expand(ids, images)
-        except ImageError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_image") from None
+            expanded = self.engine.mm.expand(ids, items)
+        except MediaError as e:
+            raise APIError(400, str(e), param="messages", code=e.code) from None
         return expanded, [expanded.token_ids]
 
     # ---- sampling parameters: resolved once, priced ----------------------------------------------
