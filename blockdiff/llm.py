@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 
 from blockdiff.config import EngineConfig
 from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_media
@@ -120,10 +121,12 @@ class LLM:
             rendered, media = split_chat_media(conversation, self._fetch)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
                                                       **(chat_template_kwargs or {}))
-            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+            encode = partial(self.tokenizer.encode, add_special_tokens=False)  # the template writes any BOS itself
+            ids = encode(text)
             contents = "".join(m["content"] for m in rendered if isinstance(m.get("content"), str))
             self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)
-            prompts.append({"prompt_token_ids": ids, "multi_modal_data": media} if media else ids)
+            # images and videos expanded in the text, as transformers' processor does (engine/multimodal.py)
+            prompts.append(self._mm.expand_text(text, self._mm.load(media), encode) if media else ids)
             texts.append(text)
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         for out, text in zip(outputs, texts):

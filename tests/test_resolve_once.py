@@ -42,6 +42,8 @@ SITECUSTOMIZE = textwrap.dedent('''
         InputProcessor.resolve = _counted("resolve", InputProcessor.resolve)
         # Expanding placeholders for images; without any, expand only checks that the prompt has none.
         MultiModalIntake.expand = _counted("expand", MultiModalIntake.expand, lambda intake, ids, items: bool(items))
+        MultiModalIntake.expand_text = _counted("expand", MultiModalIntake.expand_text,
+                                                lambda intake, text, items, encode: bool(items))
 ''')
 
 

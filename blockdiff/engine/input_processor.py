@@ -127,7 +127,9 @@ class InputProcessor:
             raise InvalidParam("prompt", "prompt is empty")
         if self.mm is None:
             return text, ids, None
-        mm = self.mm.expand(ids, self.mm.load(media))
+        items = self.mm.load(media)
+        # a text prompt is expanded as text (a video's timestamps tokenize with the text around them)
+        mm = self.mm.expand_text(text, items, self.tokenizer.encode) if text is not None and items else self.mm.expand(ids, items)
         return text, mm.token_ids, mm
 
     def _constraint(self, params: SamplingParams, stops: set[int]) -> OutputConstraint | None:

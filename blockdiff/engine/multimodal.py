@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from blockdiff.config import EngineConfig, ModelConfig
 from blockdiff.model.registry import architecture_of
-from blockdiff.multimodal import MediaError, MultiModalItem, Placeholder, Processor, expand_placeholders
+from blockdiff.multimodal import MediaError, MultiModalItem, Placeholder, Processor, expand_placeholders, expand_text
 
 MODALITIES = ("image", "video")  # what vLLM's multi_modal_data and --limit-mm-per-prompt name
 
@@ -23,13 +23,16 @@ class PromptInputs:
 
 
 class MultiModalIntake:
-    def __init__(self, processors: dict[str, Processor | str]):
-        """processors: per modality its processor, or what the checkpoint lacks to take it."""
+    def __init__(self, processors: dict[str, Processor | str], token_text=None):
+        """processors: per modality its processor, or what the checkpoint lacks to take it.
+        token_text: token id -> its text (the tokenizer's), for text prompts."""
         self.processors = processors
+        self.token_text = token_text
 
     @classmethod
     def from_pretrained(cls, cfg: EngineConfig, config: ModelConfig, tokenizer) -> "MultiModalIntake":
-        return cls({m: make(cfg, config, tokenizer) for m, make in architecture_of(config).processors.items()})
+        return cls({m: make(cfg, config, tokenizer) for m, make in architecture_of(config).processors.items()},
+                   tokenizer.id_to_token if tokenizer is not None else None)
 
     def processor(self, modality: str) -> Processor | None:
         p = self.processors.get(modality)
@@ -59,6 +62,15 @@ class MultiModalIntake:
     def expand(self, ids: list[int], items: list[MultiModalItem]) -> PromptInputs:
         ids, placeholders = expand_placeholders(ids, items, self.placeholders)
         return PromptInputs(ids, items, placeholders)
+
+    def expand_text(self, text: str, items: list[MultiModalItem], encode) -> PromptInputs:
+        """A text prompt expanded as transformers' processor expands it: as text, then tokenized by
+        `encode`; by its ids where the items have no text (no tokenizer)."""
+        if self.token_text is None or any(item.text is None for item in items):
+            return self.expand(encode(text), items)
+        placeholders = {m: (self.token_text(t), t) for m, t in self.placeholders.items()}
+        ids, runs = expand_text(text, items, placeholders, encode)
+        return PromptInputs(ids, items, runs)
 
     def keyed(self, prompt: PromptInputs) -> list:
         """The prompt's ids with each item's soft tokens keyed by its digest, as the engine keys them."""

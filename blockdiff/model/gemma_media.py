@@ -19,7 +19,8 @@ def image_input(cfg: EngineConfig, config: ModelConfig, tokenizer) -> ImageInput
     if processor is None:
         return "no preprocessor_config.json"
     limits = ImageLimits(cfg.max_image_bytes, cfg.max_image_pixels, cfg.max_image_decoded_bytes)
-    return ImageInput(processor, limits, cfg.limit_images_per_prompt, v.image_token_id, v.boi_token_id, v.eoi_token_id)
+    return ImageInput(processor, limits, cfg.limit_images_per_prompt, v.image_token_id, v.boi_token_id, v.eoi_token_id,
+                      tokenizer.id_to_token if tokenizer is not None else None)
 
 
 def video_input(cfg: EngineConfig, config: ModelConfig, tokenizer) -> VideoInput | str:
@@ -36,5 +37,5 @@ def video_input(cfg: EngineConfig, config: ModelConfig, tokenizer) -> VideoInput
         return "no video_preprocessor_config.json"
     limits = VideoLimits(cfg.max_video_bytes, cfg.max_video_frames, cfg.max_image_pixels, cfg.max_video_decoded_bytes)
     return VideoInput(processor, limits, cfg.limit_videos_per_prompt, token, v.boi_token_id, v.eoi_token_id,
-                      lambda text: tokenizer.encode(text, add_special_tokens=False))
+                      lambda text: tokenizer.encode(text, add_special_tokens=False), tokenizer.id_to_token)
 

@@ -12,6 +12,7 @@ runs a step prefills. Which processors a checkpoint has is its architecture's (m
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +33,10 @@ class MultiModalItem:
     tokens: tuple[int, ...]  # what its placeholder token becomes in the prompt
     runs: tuple[tuple[int, int], ...]  # [start, end) of each run's soft tokens within `tokens`
     digest: bytes  # of its pixels and positions: equal items share prefix-cache blocks
+    # `tokens` as text, what transformers' processor puts in place of the placeholder before it
+    # tokenizes: a text prompt is expanded with it, since the text around a placeholder (a video
+    # frame's timestamp) tokenizes with its neighbours. None without a tokenizer.
+    text: str | None = None
 
     @property
     def soft_tokens(self) -> int:
@@ -74,15 +79,51 @@ def pixel_digest(*arrays: torch.Tensor) -> bytes:
     return h.digest()
 
 
+def _queues(items: list[MultiModalItem], counts: dict[str, int]) -> dict[str, list[MultiModalItem]]:
+    """The items of each modality in order, checked against the placeholders the prompt holds."""
+    queues = {m: [it for it in items if it.modality == m] for m in counts}
+    for m, found in counts.items():
+        if found != len(queues[m]):
+            raise MediaError(f"the prompt has {found} {m} placeholders for {len(queues[m])} {m}s")
+    return queues
+
+
+def expand_text(text: str, items: list[MultiModalItem], placeholders: dict[str, tuple[str, int]],
+                encode) -> tuple[list[int], list[Placeholder]]:
+    """As transformers' processors expand a text prompt: each placeholder (`placeholders`: modality ->
+    (its text, its token id)) replaced by its item's text, then the whole tokenized (`encode`); the
+    runs are found among the ids, where each item's placeholder tokens now are."""
+    queues = _queues(items, {m: text.count(t) for m, (t, _) in placeholders.items()})
+    if not placeholders:
+        return encode(text), []
+    modality_of = {t: m for m, (t, _) in placeholders.items()}
+    order: list[MultiModalItem] = []  # the items in the text's order
+    taken = dict.fromkeys(placeholders, 0)
+
+    def swap(match: re.Match) -> str:
+        m = modality_of[match.group()]
+        order.append(queues[m][taken[m]])
+        taken[m] += 1
+        return order[-1].text
+
+    ids = encode(re.sub("|".join(map(re.escape, modality_of)), swap, text))
+    runs, pos = [], 0
+    for item in order:
+        token = placeholders[item.modality][1]
+        for r, (a, b) in enumerate(item.runs):
+            start = ids.index(token, pos) if token in ids[pos:] else -1
+            if start < 0 or ids[start:start + b - a] != [token] * (b - a):
+                raise MediaError(f"the prompt's {item.modality} tokens do not come where its text put them")
+            runs.append(Placeholder(item, r, start, start + b - a))
+            pos = start + b - a
+    return ids, runs
+
+
 def expand_placeholders(ids: list[int], items: list[MultiModalItem],
                         placeholders: dict[str, int]) -> tuple[list[int], list[Placeholder]]:
     """Each placeholder token of a rendered prompt -> its item's tokens, the items of each modality
     in the order given (`placeholders`: modality -> its placeholder token id). -> (ids, the runs)."""
-    queues = {m: [it for it in items if it.modality == m] for m in placeholders}
-    for m, token in placeholders.items():
-        found = ids.count(token)
-        if found != len(queues[m]):
-            raise MediaError(f"the prompt has {found} {m} placeholders for {len(queues[m])} {m}s")
+    queues = _queues(items, {m: ids.count(token) for m, token in placeholders.items()})
     modality_of = {token: m for m, token in placeholders.items()}
     taken = {m: 0 for m in placeholders}
     out: list[int] = []

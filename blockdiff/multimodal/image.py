@@ -225,6 +225,7 @@ class ImageInput:
     placeholder: int  # the image token
     boi: int | None
     eoi: int | None
+    token_text: object = None  # token id -> its text (the tokenizer's), for text prompts; None without one
     modality = "image"
 
     @property
@@ -241,5 +242,6 @@ class ImageInput:
         head = [] if self.boi is None else [self.boi]
         tail = [] if self.eoi is None else [self.eoi]
         tokens = tuple(head + [self.placeholder] * n + tail)
+        text = "".join(map(self.token_text, tokens)) if self.token_text else None
         return MultiModalItem("image", (image.pixel_values,), (image.position_ids,), tokens,
-                              ((len(head), len(head) + n),), image.digest)
+                              ((len(head), len(head) + n),), image.digest, text)

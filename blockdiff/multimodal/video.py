@@ -194,6 +194,7 @@ class VideoInput:
     boi: int
     eoi: int
     encode_text: object  # str -> token ids, without special tokens (the timestamps)
+    token_text: object  # token id -> its text
     modality = "video"
 
     @property
@@ -225,6 +226,11 @@ class VideoInput:
     def item(self, video: DecodedVideo) -> MultiModalItem:
         patches, positions = self.processor(video.frames)
         n = patches.shape[1] // self.processor.pooling_kernel_size**2
+        boi, soft, eoi = map(self.token_text, (self.boi, self.placeholder, self.eoi))
+        # Gemma4Processor.replace_video_token: "MM:SS <boi><video>...<eoi>" per frame, joined by spaces
+        text = " ".join(f"{int(s // 60):02d}:{int(s % 60):02d} {boi}{soft * n}{eoi}" for s in video.timestamps)
+        # For a prompt of token ids: each frame's text tokenized alone (a text prompt is expanded as
+        # text, MultiModalItem.text, where the first timestamp tokenizes with what precedes it)
         tokens: list[int] = []
         runs = []
         for i, seconds in enumerate(video.timestamps):
@@ -234,4 +240,4 @@ class VideoInput:
             tokens += [self.placeholder] * n + [self.eoi]
         frames = tuple(patches.unbind(0))
         return MultiModalItem("video", frames, (positions,) * len(frames), tuple(tokens), tuple(runs),
-                              pixel_digest(patches, positions))
+                              pixel_digest(patches, positions), text)

@@ -194,9 +194,11 @@ class Preprocessor:
     def chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True,
                     tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None,
                     continue_final_message: bool = False, documents: list[dict] | None = None,
-                    template: str | None = None, add_special_tokens: bool = False) -> list[int]:
+                    template: str | None = None, add_special_tokens: bool = False,
+                    items: list | None = None) -> list[int] | PromptInputs:
         """The conversation's prompt ids. add_special_tokens: a BOS before what the template writes
-        (vLLM's field; the template writes its own)."""
+        (vLLM's field; the template writes its own). items: its images and videos (chat_images),
+        whose placeholders are expanded in the rendered text, as transformers' processor does."""
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
@@ -206,17 +208,24 @@ class Preprocessor:
         limits.check_template_text(rendered, tools, kwargs, self.max_prompt_chars, self.limits.max_model_len,
                                    self.tokenizer.max_token_chars)
         _decode_arguments(rendered)
+        tok = self.tokenizer
+        bos = add_special_tokens and tok.add_bos
         try:
-            ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             guard=check_deadline, max_chars=self.max_prompt_chars,
-                                             continue_final_message=continue_final_message, documents=documents,
-                                             template=template, **kwargs)
+            text = tok.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
+                                           guard=check_deadline, max_chars=self.max_prompt_chars,
+                                           continue_final_message=continue_final_message, documents=documents,
+                                           template=template, **kwargs)
+            if items:
+                try:
+                    return self.engine.mm.expand_text(text, items, lambda t: tok.encode(t, add_special_tokens=bos))
+                except MediaError as e:
+                    raise APIError(400, str(e), param="messages", code=e.code) from None
+            ids = tok.encode(text, add_special_tokens=False)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
-        self.tokenizer.warn_unknown(f"request {request_id}", contents, ids)
-        tok = self.tokenizer
-        if add_special_tokens and tok.add_bos and ids[:1] != [tok.bos_token_id]:
+        tok.warn_unknown(f"request {request_id}", contents, ids)
+        if bos and ids[:1] != [tok.bos_token_id]:
             ids = [tok.bos_token_id, *ids]
         return ids
 
@@ -252,17 +261,6 @@ class Preprocessor:
         if not any(isinstance(m.content, list) and any(part.type in PART_MODALITY for part in m.content) for m in messages):
             return []
         return await self.media.load([m.model_dump(exclude_none=True) for m in messages], client)
-
-    def with_images(self, ids: list[int], items: list) -> tuple[list[int] | PromptInputs, list[list[int]]]:
-        """-> (the engine's prompt: with images or videos, their placeholders expanded, here and only
-        here; the prompt ids that usage counts)."""
-        if not items:
-            return ids, [ids]
-        try:
-            expanded = self.engine.mm.expand(ids, items)
-        except MediaError as e:
-            raise APIError(400, str(e), param="messages", code=e.code) from None
-        return expanded, [expanded.token_ids]
 
     # ---- sampling parameters: resolved once, priced ----------------------------------------------
     def engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
