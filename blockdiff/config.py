@@ -368,9 +368,10 @@ class EngineConfig:
     # directory whose files file:// URLs may name. Both off by default.
     max_video_bytes: int = flag(64 * 1024 * 1024, "largest encoded video in bytes, e.g. 64MiB", parse="size",
                                 group=_IMAGES)
-    # Frames in the container (from its header, before decoding): all of them are decoded up to the
-    # last one sampled, so they bound the decoding work
-    max_video_frames: int = flag(3600, "most frames a video may hold, from its header", minimum=1, group=_IMAGES)
+    # frames x width x height of a video, from its header before decoding: every frame up to the last
+    # one sampled is decoded, so this bounds the decoding work (1,000 frames of 1080p; 4K is 8.3 G)
+    max_video_pixels: int = flag(2**31, "largest frames x width x height of a video, checked from its header "
+                                        "before decoding", minimum=1, group=_IMAGES)
     # The sampled frames decoded, 3 bytes a pixel, from the header before decoding
     max_video_decoded_bytes: int = flag(256 * 1024 * 1024, "largest video's sampled frames decoded, at 3 bytes a pixel, "
                                                            "checked from its header before decoding, e.g. 256MiB",
@@ -396,7 +397,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
                      "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
-                     "max_image_decoded_bytes", "max_video_bytes", "max_video_frames", "max_video_decoded_bytes",
+                     "max_image_decoded_bytes", "max_video_bytes", "max_video_pixels", "max_video_decoded_bytes",
                      "structured_outputs_memory", "structured_outputs_builds",
                      "num_layers_override", "canvas_length", "num_scheduler_steps"):
             value = getattr(self, name)

@@ -35,7 +35,7 @@ def video_input(cfg: EngineConfig, config: ModelConfig, tokenizer) -> VideoInput
     processor = VideoProcessor.from_pretrained(cfg.model)
     if processor is None:
         return "no video_preprocessor_config.json"
-    limits = VideoLimits(cfg.max_video_bytes, cfg.max_video_frames, cfg.max_image_pixels, cfg.max_video_decoded_bytes)
+    limits = VideoLimits(cfg.max_video_bytes, cfg.max_video_pixels, cfg.max_image_pixels, cfg.max_video_decoded_bytes)
     return VideoInput(processor, limits, cfg.limit_videos_per_prompt, token, v.boi_token_id, v.eoi_token_id,
                       lambda text: tokenizer.encode(text, add_special_tokens=False), tokenizer.id_to_token)
 

@@ -8,8 +8,8 @@ patches; the video placeholder becomes, per frame, its timestamp "MM:SS", a spac
 token per soft token, <eoi>, the frames joined by spaces. Each frame is one run of soft tokens that
 the vision tower encodes as an image.
 
-Bounds: the container's header is read first (its size, its frame count, the sampled frames' size
-once decoded) and checked against the limits before any frame is decoded; frames are decoded one
+Bounds: the container's header is read first (a frame's size, the frame count: the pixels to decode,
+and the sampled frames' size once decoded) and checked against the limits before any frame is decoded; frames are decoded one
 after another up to the last sampled one, and only the sampled ones are kept.
 """
 
@@ -37,7 +37,7 @@ class VideoError(MediaError):
 @dataclass(frozen=True)
 class VideoLimits:
     max_bytes: int  # of an encoded video
-    max_frames: int  # in the container, all of which are decoded up to the last one sampled
+    max_pixels: int  # frames x width x height: every frame up to the last one sampled is decoded
     max_frame_pixels: int  # width x height of one frame
     max_decoded_bytes: int  # the sampled frames decoded: frames x width x height x 3
 
@@ -83,11 +83,12 @@ def decode_video(data: bytes, limits: VideoLimits, num_frames: int, what: str = 
         if w < 1 or h < 1 or total < 1 or fps <= 0:
             raise VideoError(f"{what}: its header gives no frame size, frame count or frame rate ({w}x{h}, {total} frames, "
                              f"{fps:g} fps)")
-        if total > limits.max_frames:
-            raise VideoError(f"{what} has {total} frames, above the limit of {limits.max_frames} (--max-video-frames)")
         if w * h > limits.max_frame_pixels:
             raise VideoError(f"{what} has {w}x{h} = {w * h} pixels a frame, above the limit of {limits.max_frame_pixels} "
                              "(--max-image-pixels)")
+        if total * w * h > limits.max_pixels:
+            raise VideoError(f"{what} ({total} frames of {w}x{h}) is {total * w * h} pixels to decode, above the limit of "
+                             f"{limits.max_pixels} (--max-video-pixels); send it shorter or smaller")
         indices = sample_indices(total, num_frames)
         decoded = len(indices) * w * h * 3
         if decoded > limits.max_decoded_bytes:
