@@ -2,7 +2,7 @@
 counted in the real server's processes (the front end and, with -dp 2, its replicas).
 
 The count comes from a sitecustomize.py that this test puts on the server's PYTHONPATH: it wraps
-`InputProcessor.resolve` and `ImageIntake.expand` in every process the server starts and appends one
+`InputProcessor.resolve` and `MultiModalIntake.expand` in every process the server starts and appends one
 line per call to a file. The product code has no hook for it."""
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
             yield
         finally:
             await engine.stop()
-            for p in (pool, images.decode, images.fetch):
+            for p in (pool, media.decode, media.fetch):
                 p.shutdown()
 
     # The generation bodies take the fields of the model's sampler (protocol.request_types).
