@@ -224,3 +224,45 @@ def test_cli_generate_takes_videos(mm, case, capsys):
     assert main([*common, "--chat", "What happens?"]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert out["prompt_token_ids"].count(VIDEO) == 3 * 70 and len(out["outputs"][0]["token_ids"]) == 8
+
+
+def test_decoded_frames_are_sampled_and_placed_as_transformers_does(mm, case):
+    """Frames given as an array, without a rate: transformers' processor takes 24 fps."""
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+    frames = np.stack([f.to_ndarray(format="rgb24") for f in av.open(str(case.path)).decode(video=0)])
+    out = hf_video_processor(mm)([frames], return_tensors="pt", return_metadata=True)
+    tokens = SimpleNamespace(boi_token="<start_of_image>", eoi_token="<end_of_image>", video_token="<|video|>")
+    with LLM(mm) as llm:
+        [item] = llm.engine.inputs.mm.load({"video": [frames]})
+    assert item.text == Gemma4Processor.replace_video_token(tokens, out, 0)
+    assert all(torch.equal(p, out["pixel_values_videos"][i]) for i, p in enumerate(item.pixel_values))
+
+
+def test_a_video_that_needs_resizing_gets_the_processors_size(mm, tmp_path):
+    """Frames of 20 x 31 are resized (torchvision's arithmetic, not checked against it here) to the
+    size transformers computes, with its soft-token count."""
+    hf_video_processor(mm)  # the module, importable
+    from transformers.models.gemma4.video_processing_gemma4 import get_aspect_ratio_preserving_size
+
+    frames = np.random.RandomState(0).randint(0, 256, (4, 20, 31, 3), dtype=np.uint8)
+    th, tw = get_aspect_ratio_preserving_size(20, 31, patch_size=2, max_patches=630, pooling_kernel_size=3)
+    with LLM(mm) as llm:
+        [item] = llm.engine.inputs.mm.load({"video": [frames]})
+    assert [p.shape for p in item.pixel_values] == [(th * tw // 4, 12)] * 3
+    assert item.runs[0][1] - item.runs[0][0] == th * tw // 4 // 9
+
+
+def test_images_and_videos_in_one_prompt(mm, case):
+    from PIL import Image
+
+    from blockdiff.model.tiny import BOI, EOI
+
+    picture = Image.fromarray(np.random.RandomState(1).randint(0, 256, (30, 20, 3), dtype=np.uint8))
+    prompt = {"prompt": "A <image_soft_token> then <|video|>.",
+              "multi_modal_data": {"video": str(case.path), "image": picture}}
+    with LLM(mm) as llm:
+        [out] = llm.generate(prompt, SamplingParams(max_tokens=8), use_tqdm=False)
+    ids = out.prompt_token_ids
+    assert ids.count(BOI) == ids.count(EOI) == 4 and ids.count(VIDEO) == 3 * 70
+    assert ids.index(IMAGE) < ids.index(VIDEO)  # each placeholder gets its own modality's item
