@@ -88,7 +88,8 @@ class LLMEngine:
             tuple(eos),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
             # Replicas draw different seeds for the requests that bring none.
-            cache.num_blocks * cache.block_size, cfg.seed + cfg.replica, MultiModalIntake.from_pretrained(cfg, self.model_config, self.tokenizer),
+            cache.num_blocks * cache.block_size, cfg.seed + cfg.replica,
+            MultiModalIntake.from_pretrained(cfg, self.model_config, self.tokenizer),
             self.structured,
         )
         self.requests: dict[str, Request] = {}

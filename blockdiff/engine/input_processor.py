@@ -84,7 +84,8 @@ class InputProcessor:
             raise InvalidParam("min_tokens", f"min_tokens ({params.min_tokens}) must be at most max_tokens "
                                              f"({params.max_tokens})")
         if params.prompt_logprobs is not None and mm is not None and mm.items:
-            raise InvalidParam("prompt_logprobs", f"prompt_logprobs: a prompt with {mm.items[0].modality}s cannot be scored")
+            raise InvalidParam("prompt_logprobs",
+                               f"prompt_logprobs: a prompt with {mm.items[0].modality}s cannot be scored")
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
                                         params.skip_special_tokens, params.min_tokens, params.include_stop_str_in_output)
         constraint = self._constraint(params, stops)
@@ -129,7 +130,10 @@ class InputProcessor:
             return text, ids, None
         items = self.mm.load(media)
         # a text prompt is expanded as text (a video's timestamps tokenize with the text around them)
-        mm = self.mm.expand_text(text, items, self.tokenizer.encode) if text is not None and items else self.mm.expand(ids, items)
+        if text is not None and items:
+            mm = self.mm.expand_text(text, items, self.tokenizer.encode)
+        else:
+            mm = self.mm.expand(ids, items)
         return text, mm.token_ids, mm
 
     def _constraint(self, params: SamplingParams, stops: set[int]) -> OutputConstraint | None:

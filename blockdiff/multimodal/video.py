@@ -8,9 +8,10 @@ patches; the video placeholder becomes, per frame, its timestamp "MM:SS", a spac
 token per soft token, <eoi>, the frames joined by spaces. Each frame is one run of soft tokens that
 the vision tower encodes as an image.
 
-Bounds: the container's header is read first (a frame's size, the frame count: the pixels to decode,
-and the sampled frames' size once decoded) and checked against the limits before any frame is decoded; frames are decoded one
-after another up to the last sampled one, and only the sampled ones are kept.
+Bounds: the container's header is read first (a frame's size, the frame count: the pixels to
+decode, and the sampled frames' size once decoded) and checked against the limits before any frame
+is decoded; frames are decoded one after another up to the last sampled one, and only the sampled
+ones are kept.
 """
 
 from __future__ import annotations
