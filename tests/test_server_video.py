@@ -118,3 +118,15 @@ def test_a_4k_video_of_1000_frames_is_refused_from_its_header(server):
                 "(--max-video-pixels)") in error["message"]
     probe.check()
     assert probe.worst < 1.0
+
+
+def test_a_long_video_under_the_bounds_is_decoded_in_the_pool_while_health_answers(server):
+    """900 frames of 1080p (1.9 G pixels, under --max-video-pixels): every frame up to the last one
+    sampled is decoded, in the decode pool, while /health keeps answering."""
+    long = claimed_video(1920, 1080, 900)
+    with HealthProbe(server) as probe:
+        responses = _concurrently(server, _messages(_video_part(_data_url(long, "video/mp4"))), 2)
+    print(f"1080p x 900: {[r.status_code for r in responses]}, {probe}")
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    probe.check()
+    assert probe.worst < 1.0
