@@ -130,16 +130,16 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
         vllm.add_argument(*flags, action=_Refused, reason=reason, default=argparse.SUPPRESS)
 
 
-def limit_mm(text: str) -> int:
-    """argparse type of --limit-mm-per-prompt: vLLM's JSON '{"image": N}' -> N."""
+def limit_mm(text: str) -> dict:
+    """argparse type of --limit-mm-per-prompt: vLLM's JSON '{"image": N, "video": M}'."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         value = None
-    if not isinstance(value, dict) or set(value) - {"image"} or not all(
+    if not isinstance(value, dict) or set(value) - {"image", "video"} or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()):
-        raise argparse.ArgumentTypeError(f'expected JSON like \'{{"image": 2}}\' (images only), got {text!r}')
-    return value.get("image", EngineConfig.limit_images_per_prompt)
+        raise argparse.ArgumentTypeError(f'expected JSON like \'{{"image": 2, "video": 1}}\' (images and videos), got {text!r}')
+    return value
 
 
 def sampler_name(text: str) -> str:
@@ -156,7 +156,7 @@ def kv_events_config(text: str) -> KVEventsConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-_PARSERS = {"kv_events": kv_events_config, "sampler": sampler_name, "size": parse_size, "positive": positive_float, "seconds": positive_seconds, "device": device, "images": limit_mm}
+_PARSERS = {"kv_events": kv_events_config, "sampler": sampler_name, "size": parse_size, "positive": positive_float, "seconds": positive_seconds, "device": device, "mm_limits": limit_mm}
 
 
 def _flag_kind(f: dataclasses.Field, spec) -> dict:

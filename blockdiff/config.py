@@ -357,9 +357,13 @@ class EngineConfig:
     # Sampler defaults over the checkpoint's generation_config.json (the server's sampler flags),
     # as fields of the sampler's table.
     sampling_defaults: dict = field(default_factory=dict)
-    # Images one prompt may hold (vLLM's --limit-mm-per-prompt '{"image": N}'); 0 takes none.
-    limit_images_per_prompt: int = flag(4, 'images one prompt may hold, as JSON: \'{"image": N}\'',
-                                        names=("--limit-mm-per-prompt",), parse="images", group=_IMAGES)
+    # Inputs one prompt may hold per modality, vLLM's --limit-mm-per-prompt '{"image": N, "video": M}':
+    # the flag sets the two fields below (__post_init__); 0 takes none.
+    limit_mm_per_prompt: dict | None = flag(None, 'images and videos one prompt may hold, as JSON: \'{"image": N, '
+                                                  '"video": M}\' (default 4 images, 1 video)',
+                                            parse="mm_limits", group=_IMAGES)
+    limit_images_per_prompt: int = 4
+    limit_videos_per_prompt: int = 1
     max_image_bytes: int = flag(20 * 1024 * 1024, "largest encoded image in bytes, e.g. 8MiB", parse="size",
                                 group=_IMAGES)  # an encoded image, before decoding
     # width x height of a decoded image (~120 MB of RGB)
@@ -370,6 +374,16 @@ class EngineConfig:
                                         group=_IMAGES)
     # Image URLs besides data: URLs (vLLM's names): http(s) hosts that may be fetched, and the
     # directory whose files file:// URLs may name. Both off by default.
+    max_video_bytes: int = flag(64 * 1024 * 1024, "largest encoded video in bytes, e.g. 64MiB", parse="size",
+                                group=_IMAGES)
+    # frames x width x height of a video, from its header before decoding: every frame up to the last
+    # one sampled is decoded, so this bounds the decoding work (1,000 frames of 1080p; 4K is 8.3 G)
+    max_video_pixels: int = flag(2**31, "largest frames x width x height of a video, checked from its header "
+                                        "before decoding", minimum=1, group=_IMAGES)
+    # The sampled frames decoded, 3 bytes a pixel, from the header before decoding
+    max_video_decoded_bytes: int = flag(256 * 1024 * 1024, "largest video's sampled frames decoded, at 3 bytes a pixel, "
+                                                           "checked from its header before decoding, e.g. 256MiB",
+                                        parse="size", group=_IMAGES)
     allowed_media_domains: tuple[str, ...] = flag(
         (), "hosts whose http(s) image URLs may be fetched (default: none; data: URLs always work)", metavar="DOMAIN",
         group=_IMAGES)
@@ -391,7 +405,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "tensor_parallel_size", "max_model_len",
                      "max_denoising_steps_limit", "preempt_after_canvases", "max_image_bytes", "max_image_pixels",
-                     "max_image_decoded_bytes", "structured_outputs_memory", "structured_outputs_builds",
+                     "max_image_decoded_bytes", "max_video_bytes", "max_video_pixels", "max_video_decoded_bytes",
+                     "structured_outputs_memory", "structured_outputs_builds",
                      "num_layers_override", "canvas_length", "num_scheduler_steps"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_denoising_steps_limit", "preempt_after_canvases",
@@ -406,9 +421,16 @@ class EngineConfig:
             raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}), got {rank!r}")
         if self.kv_events_config is not None:
             self.kv_events_config = KVEventsConfig.of(self.kv_events_config)
-        n = self.limit_images_per_prompt
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"limit_images_per_prompt must be a non-negative integer, got {n!r}")
+        if self.limit_mm_per_prompt is not None:
+            limits = self.limit_mm_per_prompt
+            if not isinstance(limits, dict) or set(limits) - {"image", "video"}:
+                raise ValueError(f'limit_mm_per_prompt takes "image" and "video", got {limits!r}')
+            self.limit_images_per_prompt = limits.get("image", self.limit_images_per_prompt)
+            self.limit_videos_per_prompt = limits.get("video", self.limit_videos_per_prompt)
+        for name in ("limit_images_per_prompt", "limit_videos_per_prompt"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {n!r}")
         if not (self.compile is None or isinstance(self.compile, bool)):
             raise ValueError(f"compile must be True, False or None (the device's default), got {self.compile!r}")
         if not isinstance(self.enforce_eager, bool):
@@ -489,3 +511,6 @@ class VisionConfig:
     # use_bidirectional_attention == "vision": the tokens of one image attend to each other both
     # ways inside the otherwise causal encoder pass of the prompt.
     bidirectional: bool
+    # A video frame's soft token (Gemma 4's config.json has it, DiffusionGemma's does not: then the
+    # tokenizer's <|video|>, as transformers' processor takes it)
+    video_token_id: int | None = None

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 
 from blockdiff.config import EngineConfig
-from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_images
+from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_media
 from blockdiff.engine.sync_client import SyncClient
 from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.outputs import RequestOutput
@@ -15,7 +16,8 @@ from blockdiff.engine.startup import start_client, start_engine
 from blockdiff.vllm_options import engine_keywords
 
 # A prompt: text, token ids, or (vLLM's form) {"prompt": text or "prompt_token_ids": ids,
-# "multi_modal_data": {"image": one image or a list}} with PIL images, encoded bytes or file paths.
+# "multi_modal_data": {"image": one image or a list, "video": one video or a list}} with PIL images,
+# encoded bytes or file paths (a video also as decoded frames, a uint8 array [frames, H, W, 3]).
 Prompt = str | list[int] | dict
 
 
@@ -48,11 +50,11 @@ class LLM:
         self.engine, self.replicas = None, None
         if cfg.data_parallel_size > 1 and cfg.data_parallel_rank is None:
             self.replicas = SyncClient(start_client(cfg))
-            self.tokenizer, self._images = self.replicas.client.tokenizer, self.replicas.client.images
+            self.tokenizer, self._mm = self.replicas.client.tokenizer, self.replicas.client.mm
         else:
             self.engine = start_engine(cfg)
-            self.tokenizer, self._images = self.engine.tokenizer, self.engine.inputs.images
-        self._media = MediaPolicy.of(cfg)  # where LLM.chat's image URLs may point
+            self.tokenizer, self._mm = self.engine.tokenizer, self.engine.inputs.mm
+        self._media = MediaPolicy.of(cfg)  # where LLM.chat's image and video URLs may point
 
     @property
     def llm_engine(self):
@@ -109,27 +111,33 @@ class LLM:
         vLLM and transformers) and generate the reply; each output's `prompt` is the rendered text.
         Content parts may hold images as vLLM's chat format does: {"type": "image_url", "image_url":
         {"url": "data:image/png;base64,..."}} (file:// and http(s) URLs as the engine allows them), or
-        {"type": "image", "image": a PIL image, bytes or a path}."""
+        {"type": "image", "image": a PIL image, bytes or a path}; videos as {"type": "video_url",
+        "video_url": {"url": "data:video/mp4;base64,..."}} or {"type": "video", "video": bytes or a path}."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts, texts = [], []
         for i, conversation in enumerate(conversations):
-            rendered, images = split_chat_images(conversation, self._fetch)
+            rendered, media = split_chat_media(conversation, self._fetch)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
                                                       **(chat_template_kwargs or {}))
-            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+            encode = partial(self.tokenizer.encode, add_special_tokens=False)  # the template writes any BOS itself
+            ids = encode(text)
             contents = "".join(m["content"] for m in rendered if isinstance(m.get("content"), str))
             self.tokenizer.warn_unknown(f"conversation {i}", contents, ids)
-            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
+            # images and videos expanded in the text, as transformers' processor does (engine/multimodal.py)
+            prompts.append(self._mm.expand_text(text, self._mm.load(media), encode) if media else ids)
             texts.append(text)
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
 
-    def _fetch(self, url: str, what: str) -> bytes:
-        return fetch_url(url, self._media, self._images.limits.max_bytes, what)
+    def _fetch(self, url: str, what: str, modality: str) -> bytes:
+        processor = self._mm.processor(modality) if self._mm is not None else None
+        if processor is None:  # refused with the reason once the engine counts it
+            return url
+        return fetch_url(url, self._media, processor.max_bytes, what, modality)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding what each committed canvas adds (output_kind "delta");

@@ -123,7 +123,7 @@ class AsyncEngine(EngineClient):
         self.limits = engine.limits
         self.sampler = engine.sampler
         self.inputs = engine.inputs
-        self.images = engine.inputs.images
+        self.mm = engine.inputs.mm
         self.defaults = engine.inputs.defaults
         self.name = str(engine.cfg.replica)
         self.max_queued_requests = max_queued_requests

@@ -8,8 +8,8 @@ engines is one more class implementing it.
 
 Parameters are resolved once: `resolve` turns a request's SamplingParams into `ResolvedParams` for
 its prompt length (what a server needs anyway to check a request's cost), and `add` takes those as
-they are: the engine resolves only what comes unresolved. Images are expanded once the same way:
-`images.expand` gives the prompt (a PromptImages) that `add` takes as it is.
+they are: the engine resolves only what comes unresolved. Images and videos are expanded once the
+same way: `mm.expand` gives the prompt (a PromptInputs) that `add` takes as it is.
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from blockdiff.diffusion.strategy import DiffusionSampler
-from blockdiff.engine.images import ImageIntake, PromptImages
+from blockdiff.engine.multimodal import MultiModalIntake, PromptInputs
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
 
-# A prompt: text, token ids, vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data": {"image": [...]}},
-# or token ids with their images preprocessed and placeholders expanded (`images.expand`), taken as they are.
-Prompt = str | list[int] | dict | PromptImages
+# A prompt: text, token ids, vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data": {"image": [...],
+# "video": [...]}}, or token ids with their inputs preprocessed and placeholders expanded (`mm.expand`),
+# taken as they are.
+Prompt = str | list[int] | dict | PromptInputs
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class EngineClient(abc.ABC):
     tokenizer: Tokenizer | None
     limits: EngineLimits
     sampler: DiffusionSampler  # its field table is what the API offers for this model
-    images: ImageIntake | None  # None: the model takes no images
+    mm: MultiModalIntake  # the images and videos the model takes
     defaults: dict  # the sampler's field values a request that sets none of them gets
     on_step: Callable[..., None]
     on_finish: Callable[..., None]

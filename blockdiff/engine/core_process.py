@@ -46,7 +46,9 @@ from dataclasses import dataclass
 from blockdiff.config import EngineConfig
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestFailed, StreamOverflow
 from blockdiff.engine.client import EngineLimits, EngineStats, structured_specs
-from blockdiff.image import ImageError
+from blockdiff.multimodal import MediaError
+from blockdiff.multimodal.image import ImageError
+from blockdiff.multimodal.video import VideoError
 from blockdiff.parallel import processes
 from blockdiff.sampling_params import InvalidParam
 
@@ -119,7 +121,8 @@ async def read_frame(reader: asyncio.StreamReader):
 
 
 # ---- errors over the wire ------------------------------------------------------------------------
-_ERRORS = {cls.__name__: cls for cls in (EngineUnavailable, QueueFull, RequestFailed, StreamOverflow, ImageError)}
+_ERRORS = {cls.__name__: cls for cls in (EngineUnavailable, QueueFull, RequestFailed, StreamOverflow, MediaError,
+                                          ImageError, VideoError)}
 
 
 def wire_error(e: BaseException) -> tuple[str, str, str | None]:

@@ -33,11 +33,11 @@ from blockdiff.engine.async_engine import RESTART_TRIES, EngineUnavailable, Requ
 from blockdiff.engine.block_allocator import block_keys, key_root
 from blockdiff.engine.client import EngineClient, EngineStats, Prompt
 from blockdiff.engine.core_process import ENTRY, Bootstrap, Handshake, encode_frame, error_of, read_frame, recv_frame, send_frame
-from blockdiff.engine.images import ImageIntake, PromptImages, split_prompt
+from blockdiff.engine.multimodal import MultiModalIntake, PromptInputs, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
-from blockdiff.image import ProcessedImage
+from blockdiff.multimodal import MultiModalItem
 from blockdiff.model.registry import load_config
 from blockdiff.parallel import processes
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
@@ -59,23 +59,23 @@ class FrontEnd:
         self.limits, self.defaults = hs.limits, hs.defaults
         self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
         self.sampler = make_sampler(hs.sampler)
-        self.images = ImageIntake.from_pretrained(cfg, load_config(cfg.model))
+        self.mm = MultiModalIntake.from_pretrained(cfg, load_config(cfg.model), self.tokenizer)
         lim = self.limits
         # Resolution and cost as the replicas do them; a replica checks the rest when it takes a request.
         self.inputs = InputProcessor(self.tokenizer, self.sampler, self.defaults, hs.eos_token_ids, lim.vocab_size,
                                      lim.canvas_length, lim.max_model_len, lim.max_denoising_steps, cache_tokens, cfg.seed,
-                                     self.images)
+                                     self.mm)
         self.block_size, self.prefix_caching = hs.stats.block_size, hs.stats.prefix_caching
         self.prefix_cache_scope = hs.stats.prefix_cache_scope
 
 
-def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, images: ImageIntake | None, block_size: int,
+def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, mm: MultiModalIntake | None, block_size: int,
                       root: bytes = b"") -> tuple:
     """The keys of the prompt's full blocks, as the engine will key them (under `root`, the request's
-    block_allocator.key_root); for a prompt with images not yet preprocessed, those of the blocks
-    before the first image."""
-    if isinstance(prompt, PromptImages):  # expanded at the edge
-        return tuple(block_keys(_image_keyed(prompt), block_size, root))
+    block_allocator.key_root); for a prompt with images or videos not yet preprocessed, those of the
+    blocks before the first placeholder."""
+    if isinstance(prompt, PromptInputs):  # expanded at the edge
+        return tuple(block_keys(mm.keyed(prompt), block_size, root))
     text, given = split_prompt(prompt)
     if isinstance(text, str):
         if tokenizer is None:
@@ -84,19 +84,12 @@ def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, images: Image
     else:
         ids = list(text)
     if given:
-        if isinstance(given, list) and all(isinstance(im, ProcessedImage) for im in given):
-            ids = _image_keyed(images.expand(ids, given))
-        elif images.vision is not None and images.vision.image_token_id in ids:
-            ids = ids[:ids.index(images.vision.image_token_id)]
+        items = [s for sources in given.values() for s in sources]
+        if all(isinstance(s, MultiModalItem) for s in items):
+            ids = mm.keyed(mm.expand(ids, items))
+        else:
+            ids = ids[:min((ids.index(t) for t in mm.placeholders.values() if t in ids), default=len(ids))]
     return tuple(block_keys(ids, block_size, root))
-
-
-def _image_keyed(prompt: PromptImages) -> list:
-    """The prompt's ids with each image's soft tokens keyed by the image, as the engine keys them."""
-    ids = list(prompt.token_ids)
-    for image, (a, b) in zip(prompt.images, prompt.spans):
-        ids[a:b] = [image.digest] * (b - a)
-    return ids
 
 
 def replica_device(cfg: EngineConfig, rank: int) -> str:
@@ -188,8 +181,8 @@ class DPClient(EngineClient):
                 raise RuntimeError(f"replica {rep.rank} serves {hs.limits} with {hs.sampler}, replica 0 {first.limits} "
                                    f"with {first.sampler}: the replicas must be alike")
         front = FrontEnd(cfg, first, min(hs.cache_tokens for hs in handshakes))
-        self.limits, self.defaults, self.tokenizer, self.sampler, self.images = (
-            front.limits, front.defaults, front.tokenizer, front.sampler, front.images)
+        self.limits, self.defaults, self.tokenizer, self.sampler, self.mm = (
+            front.limits, front.defaults, front.tokenizer, front.sampler, front.mm)
         self.inputs, self.block_size, self.prefix_caching = front.inputs, front.block_size, front.prefix_caching
         self.prefix_cache_scope = front.prefix_cache_scope
         lim = self.limits
@@ -354,7 +347,7 @@ class DPClient(EngineClient):
         if not self.prefix_caching:
             return ()
         root = key_root(params.cache_salt if params is not None else None, client, self.prefix_cache_scope)
-        return prompt_block_keys(prompt, self.tokenizer, self.images, self.block_size, root)
+        return prompt_block_keys(prompt, self.tokenizer, self.mm, self.block_size, root)
 
     def _route(self, keys: Sequence) -> _Replica:
         up = [rep for rep in self.replicas if rep.up]

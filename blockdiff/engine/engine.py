@@ -25,7 +25,7 @@ from blockdiff.config import EngineConfig, parse_dtype
 from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.block_allocator import BlockPool
 from blockdiff.engine.client import EngineLimits, EngineStats
-from blockdiff.engine.images import ImageIntake, split_prompt
+from blockdiff.engine.multimodal import MultiModalIntake, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.kv_events import KVEvent, make_publisher
@@ -88,7 +88,8 @@ class LLMEngine:
             tuple(eos),
             self.vocab_size, self.canvas_length, self.max_model_len, self.max_denoising_steps,
             # Replicas draw different seeds for the requests that bring none.
-            cache.num_blocks * cache.block_size, cfg.seed + cfg.replica, ImageIntake.from_pretrained(cfg, self.model_config),
+            cache.num_blocks * cache.block_size, cfg.seed + cfg.replica,
+            MultiModalIntake.from_pretrained(cfg, self.model_config, self.tokenizer),
             self.structured,
         )
         self.requests: dict[str, Request] = {}
@@ -118,13 +119,13 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | ResolvedParams | None = None,
                     request_id: str | None = None) -> Request:
         """`prompt`: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data":
-        {"image": ...}} with PIL images, encoded bytes or file paths, one per image placeholder.
+        {"image": ..., "video": ...}} with PIL images, encoded bytes or file paths, one per placeholder.
         `params`: as the user gave them, or resolved for this prompt (`self.inputs.resolve`)."""
-        prompt, images = split_prompt(prompt)
+        prompt, media = split_prompt(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        req = self.inputs.process(request_id, prompt, params, images)
+        req = self.inputs.process(request_id, prompt, params, media)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -216,7 +217,7 @@ class LLMEngine:
     def _plan(self, sched: SchedulerOutput) -> StepPlan:
         cl = self.canvas_length
         rows, ids = [], []
-        images = _ImagesOfStep()
+        images = _EncoderInputsOfStep()
         for req, n in sched.encoder:
             spans = images.add(req, req.num_cached, n, len(ids))
             bidirectional = spans if self.model_config.vision and self.model_config.vision.bidirectional else ()
@@ -359,23 +360,25 @@ def _min_tokens(decoder: list[Request], canvas_length: int) -> MinTokens | None:
     return MinTokens(banned, torch.tensor([before for _, before in rules], dtype=torch.long))
 
 
-class _ImagesOfStep:
-    """The images whose soft tokens fall in this step's prompt chunks, gathered as ImageInputs."""
+class _EncoderInputsOfStep:
+    """The runs of soft tokens (an image, a video frame) that fall in this step's prompt chunks,
+    gathered as ImageInputs: the vision tower encodes each run as an image."""
 
     def __init__(self):
         self.pixels, self.positions, self.rows, self.index = [], [], [], []
         self.features = 0  # soft tokens of the images taken so far
 
     def add(self, req: Request, start: int, n: int, token_offset: int) -> tuple[tuple[int, int], ...]:
-        """Take the images of req's chunk [start, start + n) whose tokens sit from `token_offset` on in
+        """Take the runs of req's chunk [start, start + n) whose tokens sit from `token_offset` on in
         the packed encoder tokens; -> their spans within the chunk."""
         spans = []
-        for image, (a, b) in zip(req.images, req.image_spans):
+        for run in req.placeholders:
+            a, b = run.start, run.end
             lo, hi = max(a, start), min(b, start + n)
             if lo >= hi:
                 continue
-            self.pixels.append(image.pixel_values)
-            self.positions.append(image.position_ids)
+            self.pixels.append(run.pixel_values)
+            self.positions.append(run.position_ids)
             self.rows.append(torch.arange(self.features + lo - a, self.features + hi - a))
             self.index.append(torch.arange(token_offset + lo - start, token_offset + hi - start))
             self.features += b - a

@@ -7,7 +7,7 @@ import random
 
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
-from blockdiff.engine.images import ImageIntake, PromptImages
+from blockdiff.engine.multimodal import MultiModalIntake, PromptInputs
 from blockdiff.engine.request import Request
 from blockdiff.sampling_params import InvalidParam, ResolvedParams, SamplingParams
 from blockdiff.structured.compiler import OutputConstraint, StructuredOutputs, check_ends, tokens_needed
@@ -18,7 +18,7 @@ from blockdiff.tokenizer import Tokenizer
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, sampler: DiffusionSampler, defaults: dict,
                  eos_token_ids: tuple[int, ...], vocab_size: int, canvas_length: int, max_model_len: int,
-                 max_steps: int, cache_tokens: int, seed: int, images: ImageIntake | None = None,
+                 max_steps: int, cache_tokens: int, seed: int, mm: MultiModalIntake | None = None,
                  structured: StructuredOutputs | None = None):
         """defaults: the values of the sampler's fields that a request leaves unset (server flags over
         generation_config.json over the table's defaults). structured: the automata of structured
@@ -27,7 +27,7 @@ class InputProcessor:
         self.structured = structured
         self.rules = VocabularyRules(tokenizer, vocab_size)  # allowed_token_ids and bad_words
         self.sampler = sampler
-        self.images = images
+        self.mm = mm  # the images and videos a prompt may hold
         self.defaults = defaults
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -47,13 +47,14 @@ class InputProcessor:
         except ValueError as e:
             raise ValueError(f"invalid sampler flags (over the checkpoint's generation_config.json): {e}") from None
 
-    def process(self, request_id: str, prompt: str | list[int] | PromptImages,
-                params: SamplingParams | ResolvedParams | None, images: list | None = None) -> Request:
-        """`images`: PIL images, encoded bytes or file paths, one per image placeholder of the prompt;
-        or `prompt` is a PromptImages, its images preprocessed and its placeholders expanded already
-        (`self.images.expand`), taken as it is. `params` already resolved (`resolve`, for this prompt's
+    def process(self, request_id: str, prompt: str | list[int] | PromptInputs,
+                params: SamplingParams | ResolvedParams | None, media: dict[str, list] | None = None) -> Request:
+        """`media`: per modality ("image", "video") its inputs as its processor takes them (PIL
+        images, encoded bytes, file paths), one per placeholder of the prompt; or `prompt` is a
+        PromptInputs, its inputs preprocessed and its placeholders expanded already (`self.mm.expand`),
+        taken as it is. `params` already resolved (`resolve`, for this prompt's
         length) are taken as they are."""
-        text, ids, mm = self._prompt(prompt, images)
+        text, ids, mm = self._prompt(prompt, media)
         if len(ids) >= self.max_model_len:
             raise InvalidParam("prompt", f"prompt of {len(ids)} tokens leaves no room for output in "
                                          f"max_model_len={self.max_model_len}")
@@ -82,34 +83,39 @@ class InputProcessor:
         if params.min_tokens > params.max_tokens:
             raise InvalidParam("min_tokens", f"min_tokens ({params.min_tokens}) must be at most max_tokens "
                                              f"({params.max_tokens})")
-        if params.prompt_logprobs is not None and mm is not None and mm.images:
-            raise InvalidParam("prompt_logprobs", "prompt_logprobs: a prompt with images cannot be scored")
+        if params.prompt_logprobs is not None and mm is not None and mm.items:
+            raise InvalidParam("prompt_logprobs",
+                               f"prompt_logprobs: a prompt with {mm.items[0].modality}s cannot be scored")
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
                                         params.skip_special_tokens, params.min_tokens, params.include_stop_str_in_output)
         constraint = self._constraint(params, stops)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(request_id, text, ids, params, self.canvas_length, seed, output, constraint=constraint)
         if mm is not None:
-            req.images, req.image_spans = mm.images, mm.spans
+            req.placeholders = mm.placeholders
         if req.max_cached_tokens > self.cache_tokens:
             raise ValueError(f"request needs {req.max_cached_tokens} cached tokens, more than the whole KV cache "
                              f"({self.cache_tokens})")
         return req
 
-    def _prompt(self, prompt: str | list[int] | PromptImages,
-                images: list | None) -> tuple[str | None, list[int], PromptImages | None]:
-        """-> (the prompt's text, if it came as text; its token ids, image placeholders expanded; its
-        images, None for an engine that takes none)."""
-        if isinstance(prompt, PromptImages):  # expanded at the edge: taken as it is
-            if images or self.images is None:
-                raise ValueError("a prompt with its images expanded takes no other images, and only an engine "
-                                 "that takes images takes it")
-            self.images.check_count(len(prompt.images))
+    def _prompt(self, prompt: str | list[int] | PromptInputs,
+                media: dict[str, list] | None) -> tuple[str | None, list[int], PromptInputs | None]:
+        """-> (the prompt's text, if it came as text; its token ids, placeholders expanded; its
+        images and videos, None for an engine that takes none)."""
+        media = {m: s for m, s in (media or {}).items() if s}
+        if isinstance(prompt, PromptInputs):  # expanded at the edge: taken as it is
+            if media or self.mm is None:
+                raise ValueError("a prompt with its images and videos expanded takes no others, and only an engine "
+                                 "that takes them takes it")
+            counts: dict[str, int] = {}
+            for item in prompt.items:
+                counts[item.modality] = counts.get(item.modality, 0) + 1
+            self.mm.check_counts(counts)
             return None, list(prompt.token_ids), prompt
-        if images and self.images is None:
-            raise ValueError("this engine takes no images")
-        if self.images is not None:
-            self.images.check_count(len(images or []))
+        if media and self.mm is None:
+            raise ValueError("this engine takes no images or videos")
+        if self.mm is not None:
+            self.mm.check_counts({m: len(s) for m, s in media.items()})
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: pass the prompt as a list of token ids")
@@ -120,9 +126,14 @@ class InputProcessor:
             raise InvalidParam("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidParam("prompt", "prompt is empty")
-        if self.images is None:
+        if self.mm is None:
             return text, ids, None
-        mm = self.images.expand(ids, self.images.load(images or []))
+        items = self.mm.load(media)
+        # a text prompt is expanded as text (a video's timestamps tokenize with the text around them)
+        if text is not None and items:
+            mm = self.mm.expand_text(text, items, self.tokenizer.encode)
+        else:
+            mm = self.mm.expand(ids, items)
         return text, mm.token_ids, mm
 
     def _constraint(self, params: SamplingParams, stops: set[int]) -> OutputConstraint | None:

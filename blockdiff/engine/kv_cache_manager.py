@@ -49,7 +49,7 @@ class KVCacheManager:
             full.append(block)
         for k in range(len(full), 0, -1):
             # an image is encoded whole (Request.chunk); a piece of the prompt to score needs its prefix only
-            if req.splits_image(k * self.block_size) or k * self.block_size > req.max_hit:
+            if req.splits_item(k * self.block_size) or k * self.block_size > req.max_hit:
                 continue
             lo = max(0, k * self.block_size - self.past) // self.block_size
             sliding = [self.sliding.lookup(key) for key in keys[lo:k]]
@@ -148,8 +148,8 @@ class KVCacheManager:
             else:
                 runs.append([i])
         for run in runs:
-            extra = [tuple(image.digest.hex() for image, (a, b) in zip(req.images, req.image_spans)
-                           if a < (i + 1) * bs and b > i * bs) or None for i in run]
+            extra = [tuple(dict.fromkeys(p.item.digest.hex() for p in req.placeholders
+                                         if p.start < (i + 1) * bs and p.end > i * bs)) or None for i in run]
             self.events.append(BlockStored([req.block_hashes[i] for i in run],
                                            req.block_hashes[run[0] - 1] if run[0] else None,
                                            req.tokens(run[0] * bs, (run[-1] + 1) * bs), bs, extra))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
-from blockdiff.image import ProcessedImage
+from blockdiff.multimodal import Placeholder
 from blockdiff.outputs import TokenLogprob
 from blockdiff.sampling_params import SamplingParams
 from blockdiff.structured.compiler import OutputConstraint
@@ -115,8 +115,8 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     sent_tokens: int = 0  # how much of the output delta outputs have reported
     sent_pieces: int = 0
-    images: list[ProcessedImage] = field(default_factory=list)  # of the prompt, in order
-    image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each one's soft tokens
+    # The runs of soft tokens of the prompt's images and videos, in order (blockdiff/multimodal)
+    placeholders: list[Placeholder] = field(default_factory=list)
     client: str | None = None  # whose share of the slots it counts against (engine/scheduler.py); None: nobody's
     # Scoring the prompt (params.prompt_logprobs): its pieces [start, end), scored in turn while the
     # prompt is prefilled, and the scores of the pieces done (TokenLogprob per prompt token from the second).
@@ -160,17 +160,22 @@ class Request:
         return head + self.output.token_ids[max(start - p, 0) : max(end - p, 0)]
 
     def key_tokens(self, start: int, end: int) -> list:
-        """tokens(start, end) with the soft tokens of each image replaced by its digest: what the
-        prefix cache hashes, so that prompts share blocks only where their images are equal too."""
+        """tokens(start, end) with the soft tokens of each image or video replaced by its digest:
+        what the prefix cache hashes, so that prompts share blocks only where their inputs are equal too."""
         ids: list = self.tokens(start, end)
-        for image, (a, b) in zip(self.images, self.image_spans):
-            for p in range(max(a, start), min(b, end)):
-                ids[p - start] = image.digest
+        for ph in self.placeholders:
+            for p in range(max(ph.start, start), min(ph.end, end)):
+                ids[p - start] = ph.item.digest
         return ids
 
-    def splits_image(self, pos: int) -> tuple[int, int] | None:
-        """The image span that a cut before position `pos` falls inside, if any."""
-        return next(((a, b) for a, b in self.image_spans if a < pos < b), None)
+    @property
+    def mm_spans(self) -> list[tuple[int, int]]:
+        """[start, end) of each run of soft tokens (an image, a video frame)."""
+        return [(p.start, p.end) for p in self.placeholders]
+
+    def splits_item(self, pos: int) -> tuple[int, int] | None:
+        """The run of soft tokens that a cut before position `pos` falls inside, if any."""
+        return next(((p.start, p.end) for p in self.placeholders if p.start < pos < p.end), None)
 
     # ---- scoring the prompt ---------------------------------------------------------------------
     @property
@@ -215,7 +220,7 @@ class Request:
             bound = next((a for a, _ in self.score_pieces if a > start and a >= score), None)
             if bound is not None and start + n > bound:
                 n = bound - start
-        span = self.splits_image(start + n)
+        span = self.splits_item(start + n)
         if span is None:
             return n
         return span[0] - start if span[0] > start else span[1] - start

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image file for every prompt (repeat for several): with --chat it comes before the "
                         "message's text; without, each prompt holds one image placeholder token per image")
+    p.add_argument("--video", action="append", default=[], metavar="PATH",
+                   help="a video file for every prompt (repeat for several), placed as --image places images, after "
+                        "them")
     p.set_defaults(func=run)
 
 
@@ -43,12 +46,14 @@ def run(args: argparse.Namespace) -> int:
         if llm.tokenizer is None:
             raise ValueError(f"{llm.engine.cfg.model} has no tokenizer.json, so text prompts cannot be encoded: "
                              "pass --tokenizer with the directory of its tokenizer")
-        images = [{"type": "image", "image": path} for path in args.image]
+        parts = [{"type": "image", "image": path} for path in args.image] + [
+            {"type": "video", "video": path} for path in args.video]
+        media = {m: paths for m, paths in (("image", args.image), ("video", args.video)) if paths}
         if args.chat:
-            outputs = llm.chat([[{"role": "user", "content": [*images, {"type": "text", "text": p}] if images else p}]
+            outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text", "text": p}] if parts else p}]
                                 for p in args.prompts], params)
-        elif images:
-            outputs = llm.generate([{"prompt": p, "multi_modal_data": {"image": args.image}} for p in args.prompts], params)
+        elif media:
+            outputs = llm.generate([{"prompt": p, "multi_modal_data": media} for p in args.prompts], params)
         else:
             outputs = llm.generate(args.prompts, params)
     finally:

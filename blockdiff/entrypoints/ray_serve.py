@@ -299,8 +299,8 @@ class RayEngineClient(EngineClient):
     def __init__(self, handle, cfg: EngineConfig, hs: Handshake):
         self._handle = handle.options(stream=True)
         front = FrontEnd(cfg, hs, hs.cache_tokens)
-        self.limits, self.defaults, self.tokenizer, self.sampler, self.images = (
-            front.limits, front.defaults, front.tokenizer, front.sampler, front.images)
+        self.limits, self.defaults, self.tokenizer, self.sampler, self.mm = (
+            front.limits, front.defaults, front.tokenizer, front.sampler, front.mm)
         self.inputs = front.inputs
         self._stats: dict[str, EngineStats] = {}
         self._calls: dict[str, tuple] = {}  # request id -> (its call's generator, its pump)

@@ -177,6 +177,7 @@ def _vision_config(raw: dict[str, Any], bidirectional: bool) -> VisionConfig | N
         boi_token_id=raw.get("boi_token_id", 255_999),
         eoi_token_id=raw.get("eoi_token_id", 258_882),
         bidirectional=bidirectional,
+        video_token_id=raw.get("video_token_id"),
     )
 
 

@@ -5,11 +5,13 @@ diffusion sampler it denoises with unless EngineConfig.diffusion_sampler names a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from blockdiff.config import ConfigError, ModelConfig, read_config_json
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.gemma_checkpoint import GemmaCheckpoint
+from blockdiff.model.gemma_media import image_input, video_input
 from blockdiff.model.interface import BlockDiffusionModel, CheckpointFormat
 
 
@@ -18,10 +20,14 @@ class Architecture:
     model: type[BlockDiffusionModel]
     checkpoint: CheckpointFormat
     sampler: str  # the diffusion sampler's name
+    # modality -> (engine config, model config, tokenizer) -> its processor (blockdiff.multimodal), or
+    # a string saying what the checkpoint lacks to take it
+    processors: dict[str, Callable] = field(default_factory=dict)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "DiffusionGemmaForBlockDiffusion": Architecture(DiffusionGemma, GemmaCheckpoint(), "entropy_bound"),
+    "DiffusionGemmaForBlockDiffusion": Architecture(DiffusionGemma, GemmaCheckpoint(), "entropy_bound",
+                                                    {"image": image_input, "video": video_input}),
 }
 _MODEL_TYPES = {"diffusion_gemma": "DiffusionGemmaForBlockDiffusion"}  # configs that name no architecture
 

@@ -32,7 +32,8 @@ CHAT_TEMPLATE = (
 )
 
 # The multimodal variant: an image content part becomes one image token, which the processor expands
-# into <start_of_image>, one token per soft token of the image, and <end_of_image>.
+# into <start_of_image>, one token per soft token of the image, and <end_of_image>; a video part
+# one video token, which becomes per sampled frame its timestamp and the frame as an image of video tokens.
 CHAT_TEMPLATE_MM = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -41,6 +42,7 @@ CHAT_TEMPLATE_MM = (
     "{% if message['content'] is string %}{{ message['content'] | trim }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] in ('image', 'image_url') %}<image_soft_token>"
+    "{% elif part['type'] in ('video', 'video_url') %}<|video|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
     "{% endfor %}{% endif %}"
     "<end_of_turn>\n"
@@ -131,6 +133,8 @@ VISION_MM = dict(
 )
 IMAGE_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 BOI, IMAGE, EOI = range(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(IMAGE_TOKENS))
+VIDEO_TOKENS = ["<|video|>"]  # transformers' Gemma4Processor adds it to a tokenizer that lacks it
+VIDEO = EOI + 1
 PREPROCESSOR = {
     "image_processor_type": "Gemma4ImageProcessor",
     "do_convert_rgb": True,
@@ -144,6 +148,19 @@ PREPROCESSOR = {
     "patch_size": VISION_MM["patch_size"],
     "pooling_kernel_size": VISION_MM["pooling_kernel_size"],
     "max_soft_tokens": 70,
+}
+
+# Frames as transformers' Gemma4VideoProcessor makes them (its defaults but the tower's sizes), few of
+# them so that a video's prompt stays short.
+VIDEO_PREPROCESSOR = {
+    "video_processor_type": "Gemma4VideoProcessor",
+    "patch_size": VISION_MM["patch_size"],
+    "pooling_kernel_size": VISION_MM["pooling_kernel_size"],
+    "max_soft_tokens": 70,
+    "num_frames": 3,
+    "do_normalize": True,
+    "image_mean": [0.0, 0.0, 0.0],
+    "image_std": [1.0, 1.0, 1.0],
 }
 
 
@@ -316,7 +333,7 @@ def build_tokenizer(vocab_size: int, corpus: str = _CORPUS, specials: list[str] 
 
 def write_tokenizer(out_dir: str, vocab_size: int, corpus: str = _CORPUS, vision: bool = False) -> None:
     if vision:
-        tok = build_tokenizer(vocab_size, corpus, SPECIAL_TOKENS + IMAGE_TOKENS)
+        tok = build_tokenizer(vocab_size, corpus, SPECIAL_TOKENS + IMAGE_TOKENS + VIDEO_TOKENS)
         save_tokenizer(out_dir, tok, {**TOKENIZER_CONFIG, "chat_template": CHAT_TEMPLATE_MM})
     else:
         save_tokenizer(out_dir, build_tokenizer(vocab_size, corpus))
@@ -342,6 +359,8 @@ def make_tiny_model(out_dir: str, spec: TinySpec | None = None, **overrides) -> 
     if spec.vision:
         with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
             json.dump(PREPROCESSOR, f, indent=2)
+        with open(os.path.join(out_dir, "video_preprocessor_config.json"), "w") as f:
+            json.dump(VIDEO_PREPROCESSOR, f, indent=2)
     with open(os.path.join(out_dir, "blockdiff_tiny.json"), "w") as f:
         json.dump(asdict(spec), f, indent=2)
     return out_dir

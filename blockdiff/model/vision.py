@@ -1,7 +1,8 @@
 """The Gemma 4 vision encoder and the projector that turns its output into prompt embeddings.
 
-An image arrives as patches [patches, 3 * patch_size**2] in [0, 1] with their (x, y) grid
-positions [patches, 2] (blockdiff.image makes both). The encoder is a bidirectional transformer
+An image (or a video frame, encoded as an image) arrives as patches [patches, 3 * patch_size**2] in
+[0, 1] with their (x, y) grid positions [patches, 2] (blockdiff/multimodal makes both). The
+encoder is a bidirectional transformer
 over the patches of one image with 2-D ("axial") rotary positions; its output is average-pooled over
 pooling_kernel_size**2 neighbouring patches into soft tokens, scaled by sqrt(hidden), optionally
 standardised, and projected to the text model's hidden size. Each soft token then replaces one

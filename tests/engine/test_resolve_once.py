@@ -2,7 +2,7 @@
 counted in the real server's processes (the front end and, with -dp 2, its replicas).
 
 The count comes from a sitecustomize.py that this test puts on the server's PYTHONPATH: it wraps
-`InputProcessor.resolve` and `ImageIntake.expand` in every process the server starts and appends one
+`InputProcessor.resolve` and `MultiModalIntake.expand` in every process the server starts and appends one
 line per call to a file. The product code has no hook for it."""
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ SITECUSTOMIZE = textwrap.dedent('''
         return wrapper
 
     if os.environ.get("BLOCKDIFF_TEST_CALLS"):
-        from blockdiff.engine.images import ImageIntake
+        from blockdiff.engine.multimodal import MultiModalIntake
         from blockdiff.engine.input_processor import InputProcessor
 
         InputProcessor.resolve = _counted("resolve", InputProcessor.resolve)
         # Expanding placeholders for images; without any, expand only checks that the prompt has none.
-        ImageIntake.expand = _counted("expand", ImageIntake.expand, lambda intake, ids, images: bool(images))
+        MultiModalIntake.expand = _counted("expand", MultiModalIntake.expand, lambda intake, ids, items: bool(items))
+        MultiModalIntake.expand_text = _counted("expand", MultiModalIntake.expand_text,
+                                                lambda intake, text, items, encode: bool(items))
 ''')
 
 

@@ -222,7 +222,7 @@ def test_prefix_cache_shares_blocks_only_for_the_same_image(mm, generation_cases
             ({"prompt_token_ids": [2] + [IMAGE] * 5, "multi_modal_data": {"image": [images[0]] * 5}}, "5 images in one prompt, above the limit of 4"),
             ({"prompt_token_ids": [2, IMAGE], "multi_modal_data": {"image": images}}, "1 image placeholders for 2 images"),
             ({"prompt_token_ids": [2, IMAGE], "multi_modal_data": {"image": [b"\x89PNG\r\n\x1a\n"]}}, "image 0 is not an image in a known format"),
-            ({"prompt_token_ids": [2, IMAGE], "multi_modal_data": {"video": [b""]}}, "multi_modal_data takes 'image' only"),
+            ({"prompt_token_ids": [2, IMAGE], "multi_modal_data": {"audio": [b""]}}, "multi_modal_data takes 'image' and 'video'"),
         ]:
             with pytest.raises(ValueError, match=message):
                 llm.generate(bad, _greedy(draft), use_tqdm=False)

@@ -13,7 +13,7 @@ from PIL import Image
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.chat_parts import MediaPolicy, fetch_url
-from blockdiff.image import ImageError
+from blockdiff.multimodal import MediaError
 
 VISION_SPEC = dict(vocab_size=301, canvas_length=8, sliding_window=6, seed=3, vision=True)
 
@@ -37,7 +37,7 @@ def test_llm_chat_fetches_file_urls_only_where_allowed(checkpoints, tmp_path):
         [by_file] = llm.chat(_chat(f"file://{tmp_path}/a.png"), params, use_tqdm=False)
         [by_data] = llm.chat(_chat("data:image/png;base64," + base64.b64encode(data).decode()), params, use_tqdm=False)
     assert by_file.token_ids == by_data.token_ids and by_file.prompt_token_ids == by_data.prompt_token_ids
-    with LLM(model) as llm, pytest.raises(ImageError, match="--allowed-local-media-path"):
+    with LLM(model) as llm, pytest.raises(MediaError, match="--allowed-local-media-path"):
         llm.chat(_chat(f"file://{tmp_path}/a.png"), params, use_tqdm=False)
 
 
@@ -45,9 +45,9 @@ def test_fetch_url_policy(tmp_path):
     (tmp_path / "a.png").write_bytes(_png(1))
     allowed = MediaPolicy(local_path=str(tmp_path))
     assert fetch_url(f"file://{tmp_path}/a.png", allowed, 1 << 20) == _png(1)
-    with pytest.raises(ImageError, match="outside --allowed-local-media-path"):
+    with pytest.raises(MediaError, match="outside --allowed-local-media-path"):
         fetch_url(f"file://{tmp_path}/../a.png", allowed, 1 << 20)
-    with pytest.raises(ImageError, match="--allowed-media-domains example.org"):
+    with pytest.raises(MediaError, match="--allowed-media-domains example.org"):
         fetch_url("https://example.org/a.png", MediaPolicy(), 1 << 20)
-    with pytest.raises(ImageError, match="above the limit"):
+    with pytest.raises(MediaError, match="above the limit"):
         fetch_url(f"file://{tmp_path}/a.png", allowed, 10)

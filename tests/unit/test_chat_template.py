@@ -220,13 +220,14 @@ def image_pair(request, tmp_path_factory, tokenizer_dir):
 
 @pytest.mark.parametrize("name", IMAGE_CONVERSATIONS)
 def test_image_conversations_match_transformers(image_pair, name):
-    """The messages blockdiff's chat path renders (image parts split off by split_chat_images, the one
+    """The messages blockdiff's chat path renders (image parts split off by split_chat_media, the one
     the server and LLM.chat use) give the text and ids transformers renders from the same conversation."""
-    from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_images
+    from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_media
 
     ours, theirs = image_pair
     messages = IMAGE_CONVERSATIONS[name]
-    rendered, images = split_chat_images(messages, lambda url, what: fetch_url(url, MediaPolicy(), 1 << 20, what))
+    rendered, media = split_chat_media(messages, lambda url, what, modality: fetch_url(url, MediaPolicy(), 1 << 20, what))
+    images = media.get("image", [])
     assert len(images) == sum(isinstance(m["content"], list) and sum(p["type"] == "image_url" for p in m["content"]) for m in messages)
     assert all(image.startswith(b"\x89PNG") for image in images)
     # transformers' template reads an image part as {"type": "image"}, as Gemma 4's processor passes it

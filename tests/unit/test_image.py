@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from blockdiff.image import ImageError, ImageLimits, ImageProcessor, as_image, decode_image, expand_placeholders
+from blockdiff.multimodal import MediaError, expand_placeholders
+from blockdiff.multimodal.image import ImageError, ImageInput, ImageLimits, ImageProcessor, ProcessedImage, as_image, decode_image
 from blockdiff.model.tiny import PREPROCESSOR
 
 
@@ -98,8 +99,10 @@ def test_bad_images_are_errors_naming_the_problem(data, limits, message):
 
 
 def test_placeholders_expand_as_the_processor_does():
-    ids, spans = expand_placeholders([2, 5, 9, 6, 9], [3, 1], image_token=9, boi=7, eoi=8)
+    intake = ImageInput(ImageProcessor(), ImageLimits(1, 1), 4, placeholder=9, boi=7, eoi=8)
+    items = [intake.item(ProcessedImage(torch.zeros(n, 12), torch.zeros(n, 2), n, bytes([n]))) for n in (3, 1)]
+    ids, runs = expand_placeholders([2, 5, 9, 6, 9], items, {"image": 9})
     assert ids == [2, 5, 7, 9, 9, 9, 8, 6, 7, 9, 8]
-    assert spans == [(3, 6), (9, 10)]
-    with pytest.raises(ImageError, match="2 image placeholders for 1 images"):
-        expand_placeholders([9, 9], [4], 9, 7, 8)
+    assert [(r.start, r.end) for r in runs] == [(3, 6), (9, 10)]
+    with pytest.raises(MediaError, match="2 image placeholders for 1 images"):
+        expand_placeholders([9, 9], items[:1], {"image": 9})

@@ -10,17 +10,17 @@ import copy
 import json
 from dataclasses import fields, replace
 
-from blockdiff.chat_parts import IMAGE_PART_TYPES, template_content
+from blockdiff.chat_parts import PART_MODALITY, template_content
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.engine.client import EngineClient
-from blockdiff.engine.images import PromptImages
+from blockdiff.engine.multimodal import PromptInputs
 from blockdiff.entrypoints.openai import limits, protocol as p
 from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
-from blockdiff.entrypoints.openai.media import ChatImages
+from blockdiff.entrypoints.openai.media import ChatMedia
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
 from blockdiff.entrypoints.openai.structured import constraint_field
-from blockdiff.image import ImageError
+from blockdiff.multimodal import MediaError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -45,9 +45,9 @@ def request_names(req: p._GenerationRequest) -> dict[str, str]:
     return names
 
 
-def prompt_length(prompt: list[int] | PromptImages) -> int:
+def prompt_length(prompt: list[int] | PromptInputs) -> int:
     """Tokens of an engine prompt, each image counting its expanded placeholder."""
-    return len(prompt.token_ids if isinstance(prompt, PromptImages) else prompt)
+    return len(prompt.token_ids if isinstance(prompt, PromptInputs) else prompt)
 
 
 def check_choices(prompts: int, n: int) -> None:
@@ -120,15 +120,15 @@ def check_common(req: p._GenerationRequest) -> int:
 class Preprocessor:
     """API requests -> engine requests, for every endpoint of one server."""
 
-    def __init__(self, engine: EngineClient, pool: WorkPool, images: ChatImages, max_request_cost: int | None,
+    def __init__(self, engine: EngineClient, pool: WorkPool, media: ChatMedia, max_request_cost: int | None,
                  max_response_bytes: int, default_chat_template_kwargs: dict | None = None):
         """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
         self.engine = engine
         self.max_response_bytes = max_response_bytes
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
-        # (preprocess.py), its images in `images` (media.py).
+        # (preprocess.py), its images and videos in `media` (media.py).
         self.pool = pool
-        self.images = images
+        self.media = media
         self.limits = engine.limits
         self.tokenizer = engine.tokenizer
         self.sampler_extensions = p.sampler_extensions(engine.sampler.fields)  # what the bodies add
@@ -194,9 +194,11 @@ class Preprocessor:
     def chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True,
                     tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None,
                     continue_final_message: bool = False, documents: list[dict] | None = None,
-                    template: str | None = None, add_special_tokens: bool = False) -> list[int]:
+                    template: str | None = None, add_special_tokens: bool = False,
+                    items: list | None = None) -> list[int] | PromptInputs:
         """The conversation's prompt ids. add_special_tokens: a BOS before what the template writes
-        (vLLM's field; the template writes its own)."""
+        (vLLM's field; the template writes its own). items: its images and videos (chat_images),
+        whose placeholders are expanded in the rendered text, as transformers' processor does."""
         if self.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it has no chat template", param="messages")
         rendered = [self._template_message(i, m) for i, m in enumerate(messages)]
@@ -206,17 +208,24 @@ class Preprocessor:
         limits.check_template_text(rendered, tools, kwargs, self.max_prompt_chars, self.limits.max_model_len,
                                    self.tokenizer.max_token_chars)
         _decode_arguments(rendered)
+        tok = self.tokenizer
+        bos = add_special_tokens and tok.add_bos
         try:
-            ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             guard=check_deadline, max_chars=self.max_prompt_chars,
-                                             continue_final_message=continue_final_message, documents=documents,
-                                             template=template, **kwargs)
+            text = tok.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
+                                           guard=check_deadline, max_chars=self.max_prompt_chars,
+                                           continue_final_message=continue_final_message, documents=documents,
+                                           template=template, **kwargs)
+            if items:
+                try:
+                    return self.engine.mm.expand_text(text, items, lambda t: tok.encode(t, add_special_tokens=bos))
+                except MediaError as e:
+                    raise APIError(400, str(e), param="messages", code=e.code) from None
+            ids = tok.encode(text, add_special_tokens=False)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         contents = "".join(m["content"] for m in rendered if isinstance(m["content"], str))
-        self.tokenizer.warn_unknown(f"request {request_id}", contents, ids)
-        tok = self.tokenizer
-        if add_special_tokens and tok.add_bos and ids[:1] != [tok.bos_token_id]:
+        tok.warn_unknown(f"request {request_id}", contents, ids)
+        if bos and ids[:1] != [tok.bos_token_id]:
             ids = [tok.bos_token_id, *ids]
         return ids
 
@@ -245,24 +254,13 @@ class Preprocessor:
                            param="chat_template_kwargs")
         return kwargs
 
-    # ---- images in chat messages (docs/images.md) -----------------------------------------------
+    # ---- images and videos in chat messages (docs/images.md, docs/video.md) ---------------------
     async def chat_images(self, messages: list[p.ChatMessage], client: str) -> list:
-        """The images of the messages' image_url parts, fetched, decoded and preprocessed off the
-        event loop (media.py); a bad one is a 400 naming it."""
-        if not any(isinstance(m.content, list) and any(part.type in IMAGE_PART_TYPES for part in m.content) for m in messages):
+        """The items of the messages' image_url and video_url parts, fetched, decoded and
+        preprocessed off the event loop (media.py); a bad one is a 400 naming it."""
+        if not any(isinstance(m.content, list) and any(part.type in PART_MODALITY for part in m.content) for m in messages):
             return []
-        return await self.images.load([m.model_dump(exclude_none=True) for m in messages], client)
-
-    def with_images(self, ids: list[int], images: list) -> tuple[list[int] | PromptImages, list[list[int]]]:
-        """-> (the engine's prompt: with images, their placeholders expanded, here and only here; the
-        prompt ids that usage counts)."""
-        if not images:
-            return ids, [ids]
-        try:
-            expanded = self.engine.images.expand(ids, images)
-        except ImageError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_image") from None
-        return expanded, [expanded.token_ids]
+        return await self.media.load([m.model_dump(exclude_none=True) for m in messages], client)
 
     # ---- sampling parameters: resolved once, priced ----------------------------------------------
     def engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,

@@ -28,7 +28,7 @@ from blockdiff.entrypoints.anthropic.serving import AnthropicServingMessages
 from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, BodyAdmission, connection_limit, guarded_protocol
-from blockdiff.entrypoints.openai.media import ChatImages
+from blockdiff.entrypoints.openai.media import ChatMedia
 from blockdiff.entrypoints.openai.metrics import ServingMetrics
 from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, DetokenizeRequest, DetokenizeResponse,
                                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now,
@@ -124,10 +124,10 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     metrics = ServingMetrics(engine, cfg.served_model_names[0])
     engine.on_step, engine.on_finish = metrics.step, metrics.finished
     pool = WorkPool(cfg.preprocess_threads, cfg.preprocess_timeout, "blockdiff-preprocess")
-    images = ChatImages(engine.images, cfg.media,
+    media = ChatMedia(engine.mm, cfg.media,
                         WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
-    preprocess = Preprocessor(engine, pool, images, cfg.max_request_cost, cfg.max_response_bytes,
+    preprocess = Preprocessor(engine, pool, media, cfg.max_request_cost, cfg.max_response_bytes,
                               cfg.default_chat_template_kwargs)
     clients = ClientLimit(cfg.max_client_concurrency)
     shared = (engine, cfg.served_model_names, preprocess, clients, cfg.max_stream_buffer)
@@ -146,7 +146,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
             yield
         finally:
             await engine.stop()
-            for p in (pool, images.decode, images.fetch):
+            for p in (pool, media.decode, media.fetch):
                 p.shutdown()
 
     # The generation bodies take the fields of the model's sampler (protocol.request_types).

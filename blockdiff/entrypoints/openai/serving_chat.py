@@ -207,13 +207,14 @@ class OpenAIServingChat(OpenAIServing):
         ids = pre.chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=kwargs,
                               add_generation_prompt=generation_prompt(req),
                               continue_final_message=bool(req.continue_final_message), documents=req.documents,
-                              template=self.request_template(req), add_special_tokens=bool(req.add_special_tokens))
+                              template=self.request_template(req), add_special_tokens=bool(req.add_special_tokens),
+                              items=images)
         if req.truncate_prompt_tokens is not None:
             if images:
-                raise APIError(400, "truncate_prompt_tokens: a chat with images cannot be cut (its image tokens "
-                                    "come whole)", param="truncate_prompt_tokens")
+                raise APIError(400, "truncate_prompt_tokens: a chat with images or videos cannot be cut (their "
+                                    "tokens come whole)", param="truncate_prompt_tokens")
             ids = pre.truncated([ids], req.truncate_prompt_tokens)[0]
-        return pre.with_images(ids, images)
+        return (ids, [ids.token_ids]) if images else (ids, [ids])
 
     def request_template(self, req: p.ChatCompletionRequest) -> str | None:
         """A request's own chat template, which only a server started to trust them renders (vLLM's rule)."""

@@ -1,5 +1,5 @@
 """Images into model inputs, without transformers: decoding (Pillow), the Gemma 4 image processor,
-and the expansion of image placeholders in a prompt.
+and the image modality's processor (`ImageInput`), whose items replace each image placeholder.
 
 The processor follows the checkpoint's preprocessor_config.json as transformers' Gemma 4 image
 processor (its Pillow backend) does: convert to RGB (transparent pixels over white), resize with
@@ -12,7 +12,6 @@ transformers adds for batching; it becomes patches / pooling_kernel_size**2 soft
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import math
@@ -24,12 +23,14 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from blockdiff.multimodal import MediaError, MultiModalItem, pixel_digest
+
 # What the reference processor accepts as max_soft_tokens.
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
 
-class ImageError(ValueError):
+class ImageError(MediaError):
     """An image that cannot be used; the message names the problem."""
 
 
@@ -184,6 +185,11 @@ class ImageProcessor:
                 arr = np.array(resized)
                 arr = arr[..., None] if arr.ndim == 2 else arr
                 h, w = th, tw
+        return self.patches(arr)
+
+    def patches(self, arr: np.ndarray) -> ProcessedImage:
+        """A resized [H, W, C] uint8 array -> rescaled, normalized patches and their positions."""
+        h, w = arr.shape[:2]
         x = arr.astype(np.float64) * self.rescale_factor if self.do_rescale else arr
         x = x.astype(np.float32)
         if self.do_normalize:
@@ -197,8 +203,7 @@ class ImageProcessor:
         positions = np.stack([grid_x, grid_y], -1).reshape(-1, 2)
         pixels = torch.from_numpy(np.ascontiguousarray(patches))
         pos = torch.from_numpy(positions.astype(np.int64))
-        digest = hashlib.sha256(pixels.numpy().tobytes() + pos.numpy().tobytes()).digest()
-        return ProcessedImage(pixels, pos, (ph * pw) // self.pooling_kernel_size**2, digest)
+        return ProcessedImage(pixels, pos, (ph * pw) // self.pooling_kernel_size**2, pixel_digest(pixels, pos))
 
 
 def _rgb(image: Image.Image) -> Image.Image:
@@ -208,26 +213,35 @@ def _rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def expand_placeholders(
-    ids: list[int], counts: list[int], image_token: int, boi: int | None, eoi: int | None
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """Each image token of a rendered prompt -> <boi>, one image token per soft token, <eoi>, as the
-    checkpoint's processor expands it. -> (ids, [start, end) of each image's soft tokens)."""
-    found = ids.count(image_token)
-    if found != len(counts):
-        raise ImageError(f"the prompt has {found} image placeholders for {len(counts)} images")
-    out: list[int] = []
-    spans: list[tuple[int, int]] = []
-    images = iter(counts)
-    for t in ids:
-        if t != image_token:
-            out.append(t)
-            continue
-        n = next(images)
-        if boi is not None:
-            out.append(boi)
-        spans.append((len(out), len(out) + n))
-        out += [image_token] * n
-        if eoi is not None:
-            out.append(eoi)
-    return out, spans
+@dataclass(frozen=True)
+class ImageInput:
+    """The image modality's processor: a PIL image, encoded bytes or a file path -> an item of one
+    run, <boi>, one image token per soft token, <eoi>, as the checkpoint's processor expands the
+    image token that the chat template writes."""
+
+    processor: ImageProcessor
+    limits: ImageLimits
+    limit: int  # images one prompt may hold
+    placeholder: int  # the image token
+    boi: int | None
+    eoi: int | None
+    token_text: object = None  # token id -> its text (the tokenizer's), for text prompts; None without one
+    modality = "image"
+
+    @property
+    def max_bytes(self) -> int:
+        return self.limits.max_bytes
+
+    def load(self, source, what: str = "image") -> MultiModalItem:
+        if isinstance(source, MultiModalItem):
+            return source
+        return self.item(self.processor(as_image(source, self.limits, what)))
+
+    def item(self, image: ProcessedImage) -> MultiModalItem:
+        n = image.num_soft_tokens
+        head = [] if self.boi is None else [self.boi]
+        tail = [] if self.eoi is None else [self.eoi]
+        tokens = tuple(head + [self.placeholder] * n + tail)
+        text = "".join(map(self.token_text, tokens)) if self.token_text else None
+        return MultiModalItem("image", (image.pixel_values,), (image.position_ids,), tokens,
+                              ((len(head), len(head) + n),), image.digest, text)
