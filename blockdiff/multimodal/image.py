@@ -128,6 +128,31 @@ def fit_size(height: int, width: int, patch_size: int, max_patches: int, pooling
     return th, tw
 
 
+def processor_config(cls: type, path: str, own_file: str, key: str):
+    """A processor dataclass `cls` from the checkpoint's `own_file`, else processor_config.json's
+    `key` entry (transformers reads them so); None when it has neither. Means and deviations may be
+    one number for every channel."""
+    raw = None
+    for name, entry in ((own_file, None), ("processor_config.json", key)):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                raw = json.load(f)
+            raw = raw.get(entry) if entry else raw
+            if raw:
+                break
+    if not raw:
+        return None
+    fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+    for k in ("image_mean", "image_std"):
+        if k in fields:
+            v = fields[k]
+            fields[k] = tuple(float(x) for x in (v if isinstance(v, (list, tuple)) else [v] * 3))
+    proc = cls(**fields)
+    if proc.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
+        raise ValueError(f"{path}: max_soft_tokens must be one of {SUPPORTED_SOFT_TOKENS}, got {proc.max_soft_tokens}")
+    return proc
+
 @dataclass(frozen=True)
 class ImageProcessor:
     patch_size: int = 16
@@ -146,26 +171,7 @@ class ImageProcessor:
     def from_pretrained(cls, path: str) -> "ImageProcessor | None":
         """The checkpoint's preprocessor_config.json (processor_config.json's "image_processor"
         entry otherwise); None when it has neither."""
-        raw = None
-        for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
-            file = os.path.join(path, name)
-            if os.path.isfile(file):
-                with open(file) as f:
-                    raw = json.load(f)
-                raw = raw.get(key) if key else raw
-                if raw:
-                    break
-        if not raw:
-            return None
-        fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
-        for k in ("image_mean", "image_std"):
-            if k in fields:
-                v = fields[k]
-                fields[k] = tuple(float(x) for x in (v if isinstance(v, (list, tuple)) else [v] * 3))
-        proc = cls(**fields)
-        if proc.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
-            raise ValueError(f"{path}: max_soft_tokens must be one of {SUPPORTED_SOFT_TOKENS}, got {proc.max_soft_tokens}")
-        return proc
+        return processor_config(cls, path, "preprocessor_config.json", "image_processor")
 
     @property
     def max_patches(self) -> int:

@@ -17,7 +17,6 @@ ones are kept.
 from __future__ import annotations
 
 import io
-import json
 import os
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdiff.multimodal import MediaError, MultiModalItem, pixel_digest
-from blockdiff.multimodal.image import SUPPORTED_SOFT_TOKENS, fit_size
+from blockdiff.multimodal.image import fit_size, processor_config
 
 
 class VideoError(MediaError):
@@ -134,25 +133,9 @@ class VideoProcessor:
 
     @classmethod
     def from_pretrained(cls, path: str) -> "VideoProcessor | None":
-        raw = None
-        for name, key in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
-            file = os.path.join(path, name)
-            if os.path.isfile(file):
-                with open(file) as f:
-                    raw = json.load(f)
-                raw = raw.get(key) if key else raw
-                if raw:
-                    break
-        if not raw:
+        proc = processor_config(cls, path, "video_preprocessor_config.json", "video_processor")
+        if proc is None:
             return None
-        fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
-        for k in ("image_mean", "image_std"):
-            if k in fields:
-                v = fields[k]
-                fields[k] = tuple(float(x) for x in (v if isinstance(v, (list, tuple)) else [v] * 3))
-        proc = cls(**fields)
-        if proc.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
-            raise ValueError(f"{path}: max_soft_tokens must be one of {SUPPORTED_SOFT_TOKENS}, got {proc.max_soft_tokens}")
         if proc.resample not in _RESAMPLE:
             raise ValueError(f"{path}: video resample must be one of {sorted(_RESAMPLE)} (PIL's bilinear, bicubic)")
         return proc
