@@ -4,6 +4,7 @@ through its real cache and metadata."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -158,3 +159,11 @@ def import_test_file(path: str):
             del sys.modules[name]
             raise
     return sys.modules[name]
+
+
+def wait_until(done, timeout: float, every: float = 0.05) -> bool:
+    """Polls `done()` until it holds or `timeout` seconds pass; -> its last answer."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(every)
+    return done()

@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import wait_until
 
 from blockdiff.parallel import processes
 
@@ -123,10 +124,7 @@ def test_a_child_exits_when_its_parent_is_killed(started_from, entry):
         assert _alive(child), "the child did not outlive the thread that started it"
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 5
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(child), "the child outlived its parent"
+        assert wait_until(lambda: not _alive(child), 5), "the child outlived its parent"
     finally:
         parent.kill()
         parent.wait()

@@ -86,6 +86,20 @@ def test_lm_eval_local_completions_tokenizes_through_the_server_without_transfor
     assert float(right_score) > float(wrong_score)  # the sorted digits are the likelier continuation
 
 
+def _lm_eval(server, tmp_path, model: str, endpoint: str, task: str, *flags: str) -> dict:
+    """lm-eval's `model` against the server's /v1/`endpoint` on `task` (its yaml in tmp_path), as its
+    docs give it for a vLLM server: the task's metrics."""
+    out = tmp_path / "results"
+    run = subprocess.run(
+        [os.path.join(BIN, "lm_eval"), "--model", model, "--tasks", task, "--include_path", str(tmp_path),
+         "--output_path", str(out), *flags,
+         "--model_args", f"model={DEMO_CHECKPOINT},base_url={server.url}/v1/{endpoint},num_concurrent=8,max_retries=1"],
+        capture_output=True, text=True, timeout=600, env=OFFLINE)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [result] = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
+    return result["results"][task]
+
+
 @pytest.mark.slow  # ~25 s, most of it lm-eval's start; the test above scores through the same model in the default run
 def test_lm_eval_multiple_choice_ranks_the_sorted_digits_first(server, tmp_path):
     pytest.importorskip("lm_eval")
@@ -105,15 +119,7 @@ target_delimiter: ""
 metric_list:
   - metric: acc
 """)
-    out = tmp_path / "results"
-    run = subprocess.run(
-        [os.path.join(BIN, "lm_eval"), "--model", "local-completions", "--tasks", "demo_sort_choice",
-         "--include_path", str(tmp_path), "--output_path", str(out),
-         "--model_args", f"model={DEMO_CHECKPOINT},base_url={server.url}/v1/completions,num_concurrent=8,max_retries=1"],
-        capture_output=True, text=True, timeout=600, env=OFFLINE)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    [result] = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
-    accuracy = result["results"]["demo_sort_choice"]["acc,none"]
+    accuracy = _lm_eval(server, tmp_path, "local-completions", "completions", "demo_sort_choice")["acc,none"]
     print(f"lm-eval local-completions, demo_sort_choice (24 questions, 2 choices): acc {accuracy:.3f}")
     assert accuracy >= 0.9  # chance is 0.5
 
@@ -143,15 +149,8 @@ generation_kwargs:
 metric_list:
   - metric: exact_match
 """)
-    out = tmp_path / "results"
-    run = subprocess.run(
-        [os.path.join(BIN, "lm_eval"), "--model", "local-chat-completions", "--tasks", "demo_sort_gen",
-         "--include_path", str(tmp_path), "--output_path", str(out), "--apply_chat_template",
-         "--model_args", f"model={DEMO_CHECKPOINT},base_url={server.url}/v1/chat/completions,num_concurrent=8,max_retries=1"],
-        capture_output=True, text=True, timeout=600, env=OFFLINE)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    [result] = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
-    accuracy = result["results"]["demo_sort_gen"]["exact_match,none"]
+    accuracy = _lm_eval(server, tmp_path, "local-chat-completions", "chat/completions", "demo_sort_gen",
+                        "--apply_chat_template")["exact_match,none"]
     print(f"lm-eval local-chat-completions, demo_sort_gen (8 questions): exact match {accuracy:.3f}")
     assert accuracy >= 0.75
 

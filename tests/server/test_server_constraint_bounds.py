@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from helpers import wait_until
 from server_process import HealthProbe, ServerProcess, rss_mib, serve
 
 from benchmarks.structured_outputs import SCHEMA as TWENTY_FIELDS
@@ -219,10 +220,7 @@ def test_a_cached_schema_is_not_delayed_by_abandoned_builds(server):
     for t in threads:
         t.join()
     assert during < 5 * idle, (during, idle)
-    deadline = time.monotonic() + 3
-    while build_processes(server) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not build_processes(server), "builds went on after their clients hung up"
+    assert wait_until(lambda: not build_processes(server), 3), "builds went on after their clients hung up"
 
 
 @pytest.mark.slow
@@ -269,15 +267,9 @@ def test_no_build_outlives_the_server(tmp_path_factory, sig):
     try:
         thread = threading.Thread(target=build, daemon=True)
         thread.start()
-        deadline = time.monotonic() + 20
-        while not build_processes(proc) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert build_processes(proc), "no build started"
+        assert wait_until(lambda: build_processes(proc), 20), "no build started"
         proc.proc.send_signal(sig)
         proc.proc.wait(30)
-        deadline = time.monotonic() + 5
-        while build_processes(proc) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not build_processes(proc), "a build outlived the server"
+        assert wait_until(lambda: not build_processes(proc), 5), "a build outlived the server"
     finally:
         proc.close()

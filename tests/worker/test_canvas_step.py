@@ -205,23 +205,28 @@ def test_the_compiled_step_may_take_every_shape_of_its_engine():
     assert shape_count(4, 64, 4) == 3 * 6 * 2 and shape_count(33, 16, 16) == 7 * 2 * 2 and shape_count(1, 0, 16) == 4
 
 
+def _canvas_steps(checkpoints, slots: int, blocks: int, compile: bool):
+    """A static step's parts on a two-layer random model, outside an engine: (cache config, block
+    tables, request slots, CanvasSteps); the slots' canvases hold random tokens."""
+    model = load_model(checkpoints("two-layers", vocab_size=301, canvas_length=8, sliding_window=6, num_layers=2, seed=3))
+    cache = CacheConfig(num_slots=slots, num_blocks=blocks, block_size=4, max_model_len=64)
+    sampler, cpu = EntropyBound(), torch.device("cpu")
+    state = sampler.new_state(slots + 1, model.config.canvas_length, model.config.hidden_size, model.dtype, cpu)
+    state.canvas.copy_(torch.randint(3, 301, state.canvas.shape, generator=torch.Generator().manual_seed(0)))
+    tables = BlockTables(cache, {False, True}, cpu)
+    requests = RequestSlots(sampler, slots + 1, cpu)
+    steps = CanvasSteps(model, sampler, VocabParallel(model.shard, model.group), allocate(model, cache, "cpu"),
+                        geometry(model, cache), tables.tables, state, requests, cpu, compile=compile, cuda_graphs=False)
+    return cache, tables, requests, steps
+
+
 @pytest.mark.slow  # 12 dynamo traces of the whole step: ~18 s of CPU, 30-40 s on a shared machine
 def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
     """More shapes than dynamo's default recompile limit (8): buckets 1, 2 and 4 at three or four
     contexts, two with top-k sampling, through the step compiled with the engine's options (dynamo's
     graph-only backend: the graphs, no generated code). Each shape's outputs equal the eager step's."""
-    path = checkpoints("two-layers", vocab_size=301, canvas_length=8, sliding_window=6, num_layers=2, seed=3)
-    model = load_model(path)
-    cache = CacheConfig(num_slots=4, num_blocks=64, block_size=4, max_model_len=64)
-    cl, hidden = model.config.canvas_length, model.config.hidden_size
-    sampler = EntropyBound()
-    state = sampler.new_state(5, cl, hidden, model.dtype, torch.device("cpu"))
-    state.canvas.copy_(torch.randint(3, 301, (5, cl)))
-    tables = BlockTables(cache, {False, True}, torch.device("cpu"))
-    requests = RequestSlots(sampler, 5, torch.device("cpu"))
-    steps = CanvasSteps(model, sampler, VocabParallel(model.shard, model.group), allocate(model, cache, "cpu"),
-                        geometry(model, cache), tables.tables, state, requests, torch.device("cpu"), compile=True,
-                        cuda_graphs=False)
+    cache, tables, requests, steps = _canvas_steps(checkpoints, 4, 64, compile=True)
+    cl = steps.state.canvas.shape[1]
     graphs = []
 
     def backend(gm, example_inputs):
@@ -254,19 +259,9 @@ def test_steps_of_two_buckets_write_their_logits_into_one_buffer(checkpoints):
     """canvas_step with a logits buffer (what CanvasSteps hands every captured CUDA graph): the
     steps of 1 and 2 canvases both leave their distribution in that buffer, and their outputs are
     those of the step that makes its own logits."""
-    path = checkpoints("two-layers", vocab_size=301, canvas_length=8, sliding_window=6, num_layers=2, seed=3)
-    model = load_model(path)
-    cache = CacheConfig(num_slots=2, num_blocks=32, block_size=4, max_model_len=64)
-    cl, hidden = model.config.canvas_length, model.config.hidden_size
-    sampler = EntropyBound()
-    state = sampler.new_state(3, cl, hidden, model.dtype, torch.device("cpu"))
-    state.canvas.copy_(torch.randint(3, 301, (3, cl), generator=torch.Generator().manual_seed(0)))
-    tables = BlockTables(cache, {False, True}, torch.device("cpu"))
-    requests = RequestSlots(sampler, 3, torch.device("cpu"))
-    vocab = VocabParallel(model.shard, model.group)
-    steps = CanvasSteps(model, sampler, vocab, allocate(model, cache, "cpu"), geometry(model, cache), tables.tables, state,
-                        requests, torch.device("cpu"), compile=False, cuda_graphs=False)
-    buffer = torch.empty(2 * cl, model.shard.local_rows)
+    cache, tables, requests, steps = _canvas_steps(checkpoints, 2, 32, compile=False)
+    cl, sampler = steps.state.canvas.shape[1], steps.sampler
+    buffer = torch.empty(2 * cl, steps.model.shard.local_rows)
     for n in (1, 2):
         rows = [Row(slot, 5, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(n)]
         params = denoise_params([3] * n, [sampler.resolve(SamplingParams(), REFERENCE_DEFAULTS)] * n, list(range(n)))
