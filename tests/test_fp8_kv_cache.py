@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -72,15 +73,23 @@ def test_greedy_against_transformers_and_the_logits_error_bound():
     vocab = 112
     prompts = [_tokens(n, vocab, 100 + n) for n in (3, 11, 23)]
     drafts = [_tokens(24, vocab, 200 + n) for n in (3, 11, 23)]
-    with LLM(path, device="cpu", kv_cache_dtype="fp8") as llm:
-        params = [SamplingParams(max_tokens=24, max_denoising_steps=6, draft=d, ignore_eos=True, **GREEDY) for d in drafts]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+    params = [SamplingParams(max_tokens=24, max_denoising_steps=6, draft=d, **GREEDY) for d in drafts]
+    outs = {}
+    for dtype in ("auto", "fp8"):
+        with LLM(path, device="cpu", kv_cache_dtype=dtype) as llm:
+            outs[dtype] = llm.generate(prompts, params, use_tqdm=False)
     hf = load_hf(path)
-    for prompt, draft, out in zip(prompts, drafts, outs):
-        want = hf_generate_with_draft(hf, prompt, draft, max_new_tokens=24, max_denoising_steps=6, **GREEDY)[:24]
-        first = next((i for i, (a, b) in enumerate(zip(out.token_ids, want)) if a != b), None)
+    eos = set(hf.generation_config.eos_token_id or [])
+    for i, (prompt, draft) in enumerate(zip(prompts, drafts)):
+        want = hf_generate_with_draft(hf, prompt, draft, max_new_tokens=24, max_denoising_steps=6, **GREEDY)
+        want = want[: next((j + 1 for j, t in enumerate(want) if t in eos), 24)]
+        assert outs["auto"][i].token_ids == want  # the comparison itself is sound
+        got = outs["fp8"][i].token_ids
+        first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is None and len(got) != len(want):
+            first = min(len(got), len(want))
         print(f"prompt of {len(prompt)}: fp8 tokens first differ from transformers' at "
-              f"{'none' if first is None else first} of {len(want)}")
+              f"{'none' if first is None else first} ({len(got)} tokens, transformers' {len(want)})")
 
     model = load_model(path, dtype=torch.float32)
     layers = sum(1 for m in model.modules() if isinstance(m, Attention))
@@ -268,3 +277,49 @@ def test_the_flags(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "demo", "--kv-cache-dtype", "fp8_e5m2"])
     assert "invalid choice: 'fp8_e5m2'" in capsys.readouterr().err
+
+
+def test_the_static_step_over_an_fp8_cache_on_a_fake_h200():
+    """DiffusionGemma 26B-A4B's widths cut to a sliding and a full layer, bfloat16, on a fake H200
+    (tests/fake_cuda.py): the static step (what CUDA graphs capture) over an FP8 cache runs the
+    Triton kernel's FP8 path with the scales on the device, with no host read and no device mismatch."""
+    from fake_cuda import NoHostReads, fake_cuda, fake_module
+    from helpers import new_requests, whole_tables
+
+    from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
+    from blockdiff.model.attention_backends import triton_paged
+    from blockdiff.model.diffusion_gemma import DiffusionGemma
+    from blockdiff.model.registry import load_config
+    from blockdiff.parallel.group import TPGroup
+    from blockdiff.sampling_params import REFERENCE_DEFAULTS
+    from blockdiff.worker.canvas_step import CanvasSteps
+    from blockdiff.worker.model_runner import ModelRunner
+
+    config = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "diffusiongemma-26b-a4b.json"))
+    keep = (0, next(i for i, spec in enumerate(config.arch.layers) if not spec.sliding))
+    config = replace(config, windows=tuple(config.windows[i] for i in keep),
+                     arch=replace(config.arch, layers=tuple(config.arch.layers[i] for i in keep)))
+    cache = CacheConfig(num_slots=4, num_blocks=256, block_size=16, max_model_len=2048, kv_cache_dtype="fp8")
+    calls = []
+    original = triton_paged.paged_attention
+
+    def counted(q, k, v, k_cache, v_cache, table, tiles, bounds, block_size, k_scale=None, v_scale=None):
+        calls.append((k_cache.dtype, k_scale.device, k_scale.dtype))
+        return original(q, k, v, k_cache, v_cache, table, tiles, bounds, block_size, k_scale, v_scale)
+
+    with fake_cuda((9, 0)), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_paged, "paged_attention", counted)
+        model = fake_module(lambda: DiffusionGemma(config, TPGroup(), torch.bfloat16)).eval()
+        runner = ModelRunner(model, cache, "cuda", EntropyBound(), sampler_memory_gb=1.0)
+        assert all(t.dtype == torch.float8_e4m3fn and t.is_cuda for kv in runner.kv for t in kv)
+        steps = CanvasSteps(runner.model, runner.sampler, runner.vocab, runner.kv, runner.geometry,
+                            runner.tables.tables, runner.state, runner.requests, runner.device, compile=False,
+                            cuda_graphs=False)
+        cl = runner.canvas_length
+        rows = [Row(s, start, cl, True, tuple(range(64 * s, 64 * s + -(-start // 16)))) for s, start in ((0, 700), (1, 17))]
+        params = denoise_params([16] * 2, [EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)] * 2, [0, 1])
+        runner.tables.apply(whole_tables(rows))
+        runner.requests.admit(new_requests(rows, params))
+        with NoHostReads():
+            steps(rows, params.options())
+    assert calls == [(torch.float8_e4m3fn, torch.device("cuda", 0), torch.float32)] * 2

@@ -37,9 +37,8 @@ class TritonKind(WritesCache):
     def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor], scales: KVScales | None = None) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]; an FP8
         cache's entries times `scales`."""
-        k_scale, v_scale = (None, None) if scales is None else scales
         out = paged_attention(q, k, v, cache[0], cache[1], self.table, self.tiles, self.bounds, self.block_size,
-                              k_scale, v_scale)
+                              *(scales or ()))
         return out.flatten(1)
 
 
