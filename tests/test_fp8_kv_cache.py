@@ -323,3 +323,16 @@ def test_the_static_step_over_an_fp8_cache_on_a_fake_h200():
         with NoHostReads():
             steps(rows, params.options())
     assert calls == [(torch.float8_e4m3fn, torch.device("cuda", 0), torch.float32)] * 2
+
+
+def test_the_triton_backend_reads_fp8_from_capability_8_9(monkeypatch):
+    """Triton converts float8e4nv from Ada / Hopper on: with an FP8 cache "auto" keeps the reference
+    on an A100, and asking for triton there is refused."""
+    from blockdiff.model.attention_backends import choose_attention_backend
+
+    for capability, auto in (((9, 0), "triton"), ((8, 9), "triton"), ((8, 0), "reference")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert choose_attention_backend("cuda", torch.bfloat16, fp8_cache=True) == auto
+        assert choose_attention_backend("cuda", torch.bfloat16) == "triton"
+    with pytest.raises(ValueError, match="capability 8.9"):
+        choose_attention_backend("cuda", torch.bfloat16, "triton", fp8_cache=True)

@@ -65,7 +65,7 @@ class ModelRunner:
         self.kv = allocate(model, cache, self.device)
         if cache.calculate_kv_scales and cache.kv_cache_dtype != "auto":
             calculate_kv_scales(model)
-        backend = choose_attention_backend(self.device, model.dtype, attention_backend)
+        backend = choose_attention_backend(self.device, model.dtype, attention_backend, cache.kv_cache_dtype != "auto")
         self.geometry = replace(geometry(model, cache), backend=backend)
         self.kinds = layer_kinds(model)
         self.tables = BlockTables(cache, self.kinds, self.device)
