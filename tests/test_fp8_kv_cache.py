@@ -177,19 +177,24 @@ def test_the_cache_admits_twice_the_tokens(tiny):
 
 
 def test_prefix_caching_hits_as_with_the_model_dtype(tiny):
-    """The same hits (cached_tokens) with an FP8 cache as without: the cache manager counts blocks,
-    whatever their entries."""
+    """The same hits (cached_tokens) and the same KV events with an FP8 cache as without: the cache
+    manager counts and hashes blocks, whatever their entries."""
     prefix = [(11 * i) % 280 + 10 for i in range(40)]
-    cached = {}
+    cached, events = {}, {"auto": [], "fp8": []}
     for dtype in ("auto", "fp8"):
         with LLM(tiny, device="cpu", kv_cache_dtype=dtype, block_size=16, max_num_seqs=1, max_prefill_tokens=16,
                  max_model_len=128) as llm:
             params = SamplingParams(max_tokens=16, max_denoising_steps=8, seed=3, **GREEDY)
+            llm.engine.kv_event_sinks.append(events[dtype].extend)  # what a KV events publisher is given
             [alone] = llm.generate([prefix + [60, 61, 62]], params, use_tqdm=False)
             outs = llm.generate([prefix[:36] + [70, 71], prefix[:32], prefix + [60, 61, 62] + alone.token_ids],
                                 params, use_tqdm=False)
             cached[dtype] = [alone.num_cached_tokens] + [o.num_cached_tokens for o in outs]
     assert cached["fp8"] == cached["auto"] and cached["fp8"][1:] == [32, 32, 48]
+    # The same events, in order; those of the prompt's blocks equal (later blocks hold the generated
+    # tokens, which the FP8 cache changes).
+    assert [type(e).__name__ for e in events["fp8"]] == [type(e).__name__ for e in events["auto"]]
+    assert events["fp8"][:2] == events["auto"][:2] and type(events["fp8"][0]).__name__ == "BlockStored"
 
 
 # Sliding layers split 4 KV heads over 2 ranks; the full layer's one KV head is on both.
