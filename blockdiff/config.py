@@ -145,6 +145,9 @@ PREFIX_CACHE_SCOPES = ("client", "global")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # The attention backends' names (blockdiff/model/attention_backends), as vLLM's --attention-backend takes them.
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "triton")
+# vLLM's --kv-cache-dtype values that blockdiff runs: auto, the model's dtype; fp8 and fp8_e4m3, the
+# same thing (float8_e4m3fn entries with per-layer scales; docs/fp8.md, "FP8 KV cache").
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 # vLLM's --logprobs-mode: what a generated token's logprob (and its alternatives') reports. raw: the
 # model's own distribution, before the temperature; processed: the temperature-scaled one the
 # sampler drew from; *_logits: the logit values instead of log-probabilities. The first is the default.
@@ -276,6 +279,11 @@ class EngineConfig:
     kv_cache_memory: int | None = flag(None, "KV cache budget, e.g. 512MiB (default: enough for max-num-seqs at "
                                              "max-model-len)", parse="size")
     block_size: int = flag(16, "tokens per KV cache block", minimum=1)
+    kv_cache_dtype: str = flag("auto", "KV cache entries: auto (the model's dtype) or fp8 / fp8_e4m3 (one byte each, "
+                                       "float8_e4m3fn with a K and a V scale per layer: the checkpoint's k_scale / "
+                                       "v_scale, else 1.0, or --calculate-kv-scales)", choices=KV_CACHE_DTYPE_CHOICES)
+    calculate_kv_scales: bool = flag(False, "with an fp8 KV cache: each layer's K and V scales from the first "
+                                            "prefill's K/V (max |x| / 200 and / 100, vLLM's), then fixed")
     max_prefill_tokens: int = flag(2048, "prompt tokens prefilled per step",
                                    names=("--max-num-batched-tokens", "--max-prefill-tokens"), minimum=1)
     seed: int = flag(0, "engine seed: requests without a seed draw theirs from it")
@@ -446,6 +454,8 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got {self.prefix_cache_scope!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {self.kv_cache_dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.num_layers_override is not None and self.load_format != "dummy":

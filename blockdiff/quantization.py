@@ -94,8 +94,12 @@ def parse_quantization(raw: dict[str, Any] | None) -> Fp8Config | None:
             f"unsupported quantization method {method!r}: blockdiff runs compressed-tensors FP8 "
             f"({FORMAT!r}) checkpoints only"
         )
-    if raw.get("kv_cache_scheme"):
-        raise QuantizationError(f"unsupported kv_cache_scheme {raw['kv_cache_scheme']!r}: KV cache quantization is not supported")
+    kv = raw.get("kv_cache_scheme")
+    if kv and not (_is_fp8(kv) and kv.get("strategy") == "tensor" and not kv.get("dynamic")):
+        # A static per-tensor FP8 scheme stores self_attn.k_scale / v_scale, which an FP8 KV cache
+        # (--kv-cache-dtype fp8) reads; the cache's dtype is still the flag's, as in vLLM.
+        raise QuantizationError(f"unsupported kv_cache_scheme {kv!r}: blockdiff reads static per-tensor FP8 KV "
+                                "cache scales only")
     groups = raw.get("config_groups") or {}
     if not groups:
         raise QuantizationError("quantization_config has no config_groups")

@@ -145,6 +145,11 @@ class CacheConfig:
     block_size: int
     max_model_len: int
     num_sliding_blocks: int | None = None  # sliding-layer blocks; None: as many as full ones
+    # "auto": K/V stored in the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with per-layer scales
+    # (docs/fp8.md, "FP8 KV cache").
+    kv_cache_dtype: str = "auto"
+    # fp8: each layer's scales from the first prefill's K/V (their max |x| over every rank), then fixed.
+    calculate_kv_scales: bool = False
 
     @property
     def sliding_blocks(self) -> int:

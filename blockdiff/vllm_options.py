@@ -39,7 +39,6 @@ REFUSED = (
     (("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not implemented; use --tensor-parallel-size"),
     (("--quantization", "-q"), "the quantization is read from the checkpoint's quantization_config "
                                "(compressed-tensors FP8, docs/fp8.md); there is nothing to choose"),
-    (("--kv-cache-dtype",), "the KV cache is kept in the model's dtype"),
     (("--speculative-config",), "there is no speculative decoding; canvases are denoised in parallel already"),
 )
 # vLLM's DiffusionConfig's keys (--canvas-length, --max-denoising-steps here).

@@ -16,6 +16,7 @@ from blockdiff.engine.client import EngineClient
 from blockdiff.engine.dp_client import DPClient
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.model.registry import load_config
+from blockdiff.step import CacheConfig
 
 log = logging.getLogger("blockdiff")
 
@@ -83,6 +84,14 @@ def start_client(cfg: EngineConfig, max_queued_requests: int | None = None) -> E
     return DPClient(cfg, start_engine, max_queued_requests, env)
 
 
+def kv_dtype(cache: CacheConfig, model_dtype: str) -> str:
+    """The KV cache's entries, as the summary says them."""
+    if cache.kv_cache_dtype == "auto":
+        return f"{model_dtype} entries"
+    scales = "first prefill's" if cache.calculate_kv_scales else "checkpoint's or 1.0"
+    return f"fp8 (float8_e4m3fn) entries, per-layer scales ({scales})"
+
+
 def summary(engine: LLMEngine, threads: str) -> list[str]:
     """The startup summary, one log line each."""
     cfg, cache = engine.cfg, engine.executor.cache_config
@@ -91,5 +100,6 @@ def summary(engine: LLMEngine, threads: str) -> list[str]:
         f"model {cfg.model}: {dtype} on {cfg.resolved_device()}, tensor parallel size {cfg.tensor_parallel_size}",
         f"threads: {threads}",
         f"max_model_len {engine.max_model_len}, max_num_seqs {cache.num_slots}, "
-        f"KV cache {cache.num_blocks} blocks x {cache.block_size} = {cache.num_blocks * cache.block_size} tokens",
+        f"KV cache {cache.num_blocks} blocks x {cache.block_size} = {cache.num_blocks * cache.block_size} tokens, "
+        f"{kv_dtype(cache, dtype)}",
     ]

@@ -13,16 +13,22 @@ import torch
 from torch import nn
 
 from blockdiff.model.attention_backends import backend_module
-from blockdiff.model.attention_layout import (KEY_BLOCK, QUERY_TILE, ROW_ALIGN, AttentionMetadata, CacheGeometry,
-                                              Row, align)
+from blockdiff.model.attention_layout import (FP8_KV_DTYPE, KEY_BLOCK, QUERY_TILE, ROW_ALIGN, AttentionMetadata,
+                                              CacheGeometry, Row, align)
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.layers import RMSNorm, apply_rotary, unit_rms
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import column_parallel, row_parallel
 from blockdiff.quantization import covering
 
-__all__ = ["KEY_BLOCK", "QUERY_TILE", "ROW_ALIGN", "Attention", "AttentionMetadata", "CacheGeometry", "Row", "align",
-           "build_metadata", "canvas_metadata", "qkv_parts"]
+__all__ = ["FP8_KV_DTYPE", "KEY_BLOCK", "QUERY_TILE", "ROW_ALIGN", "Attention", "AttentionMetadata", "CacheGeometry",
+           "Row", "align", "build_metadata", "calculate_kv_scales", "canvas_metadata", "qkv_parts"]
+
+# --calculate-kv-scales: scale = max |x| of the first prefill / this, vLLM's K_SCALE_CONSTANT and
+# V_SCALE_CONSTANT. The headroom (448 / 200 and 448 / 100) leaves room for later tokens' larger
+# values, at the cost of some of E4M3's range below.
+K_SCALE_RANGE = 200.0
+V_SCALE_RANGE = 100.0
 
 
 def build_metadata(rows: list[Row], geometry: CacheGeometry, kinds: set[bool], device: torch.device | str,
@@ -78,6 +84,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.v_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, with_scale=False)
+        # An FP8 KV cache's per-layer scales (cache entry x scale = the value), float32 whatever the
+        # model's dtype: a checkpoint's self_attn.k_scale / v_scale where it has them, else vLLM's 1.0,
+        # or computed from the first prefill (`calculate_scales`, set by the runner). Not persistent:
+        # optional in a checkpoint, not saved.
+        self.group = group
+        self.register_buffer("k_scale", _scale_buffer(), persistent=False)
+        self.register_buffer("v_scale", _scale_buffer(), persistent=False)
+        self.calculate_scales = False
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         kind = meta.kind(self.spec.sliding)
@@ -92,5 +106,41 @@ class Attention(nn.Module):
         q = apply_rotary(q, kind.cos, kind.sin)
         k = apply_rotary(k, kind.cos, kind.sin)
 
-        kind.write(k, v, cache)  # first: an encoder row's queries read their own keys from the cache
-        return self.o_proj(kind.attend(q, k, v, cache))
+        scales = (self.k_scale, self.v_scale) if cache[0].dtype == FP8_KV_DTYPE else None
+        # num_encoder_tokens first: a step of canvases only (compiled, graphed) never reads the flag.
+        if meta.num_encoder_tokens and scales is not None and self.calculate_scales:
+            self._calculate_scales(k[: meta.num_encoder_tokens], v[: meta.num_encoder_tokens])
+        kind.write(k, v, cache, scales)  # first: an encoder row's queries read their own keys from the cache
+        return self.o_proj(kind.attend(q, k, v, cache, scales))
+
+    def _calculate_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The scales from this prefill's K/V, then fixed. Each rank holds only its own KV heads: the
+        max over the group, so that every rank (and a run on one) quantizes with the same scales."""
+        amax = torch.stack((k.abs().amax(), v.abs().amax())).float()
+        if self.group.size > 1:
+            self.group.all_reduce(amax, "max")
+        scales = (amax / amax.new_tensor([K_SCALE_RANGE, V_SCALE_RANGE])).clamp(min=torch.finfo(torch.float32).tiny)
+        self.k_scale.copy_(scales[0])
+        self.v_scale.copy_(scales[1])
+        self.calculate_scales = False
+
+
+def _scale_buffer() -> torch.Tensor:
+    scale = torch.ones((), dtype=torch.float32)
+    scale.weight_loader = _load_scale  # model/loader.py loads it where the checkpoint has one
+    return scale
+
+
+def _load_scale(scale: torch.Tensor, source, name: str) -> None:
+    """A compressed-tensors k_scale / v_scale: one value, stored as [] or [1]."""
+    value = torch.as_tensor(source[:] if len(source.get_shape()) else source[()]).float().reshape(-1)
+    if value.numel() != 1:
+        raise ValueError(f"tensor {name!r} has shape {list(source.get_shape())}: blockdiff takes one KV scale per layer")
+    scale.copy_(value[0])
+
+
+def calculate_kv_scales(model: nn.Module) -> None:
+    """Every attention layer of `model` computes its FP8 cache scales at its next prefill."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.calculate_scales = True

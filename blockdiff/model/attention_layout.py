@@ -33,18 +33,34 @@ def align(n: int) -> int:
     return -(-n // ROW_ALIGN) * ROW_ALIGN
 
 
+# An FP8 KV cache (--kv-cache-dtype fp8): E4M3 entries, K / k_scale and V / v_scale clamped to its
+# range, one scale each per layer (docs/fp8.md, "FP8 KV cache").
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0
+# A layer's (k_scale, v_scale), float32 scalars on the device, where its cache is FP8; else None.
+KVScales = tuple[torch.Tensor, torch.Tensor]
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale as FP8 E4M3 (round to nearest), clamped to ±448 rather than cast to NaN."""
+    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
 class KindAttention(Protocol):
     """One layer kind's (sliding or full) attention for one step, as a backend built it."""
 
     cos: torch.Tensor | None
     sin: torch.Tensor | None
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Stores the encoder tokens' K/V in the cache (before any row attends)."""
+    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+              scales: KVScales | None = None) -> None:
+        """Stores the encoder tokens' K/V in the cache (before any row attends), quantized by
+        `scales` where the cache is FP8."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim] (scale 1)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+               scales: KVScales | None = None) -> torch.Tensor:
+        """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim] (scale 1).
+        An FP8 cache's entries are read times `scales`; the forward's own k/v are used as they are."""
 
 
 @dataclass
@@ -179,9 +195,10 @@ class WritesCache:
 
     writes: "CacheWrite | None"
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+              scales: KVScales | None = None) -> None:
         if self.writes is not None:
-            self.writes.apply(k, v, cache)
+            self.writes.apply(k, v, cache, scales)
 
 
 @dataclass
@@ -208,9 +225,14 @@ class CacheWrite:
         return CacheWrite(torch.cat(src).to(device),
                           flat(table, torch.cat(dst_rows).to(device), torch.cat(dst_pos).to(device), block_size))
 
-    def apply(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        cache[0].index_copy_(1, self.dst, k.index_select(0, self.src).transpose(0, 1))
-        cache[1].index_copy_(1, self.dst, v.index_select(0, self.src).transpose(0, 1))
+    def apply(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+              scales: KVScales | None = None) -> None:
+        for i, x in enumerate((k, v)):
+            x = x.index_select(0, self.src).transpose(0, 1)
+            store = cache[i]
+            if scales is not None:  # the bytes: the CPU's index_copy_ has no float8 kernel
+                store, x = store.view(torch.uint8), quantize_kv(x, scales[i]).view(torch.uint8)
+            store.index_copy_(1, self.dst, x)
 
 
 def step_tables(rows: list[Row], sliding: bool, device: torch.device | str,

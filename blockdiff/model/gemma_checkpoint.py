@@ -28,6 +28,7 @@ _LAYER_RULES = [
     (r"self_attn\.v_proj\.weight", "attn.qkv_proj.weight", 2),
     (r"self_attn\.o_proj\.weight", "attn.o_proj.weight", None),
     (r"self_attn\.(q_norm|k_norm)\.weight", r"attn.\1.weight", None),
+    (r"self_attn\.(k_scale|v_scale)", r"attn.\1", None),  # compressed-tensors' FP8 KV cache scales
     (r"mlp\.gate_proj\.weight", "mlp.gate_up_proj.weight", 0),
     (r"mlp\.up_proj\.weight", "mlp.gate_up_proj.weight", 1),
     (r"mlp\.down_proj\.weight", "mlp.down_proj.weight", None),

@@ -53,6 +53,8 @@ def load_weights(model: nn.Module, path: str, fmt: CheckpointFormat) -> None:
     files = checkpoint_files(path)
     fmt.prepare(model, files)
     params = dict(model.named_parameters())
+    # Optional tensors, loaded where the checkpoint has them (an FP8 KV cache's k_scale / v_scale).
+    params.update((name, b) for name, b in model.named_buffers() if hasattr(b, "weight_loader"))
     seen_second, seen, unexpected = {}, set(), []
     for file in tqdm(files, desc="Loading checkpoint shards", unit="shard", disable=len(files) < 2):
         with safe_open(file, framework="pt") as f:

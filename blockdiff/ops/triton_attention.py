@@ -43,11 +43,11 @@ def _dot(a, b, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
 
 @triton.jit
 def _paged_attention(
-    Q, K, V, KC, VC, Table, Tiles, Bounds, Out,
+    Q, K, V, KC, VC, KS, VS, Table, Tiles, Bounds, Out,
     sqt, sqh, skt, skh, svt, svh, skch, skce, svch, svce, stab, sot, soh,
     table_width, block_size,
     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -69,6 +69,9 @@ def _paged_attention(
     lo = tl.load(Bounds + tokens * 2, mask=row_ok, other=2147483647)
     hi = tl.load(Bounds + tokens * 2 + 1, mask=row_ok, other=0)
 
+    if FP8:  # the cache's scales, read on the device (no host sync)
+        k_scale = tl.load(KS)
+        v_scale = tl.load(VS)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -84,7 +87,11 @@ def _paged_attention(
         entry = block * block_size + pos % block_size
         kd = key_ok[:, None] & d_ok[None, :]
         k = tl.load(KC + kv_head * skch + entry[:, None] * skce + offs_d[None, :], mask=kd, other=0.0)
+        if FP8:  # E4M3 widens exactly to q's dtype; the scale goes on the float32 products
+            k = k.to(Q.dtype.element_ty)
         s = _dot(q, tl.trans(k), PRECISION, WIDEN)
+        if FP8:
+            s = s * k_scale
         seen = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None]) & key_ok[None, :]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -93,7 +100,11 @@ def _paged_attention(
         alpha = tl.exp(m_i - shift)
         v = tl.load(VC + kv_head * svch + entry[:, None] * svce + offs_d[None, :], mask=kd, other=0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
+        if FP8:
+            v = v.to(Q.dtype.element_ty)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN) * v_scale
+        else:
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
         m_i = m_new
 
     # A canvas's own keys, every one seen by every query of the canvas.
@@ -128,12 +139,18 @@ def _check_devices(q: torch.Tensor, *others: torch.Tensor) -> None:
 
 @torch.library.custom_op("blockdiff::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    table: torch.Tensor, tiles: torch.Tensor, bounds: torch.Tensor, block_size: int) -> torch.Tensor:
+                    table: torch.Tensor, tiles: torch.Tensor, bounds: torch.Tensor, block_size: int,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention (scale 1) of q [tokens, heads, dim] over the paged cache k_cache / v_cache
     [kv heads, entries, dim] through `table` [rows, width] (block ids, -1 none) and the forward's
     own k / v [tokens, kv heads, dim], as `tiles` [tiles, 5] and `bounds` [tokens, 2] (int32) say
-    (module docstring). -> [tokens, heads, dim]; a token in no tile is zero."""
-    _check_devices(q, k, v, k_cache, v_cache, table, tiles, bounds)
+    (module docstring). -> [tokens, heads, dim]; a token in no tile is zero. An FP8 (float8_e4m3fn)
+    cache needs k_scale and v_scale, float32 scalars on the device: an entry means entry x scale."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("paged_attention: an FP8 cache needs k_scale and v_scale")
+    scales = (k_scale, v_scale) if fp8 else ()
+    _check_devices(q, k, v, k_cache, v_cache, table, tiles, bounds, *scales)
     tokens, heads, dim = q.shape
     out = torch.zeros_like(q)
     if tiles.shape[0] == 0:
@@ -147,12 +164,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (tiles.shape[0], heads)
     _paged_attention[grid](
-        q, k, v, k_cache, v_cache, table, tiles, bounds, out,
+        q, k, v, k_cache, v_cache, *(scales or (q, q)), table, tiles, bounds, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), table.stride(0),
         out.stride(0), out.stride(1), table.shape[1], block_size,
         GROUP=heads // kv_heads, DIM=dim, BLOCK_D=block_d, BLOCK_M=TILE, BLOCK_N=block_n, PRECISION=precision,
-        WIDEN=_WIDEN_UNDER_INTERPRETER and q.dtype != torch.float32,
+        WIDEN=_WIDEN_UNDER_INTERPRETER and q.dtype != torch.float32, FP8=fp8,
         # Two stages: K and V tiles of a head dim 512 (32 KB each) double-buffered stay within a
         # Hopper SM's shared memory, where three would not.
         num_warps=4 if block_d <= 256 else 8, num_stages=2,
@@ -161,6 +178,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 @paged_attention.register_fake
-def _(q, k, v, k_cache, v_cache, table, tiles, bounds, block_size):
-    _check_devices(q, k, v, k_cache, v_cache, table, tiles, bounds)
+def _(q, k, v, k_cache, v_cache, table, tiles, bounds, block_size, k_scale=None, v_scale=None):
+    _check_devices(q, k, v, k_cache, v_cache, table, tiles, bounds, *(t for t in (k_scale, v_scale) if t is not None))
     return torch.empty_like(q)

@@ -12,22 +12,27 @@ from __future__ import annotations
 import torch
 
 from blockdiff.config import EngineConfig
-from blockdiff.model.attention import CacheGeometry
+from blockdiff.model.attention import FP8_KV_DTYPE, CacheGeometry
 from blockdiff.model.interface import BlockDiffusionModel
 from blockdiff.step import CacheConfig
 
 
-def _bytes(model: BlockDiffusionModel, sliding: bool, positions: int) -> int:
-    size = torch.tensor([], dtype=model.dtype).element_size()
+def cache_dtype(model: BlockDiffusionModel, kv_cache_dtype: str) -> torch.dtype:
+    """The dtype of the cache's entries: the model's ("auto") or FP8 E4M3 ("fp8", "fp8_e4m3"), one byte."""
+    return model.dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPE
+
+
+def _bytes(model: BlockDiffusionModel, sliding: bool, positions: int, kv_cache_dtype: str) -> int:
+    size = torch.tensor([], dtype=cache_dtype(model, kv_cache_dtype)).element_size()
     return sum(2 * positions * s.kv_heads * s.head_dim * size for s in model.kv_cache_spec() if s.sliding == sliding)
 
 
-def cache_bytes_per_block(model: BlockDiffusionModel, block_size: int) -> int:
-    return _bytes(model, False, block_size)
+def cache_bytes_per_block(model: BlockDiffusionModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    return _bytes(model, False, block_size, kv_cache_dtype)
 
 
-def sliding_bytes_per_block(model: BlockDiffusionModel, block_size: int) -> int:
-    return _bytes(model, True, block_size)
+def sliding_bytes_per_block(model: BlockDiffusionModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    return _bytes(model, True, block_size, kv_cache_dtype)
 
 
 def sliding_blocks_needed(past: int, canvas_length: int, block_size: int, num_slots: int, max_prefill_tokens: int) -> int:
@@ -42,10 +47,10 @@ def sliding_blocks_needed(past: int, canvas_length: int, block_size: int, num_sl
 
 def size_cache(model: BlockDiffusionModel, cfg: EngineConfig, max_model_len: int) -> CacheConfig:
     """The cache `cfg` asks for, sized on a built (rank's) model, so per-rank head counts are right."""
-    per_block = cache_bytes_per_block(model, cfg.block_size)
+    per_block = cache_bytes_per_block(model, cfg.block_size, cfg.kv_cache_dtype)
     num_sliding = sliding_blocks_needed(model.config.window_past(max_model_len), model.config.canvas_length, cfg.block_size,
                                         cfg.max_num_seqs, cfg.max_prefill_tokens)
-    sliding = sliding_bytes_per_block(model, cfg.block_size) * num_sliding
+    sliding = sliding_bytes_per_block(model, cfg.block_size, cfg.kv_cache_dtype) * num_sliding
     if cfg.kv_cache_memory is None:
         num_blocks = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
     else:
@@ -59,7 +64,8 @@ def size_cache(model: BlockDiffusionModel, cfg: EngineConfig, max_model_len: int
             )
         else:
             num_blocks = budget // per_block
-    return CacheConfig(cfg.max_num_seqs, max(1, num_blocks), cfg.block_size, max_model_len, num_sliding)
+    return CacheConfig(cfg.max_num_seqs, max(1, num_blocks), cfg.block_size, max_model_len, num_sliding,
+                       cfg.kv_cache_dtype, cfg.calculate_kv_scales)
 
 
 def geometry(model: BlockDiffusionModel, cfg: CacheConfig) -> CacheGeometry:
@@ -71,10 +77,12 @@ def geometry(model: BlockDiffusionModel, cfg: CacheConfig) -> CacheGeometry:
 
 def allocate(model: BlockDiffusionModel, cfg: CacheConfig, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V) flat storage: [local KV heads, entries, head dim]. Head-major, so that one
-    copy of a row's cache blocks is already the [keys, head dim] operand of each KV head's product."""
+    copy of a row's cache blocks is already the [keys, head dim] operand of each KV head's product.
+    An FP8 cache holds K / scale and V / scale (model/attention.py keeps each layer's scales)."""
+    dtype = cache_dtype(model, cfg.kv_cache_dtype)
     out = []
     for spec in model.kv_cache_spec():
         entries = (cfg.sliding_blocks if spec.sliding else cfg.num_blocks) * cfg.block_size
         shape = (spec.kv_heads, entries, spec.head_dim)
-        out.append((torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device)))
+        out.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
     return out

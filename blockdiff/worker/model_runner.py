@@ -26,7 +26,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.sampler_kernels import choose_sampler_backend, sampler_kernels
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.ops.kernels import step_modes, target
-from blockdiff.model.attention import build_metadata
+from blockdiff.model.attention import build_metadata, calculate_kv_scales
 from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.step import CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
@@ -63,7 +63,9 @@ class ModelRunner:
             keep_freed_memory()
         self.cache_config = cache
         self.kv = allocate(model, cache, self.device)
-        backend = choose_attention_backend(self.device, model.dtype, attention_backend)
+        if cache.calculate_kv_scales and cache.kv_cache_dtype != "auto":
+            calculate_kv_scales(model)
+        backend = choose_attention_backend(self.device, model.dtype, attention_backend, cache.kv_cache_dtype != "auto")
         self.geometry = replace(geometry(model, cache), backend=backend)
         self.kinds = layer_kinds(model)
         self.tables = BlockTables(cache, self.kinds, self.device)

@@ -270,3 +270,27 @@ def test_the_kernel_compiles_whole():
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(starts, q, k, v, kc, vc), step(starts, q, k, v, kc, vc), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("sliding", [True, False], ids=["sliding", "full"])
+def test_fp8_cache_matches_the_reference(dtype, sliding):
+    """An FP8 (E4M3) cache with per-layer scales (--kv-cache-dtype fp8): the kernel loads the entries,
+    widens them and applies the scales as the reference does; the step's own K/V are quantized on
+    their way into the cache. Scales other than 1 so that a scale applied twice, or not at all, or
+    K's applied to V, shows."""
+    tokens = build_metadata(ROWS, GEO, {sliding}, "cpu", _tables(ROWS)).num_tokens
+    q, k, v, kc, vc = _inputs(4, 2, 16, dtype, tokens, v_is_k=False, seed=3)
+    scales = (torch.tensor(0.02), torch.tensor(0.05))
+    cache = tuple((c.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn) for c, s in zip((kc, vc), scales))
+
+    def attend(backend: str, scales) -> torch.Tensor:
+        kind = build_metadata(ROWS, replace(GEO, backend=backend), {sliding}, "cpu", _tables(ROWS)).kind(sliding)
+        c = tuple(t.clone() for t in cache)
+        kind.write(k, v, c, scales)
+        return kind.attend(q, k, v, c, scales).float()
+
+    want, got = attend("reference", scales), attend("triton", scales)
+    torch.testing.assert_close(got, want, **_tolerance(dtype))
+    wrong = attend("reference", (scales[1], scales[0]))
+    assert (wrong - want).abs().max() > 10 * (got - want).abs().max() + 1e-3

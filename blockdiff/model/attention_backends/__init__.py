@@ -45,21 +45,28 @@ def _triton_runs(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def choose_attention_backend(device: torch.device | str, dtype: torch.dtype, requested: str | None = None) -> str:
+def choose_attention_backend(device: torch.device | str, dtype: torch.dtype, requested: str | None = None,
+                             fp8_cache: bool = False) -> str:
     """The attention backend for `device` and the model's `dtype`: `requested` (a name of BACKENDS)
     if it can run there, else a ValueError saying why; None or "auto": triton on a CUDA device of
-    capability 8.0 or more where triton imports (bf16 products need Ampere), else reference. Its
-    module is imported here, at start-up."""
-    name = _choose(torch.device(device), dtype, requested)
+    capability 8.0 or more where triton imports (bf16 products need Ampere; 8.9 with an FP8 cache,
+    `fp8_cache`, whose float8e4nv loads Triton compiles from Ada on), else reference. Its module is
+    imported here, at start-up."""
+    name = _choose(torch.device(device), dtype, requested, fp8_cache)
     backend_module(name)
     return name
 
 
-def _choose(device: torch.device, dtype: torch.dtype, requested: str | None) -> str:
+# Triton converts float8e4nv from compute capability 8.9 (Ada, Hopper) on.
+FP8_CAPABILITY = (8, 9)
+
+
+def _choose(device: torch.device, dtype: torch.dtype, requested: str | None, fp8_cache: bool) -> str:
     has_triton = importlib.util.find_spec("triton") is not None
+    capability = FP8_CAPABILITY if fp8_cache else (8, 0)
     if requested in (None, AUTO):
         if (device.type == "cuda" and has_triton and dtype in TRITON_DTYPES
-                and torch.cuda.get_device_capability(device) >= (8, 0)):
+                and torch.cuda.get_device_capability(device) >= capability):
             return "triton"
         return "reference"
     if requested not in BACKENDS:
@@ -72,4 +79,7 @@ def _choose(device: torch.device, dtype: torch.dtype, requested: str | None) -> 
                              f"not on {device.type}; use 'reference' or 'auto'")
         if dtype not in TRITON_DTYPES:
             raise ValueError(f"attention backend 'triton' takes bfloat16, float16 or float32, not {dtype}")
+        if fp8_cache and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+            raise ValueError("attention backend 'triton' reads an FP8 KV cache on GPUs of compute capability 8.9 "
+                             "or more; use 'reference' or --kv-cache-dtype auto")
     return requested

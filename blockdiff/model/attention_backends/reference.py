@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.model.attention_layout import (AttentionMetadata, CacheGeometry, CacheWrite, Piece, Row, WritesCache,
-                                              align, canvas_positions, pieces, step_positions, step_tables, token_starts)
+from blockdiff.model.attention_layout import (FP8_KV_DTYPE, AttentionMetadata, CacheGeometry, CacheWrite, KVScales,
+                                              Piece, Row, WritesCache, align, canvas_positions, pieces, step_positions,
+                                              step_tables, token_starts)
 
 NAME = "reference"
 
@@ -61,15 +62,16 @@ class ReferenceKind(WritesCache):
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
 
-    def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]."""
+    def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor], scales: KVScales | None = None) -> torch.Tensor:
+        """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]; an FP8
+        cache's entries times `scales`."""
         n, heads, dim = q.shape
         g = self.groups[0]
         if len(self.groups) == 1 and g.gather is None and g.rows * g.q_len == n:
-            return _attend(q, k, v, g, cache, self.key_block, self.block_size).reshape(n, -1)
+            return _attend(q, k, v, g, cache, self.key_block, self.block_size, scales).reshape(n, -1)
         out = q.new_zeros(n, heads * dim)  # padding rows stay zero
         for g in self.groups:
-            o = _attend(q, k, v, g, cache, self.key_block, self.block_size).reshape(g.rows * g.q_len, -1)
+            o = _attend(q, k, v, g, cache, self.key_block, self.block_size, scales).reshape(g.rows * g.q_len, -1)
             if g.gather is None:
                 out[g.token_start : g.token_start + g.rows * g.q_len] = o
             else:
@@ -95,6 +97,8 @@ def _cached(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> to
     """The cache blocks `block_ids` of one layer's K or V ([kv heads, entries, dim]), in order:
     [kv heads, len(block_ids) * block_size, dim], one copy of whole blocks."""
     kv, entries, dim = cache.shape
+    if cache.dtype == FP8_KV_DTYPE:  # its bytes: not every device's index_select takes float8
+        return _cached(cache.view(torch.uint8), block_ids, block_size).view(FP8_KV_DTYPE)
     return cache.view(kv, entries // block_size, block_size * dim).index_select(1, block_ids).view(kv, -1, dim)
 
 
@@ -148,8 +152,10 @@ def _exp_minus(x: torch.Tensor, m: torch.Tensor, seen: torch.Tensor | None = Non
 
 
 def _attend(q, k, v, g: AttnGroup, cache: tuple[torch.Tensor, torch.Tensor], key_block: int,
-            block_size: int) -> torch.Tensor:
-    """Attention of one group (scale 1); returns [rows, q_len, heads, dim]."""
+            block_size: int, scales: KVScales | None = None) -> torch.Tensor:
+    """Attention of one group (scale 1); returns [rows, q_len, heads, dim]. An FP8 cache's entries
+    are widened to q's dtype (exactly: E4M3 fits in bfloat16, float16 and float32) and their
+    scales applied to the float32 products, q·k x k_scale and Σ p·v x v_scale."""
     qs = _rows(q, g)
     rows, length, heads, dim = qs.shape
     kv = cache[0].shape[0]
@@ -165,9 +171,11 @@ def _attend(q, k, v, g: AttnGroup, cache: tuple[torch.Tensor, torch.Tensor], key
     if g.blocks:
         # [kv, rows, blocks, key_block, dim] -> each block's keys as a [dim, key_block] operand
         keys = _cached(cache[0], g.cache_blocks, block_size).view(kv, rows, g.blocks, key_block, dim)
-        keys = keys.transpose(-1, -2).contiguous()
+        keys = keys.transpose(-1, -2).to(qs.dtype).contiguous()
         queries = stacked.unsqueeze(2).expand(kv, rows, g.blocks, *stacked.shape[2:])
         scores = _products(queries, keys).to(acc)  # [kv, rows, blocks, M, key_block]
+        if scales is not None:
+            scores.mul_(scales[0])
         # Over the query heads of a KV head. A 0 / -inf bias, not a broadcast masked_fill_ (~15x
         # slower on CPU): the same scores; the max over the keys first, then the blocks, as fast.
         seen = g.mask[None, :, :, None]
@@ -182,9 +190,11 @@ def _attend(q, k, v, g: AttnGroup, cache: tuple[torch.Tensor, torch.Tensor], key
     if g.blocks:
         # The unseen keys zeroed after the exp where exp is slow on -inf (the CPU); elsewhere exp(-inf).
         e = _exp_minus(scores, m[:, :, None, :, None], seen.to(acc) if scores.is_cpu else None, group)
-        values = _cached(cache[1], g.cache_blocks, block_size).view(kv, rows, g.blocks, key_block, dim)
+        values = _cached(cache[1], g.cache_blocks, block_size).view(kv, rows, g.blocks, key_block, dim).to(qs.dtype)
         reduce = _tree if g.tree else _fold
         total, out = reduce(e.sum(-1), 2), reduce(_products(e.to(values.dtype), values).to(acc), 2)
+        if scales is not None:
+            out = out * scales[1]
     if g.canvas:
         e = _exp_minus(canvas, m[..., None])
         own_total, own_out = e.sum(-1), _products(e.to(own_v.dtype), own_v).to(acc)

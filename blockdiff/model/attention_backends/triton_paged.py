@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.model.attention_layout import (AttentionMetadata, CacheGeometry, CacheWrite, Piece, Row, WritesCache,
-                                              canvas_positions, pieces, step_positions, step_tables, token_starts)
+from blockdiff.model.attention_layout import (AttentionMetadata, CacheGeometry, CacheWrite, KVScales, Piece, Row,
+                                              WritesCache, canvas_positions, pieces, step_positions, step_tables, token_starts)
 from blockdiff.ops.triton_attention import TILE, paged_attention
 
 NAME = "triton"
@@ -34,9 +34,11 @@ class TritonKind(WritesCache):
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
 
-    def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]."""
-        out = paged_attention(q, k, v, cache[0], cache[1], self.table, self.tiles, self.bounds, self.block_size)
+    def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor], scales: KVScales | None = None) -> torch.Tensor:
+        """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]; an FP8
+        cache's entries times `scales`."""
+        out = paged_attention(q, k, v, cache[0], cache[1], self.table, self.tiles, self.bounds, self.block_size,
+                              *(scales or ()))
         return out.flatten(1)
 
 
