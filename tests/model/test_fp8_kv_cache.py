@@ -300,7 +300,7 @@ def test_the_static_step_over_an_fp8_cache_on_a_fake_h200():
     from blockdiff.worker.canvas_step import CanvasSteps
     from blockdiff.worker.model_runner import ModelRunner
 
-    config = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "diffusiongemma-26b-a4b.json"))
+    config = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "diffusiongemma-26b-a4b.json"))
     keep = (0, next(i for i, spec in enumerate(config.arch.layers) if not spec.sliding))
     config = replace(config, windows=tuple(config.windows[i] for i in keep),
                      arch=replace(config.arch, layers=tuple(config.arch.layers[i] for i in keep)))
