@@ -189,11 +189,15 @@ def flat(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block
     return table[rows, positions // block_size] * block_size + positions % block_size
 
 
+@dataclass(kw_only=True)
 class WritesCache:
     """A backend's metadata of one layer kind, which writes the step's encoder K/V (`writes`, a
-    CacheWrite or None) into the cache before any row attends."""
+    CacheWrite or None) into the cache before any row attends; `cos` and `sin` are the step's
+    rotary tables, which the model sets."""
 
-    writes: "CacheWrite | None"
+    writes: "CacheWrite | None" = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
     def write(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
               scales: KVScales | None = None) -> None:

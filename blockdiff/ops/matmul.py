@@ -48,7 +48,8 @@ _PACKED: dict[int, dict[tuple, tuple[int, torch.Tensor]]] = {}
 def _packed(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of `weight` when it is (a view of) a parameter, made on its first
     product and again after the parameter is written in place; other tensors (an FP8 weight
-    dequantized for one product, a parameter made under inference_mode) as they are. The blocked copy gives the products' exact bits."""
+    dequantized for one product, a parameter made under inference_mode) as they are. The blocked
+    copy gives the products' exact bits."""
     base = weight if weight._base is None else weight._base
     # A parameter made under inference_mode keeps no version counter to notice writes by: unpacked too.
     if not isinstance(base, nn.Parameter) or base.is_inference():

@@ -58,9 +58,6 @@ class ReferenceKind(WritesCache):
     groups: list[AttnGroup]
     key_block: int
     block_size: int
-    writes: CacheWrite | None = None
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
 
     def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor], scales: KVScales | None = None) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]; an FP8
@@ -222,7 +219,7 @@ def build_metadata(rows: list[Row], geometry: CacheGeometry, kinds: set[bool], d
         groups = [_group(group, [index[p.row] for p in group], key, table, geometry, sliding, device)
                   for key, group in shapes.items()]
         kind = ReferenceKind(groups, kb, geometry.block_size,
-                             CacheWrite.of(rows, starts, table, index, geometry.block_size, device))
+                             writes=CacheWrite.of(rows, starts, table, index, geometry.block_size, device))
         if sliding:
             meta.sliding = kind
         else:

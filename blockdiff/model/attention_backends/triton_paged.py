@@ -30,9 +30,6 @@ class TritonKind(WritesCache):
     tiles: torch.Tensor  # [tiles, 5] int32: table row, first token, count, first own token, own count
     bounds: torch.Tensor  # [tokens, 2] int32: [lo, hi) cached positions each query token sees
     block_size: int
-    writes: CacheWrite | None = None
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
 
     def attend(self, q, k, v, cache: tuple[torch.Tensor, torch.Tensor], scales: KVScales | None = None) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv heads, dim] -> [tokens, heads * dim]; an FP8
@@ -76,7 +73,7 @@ def build_metadata(rows: list[Row], geometry: CacheGeometry, kinds: set[bool], d
                 tiles += [(index[i], t, min(TILE, p.token_start + p.length - t), *own)
                           for t in range(p.token_start, p.token_start + p.length, TILE)]
         kind = TritonKind(table, torch.tensor(tiles, dtype=torch.int32).view(-1, 5).to(device), bounds.to(device),
-                          geometry.block_size, CacheWrite.of(rows, starts, table, index, geometry.block_size, device))
+                          geometry.block_size, writes=CacheWrite.of(rows, starts, table, index, geometry.block_size, device))
         if sliding:
             meta.sliding = kind
         else:
