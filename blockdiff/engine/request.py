@@ -187,6 +187,12 @@ class Request:
         done = 1 + len(self.prompt_scores)  # the first prompt token is never scored
         return done if done < len(self.prompt_token_ids) else None
 
+    @property
+    def share(self) -> int:
+        """What the request takes of each step, for fairness (engine/scheduler.py): its row, and while
+        it scores its prompt, the canvas-sized piece it scores beside it."""
+        return 1 if self.next_score_start is None else 2
+
     def piece_to_score(self) -> tuple[int, int] | None:
         """The piece [start, end) to score now: the cache holds exactly the prompt before it."""
         start = self.next_score_start

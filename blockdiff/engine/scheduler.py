@@ -10,8 +10,10 @@ first come first served, while a slot is free and the cache holds their first ch
 prefix they find cached: admission asks for what a request needs now, not its worst case.
 
 Fairness is per client (`Request.client`; the server's is the caller's address): every engine
-request counts, so one API call's choices and prompts count as many. The next request admitted
-(the head) is the first waiting one of the client with the fewest requests running. When the head
+request counts, so one API call's choices and prompts count as many, and a request scoring its
+prompt counts twice while it does (`Request.share`: the piece it scores each step is a decoder row
+beside its own). The next request admitted (the head) is the first waiting one of the client with
+the smallest running share. When the head
 cannot be admitted, running requests that have committed `preempt_after` canvases since their
 admission give up their slot and blocks at their canvas boundary (COMMIT) and go to the back of the
 queue: those of the client with the most requests running first (oldest admission first among
@@ -84,8 +86,15 @@ class Scheduler:
     def _fits(self, req: Request) -> bool:
         return bool(self.free_slots) and self.kv.can_admit(req, self.max_prefill_tokens)
 
+    def _shares(self) -> Counter:
+        """Each client's share of the running requests (Request.share)."""
+        running = Counter()
+        for req in self.running:
+            running[req.client] += req.share
+        return running
+
     def _head(self, running: Counter) -> Request:
-        """The waiting request to admit next: the first of the client with the fewest running."""
+        """The waiting request to admit next: the first of the client with the smallest running share."""
         firsts: dict[str | None, int] = {}
         for i, req in enumerate(self.waiting):
             firsts.setdefault(req.client, i)
@@ -97,7 +106,7 @@ class Scheduler:
         preempted = []
         if self.preempt_after is None or not self.waiting:
             return preempted
-        running = Counter(req.client for req in self.running)
+        running = self._shares()
         head = self._head(running)
         # The busiest clients give first; a client running no more than the head's keeps its slots.
         for req in sorted(self.running, key=lambda r: -running[r.client]):
@@ -107,8 +116,8 @@ class Scheduler:
                 continue
             if req.client != head.client and running[req.client] <= running[head.client]:
                 continue
+            running[req.client] -= req.share
             self._preempt(req)
-            running[req.client] -= 1
             preempted.append(req)
         return preempted
 
@@ -151,7 +160,7 @@ class Scheduler:
             if req.state == State.PREFILL:
                 budget -= n
             i += 1
-        running = Counter(req.client for req in self.running)
+        running = self._shares()
         while self.waiting and self.free_slots and not out_of_memory:
             req = self._head(running)
             hit = self.kv.admit(req, budget)
@@ -160,7 +169,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.admit(self.free_slots.pop(), hit)
             self.running.append(req)
-            running[req.client] += 1
+            running[req.client] += req.share
             if req.state == State.DENOISE:  # everything was cached
                 decoder.append(req)
                 continue

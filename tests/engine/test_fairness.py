@@ -101,3 +101,25 @@ def test_one_call_of_many_prompts_does_not_hold_back_another_client(server):
 
 def server_model(server: ServerProcess) -> str:
     return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_a_request_scoring_its_prompt_counts_twice_for_its_client(tiny):
+    """Client a runs a request that scores its prompt (a canvas-sized piece each step beside its own
+    row), client b a plain one; with one slot left, b's waiting request goes first although a's was
+    queued before it (with every request counting once, the tie would go to a's, the older)."""
+    with LLM(tiny, max_num_seqs=3) as llm:
+        engine = llm.engine
+        scoring = engine.add_request(list(range(3, 63)), SamplingParams(max_tokens=8, prompt_logprobs=0, **GREEDY))
+        scoring.client = "a"
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, **GREEDY)).client = "b"
+        engine.step()
+        assert scoring.share == 2 and len(engine.scheduler.running) == 2
+        later_a = engine.add_request([8, 9], SamplingParams(max_tokens=8, **GREEDY))
+        later_a.client = "a"
+        later_b = engine.add_request([10, 11], SamplingParams(max_tokens=8, **GREEDY))
+        later_b.client = "b"
+        engine.step()
+        assert later_b.slot is not None and later_a.slot is None
+        while engine.has_unfinished():
+            engine.step()
+        assert scoring.share == 1 and len(scoring.prompt_scores) == 59
