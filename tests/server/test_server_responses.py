@@ -373,28 +373,29 @@ def test_another_client_can_neither_read_continue_nor_delete_a_stored_response(s
     assert call("127.0.0.1", "GET", f"/v1/responses/{made['id']}").json()["output"] == made["output"]
 
 
-@pytest.mark.slow  # a server of its own and 48 MiB of uploads: about 30 s
+@pytest.mark.slow  # a server of its own and 675 MiB of uploads
 def test_a_chain_of_large_turns_stays_within_the_store(tmp_path):
-    """The response store bounded, scaled to 4 MiB: 24 chained responses whose input carries a 2 MiB
-    reasoning summary (stored, never tokenized). The chain once kept every turn in its newest entry
-    (48 MiB); now each turn is stored once and the oldest go, so the server's memory stays flat."""
+    """The issue's attack at its size: 45 chained responses whose input carries a 15 MiB reasoning
+    summary (stored, never tokenized), against a 64 MiB store. The chain once kept every turn in its
+    newest entry (675 MiB); now each turn is stored once and the oldest go, so the server's memory
+    stays flat: within the store's cap of where it stood after the first turns."""
     import psutil
 
-    proc = ServerProcess(None, "--max-model-len", "256", "--responses-store-size", "4MiB",
+    proc = ServerProcess(None, "--max-model-len", "256", "--responses-store-size", "64MiB",
                          log_path=str(tmp_path / "server.log"))
     try:
         rss = psutil.Process(proc.proc.pid).memory_info
-        summary = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "z" * 2**21}]}
+        summary = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "z" * (15 * 2**20)}]}
         previous, before = None, None
-        for i in range(24):
+        for i in range(45):
             body = {"model": "demo", "input": [summary, {"role": "user", "content": "upper: abc"}], "max_output_tokens": 8}
             r = httpx.post(proc.url + "/v1/responses", json={**body, "previous_response_id": previous}, timeout=120)
             if r.status_code == 404:  # the chain's start was dropped to make room: start a new one
                 r = httpx.post(proc.url + "/v1/responses", json=body, timeout=120)
             assert r.status_code == 200, r.text
             previous = r.json()["id"]
-            if i == 3:
+            if i == 5:
                 before = rss().rss
-        assert rss().rss - before < 24 * 2**20, (rss().rss - before) / 2**20
+        assert rss().rss - before < 64 * 2**20, (rss().rss - before) / 2**20
     finally:
         proc.close()
