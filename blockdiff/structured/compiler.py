@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 CACHE_SIZE = 64  # automata kept (each holds an int32 per vocabulary token)
 FAILURE_TTL = 300.0  # seconds a constraint that could not be built is refused without building again
 # A byte DFA of more states is refused (its table takes 2 KiB a state, and every walk grows with it).
-MAX_STATES = 2**17
+MAX_STATES = 2**18
 
 
 class StructuredOutputs:

@@ -211,3 +211,18 @@ def test_forced_tool_call_arguments_in_the_gemma_format():
         for call in parsed.calls:
             assert call.name in ("forecast", "alerts")
             jsonschema.validate(call.arguments, params)
+
+
+@pytest.mark.slow  # the build alone takes ~16 s on a quiet 2-core Xeon
+def test_a_choice_of_two_thousand_long_strings_builds_and_is_followed():
+    """2,048 choices of 120 letters (a byte DFA of 241,082 states) within the build's bounds (60 s,
+    2 GiB): the output is one of them."""
+    import random
+    import string
+
+    rng = random.Random(0)
+    choices = ["".join(rng.choice(string.ascii_lowercase) for _ in range(120)) for _ in range(2048)]
+    with LLM(structured_outputs_timeout=60) as llm:
+        [out] = llm.generate(["pick: "], SamplingParams(max_tokens=128, max_denoising_steps=2, structured_outputs=
+                                                        StructuredOutputsParams(choice=choices)), use_tqdm=False)
+    assert out.outputs[0].text in choices
