@@ -207,6 +207,27 @@ def empty_enum(server, scale):  # finding 9
     return post(server, "/v1/chat/completions", _chat_body(response_format=fmt))
 
 
+def models_path(server, scale):  # finding 9: /v1/models named the checkpoint's absolute path
+    models = httpx.get(server.url + "/v1/models", timeout=60).json()["data"]
+    shown = [value for m in models for value in (m["id"], m.get("root")) if isinstance(value, str)]
+    return "absolute path shown" if any(os.path.isabs(v) for v in shown) else f"no path: {shown}"
+
+
+def nan_arguments(server, scale):  # finding 9: Responses tool-call arguments of NaN
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": NaN}'}
+    return post(server, "/v1/responses", json.dumps({"input": [{"role": "user", "content": "hi"}, call]}).encode())
+
+
+def long_choice(server, scale):  # finding 9: a choice of 2,048 strings of 120 characters
+    import random
+    import string
+
+    rng = random.Random(0)
+    choice = ["".join(rng.choice(string.ascii_lowercase) for _ in range(120)) for _ in range(int(2048 * scale))]
+    return post(server, "/v1/chat/completions", _chat_body(structured_outputs={"choice": choice}, max_tokens=128,
+                                                           max_denoising_steps=2))
+
+
 def kv_events_from_outside(server, scale):  # finding 4: another host subscribes to every client's prompts
     import psutil
     import zmq
@@ -265,7 +286,8 @@ TEXT_ATTACKS = {f.__name__: f for f in (tokenize_tool_messages, chat_tool_messag
                                         many_tool_descriptions, long_arguments, object_arguments, deep_arguments,
                                         n_times_draft, unfinished_bodies, exploding_schema, exploding_regex,
                                         schema_text, forced_tool, abandoned_builds, deep_constraint_text,
-                                        deep_responses_arguments, empty_enum, kv_events_from_outside,
+                                        deep_responses_arguments, empty_enum, models_path, nan_arguments,
+                                        long_choice, kv_events_from_outside,
                                         chained_responses, scoring_amplified, prefix_cache_oracle)}
 # Server flags an attack needs beyond the defaults
 ATTACK_FLAGS = {"kv_events_from_outside": ["--kv-events-config", '{"enable_kv_cache_events": true}']}
