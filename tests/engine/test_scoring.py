@@ -4,7 +4,6 @@ prompt before it in the cache (docs/architecture.md, "Scoring")."""
 
 from __future__ import annotations
 
-
 import httpx
 import openai
 import pytest
