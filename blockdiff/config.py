@@ -41,7 +41,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
     arch: Any  # the architecture's parsed config, with `first_layers(n)`
-    vision: "VisionConfig | None" = None  # the image encoder; None: a text-only checkpoint
+    # The image encoder (the architecture's: DiffusionGemma's model/gemma_config.VisionConfig, whose
+    # placeholder ids and patch sizes the engine's multimodal intake reads); None: a text-only checkpoint
+    vision: Any = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -494,33 +496,3 @@ class EngineConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """An image encoder (Gemma 4's `vision_config`, which the architecture parses) and how its soft
-    tokens enter the prompt: the engine expands image placeholders and preprocesses images by it."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_activation: str
-    rms_norm_eps: float
-    rope_theta: float
-    patch_size: int
-    pooling_kernel_size: int
-    position_embedding_size: int
-    clipped_linears: bool  # each linear clamps its input and output to stored bounds
-    standardize: bool  # soft tokens get (x - std_bias) * std_scale
-    image_token_id: int  # the placeholder each soft token replaces
-    boi_token_id: int | None
-    eoi_token_id: int | None
-    # use_bidirectional_attention == "vision": the tokens of one image attend to each other both
-    # ways inside the otherwise causal encoder pass of the prompt.
-    bidirectional: bool
-    # A video frame's soft token (Gemma 4's config.json has it, DiffusionGemma's does not: then the
-    # tokenizer's <|video|>, as transformers' processor takes it)
-    video_token_id: int | None = None

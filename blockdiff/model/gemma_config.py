@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from blockdiff.config import ConfigError, ModelConfig, VisionConfig, dtype_of
+from blockdiff.config import ConfigError, ModelConfig, dtype_of
 from blockdiff.quantization import Fp8Config, parse_quantization
 
 ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
@@ -147,6 +147,37 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         vision=_vision_config(raw, bidirectional == "vision"),
         raw=raw,
     )
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """An image encoder (Gemma 4's `vision_config`, which the architecture parses) and how its soft
+    tokens enter the prompt: the engine expands image placeholders and preprocesses images by it."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_activation: str
+    rms_norm_eps: float
+    rope_theta: float
+    patch_size: int
+    pooling_kernel_size: int
+    position_embedding_size: int
+    clipped_linears: bool  # each linear clamps its input and output to stored bounds
+    standardize: bool  # soft tokens get (x - std_bias) * std_scale
+    image_token_id: int  # the placeholder each soft token replaces
+    boi_token_id: int | None
+    eoi_token_id: int | None
+    # use_bidirectional_attention == "vision": the tokens of one image attend to each other both
+    # ways inside the otherwise causal encoder pass of the prompt.
+    bidirectional: bool
+    # A video frame's soft token (Gemma 4's config.json has it, DiffusionGemma's does not: then the
+    # tokenizer's <|video|>, as transformers' processor takes it)
+    video_token_id: int | None = None
+
 
 
 def _vision_config(raw: dict[str, Any], bidirectional: bool) -> VisionConfig | None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdiff.config import VisionConfig
+from blockdiff.model.gemma_config import VisionConfig
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.step import ImageInputs
 
