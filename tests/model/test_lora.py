@@ -1,0 +1,132 @@
+"""LoRA adapters (model/lora.py) against PEFT's unmerged model on transformers' DiffusionGemma (the oracle)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import DEVICE, Harness, Oracle, load_hf, rel_err
+
+from blockdiff.model.attention import build_metadata
+from blockdiff.model.interface import layer_kinds
+from blockdiff.model.loader import load_model
+from blockdiff.model.lora import LoRABatch, LoRAError, enable_lora, put_adapter, read_adapter
+from blockdiff.model.attention import Row
+
+peft = pytest.importorskip("peft")
+
+FP32_TOL = 1e-4
+# transformers' text modules that PEFT wraps (the vision tower's ClippableLinear is not a plain Linear)
+ATTN_MLP = (r".*model\.(?:encoder\.language_model|decoder)\.(?:layers\.\d+\.(?:self_attn|mlp)\.(?:q|k|v|o|gate|up|down)_proj"
+            r"|self_conditioning\.(?:gate|up|down)_proj)")
+
+
+def make_adapter(base: str, out: str, seed: int, r: int = 4, alpha: int = 8, target: str = ATTN_MLP, **kw) -> str:
+    """PEFT puts a random LoRA (init_lora_weights=False) on transformers' model of `base` and saves it."""
+    if not os.path.isdir(out):
+        torch.manual_seed(seed)
+        hf = load_hf(base)
+        cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target, init_lora_weights=False, **kw)
+        model = peft.get_peft_model(hf, cfg)
+        # scale B up so that the delta matters against the tiny random weights
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(4)
+        model.save_pretrained(out)
+    return out
+
+
+def peft_model(base: str, adapter: str):
+    return peft.PeftModel.from_pretrained(load_hf(base), adapter).eval()
+
+
+class LoRAHarness(Harness):
+    """Harness whose tokens all use adapter slot `slot`."""
+
+    def __init__(self, model, slot: int):
+        super().__init__(model)
+        self.slot = slot
+
+    @torch.no_grad()
+    def encode(self, ids):
+        row = Row(0, self.length, len(ids), False, self.blocks)
+        meta = build_metadata([row], self.geo, layer_kinds(self.model), DEVICE)
+        ids_t = torch.tensor(ids + [0] * (meta.num_tokens - len(ids)), device=DEVICE)
+        self.model(ids_t, meta, self.kv, lora=self.batch(meta, len(ids)))
+        self.length += len(ids)
+
+    def batch(self, meta, n):
+        index = torch.full((meta.num_tokens,), -1, dtype=torch.long, device=DEVICE)
+        index[:n] = self.slot
+        return LoRABatch(index, meta.num_encoder_tokens)
+
+    @torch.no_grad()
+    def decode(self, canvas, soft=None):
+        meta = build_metadata([Row(0, self.length, len(canvas), True, self.blocks)], self.geo, layer_kinds(self.model), DEVICE)
+        ids_t = torch.tensor(canvas + [0] * (meta.num_tokens - len(canvas)), device=DEVICE)
+        return self.model(ids_t, meta, self.kv, soft, lora=self.batch(meta, len(canvas)))
+
+
+def _tokens(n, vocab, seed):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny, tmp_path_factory):
+    return make_adapter(tiny, str(tmp_path_factory.mktemp("lora") / "a"), seed=0)
+
+
+def test_forward_parity_with_peft(tiny, adapter):
+    """Prefill (encoder mode), a committed canvas and a denoising step (decoder mode) with
+    self-conditioning: our logits are PEFT's unmerged model's."""
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    enable_lora(model, 2, 8)
+    put_adapter(model, 1, read_adapter(adapter))
+    mine, ref = LoRAHarness(model, 1), Oracle(peft_model(tiny, adapter).base_model.model)
+    base = Oracle(load_hf(tiny))
+    prompt, first, canvas = _tokens(5, 301, 0), _tokens(8, 301, 1), _tokens(8, 301, 2)
+    for side in (mine, ref, base):
+        side.encode(prompt)
+        side.encode(first)
+    sc = (torch.randn(8, 301, generator=torch.Generator().manual_seed(4)) * 3).to(DEVICE)
+    from blockdiff.parallel.self_conditioning import soft_embedding
+    soft = soft_embedding(sc.softmax(-1), model.embed.weight, model.embed_scale)
+    want = ref.decode(canvas, sc)
+    assert rel_err(mine.decode(canvas, soft), want) <= FP32_TOL
+    assert rel_err(base.decode(canvas, sc), want) > 100 * FP32_TOL  # the adapter matters
+
+
+def test_no_adapter_rows_are_the_base_model(tiny, adapter):
+    """Tokens of slot -1 in a model with a pool (an adapter loaded in another slot) get the base
+    model's logits, bit for bit."""
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    plain = Harness(load_model(tiny, dtype=torch.float32, device=DEVICE))
+    enable_lora(model, 2, 8)
+    put_adapter(model, 0, read_adapter(adapter))
+    mine = LoRAHarness(model, -1)
+    prompt, canvas = _tokens(5, 301, 0), _tokens(8, 301, 2)
+    mine.encode(prompt)
+    plain.encode(prompt)
+    assert torch.equal(mine.decode(canvas), plain.decode(canvas))
+
+
+def test_unsupported_targets_fail_at_load(tiny, tmp_path):
+    path = make_adapter(tiny, str(tmp_path / "router"), seed=1, target=r".*model\.decoder\.layers\.0\.router\.proj")
+    with pytest.raises(LoRAError, match=r"model\.decoder\.layers\.0\.router\.proj"):
+        read_adapter(path)
+    path = make_adapter(tiny, str(tmp_path / "experts"), seed=1, target=r".*model\.decoder\.layers\.0\.self_attn\.q_proj",
+                        target_parameters=["experts.gate_up_proj"])
+    with pytest.raises(LoRAError, match="experts"):
+        read_adapter(path)
+    cfg = json.load(open(os.path.join(path, "adapter_config.json")))
+    cfg["target_parameters"] = None
+    json.dump(cfg, open(os.path.join(path, "adapter_config.json"), "w"))
+    with pytest.raises(LoRAError, match="experts"):  # the tensors name them too
+        read_adapter(path)
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    enable_lora(model, 1, 2)
+    with pytest.raises(LoRAError, match="max-lora-rank"):
+        put_adapter(model, 0, read_adapter(make_adapter(tiny, str(tmp_path / "r4"), seed=2)))
