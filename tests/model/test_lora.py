@@ -152,8 +152,10 @@ def _requests(paths):
     return [LoRARequest(f"lora{i}", i + 1, p) for i, p in enumerate(paths)]
 
 
-def test_greedy_generation_matches_peft(tiny, adapters):
-    """blockdiff serving a PEFT adapter generates transformers' greedy tokens through PEFT's unmerged model."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_generation_matches_peft(tiny, adapters, tp):
+    """blockdiff serving a PEFT adapter generates transformers' greedy tokens through PEFT's unmerged
+    model, on one rank and on two (A and B sharded as their layers)."""
     from helpers import hf_generate_with_draft
 
     from blockdiff import LLM, SamplingParams
@@ -163,7 +165,7 @@ def test_greedy_generation_matches_peft(tiny, adapters):
     params = [SamplingParams(max_tokens=MAX_TOKENS, max_denoising_steps=STEPS, draft=d, ignore_eos=True, **GREEDY)
               for d in drafts]
     lora = _requests(adapters[:1])[0]
-    with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=8) as llm:
+    with LLM(tiny, device="cpu", tensor_parallel_size=tp, enable_lora=True, max_lora_rank=8) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
     hf = peft_model(tiny, adapters[0]).base_model.model
     base = load_hf(tiny)
