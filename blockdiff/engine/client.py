@@ -86,7 +86,7 @@ class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):
 
 def structured_specs(requests: list[tuple[Prompt, SamplingParams]]) -> list[StructuredOutputsParams]:
     """The distinct structured outputs of one call's requests: what `EngineClient.prepare` builds."""
-    return list({params.structured_outputs.key(): params.structured_outputs for _, params in requests
+    return list({params.structured_outputs.key(): params.structured_outputs for _, params, *_ in requests
                  if params.structured_outputs is not None}.values())
 
 class EngineClient(abc.ABC):
