@@ -8,13 +8,14 @@ blockdiff runs both modes in one forward (encoder tokens packed first, `num_enco
 each LoRA layer keeps a pair of deltas per adapter slot and applies each to its own mode's tokens.
 
 Every linear an adapter may target gets a `LoRALinear` holding a fixed pool of `slots` adapters of
-rank up to `max_rank`, both modes: A [2, P*S*R, in] and B [2, out, P*S*R] for a layer fused from P
-checkpoint projections (q/k/v, gate/up), adapter s's columns at p*S*R + s*R (zeros past its rank;
-its scale folded into B). A forward's tokens name their adapter slot (`LoRABatch.index`, -1: none);
-the segmented product is then one dense shrink x @ A^T over every slot's columns, a mask keeping
-each token's own slot's columns (others exactly zero), and one expand @ B^T, added to the base
-layer's output: static shapes, no host sync, and a token without an adapter gets exactly nothing
-added. Under tensor parallelism A and B are sharded as their base layer: column-parallel layers
+rank up to `max_rank`, both modes: A [2, P*S*R, in] and B [2, out, S*R] for a layer fused from P
+checkpoint projections (q/k/v, gate/up), adapter s's rows of A at p*S*R + s*R, its columns of B at
+s*R in part p's rows (zeros past its rank; its scale folded into B). A forward's tokens name their
+adapter slot (`LoRABatch.index`, -1: none); the segmented product is then one dense shrink x @ A^T
+over every slot's columns, a mask keeping each token's own slot's columns (others exactly zero),
+and one expand per part @ B_p^T, added to the base layer's output: static shapes, no host sync, and
+a token without an adapter gets exactly nothing added (a step none of whose rows has an adapter
+skips LoRA altogether: worker/request_slots.py). Under tensor parallelism A and B are sharded as their base layer: column-parallel layers
 keep their rows of B, row-parallel layers their columns of A, and the delta joins the base layer's
 partial product before its one all-reduce.
 """
@@ -66,15 +67,15 @@ class LoRALinear(nn.Module):
         self.slots, self.rank = slots, rank
         self.offsets = [sum(p[1] for p in parts[:i]) for i in range(len(parts))]
         out = sum(p[1] for p in parts)
-        width = len(parts) * slots * rank
-        self.register_buffer("a", torch.zeros(2, width, in_local, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("b", torch.zeros(2, out, width, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("a", torch.zeros(2, len(parts) * slots * rank, in_local, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("b", torch.zeros(2, out, slots * rank, dtype=dtype, device=device), persistent=False)
 
     def clear(self, slot: int) -> None:
         for p in range(len(self.parts)):
             c = (p * self.slots + slot) * self.rank
             self.a[:, c : c + self.rank] = 0
-            self.b[:, :, c : c + self.rank] = 0
+        self.b[:, :, slot * self.rank : (slot + 1) * self.rank] = 0
 
     def put(self, slot: int, mode: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float, name: str) -> None:
         """Adapter `slot`'s delta of `mode` for output part `part`: A [r, in], B [out, r] whole
@@ -89,20 +90,27 @@ class LoRALinear(nn.Module):
         c = (part * self.slots + slot) * self.rank
         off = self.offsets[part]
         self.a[mode, c : c + r] = a[:, self.in_start : self.in_start + self.in_local].to(self.a.dtype)
-        self.b[mode, off : off + local, c : c + r] = (b[start : start + local].float() * scale).to(self.b.dtype)
+        self.b[mode, off : off + local, slot * self.rank : slot * self.rank + r] = (
+            b[start : start + local].float() * scale).to(self.b.dtype)
 
     def forward(self, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """The delta [tokens, out] of the tokens `x` [tokens, in_local]."""
         mask = batch.masks(self.slots, self.rank, x.dtype)
-        if len(self.parts) > 1:
-            mask = mask.repeat(1, len(self.parts))
         ne = batch.num_encoder_tokens
         out = []
         if ne:
-            out.append(linear(linear(x[:ne], self.a[ENCODER]) * mask[:ne], self.b[ENCODER]))
+            out.append(self._delta(x[:ne], mask[:ne], ENCODER))
         if ne < x.shape[0]:
-            out.append(linear(linear(x[ne:], self.a[DECODER]) * mask[ne:], self.b[DECODER]))
+            out.append(self._delta(x[ne:], mask[ne:], DECODER))
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _delta(self, x: torch.Tensor, mask: torch.Tensor, mode: int) -> torch.Tensor:
+        shrunk = linear(x, self.a[mode])  # [n, P*S*R]: every slot's, each part's
+        if len(self.parts) == 1:
+            return linear(shrunk * mask, self.b[mode])
+        width = self.slots * self.rank
+        return torch.cat([linear(shrunk[:, p * width : (p + 1) * width] * mask, self.b[mode, off : off + part[1]])
+                          for p, (part, off) in enumerate(zip(self.parts, self.offsets))], dim=-1)
 
 
 def with_lora(base: torch.Tensor, layer: nn.Module, x: torch.Tensor, batch: LoRABatch | None) -> torch.Tensor:

@@ -219,7 +219,8 @@ class CanvasSteps:
         # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
         # these calls only; a shape beyond them would be a bug and still fails.
         context = max(k.shape[0] for k, _ in kv) if kv else 0
-        self.limits = dict(recompile_limit=steps_per_launch * shape_count(state.scratch, context, geometry.block_size))
+        self.limits = dict(recompile_limit=steps_per_launch * shape_count(state.scratch, context, geometry.block_size)
+                           * (2 if self.lora else 1))
         self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
                                                          2 * self.limits["recompile_limit"])
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -239,28 +240,30 @@ class CanvasSteps:
         context = context_of(rows, self.geometry.block_size)
         size = bucket(len(rows))
         host = host_inputs(rows, size, self.state.scratch)
-        # the options (e.g. restrict: top-k/p, min-p) and the steps per launch: a graph each
-        key = (size, context, tuple(options.items()), steps)
+        # the options (e.g. restrict: top-k/p, min-p), the steps per launch and whether a canvas has a
+        # LoRA adapter: a graph each
+        lora = self.lora and self.requests.any_adapter(rows)
+        key = (size, context, tuple(options.items()), steps, lora)
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
             with torch._dynamo.config.patch(**self.limits):
-                return inputs, self.fn(*self.step_args(context, inputs, options, steps))
+                return inputs, self.fn(*self.step_args(context, inputs, options, steps, lora))
         if graph is None:
             with torch._dynamo.config.patch(**self.limits):
-                graph, outputs = self._capture(self.step_args(context, inputs, options, steps))
+                graph, outputs = self._capture(self.step_args(context, inputs, options, steps, lora))
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs
 
-    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1) -> tuple:
+    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1, lora: bool = False) -> tuple:
         """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions,
-        with the sampler's step `options`."""
+        with the sampler's step `options`, and with the slots' LoRA adapters where `lora`."""
         return (self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state,
                 self.requests.starts, self.requests.params.with_options(options), inputs, steps, self.logits,
-                self.requests.adapters if self.lora else None)
+                self.requests.adapters if lora else None)
 
     def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).

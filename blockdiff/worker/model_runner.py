@@ -128,7 +128,9 @@ class ModelRunner:
             meta = build_metadata(rows, self.geometry, self.kinds, self.device, self.tables.tables)
             params = self.requests.step_params(slots, plan.denoise) if dec_rows else None
             images = None if plan.images is None else plan.images.to(self.device)
-            lora = None if self.lora is None else self.requests.token_adapters(plan.rows, meta.num_tokens)
+            lora = None  # a step whose rows have no adapter runs as without --enable-lora
+            if self.lora is not None and self.requests.any_adapter(plan.rows):
+                lora = self.requests.token_adapters(plan.rows, meta.num_tokens)
             score_logits, out = forward_step(self.model, self.sampler, self.vocab, self.kv, meta, self.state, slots,
                                              params, ids, scored_tokens, images, lora=lora)
             if plan.score is not None:
