@@ -179,11 +179,13 @@ class DiffusionGemma(nn.Module):
     ) -> torch.Tensor:
         """Last-layer hidden states of every token, before the final norm."""
         x = self.embed(input_ids)
+        if lora is not None:  # every LoRA layer reads one mask of the tokens' slots
+            lora = lora.with_mask(self.lora_slots, self.lora_rank, x.dtype)
         if images is not None:
             x[images.token_index] = self.vision.soft_tokens(images).to(x.dtype)
         ne, nd = meta.num_encoder_tokens, meta.num_decoder_tokens
         if nd:
-            sc_lora = None if lora is None else LoRABatch(lora.index[ne : ne + nd], 0)
+            sc_lora = None if lora is None else lora.rows(ne, ne + nd)
             x[ne : ne + nd] = self.self_conditioning(x[ne : ne + nd], soft_embeds, sc_lora)
         for key, rotary in self.rotary.items():
             kind = meta.kind(key == "sliding")

@@ -47,11 +47,16 @@ class LoRABatch:
 
     index: torch.Tensor
     num_encoder_tokens: int
+    mask: torch.Tensor | None = None  # [tokens, slots * rank] (`with_mask`), made once per forward
 
-    def masks(self, slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-        """[tokens, slots * rank]: 1 on the columns of each token's slot, 0 elsewhere."""
+    def with_mask(self, slots: int, rank: int, dtype: torch.dtype) -> "LoRABatch":
+        """The batch with its mask: 1 on the columns of each token's slot, 0 elsewhere."""
         cols = torch.arange(slots * rank, device=self.index.device) // rank
-        return (self.index.unsqueeze(1) == cols.unsqueeze(0)).to(dtype)
+        return LoRABatch(self.index, self.num_encoder_tokens, (self.index.unsqueeze(1) == cols.unsqueeze(0)).to(dtype))
+
+    def rows(self, start: int, end: int) -> "LoRABatch":
+        """The tokens [start, end), all in one mode (the self-conditioning MLP's: decoder tokens)."""
+        return LoRABatch(self.index[start:end], 0, None if self.mask is None else self.mask[start:end])
 
 
 class LoRALinear(nn.Module):
@@ -95,7 +100,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """The delta [tokens, out] of the tokens `x` [tokens, in_local]."""
-        mask = batch.masks(self.slots, self.rank, x.dtype)
+        mask = batch.mask if batch.mask is not None else batch.with_mask(self.slots, self.rank, x.dtype).mask
         ne = batch.num_encoder_tokens
         out = []
         if ne:
