@@ -209,3 +209,28 @@ def test_prefix_cache_keys_include_the_adapter(tiny, adapters):
     assert not other.num_cached_tokens
     assert again.num_cached_tokens
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_pool_holds_at_most_max_loras(tiny, adapters, tmp_path_factory):
+    """Cycling five adapters through two device slots (two kept in host memory): no error, each
+    request its tokens alone, and neither the device pool nor the host cache grows."""
+    from blockdiff import LLM, LoRARequest, SamplingParams
+
+    root = tmp_path_factory.mktemp("cycle")
+    paths = adapters + [make_adapter(tiny, str(root / f"c{i}"), seed=30 + i, r=4) for i in range(2)]
+    loras = [LoRARequest(f"c{i}", i + 1, p) for i, p in enumerate(paths)]
+    params = SamplingParams(max_tokens=8, max_denoising_steps=STEPS, seed=2, ignore_eos=True)
+    prompt = _tokens(6, 301, 9)
+    with LLM(tiny, device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=8) as llm:
+        runner = llm.engine.executor.runner
+        pools = [m for m in runner.model.modules() if type(m).__name__ == "LoRALinear"]
+        size = sum(b.numel() for m in pools for b in m.buffers())
+        first = [llm.generate([prompt], params, use_tqdm=False, lora_request=lo)[0].outputs[0].token_ids for lo in loras]
+        again = [llm.generate([prompt], params, use_tqdm=False, lora_request=lo)[0].outputs[0].token_ids
+                 for lo in reversed(loras)]
+        batch = [o.outputs[0].token_ids for o in llm.generate([prompt] * 5, params, use_tqdm=False, lora_request=loras)]
+        assert sum(b.numel() for m in pools for b in m.buffers()) == size
+        assert len(runner.lora.entries) <= 2
+        assert len(llm.engine.lora.held) == 2 and sum(llm.engine.lora.refs) == 0
+    assert again[::-1] == first == batch
+    assert len(set(map(tuple, first))) == len(first)
