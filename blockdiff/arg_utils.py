@@ -229,6 +229,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata}
     flags.update(_vllm_diffusion(args)[0])
     flags["allowed_media_domains"] = tuple(flags["allowed_media_domains"])
+    flags["lora_modules"] = tuple(flags["lora_modules"] or ())
     return EngineConfig(
         model=resolve_model(given_model(args), args.download_dir),
         tokenizer=None if args.tokenizer is None else resolve_tokenizer(args.tokenizer, args.download_dir),
