@@ -197,7 +197,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, created=created, root=model_root(limits.model), max_model_len=limits.max_model_len,
                                          canvas_length=limits.canvas_length, sampling_defaults=sampling_defaults)
                                for name in cfg.served_model_names]
-                         + [ModelCard(id=name, created=created, root=lo.lora_path, parent=cfg.served_model_names[0],
+                         + [ModelCard(id=name, created=created, root=model_root(lo.lora_path), parent=cfg.served_model_names[0],
                                       max_model_len=limits.max_model_len, canvas_length=limits.canvas_length,
                                       sampling_defaults=sampling_defaults)
                             for name, lo in list(loras.items())])
