@@ -320,7 +320,16 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.num_running, self.num_waiting, self.num_free_slots, self.kv_cache_usage,
                            self.kv.full.num_blocks, self.kv.queries, self.kv.hits, self.scheduler.num_preemptions,
-                           self.kv.block_size, self.kv.full.caching, self.kv.full.num_free, self.kv.scope)
+                           self.kv.block_size, self.kv.full.caching, self.kv.full.num_free, self.kv.scope,
+                           *self._lora_stats())
+
+    def _lora_stats(self) -> tuple:
+        """(running adapters, waiting adapters, adapter slots) for vllm:lora_requests_info."""
+        if self.lora is None:
+            return (), (), 0
+        running = sorted({r.lora.lora_name for r in self.scheduler.running if r.lora is not None})
+        waiting = sorted({r.lora.lora_name for r in self.scheduler.waiting if r.lora is not None})
+        return tuple(running), tuple(waiting), len(self.lora.held)
 
     @property
     def num_running(self) -> int:

@@ -100,3 +100,10 @@ def test_load_and_unload_at_runtime(server, client, loras, offline):
     assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "three"}).status_code == 404
     bad = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
     assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+
+
+def test_lora_requests_info_metric(server, client):
+    _complete(client, "one")
+    [info] = [s for s in server.metrics().samples if s.name == "vllm:lora_requests_info"]
+    assert info.labels["max_lora"] == "2"
+    assert set(info.labels) >= {"running_lora_adapters", "waiting_lora_adapters"}
