@@ -243,7 +243,7 @@ class CanvasSteps:
         # the options (e.g. restrict: top-k/p, min-p), the steps per launch and whether a canvas has a
         # LoRA adapter: a graph each
         lora = self.lora and self.requests.any_adapter(rows)
-        key = (size, context, tuple(options.items()), steps, lora)
+        key = (size, context, tuple(options.items()), steps) + ((lora,) if self.lora else ())
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]
