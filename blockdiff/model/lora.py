@@ -11,13 +11,14 @@ Every linear an adapter may target gets a `LoRALinear` holding a fixed pool of `
 rank up to `max_rank`, both modes: A [2, P*S*R, in] and B [2, out, S*R] for a layer fused from P
 checkpoint projections (q/k/v, gate/up), adapter s's rows of A at p*S*R + s*R, its columns of B at
 s*R in part p's rows (zeros past its rank; its scale folded into B). A forward's tokens name their
-adapter slot (`LoRABatch.index`, -1: none); the segmented product is then one dense shrink x @ A^T
-over every slot's columns, a mask keeping each token's own slot's columns (others exactly zero),
-and one expand per part @ B_p^T, added to the base layer's output: static shapes, no host sync, and
+adapter slot (`LoRABatch.index`, -1: none); the segmented product is then (on the CPU) one dense
+shrink x @ A^T over every slot's columns, a mask keeping each token's own slot's columns (others
+exactly zero), and one expand per part @ B_p^T, added to the base layer's output: static shapes, no host sync, and
 a token without an adapter gets exactly nothing added (a step none of whose rows has an adapter
-skips LoRA altogether: worker/request_slots.py). Under tensor parallelism A and B are sharded as their base layer: column-parallel layers
-keep their rows of B, row-parallel layers their columns of A, and the delta joins the base layer's
-partial product before its one all-reduce.
+skips LoRA altogether: worker/request_slots.py). On CUDA the product is two Triton kernels
+(ops/triton_lora.py) in which each token reads its own adapter only. Under tensor parallelism A and
+B are sharded as their base layer: column-parallel layers keep their rows of B, row-parallel layers
+their columns of A, and the delta joins the base layer's partial product before its one all-reduce.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ import torch
 from torch import nn
 
 from blockdiff.ops.matmul import linear
+
+try:
+    from blockdiff.ops.triton_lora import lora_expand, lora_shrink
+except ImportError:  # no Triton: the plain torch product runs everywhere
+    lora_expand = lora_shrink = None
 
 ENCODER, DECODER = 0, 1
 
@@ -75,6 +81,9 @@ class LoRALinear(nn.Module):
         self.register_buffer("a", torch.zeros(2, len(parts) * slots * rank, in_local, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("b", torch.zeros(2, out, slots * rank, dtype=dtype, device=device), persistent=False)
+        # each output row's part, for the Triton expand (CUDA)
+        self.register_buffer("part", torch.cat([torch.full((p[1],), i, dtype=torch.int32, device=device)
+                                                for i, p in enumerate(parts)]), persistent=False)
 
     def clear(self, slot: int) -> None:
         for p in range(len(self.parts)):
@@ -103,13 +112,17 @@ class LoRALinear(nn.Module):
         mask = batch.mask if batch.mask is not None else batch.with_mask(self.slots, self.rank, x.dtype).mask
         ne = batch.num_encoder_tokens
         out = []
+        index = batch.index
         if ne:
-            out.append(self._delta(x[:ne], mask[:ne], ENCODER))
+            out.append(self._delta(x[:ne], mask[:ne], ENCODER, index[:ne]))
         if ne < x.shape[0]:
-            out.append(self._delta(x[ne:], mask[ne:], DECODER))
+            out.append(self._delta(x[ne:], mask[ne:], DECODER, index[ne:].contiguous()))
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _delta(self, x: torch.Tensor, mask: torch.Tensor, mode: int) -> torch.Tensor:
+    def _delta(self, x: torch.Tensor, mask: torch.Tensor, mode: int, index: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and lora_shrink is not None:  # each token reads its own adapter only (ops/triton_lora.py)
+            shrunk = lora_shrink(x, self.a[mode], index, len(self.parts), self.slots, self.rank)
+            return lora_expand(x.new_zeros(x.shape[0], self.b.shape[1]), shrunk, self.b[mode], index, self.part, self.rank)
         shrunk = linear(x, self.a[mode])  # [n, P*S*R]: every slot's, each part's
         if len(self.parts) == 1:
             return linear(shrunk * mask, self.b[mode])
