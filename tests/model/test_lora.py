@@ -234,3 +234,29 @@ def test_pool_holds_at_most_max_loras(tiny, adapters, tmp_path_factory):
         assert len(llm.engine.lora.held) == 2 and sum(llm.engine.lora.refs) == 0
     assert again[::-1] == first == batch
     assert len(set(map(tuple, first))) == len(first)
+
+
+def test_lora_flags_and_misuse(tiny, adapters):
+    import argparse
+
+    from blockdiff import LLM, LoRARequest
+    from blockdiff.arg_utils import add_engine_args, engine_config, lora_modules
+
+    assert lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == [
+        LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/y", "m")]
+    with pytest.raises(ValueError, match="name=path"):
+        lora_modules(["nopath"])
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config(p.parse_args(["--model", tiny, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
+                                      "--max-cpu-loras", "5", "--lora-modules", "a=/x", "b=/y"]))
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.lora_modules) == (
+        True, 3, 32, 5, ("a=/x", "b=/y"))
+    with pytest.raises(ValueError, match="--enable-lora"):
+        engine_config(p.parse_args(["--model", tiny, "--lora-modules", "a=/x"]))
+    with LLM(tiny, device="cpu") as llm:  # without --enable-lora a request cannot name an adapter
+        with pytest.raises(ValueError, match="enable-lora"):
+            llm.generate([[5, 6]], lora_request=LoRARequest("a", 1, adapters[0]), use_tqdm=False)
+    with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=2) as llm:  # rank 4 > --max-lora-rank 2
+        with pytest.raises(LoRAError, match="max-lora-rank"):
+            llm.generate([[5, 6]], lora_request=LoRARequest("a", 1, adapters[0]), use_tqdm=False)
