@@ -54,10 +54,10 @@ class RequestSlots:
 
     def token_adapters(self, plan_rows: list[StepRow], tokens: int) -> torch.Tensor:
         """[tokens] each packed token's adapter slot (rows in order, then -1 padding)."""
-        slots = torch.tensor([r.slot for r in plan_rows], dtype=torch.long, device=self.device)
-        lengths = torch.tensor([r.length for r in plan_rows], dtype=torch.long, device=self.device)
-        index = self.adapters.index_select(0, slots).repeat_interleave(lengths)
-        return torch.cat((index, index.new_full((tokens - index.shape[0],), -1)))
+        # from the host's copy: one upload, no device read (a repeat by device lengths would sync)
+        adapters = torch.tensor([self.adapters_host[r.slot] for r in plan_rows], dtype=torch.long)
+        index = adapters.repeat_interleave(torch.tensor([r.length for r in plan_rows], dtype=torch.long))
+        return torch.cat((index, index.new_full((tokens - index.shape[0],), -1))).to(self.device)
 
     def advance(self, plan_rows: list[StepRow]) -> None:
         """The encoder rows' tokens are in the cache now."""
