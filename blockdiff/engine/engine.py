@@ -80,7 +80,7 @@ class LLMEngine:
                                  BlockPool(cache.sliding_blocks, cache.block_size, caching),
                                  self.model_config.window_past(self.max_model_len), cfg.prefix_cache_scope)
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
-        self.lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
+        self.lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank, self.model_config.arch) if cfg.enable_lora else None
         self.scheduler.lora = self.lora
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             self.tokenizer, self.vocab_size, timeout=cfg.structured_outputs_timeout, memory=cfg.structured_outputs_memory,

@@ -14,13 +14,14 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from blockdiff.engine.request import Request
-from blockdiff.model.lora import read_adapter
+from blockdiff.model.lora import check_fits, read_adapter
 from blockdiff.sampling_params import LoRARequest
 
 
 class LoRASlots:
-    def __init__(self, max_loras: int, max_lora_rank: int):
-        self.max_rank = max_lora_rank
+    def __init__(self, max_loras: int, max_lora_rank: int, model=None):
+        """model: the GemmaConfig the adapters must fit (None: not checked here)."""
+        self.max_rank, self.model = max_lora_rank, model
         self.held: list[tuple | None] = [None] * max_loras  # each slot's adapter (LoRARequest.key)
         self.refs = [0] * max_loras  # running requests using each slot
         self.recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # least recent first
@@ -28,9 +29,12 @@ class LoRASlots:
         self.checked: set[str] = set()  # adapter directories read once and found servable
 
     def check(self, lora: LoRARequest) -> None:
-        """Reads the adapter once (its config and tensors): a LoRAError names what cannot be served."""
+        """Reads the adapter once (its config and tensors) and checks that it fits the model: a
+        LoRAError names what cannot be served."""
         if lora.lora_path not in self.checked:
-            read_adapter(lora.lora_path, self.max_rank)
+            adapter = read_adapter(lora.lora_path, self.max_rank)
+            if self.model is not None:
+                check_fits(adapter, self.model)
             self.checked.add(lora.lora_path)
 
     def available(self, req: Request) -> bool:
@@ -62,13 +66,6 @@ class LoRASlots:
     def take_loads(self) -> dict[int, str]:
         loads, self.pending = self.pending, {}
         return loads
-
-    def drop(self, name: str) -> None:
-        """An unloaded adapter's idle slots are free for others (a running request keeps its own)."""
-        for s, key in enumerate(self.held):
-            if key is not None and key[0] == name and self.refs[s] == 0:
-                self.held[s] = None
-                self.pending.pop(s, None)
 
     def forget(self) -> None:
         """The workers are new: their slots hold nothing."""

@@ -265,6 +265,29 @@ def read_adapter(path: str, max_rank: int | None = None) -> Adapter:
     return Adapter(path, top, deltas)
 
 
+def check_fits(adapter: Adapter, config) -> None:
+    """LoRAError unless every delta of `adapter` fits the model of GemmaConfig `config` (a layer it
+    has, the projection's shape): checked when a request names it, so that a step never meets it."""
+    h, heads, inter = config.hidden_size, config.num_heads, config.intermediate_size
+    for (_, (layer, block, name), part), (a, b, _, module) in adapter.deltas.items():
+        if layer >= len(config.layers):
+            raise LoRAError(f"the adapter targets {module}, but the model has {len(config.layers)} layers")
+        if layer < 0 or block == "mlp":
+            shape = {"gate_up_proj": (inter, h), "down_proj": (h, inter)}[name]
+        else:
+            spec = config.layers[layer]
+            if part == 2 and not spec.has_v_proj:
+                raise LoRAError(f"the adapter targets {module}, which this checkpoint does not have (no v_proj in that layer)")
+            if name == "o_proj":
+                shape = (h, heads * spec.head_dim)
+            else:  # q, k, v
+                shape = ((heads if part == 0 else spec.num_kv_heads) * spec.head_dim, h)
+        out, inp = shape
+        if a.shape[1] != inp or b.shape[0] != out or b.shape[1] != a.shape[0]:
+            raise LoRAError(f"{module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the model "
+                            f"([r, {inp}] / [{out}, r])")
+
+
 def put_adapter(model: nn.Module, slot: int, adapter: Adapter | None) -> None:
     """Writes `adapter` into pool slot `slot` of every LoRA layer (None: clears it)."""
     layers = lora_layers(model)

@@ -260,3 +260,16 @@ def test_lora_flags_and_misuse(tiny, adapters):
     with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=2) as llm:  # rank 4 > --max-lora-rank 2
         with pytest.raises(LoRAError, match="max-lora-rank"):
             llm.generate([[5, 6]], lora_request=LoRARequest("a", 1, adapters[0]), use_tqdm=False)
+
+
+def test_an_adapter_of_another_model_is_refused_when_named(tiny, checkpoints, tmp_path):
+    """Checked against the model when a request names it: no step ever meets it."""
+    from blockdiff import LLM, LoRARequest
+
+    other = checkpoints("lora_other", vocab_size=301, canvas_length=8, num_layers=5, num_heads=4, num_kv_heads=2,
+                        head_dim=16, global_head_dim=32, num_global_kv_heads=1, seed=3)
+    path = make_adapter(other, str(tmp_path / "other"), seed=40)
+    with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=8) as llm:
+        with pytest.raises(LoRAError, match="do not fit the model|layers"):
+            llm.generate([[5, 6]], lora_request=LoRARequest("o", 1, path), use_tqdm=False)
+        assert llm.generate([[5, 6]], use_tqdm=False)[0].outputs[0].token_ids  # the engine goes on
