@@ -189,6 +189,9 @@ def test_mixed_batch_is_each_request_alone(tiny, adapters):
         alone = [llm.generate([p], params, use_tqdm=False, lora_request=[lo])[0].outputs[0].token_ids
                  for p, lo in zip(prompts, loras)]
         assert len(set(map(tuple, alone))) == len(alone)  # every adapter gives other tokens
+        # the static step ran with adapters (its shape key ends with the LoRA flag), and without
+        flags = {key[-1] for key in llm.engine.executor.runner.canvas_steps.shapes}
+        assert flags == {True, False}
     assert together == alone
     with LLM(tiny, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8) as llm:
         cycled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
