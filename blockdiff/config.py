@@ -182,6 +182,7 @@ def flag(default, help: str, **kwargs):
 
 _IMAGES = "images (docs/images.md)"
 _SCALING = "replicas and routers (docs/scaling.md)"
+_LORA = "LoRA adapters (docs/lora.md)"
 
 KV_EVENT_ENCODINGS = ("map", "array")
 
@@ -394,6 +395,14 @@ class EngineConfig:
     max_video_decoded_bytes: int = flag(256 * 1024 * 1024, "largest video's sampled frames decoded, at 3 bytes a pixel, "
                                                            "checked from its header before decoding, e.g. 256MiB",
                                         parse="size", group=_IMAGES)
+    enable_lora: bool = flag(False, "serve LoRA adapters in PEFT's format per request (docs/lora.md)", group=_LORA)
+    lora_modules: tuple[str, ...] = flag((), "adapters served from startup: name=path, or vLLM's JSON "
+                                             '{"name": ..., "path": ..., "base_model_name": ...}', metavar="LORA",
+                                         group=_LORA)
+    max_loras: int = flag(1, "LoRA adapters one step can run (the device's adapter slots)", minimum=1, group=_LORA)
+    max_lora_rank: int = flag(16, "largest LoRA rank served (each slot is sized for it)", minimum=1, group=_LORA)
+    max_cpu_loras: int | None = flag(None, "LoRA adapters kept read in host memory (default: --max-loras)", minimum=1,
+                                     group=_LORA)
     allowed_media_domains: tuple[str, ...] = flag(
         (), "hosts whose http(s) image URLs may be fetched (default: none; data: URLs always work)", metavar="DOMAIN",
         group=_IMAGES)
@@ -456,6 +465,8 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got {self.prefix_cache_scope!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {self.kv_cache_dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:

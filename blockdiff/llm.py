@@ -11,7 +11,7 @@ from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_media
 from blockdiff.engine.sync_client import SyncClient
 from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.outputs import RequestOutput
-from blockdiff.sampling_params import SamplingParams
+from blockdiff.sampling_params import LoRARequest, SamplingParams
 from blockdiff.engine.startup import start_client, start_engine
 from blockdiff.vllm_options import engine_keywords
 
@@ -71,8 +71,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request (with enable_lora=True): the LoRA adapter of every prompt, or one per prompt."""
         prompts = _as_prompt_list(prompts)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
+        if self.replicas is not None and any(loras):
+            raise ValueError("lora_request with data_parallel_size > 1 is not supported")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -87,7 +94,7 @@ class LLM:
         requests, warned = [], set()
         try:
             for i, prompt, c in choices:
-                requests.append(self.engine.add_request(prompt, c))
+                requests.append(self.engine.add_request(prompt, c, lora_request=loras[i]))
                 if isinstance(prompt, str) and i not in warned:
                     warned.add(i)
                     self.tokenizer.warn_unknown(f"request {requests[-1].request_id}", prompt, requests[-1].prompt_token_ids)

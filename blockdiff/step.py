@@ -156,6 +156,16 @@ class CacheConfig:
         return self.num_blocks if self.num_sliding_blocks is None else self.num_sliding_blocks
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """--enable-lora's pool (docs/lora.md): `max_loras` adapter slots on each rank's device, adapters
+    of rank up to `max_lora_rank`, the `max_cpu_loras` most recently used kept read in host memory."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
 @dataclass
 class ScorePlan:
     """Pieces of prompts scored this step (docs/architecture.md, "Scoring"): each piece goes through
@@ -215,6 +225,8 @@ class NewRequests:
     slots: list[int]
     positions: list[int]  # tokens of each one already in the cache (a prefix-cache hit: more than 0)
     params: StepParams  # [len(slots)] the sampler's per-request parameters: seed, per-canvas fields
+    # With --enable-lora: each one's adapter slot in the LoRA pool (-1: none); None: none has one
+    adapters: list[int] | None = None
 
 
 @dataclass
@@ -242,6 +254,9 @@ class StepPlan:
     new_canvas_steps: list[int] = field(default_factory=list)
     new_canvas_index: list[int] = field(default_factory=list)
     steps: int = 1  # denoising steps run back to back (only where every row is a canvas: the static step)
+    # With --enable-lora: adapters to write into LoRA pool slots before the step (slot -> the
+    # adapter's directory), sent once when the engine gives the slot a new adapter.
+    lora_loads: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass

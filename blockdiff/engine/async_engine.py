@@ -387,9 +387,9 @@ class AsyncEngine(EngineClient):
         for stream, requests, _ in adds:
             added = []
             try:
-                for rid, (prompt, params) in zip(stream.request_ids, requests):
-                    # Before the next step, which is the first to schedule it.
-                    self.engine.add_request(prompt, params, rid).client = stream.client
+                for rid, (prompt, params, *lora) in zip(stream.request_ids, requests):
+                    # Before the next step, which is the first to schedule it. A third item: its LoRARequest.
+                    self.engine.add_request(prompt, params, rid, *lora).client = stream.client
                     added.append(rid)
                 errors.append(None)
             except Exception as e:

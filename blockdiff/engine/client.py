@@ -59,6 +59,10 @@ class EngineStats:
     prefix_caching: bool
     kv_cache_free_blocks: int  # full-attention blocks that can be handed out (cached ones among them)
     prefix_cache_scope: str  # whose requests share cached prefixes (block_allocator.key_root)
+    # --enable-lora: the adapters of running and of waiting requests, and the device's adapter slots (0: no LoRA)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @staticmethod
     def total(stats: list[EngineStats]) -> EngineStats:
@@ -70,7 +74,8 @@ class EngineStats:
             used / max(1, blocks), blocks, sum(s.prefix_cache_queries for s in stats),
             sum(s.prefix_cache_hits for s in stats), sum(s.num_preemptions for s in stats),
             stats[0].block_size, stats[0].prefix_caching, sum(s.kv_cache_free_blocks for s in stats),
-            stats[0].prefix_cache_scope)
+            stats[0].prefix_cache_scope, tuple(sorted({n for s in stats for n in s.running_loras})),
+            tuple(sorted({n for s in stats for n in s.waiting_loras})), max(s.max_loras for s in stats))
 
 
 class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):
@@ -86,7 +91,7 @@ class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):
 
 def structured_specs(requests: list[tuple[Prompt, SamplingParams]]) -> list[StructuredOutputsParams]:
     """The distinct structured outputs of one call's requests: what `EngineClient.prepare` builds."""
-    return list({params.structured_outputs.key(): params.structured_outputs for _, params in requests
+    return list({params.structured_outputs.key(): params.structured_outputs for _, params, *_ in requests
                  if params.structured_outputs is not None}.values())
 
 class EngineClient(abc.ABC):

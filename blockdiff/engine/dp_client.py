@@ -271,7 +271,7 @@ class DPClient(EngineClient):
         stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests], client)
         groups: dict[_Replica, list[int]] = {}
         keys = []
-        for i, (prompt, params) in enumerate(requests):
+        for i, (prompt, params, *_) in enumerate(requests):  # a third item: the request's LoRARequest
             keys.append(self._keys(prompt, params, client))
             rep = self._route(keys[-1])
             groups.setdefault(rep, []).append(i)

@@ -29,6 +29,7 @@ from blockdiff.engine.multimodal import MultiModalIntake, split_prompt
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.kv_events import KVEvent, make_publisher
+from blockdiff.engine.lora_slots import LoRASlots
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
 from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
@@ -37,7 +38,7 @@ from blockdiff.executor import make_executor
 from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
-from blockdiff.sampling_params import ResolvedParams, SamplingParams, generation_defaults
+from blockdiff.sampling_params import LoRARequest, ResolvedParams, SamplingParams, generation_defaults
 from blockdiff.step import ImageInputs, MinTokens, ScorePlan, StepPlan, StepRow
 from blockdiff.structured.compiler import StructuredOutputs
 from blockdiff.tokenizer import Tokenizer
@@ -79,6 +80,8 @@ class LLMEngine:
                                  BlockPool(cache.sliding_blocks, cache.block_size, caching),
                                  self.model_config.window_past(self.max_model_len), cfg.prefix_cache_scope)
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
+        self.lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank, self.model_config.arch) if cfg.enable_lora else None
+        self.scheduler.lora = self.lora
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             self.tokenizer, self.vocab_size, timeout=cfg.structured_outputs_timeout, memory=cfg.structured_outputs_memory,
             builds=cfg.structured_outputs_builds)
@@ -117,15 +120,22 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | ResolvedParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, lora_request: LoRARequest | None = None) -> Request:
         """`prompt`: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data":
         {"image": ..., "video": ...}} with PIL images, encoded bytes or file paths, one per placeholder.
-        `params`: as the user gave them, or resolved for this prompt (`self.inputs.resolve`)."""
+        `params`: as the user gave them, or resolved for this prompt (`self.inputs.resolve`).
+        `lora_request`: the LoRA adapter it runs with (--enable-lora); a LoRAError where it cannot be served."""
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request names the LoRA adapter {lora_request.lora_name!r}, but LoRA is not "
+                                 "enabled (--enable-lora)")
+            self.lora.check(lora_request)
         prompt, media = split_prompt(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         req = self.inputs.process(request_id, prompt, params, media)
+        req.lora = lora_request
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -147,6 +157,8 @@ class LLMEngine:
         self.kv.forget()  # the prefixes the old workers held are gone too
         self._publish_kv_events()
         self.sent.forget()
+        if self.lora is not None:
+            self.lora.forget()
         return lost
 
     def has_unfinished(self) -> bool:
@@ -267,6 +279,7 @@ class LLMEngine:
             constraints=constraints,
             automata=automata,
             forget_automata=forget,
+            lora_loads=self.lora.take_loads() if self.lora is not None else {},
         )
 
     def _step_params(self, taken: list[Request]):
@@ -307,7 +320,16 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.num_running, self.num_waiting, self.num_free_slots, self.kv_cache_usage,
                            self.kv.full.num_blocks, self.kv.queries, self.kv.hits, self.scheduler.num_preemptions,
-                           self.kv.block_size, self.kv.full.caching, self.kv.full.num_free, self.kv.scope)
+                           self.kv.block_size, self.kv.full.caching, self.kv.full.num_free, self.kv.scope,
+                           *self._lora_stats())
+
+    def _lora_stats(self) -> tuple:
+        """(running adapters, waiting adapters, adapter slots) for vllm:lora_requests_info."""
+        if self.lora is None:
+            return (), (), 0
+        running = sorted({r.lora.lora_name for r in self.scheduler.running if r.lora is not None})
+        waiting = sorted({r.lora.lora_name for r in self.scheduler.waiting if r.lora is not None})
+        return tuple(running), tuple(waiting), len(self.lora.held)
 
     @property
     def num_running(self) -> int:

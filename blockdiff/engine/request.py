@@ -26,7 +26,7 @@ import torch
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.multimodal import Placeholder
 from blockdiff.outputs import TokenLogprob
-from blockdiff.sampling_params import SamplingParams
+from blockdiff.sampling_params import LoRARequest, SamplingParams
 from blockdiff.structured.compiler import OutputConstraint
 
 
@@ -99,6 +99,8 @@ class Request:
     # Keys of the full blocks of prompt + output, for prefix lookups while the request waits; its
     # tokens only grow, so they stay valid until num_tokens changes.
     prefix_keys: list = field(default_factory=list)
+    lora: LoRARequest | None = None  # its LoRA adapter (--enable-lora); None: the base model
+    lora_slot: int = -1  # the workers' LoRA pool slot its adapter holds while it is admitted (engine/lora_slots.py)
     key_root: bytes | None = None  # the parent key of its first block: whom it shares cached K/V with (kv_cache_manager.py)
     num_cached: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

@@ -52,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in order of admission
         self.num_preemptions = 0
+        self.lora = None  # --enable-lora: the adapters' device slots (engine/lora_slots.py LoRASlots), a resource like the slots
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -73,6 +74,8 @@ class Scheduler:
         self.kv.cached(request)
 
     def _free(self, request: Request) -> None:
+        if self.lora is not None:
+            self.lora.release(request)
         self.free_slots.append(request.slot)
         self.kv.free(request)
 
@@ -163,11 +166,15 @@ class Scheduler:
         running = self._shares()
         while self.waiting and self.free_slots and not out_of_memory:
             req = self._head(running)
+            if self.lora is not None and not self.lora.available(req):  # it waits for an adapter slot
+                break
             hit = self.kv.admit(req, budget)
             if hit is None:
                 break
             self.waiting.remove(req)
             req.admit(self.free_slots.pop(), hit)
+            if self.lora is not None:
+                self.lora.acquire(req)
             self.running.append(req)
             running[req.client] += req.share
             if req.state == State.DENOISE:  # everything was cached

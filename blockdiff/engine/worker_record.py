@@ -53,7 +53,9 @@ class WorkerRecord:
             full += [(req.slot, i, b) for i, b in enumerate(req.blocks[sent_full:], sent_full)]
             sliding += [(req.slot, i, b) for i, b in enumerate(req.sliding_blocks[sent_sliding:], sent_sliding)]
             self._slots[req.slot] = (req, admission, len(req.blocks), len(req.sliding_blocks))
-        new = NewRequests([r.slot for r in taken], [r.num_cached for r in taken], step_params(taken)) if taken else None
+        adapters = [r.lora_slot for r in taken]
+        new = NewRequests([r.slot for r in taken], [r.num_cached for r in taken], step_params(taken),
+                          adapters if any(a >= 0 for a in adapters) else None) if taken else None
         if not (taken or full or sliding):
             return new, None
         return new, TableDelta.of([r.slot for r in taken], full, sliding)

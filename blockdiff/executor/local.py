@@ -8,9 +8,16 @@ from blockdiff.config import EngineConfig, ModelConfig
 from blockdiff.diffusion.registry import make_sampler
 from blockdiff.model.loader import load_model
 from blockdiff.parallel.group import TPGroup
-from blockdiff.step import CacheConfig, StepOutput, StepPlan
+from blockdiff.step import CacheConfig, LoRAConfig, StepOutput, StepPlan
 from blockdiff.worker.kv_cache import size_cache
 from blockdiff.worker.model_runner import ModelRunner
+
+
+def lora_config(cfg: EngineConfig) -> LoRAConfig | None:
+    """The workers' LoRA pool of --enable-lora; None without it."""
+    if not cfg.enable_lora:
+        return None
+    return LoRAConfig(cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras)
 
 
 class LocalExecutor:
@@ -20,7 +27,7 @@ class LocalExecutor:
         self.cache_config: CacheConfig = size_cache(model, cfg, max_model_len)
         self.runner = ModelRunner(model, self.cache_config, device, make_sampler(sampler), cfg.tune_cpu_heap,
                                   cfg.sampler_memory_gb, *cfg.step_modes(device), cfg.steps_per_launch(device),
-                                  cfg.attention_backend, cfg.logprobs_mode)
+                                  cfg.attention_backend, cfg.logprobs_mode, lora_config(cfg))
         self.steps_per_launch = self.runner.steps_per_launch  # 1 where the model's step is not static
 
     def execute(self, plan: StepPlan) -> StepOutput | None:

@@ -41,10 +41,11 @@ class BlockDiffusionModel(Protocol):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: list[tuple[torch.Tensor, torch.Tensor]],
                 soft_embeds: torch.Tensor | None = None, images: ImageInputs | None = None,
-                logits_out: torch.Tensor | None = None) -> torch.Tensor:
+                logits_out: torch.Tensor | None = None, lora=None) -> torch.Tensor:
         """Packed [encoder | decoder | padding] ids -> float32 logits of the decoder tokens over this
         rank's vocabulary rows (in `logits_out` where given); encoder rows append their K/V to
-        `cache`. `images`: soft tokens that replace image placeholders among the encoder tokens."""
+        `cache`. `images`: soft tokens that replace image placeholders among the encoder tokens.
+        `lora`: the tokens' LoRA adapters (model/lora.py LoRABatch), or None."""
         ...
 
     def static_shapes(self, device: torch.device) -> bool:

@@ -54,9 +54,10 @@ class GatedMLP(nn.Module):
         self.down_proj = row_parallel(intermediate, hidden, group, dtype, covering(quant, f"{prefix}.down_proj"))
         self.act = activation(act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: the tokens' adapters (model/lora.py LoRABatch) or None."""
+        gate, up = self.gate_up_proj(x, lora).split(self.local, dim=-1)
+        return self.down_proj(self.act(gate) * up, lora)
 
 
 class Router(nn.Module):

@@ -118,8 +118,13 @@ class ColumnParallelLinear(nn.Module):
         off = self.offsets[part]
         copy_into(param.data[off : off + local], source[start : start + local])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: the forward's adapters (model/lora.py LoRABatch), added where this layer has a pool."""
+        y = linear(x, self.weight)
+        pool = self._modules.get("lora")  # a LoRA pool (model/lora.py enable_lora): only with --enable-lora
+        if lora is not None and pool is not None:
+            y = y + pool(x, lora)
+        return y
 
 
 class Fp8ColumnParallelLinear(ColumnParallelLinear):
@@ -139,7 +144,7 @@ class Fp8ColumnParallelLinear(ColumnParallelLinear):
         off = self.offsets[part]
         load_scale(param.data[off : off + local], source, name, global_rows, start, local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # no LoRA pool on FP8 layers (model/lora.py)
         return fp8_linear(x, self.weight, self.weight_scale, self.activations, self.input_scale)
 
 
@@ -163,8 +168,13 @@ class RowParallelLinear(nn.Module):
         start = self.group.rank * self.local_in
         copy_into(param.data, source[:, start : start + self.local_in])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: as ColumnParallelLinear's; the delta of this rank's A slice joins the partial
+        product before the one all-reduce."""
         y = linear(x, self.weight)
+        pool = self._modules.get("lora")  # a LoRA pool (model/lora.py enable_lora): only with --enable-lora
+        if lora is not None and pool is not None:
+            y = y + pool(x, lora)
         if self.reduce:
             self.group.all_reduce(y)
         return y
@@ -185,7 +195,7 @@ class Fp8RowParallelLinear(RowParallelLinear):
     def load_scale(self, param: torch.Tensor, source, name: str) -> None:
         load_scale(param.data, source, name, param.shape[0], 0, param.shape[0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # no LoRA pool on FP8 layers (model/lora.py)
         scales = sharded_token_scales(x, self.group) if self.reduce and self.activations == "dynamic" else None
         y = fp8_linear(x, self.weight, self.weight_scale, self.activations, self.input_scale, scales)
         if self.reduce:

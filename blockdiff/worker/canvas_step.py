@@ -20,6 +20,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.model.attention import CacheGeometry, Row, canvas_metadata
 from blockdiff.model.interface import BlockDiffusionModel
+from blockdiff.model.lora import LoRABatch
 from blockdiff.worker.request_slots import RequestSlots
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -71,13 +72,14 @@ def canvas_step(
     inputs: CanvasInputs,
     steps: int = 1,
     logits: torch.Tensor | None = None,
+    adapters: torch.Tensor | None = None,
 ) -> CanvasOutputs:
     """`steps` denoising steps of every canvas in `inputs`, back to back; reads `state`, `kv`, the
     block `tables` (layer kind -> [slots + 1, blocks per sequence]), the slots' `positions`
     [slots + 1] (cached lengths) and `slot_params` (the sampler's [slots + 1] rows, with the step's
     options), writes none of them. `logits`: a float32 buffer of at least [canvases * CL, local
     vocab] that the model writes the logits into (the outputs' `dist` then views it), or None for
-    fresh ones. A canvas
+    fresh ones. `adapters`: the slots' LoRA adapter slots [slots + 1] (--enable-lora), else None. A canvas
     that finishes at one of the steps keeps its state and its results from that step on (the later
     steps still compute it, masked), so its results are those of one step at a time."""
     rows = inputs.slots.shape[0]
@@ -87,10 +89,13 @@ def canvas_step(
     first = slot_params.select(inputs.slots)
     work = state.rows(inputs.slots)  # the canvases' state through the steps
     here = torch.arange(rows, device=inputs.slots.device)
+    lora = None
+    if adapters is not None:  # every token of a canvas takes its slot's adapter
+        lora = adapters.index_select(0, inputs.slots).unsqueeze(1).expand(rows, cl).reshape(-1)
     out = None
     for i in range(steps):
         params = first if i == 0 else first.later(i)
-        now = forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits)[1]
+        now = forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits, lora=lora)[1]
         if out is None:
             out = now
         else:
@@ -111,7 +116,8 @@ def _where(keep: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Te
 
 def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, meta, state: SlotState,
                  slots: torch.Tensor, params: StepParams | None, prefix: torch.Tensor | None = None, scored: int = 0,
-                 images=None, logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, CanvasOutputs | None]:
+                 images=None, logits_out: torch.Tensor | None = None,
+                 lora: torch.Tensor | None = None) -> tuple[torch.Tensor, CanvasOutputs | None]:
     """The one step function, of the eager and the static step alike: a forward over the tokens
     [prefix | the canvases of `slots`] and, where there are canvases, the sampler's step and the
     self-conditioning product of every one of them.
@@ -122,7 +128,9 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
     One rule for self-conditioning wherever the step runs: every canvas reads its slot's soft
     embeddings, which a starting canvas's slot holds as zeros (the self-conditioning MLP of zeros is
     exactly zero, so that is the reference's step without a previous one), and every canvas's new
-    ones are computed, a finished canvas's too (its slot is reset when the next canvas starts)."""
+    ones are computed, a finished canvas's too (its slot is reset when the next canvas starts).
+    lora: each token's LoRA adapter slot ([tokens] of prefix and canvases, -1: none; padding gets
+    none), or None without --enable-lora."""
     rows, cl = slots.shape[0], state.canvas.shape[1]
     ids = state.canvas.index_select(0, slots).reshape(-1)
     soft = state.soft.index_select(0, slots).flatten(0, 1) if sampler.self_conditioning else None
@@ -132,7 +140,13 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
             soft = torch.cat((soft.new_zeros(scored, soft.shape[-1]), soft))
     if meta.num_tokens > ids.shape[0]:  # rows aligned for batch invariance (model/attention.py)
         ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
-    logits = model(ids, meta, kv, soft, images, logits_out=None if logits_out is None else logits_out[: scored + rows * cl])
+    batch = None
+    if lora is not None:
+        if meta.num_tokens > lora.shape[0]:
+            lora = torch.cat((lora, lora.new_full((meta.num_tokens - lora.shape[0],), -1)))
+        batch = LoRABatch(lora, meta.num_encoder_tokens)
+    logits = model(ids, meta, kv, soft, images, logits_out=None if logits_out is None else logits_out[: scored + rows * cl],
+                   lora=batch)
     if rows == 0:
         return logits[:scored], None
     res = sampler.step(logits[scored:].view(rows, cl, -1), state, slots, params, vocab)
@@ -200,11 +214,13 @@ class CanvasSteps:
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables = model, sampler, vocab, kv, geometry, tables
         self.state, self.requests, self.device = state, requests, device
+        self.lora = getattr(model, "lora_slots", 0) > 0  # --enable-lora: the model has LoRA pools
         self.fn = torch.compile(canvas_step, **COMPILE_OPTIONS) if compile else canvas_step
         # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
         # these calls only; a shape beyond them would be a bug and still fails.
         context = max(k.shape[0] for k, _ in kv) if kv else 0
-        self.limits = dict(recompile_limit=steps_per_launch * shape_count(state.scratch, context, geometry.block_size))
+        self.limits = dict(recompile_limit=steps_per_launch * shape_count(state.scratch, context, geometry.block_size)
+                           * (2 if self.lora else 1))
         self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
                                                          2 * self.limits["recompile_limit"])
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -224,27 +240,30 @@ class CanvasSteps:
         context = context_of(rows, self.geometry.block_size)
         size = bucket(len(rows))
         host = host_inputs(rows, size, self.state.scratch)
-        # the options (e.g. restrict: top-k/p, min-p) and the steps per launch: a graph each
-        key = (size, context, tuple(options.items()), steps)
+        # the options (e.g. restrict: top-k/p, min-p), the steps per launch and whether a canvas has a
+        # LoRA adapter: a graph each
+        lora = self.lora and self.requests.any_adapter(rows)
+        key = (size, context, tuple(options.items()), steps) + ((lora,) if self.lora else ())
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
             with torch._dynamo.config.patch(**self.limits):
-                return inputs, self.fn(*self.step_args(context, inputs, options, steps))
+                return inputs, self.fn(*self.step_args(context, inputs, options, steps, lora))
         if graph is None:
             with torch._dynamo.config.patch(**self.limits):
-                graph, outputs = self._capture(self.step_args(context, inputs, options, steps))
+                graph, outputs = self._capture(self.step_args(context, inputs, options, steps, lora))
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs
 
-    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1) -> tuple:
+    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1, lora: bool = False) -> tuple:
         """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions,
-        with the sampler's step `options`."""
+        with the sampler's step `options`, and with the slots' LoRA adapters where `lora`."""
         return (self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state,
-                self.requests.starts, self.requests.params.with_options(options), inputs, steps, self.logits)
+                self.requests.starts, self.requests.params.with_options(options), inputs, steps, self.logits,
+                self.requests.adapters if lora else None)
 
     def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).

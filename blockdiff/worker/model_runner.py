@@ -29,7 +29,8 @@ from blockdiff.ops.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata, calculate_kv_scales
 from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
-from blockdiff.step import CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
+from blockdiff.model.lora import AdapterCache, enable_lora, put_adapter
+from blockdiff.step import CacheConfig, LoRAConfig, MinTokens, ScorePlan, StepOutput, StepPlan
 from blockdiff.worker.block_tables import BlockTables
 from blockdiff.worker.canvas_step import CanvasOutputs, CanvasSteps, all_canvases, forward_step
 from blockdiff.worker.cpu_heap import keep_freed_memory
@@ -41,7 +42,8 @@ class ModelRunner:
     def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str,
                  sampler: DiffusionSampler, tune_cpu_heap: bool = False, sampler_memory_gb: float | None = None,
                  compile: bool | None = False, cuda_graphs: bool = False, steps_per_launch: int = 1,
-                 attention_backend: str | None = None, logprobs_mode: str = LOGPROBS_MODES[0]):
+                 attention_backend: str | None = None, logprobs_mode: str = LOGPROBS_MODES[0],
+                 lora: LoRAConfig | None = None):
         """sampler: how canvases are denoised (the engine's, `diffusion/registry.py`).
         sampler_memory_gb: the sampler's workspace (EngineConfig). compile / cuda_graphs
         (EngineConfig.step_modes): run all-canvas steps as the static step, compiled / replayed as
@@ -50,7 +52,9 @@ class ModelRunner:
         steps a steady-state step may run back to back, through the static step (eager unless
         compiled or graphed); 1 for a model without static shapes. attention_backend
         (EngineConfig): a name of model/attention_backends, or None / "auto" for the device's.
-        logprobs_mode (EngineConfig): what committed tokens' logprobs report (VocabParallel.reported)."""
+        logprobs_mode (EngineConfig): what committed tokens' logprobs report (VocabParallel.reported).
+        lora (--enable-lora): the model gets a pool of LoRA adapter slots (model/lora.py) that plans
+        fill (StepPlan.lora_loads) and requests name (NewRequests.adapters); None: no LoRA."""
         self.model = model
         self.sampler = sampler
         self.device = torch.device(device)
@@ -62,6 +66,10 @@ class ModelRunner:
         if tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
             keep_freed_memory()
         self.cache_config = cache
+        self.lora = None
+        if lora is not None:
+            enable_lora(model, lora.max_loras, lora.max_lora_rank)
+            self.lora = AdapterCache(lora.max_cpu_loras, lora.max_lora_rank)
         self.kv = allocate(model, cache, self.device)
         if cache.calculate_kv_scales and cache.kv_cache_dtype != "auto":
             calculate_kv_scales(model)
@@ -90,6 +98,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
         self.tables.apply(plan.tables)
+        for slot, path in plan.lora_loads.items():
+            put_adapter(self.model, slot, self.lora.get(path))
         self.requests.admit(plan.new_requests)
         rows = self.requests.rows(plan.rows)
         self.requests.advance(plan.rows)  # the rows above start where their slots stood before the step
@@ -118,8 +128,11 @@ class ModelRunner:
             meta = build_metadata(rows, self.geometry, self.kinds, self.device, self.tables.tables)
             params = self.requests.step_params(slots, plan.denoise) if dec_rows else None
             images = None if plan.images is None else plan.images.to(self.device)
+            lora = None  # a step whose rows have no adapter runs as without --enable-lora
+            if self.lora is not None and self.requests.any_adapter(plan.rows):
+                lora = self.requests.token_adapters(plan.rows, meta.num_tokens)
             score_logits, out = forward_step(self.model, self.sampler, self.vocab, self.kv, meta, self.state, slots,
-                                             params, ids, scored_tokens, images)
+                                             params, ids, scored_tokens, images, lora=lora)
             if plan.score is not None:
                 score = self._score(score_logits, plan.score)
             if out is None:

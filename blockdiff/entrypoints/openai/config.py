@@ -40,4 +40,11 @@ class ServerConfig:
     strict_request_fields: bool = False  # unknown top-level request fields: a 400 (else ignored with a warning, as vLLM)
     trust_request_chat_template: bool = False  # vLLM's: a request may bring its own chat_template
     enable_tokenizer_info_endpoint: bool = False  # vLLM's: GET /tokenizer_info (it shows the chat template)
+    # --enable-lora (docs/lora.md): the adapters served from startup (--lora-modules, LoRARequests),
+    # the largest rank, and whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist
+    # (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    enable_lora: bool = False
+    lora_modules: list = field(default_factory=list)
+    max_lora_rank: int = 16
+    runtime_lora_updating: bool = False
     media: MediaPolicy = MediaPolicy()  # where chat image URLs may point (the engine flags --allowed-media-*)

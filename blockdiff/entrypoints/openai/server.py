@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
+import json
 import logging
 import os
 import socket
@@ -43,6 +44,9 @@ from blockdiff.entrypoints.openai.serving_completion import OpenAIServingComplet
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
 from blockdiff.entrypoints.openai.tokenizer_info import tokenizer_info
 from blockdiff.engine.startup import start_client
+from blockdiff.arg_utils import lora_modules
+from blockdiff.model.lora import LoRAError, read_adapter
+from blockdiff.sampling_params import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +138,10 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     completion = OpenAIServingCompletion(*shared)
     chat_serving = OpenAIServingChat(*shared, cfg.tool_call_parser, cfg.reasoning_parser, cfg.trust_request_chat_template)
     tokenization = OpenAIServingTokenization(chat_serving)
+    # The LoRA adapters served by name, one dict that every endpoint reads (docs/lora.md).
+    loras = {lo.lora_name: lo for lo in cfg.lora_modules}
+    lora_ids = [max((lo.lora_int_id for lo in cfg.lora_modules), default=0)]
+    completion.loras = chat_serving.loras = loras
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}
 
@@ -188,7 +196,46 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
         created = now()
         return ModelList(data=[ModelCard(id=name, created=created, root=model_root(limits.model), max_model_len=limits.max_model_len,
                                          canvas_length=limits.canvas_length, sampling_defaults=sampling_defaults)
-                               for name in cfg.served_model_names])
+                               for name in cfg.served_model_names]
+                         + [ModelCard(id=name, created=created, root=model_root(lo.lora_path), parent=cfg.served_model_names[0],
+                                      max_model_len=limits.max_model_len, canvas_length=limits.canvas_length,
+                                      sampling_defaults=sampling_defaults)
+                            for name, lo in list(loras.items())])
+
+    if cfg.enable_lora and cfg.runtime_lora_updating:
+        async def lora_body(request: Request, *fields: str) -> dict:
+            try:
+                data = json.loads(await request.body())
+            except ValueError:
+                raise errors.APIError(400, "the body is not JSON") from None
+            for name in fields:
+                if not isinstance(data, dict) or not isinstance(data.get(name), str) or not data[name]:
+                    raise errors.APIError(400, f"{name} is required (a string)", param=name)
+            return data
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            """vLLM's: {"lora_name", "lora_path"} served from now on under lora_name."""
+            data = await lora_body(request, "lora_name", "lora_path")
+            name, path = data["lora_name"], data["lora_path"]
+            if name in loras or name in cfg.served_model_names:
+                raise errors.APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+            try:
+                await asyncio.to_thread(read_adapter, path, cfg.max_lora_rank)
+            except (LoRAError, OSError, ValueError) as e:
+                raise errors.APIError(400, str(e), param="lora_path") from None
+            lora_ids[0] += 1
+            loras[name] = LoRARequest(name, lora_ids[0], path)
+            return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            """vLLM's: {"lora_name"} no longer served (requests running with it finish)."""
+            name = (await lora_body(request, "lora_name"))["lora_name"]
+            if loras.pop(name, None) is None:
+                raise errors.APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                                      code="model_not_found")
+            return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     # Bodies are parsed by `body.BodyParser` (bounded, off the loop when large), not by FastAPI; the
     # schema still documents them.
@@ -313,6 +360,13 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
     try:
         # Image URLs are the server's to fetch, under the engine flags that allow them.
         cfg = replace(cfg, port=sock.getsockname()[1], media=MediaPolicy.of(engine_cfg))
+        if engine_cfg.enable_lora:
+            cfg = replace(cfg, enable_lora=True, lora_modules=lora_modules(engine_cfg.lora_modules),
+                          max_lora_rank=engine_cfg.max_lora_rank,
+                          runtime_lora_updating=cfg.runtime_lora_updating or os.environ.get(
+                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
+            for lo in cfg.lora_modules:  # a broken adapter fails the start, naming what is wrong
+                read_adapter(lo.lora_path, engine_cfg.max_lora_rank)
         engine = start_client(engine_cfg, cfg.max_queued_requests)
         try:
             app = build_app(engine, cfg)

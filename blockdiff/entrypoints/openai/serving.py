@@ -202,22 +202,27 @@ class OpenAIServing:
         self.limits = engine.limits
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
+        self.loras: dict = {}  # the LoRA adapters served, by name (LoRARequest; the server shares one dict)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None:
             return self.model_names[0]
-        if requested not in self.model_names:
+        if requested not in self.model_names and requested not in self.loras:
             raise APIError(404, f"model {requested!r} does not exist; this server serves {self.model_names}",
                            param="model", code="model_not_found")
         return requested
 
     # ---- engine outputs -> responses ----------------------------------------------------------
-    async def add(self, requests: list, client: str, raw: Request) -> tuple[RequestStream, Callable[[], None]]:
+    async def add(self, requests: list, client: str, raw: Request, model: str | None = None
+                  ) -> tuple[RequestStream, Callable[[], None]]:
         """Queue one API call's engine requests against `client`'s share (held until `release()`,
         which the response calls however it ends); a new structured output's automaton is built off
         the event loop first, within the engine's bounds, and given up if the client disconnects
         meanwhile (ClientGone). -> (their stream, release). Raises what the engine raises (ValueError
         for bad parameters), with the share released."""
+        lora = self.loras.get(model) if model is not None else None
+        if lora is not None:  # the request names a LoRA adapter: its engine requests run with it
+            requests = [(prompt, params, lora) for prompt, params in requests]
         release = self.clients.hold(client, len(requests))
         try:
             specs = structured_specs(requests)
@@ -246,7 +251,7 @@ class OpenAIServing:
 
     async def respond(self, req, prompts: list[list[int]], requests, fmt: ResponseFormat, raw: Request) -> Response:
         try:
-            stream, release = await self.add(requests, client_of(raw), raw)
+            stream, release = await self.add(requests, client_of(raw), raw, req.model)
         except ClientGone:
             return Response(status_code=499)
         except ValueError as e:

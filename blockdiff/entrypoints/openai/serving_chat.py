@@ -168,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
                 images = await self.preprocess.chat_images(req.messages, client)
                 prompts, requests = await self.preprocess.pool.run(client, self.chat_requests, req, images, 1,
                                                                    req.max_tokens, None, rules, request_id)
-                stream, release = await self.add(requests, client, raw)  # the share is held until the response ends
+                stream, release = await self.add(requests, client, raw, req.model)  # the share is held until the response ends
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, value_names) from None
         return rules, prompts, stream, release

@@ -1,0 +1,322 @@
+"""LoRA adapters in PEFT's format, applied per token without merging (docs/lora.md).
+
+An adapter is PEFT's `adapter_config.json` and `adapter_model.safetensors`, saved for transformers'
+DiffusionGemmaForBlockDiffusion. There the encoder's and the decoder's layers are separate modules
+that share one weight, so PEFT wraps each and an adapter carries one delta for the encoder mode
+(prompt chunks, committed canvases) and another for the decoder mode (canvases being denoised).
+blockdiff runs both modes in one forward (encoder tokens packed first, `num_encoder_tokens`), so
+each LoRA layer keeps a pair of deltas per adapter slot and applies each to its own mode's tokens.
+
+Every linear an adapter may target gets a `LoRALinear` holding a fixed pool of `slots` adapters of
+rank up to `max_rank`, both modes: A [2, P*S*R, in] and B [2, out, S*R] for a layer fused from P
+checkpoint projections (q/k/v, gate/up), adapter s's rows of A at p*S*R + s*R, its columns of B at
+s*R in part p's rows (zeros past its rank; its scale folded into B). A forward's tokens name their
+adapter slot (`LoRABatch.index`, -1: none); the segmented product is then (on the CPU) one dense
+shrink x @ A^T over every slot's columns, a mask keeping each token's own slot's columns (others
+exactly zero), and one expand per part @ B_p^T, added to the base layer's output: static shapes, no host sync, and
+a token without an adapter gets exactly nothing added (a step none of whose rows has an adapter
+skips LoRA altogether: worker/request_slots.py). On CUDA the product is two Triton kernels
+(ops/triton_lora.py) in which each token reads its own adapter only. Under tensor parallelism A and
+B are sharded as their base layer: column-parallel layers keep their rows of B, row-parallel layers
+their columns of A, and the delta joins the base layer's partial product before its one all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockdiff.ops.matmul import linear
+
+try:
+    from blockdiff.ops.triton_lora import lora_expand, lora_shrink
+except ImportError:  # no Triton: the plain torch product runs everywhere
+    lora_expand = lora_shrink = None
+
+ENCODER, DECODER = 0, 1
+
+
+class LoRAError(ValueError):
+    """An adapter blockdiff cannot serve (named in the message), found when it is loaded."""
+
+
+@dataclass
+class LoRABatch:
+    """The adapters of one forward's tokens: `index` [tokens] int64, each token's adapter slot (-1:
+    none; padding included), and how many tokens lead in encoder mode."""
+
+    index: torch.Tensor
+    num_encoder_tokens: int
+    mask: torch.Tensor | None = None  # [tokens, slots * rank] (`with_mask`), made once per forward
+
+    def with_mask(self, slots: int, rank: int, dtype: torch.dtype) -> "LoRABatch":
+        """The batch with its mask: 1 on the columns of each token's slot, 0 elsewhere."""
+        cols = torch.arange(slots * rank, device=self.index.device) // rank
+        return LoRABatch(self.index, self.num_encoder_tokens, (self.index.unsqueeze(1) == cols.unsqueeze(0)).to(dtype))
+
+    def rows(self, start: int, end: int) -> "LoRABatch":
+        """The tokens [start, end), all in one mode (the self-conditioning MLP's: decoder tokens)."""
+        return LoRABatch(self.index[start:end], 0, None if self.mask is None else self.mask[start:end])
+
+
+class LoRALinear(nn.Module):
+    """The LoRA pool of one linear layer (see the module's docstring)."""
+
+    def __init__(self, parts: list[tuple[int, int, int]], in_features: int, in_local: int, in_start: int, slots: int,
+                 rank: int, dtype: torch.dtype, device=None):
+        """parts: the base layer's output parts, each (global rows, local rows, first global row
+        owned); in_features / in_local / in_start: its input features, those this rank holds and the
+        first of them (a row-parallel layer's slice; else all of them)."""
+        super().__init__()
+        self.parts, self.in_features, self.in_local, self.in_start = parts, in_features, in_local, in_start
+        self.slots, self.rank = slots, rank
+        self.offsets = [sum(p[1] for p in parts[:i]) for i in range(len(parts))]
+        out = sum(p[1] for p in parts)
+        self.register_buffer("a", torch.zeros(2, len(parts) * slots * rank, in_local, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("b", torch.zeros(2, out, slots * rank, dtype=dtype, device=device), persistent=False)
+        # each output row's part, for the Triton expand (CUDA)
+        self.register_buffer("part", torch.cat([torch.full((p[1],), i, dtype=torch.int32, device=device)
+                                                for i, p in enumerate(parts)]), persistent=False)
+
+    def clear(self, slot: int) -> None:
+        for p in range(len(self.parts)):
+            c = (p * self.slots + slot) * self.rank
+            self.a[:, c : c + self.rank] = 0
+        self.b[:, :, slot * self.rank : (slot + 1) * self.rank] = 0
+
+    def put(self, slot: int, mode: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float, name: str) -> None:
+        """Adapter `slot`'s delta of `mode` for output part `part`: A [r, in], B [out, r] whole
+        (this rank takes its slice), scaled by `scale`."""
+        r = a.shape[0]
+        global_rows, local, start = self.parts[part]
+        if r > self.rank:
+            raise LoRAError(f"{name} has rank {r}, more than --max-lora-rank {self.rank}")
+        if tuple(a.shape) != (r, self.in_features) or tuple(b.shape) != (global_rows, r):
+            raise LoRAError(f"{name}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the layer "
+                            f"([r, {self.in_features}] / [{global_rows}, r])")
+        c = (part * self.slots + slot) * self.rank
+        off = self.offsets[part]
+        self.a[mode, c : c + r] = a[:, self.in_start : self.in_start + self.in_local].to(self.a.dtype)
+        self.b[mode, off : off + local, slot * self.rank : slot * self.rank + r] = (
+            b[start : start + local].float() * scale).to(self.b.dtype)
+
+    def forward(self, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        """The delta [tokens, out] of the tokens `x` [tokens, in_local]."""
+        mask = batch.mask if batch.mask is not None else batch.with_mask(self.slots, self.rank, x.dtype).mask
+        ne = batch.num_encoder_tokens
+        out = []
+        index = batch.index
+        if ne:
+            out.append(self._delta(x[:ne], mask[:ne], ENCODER, index[:ne]))
+        if ne < x.shape[0]:
+            out.append(self._delta(x[ne:], mask[ne:], DECODER, index[ne:].contiguous()))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _delta(self, x: torch.Tensor, mask: torch.Tensor, mode: int, index: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and lora_shrink is not None:  # each token reads its own adapter only (ops/triton_lora.py)
+            shrunk = lora_shrink(x, self.a[mode], index, len(self.parts), self.slots, self.rank)
+            return lora_expand(x.new_zeros(x.shape[0], self.b.shape[1]), shrunk, self.b[mode], index, self.part, self.rank)
+        shrunk = linear(x, self.a[mode])  # [n, P*S*R]: every slot's, each part's
+        if len(self.parts) == 1:
+            return linear(shrunk * mask, self.b[mode])
+        width = self.slots * self.rank
+        return torch.cat([linear(shrunk[:, p * width : (p + 1) * width] * mask, self.b[mode, off : off + part[1]])
+                          for p, (part, off) in enumerate(zip(self.parts, self.offsets))], dim=-1)
+
+
+def with_lora(base: torch.Tensor, layer: nn.Module, x: torch.Tensor, batch: LoRABatch | None) -> torch.Tensor:
+    """`base` (the layer's output for x) plus its LoRA delta where the layer has a pool and the
+    forward has adapters."""
+    pool = getattr(layer, "lora", None)
+    if batch is None or pool is None:
+        return base
+    return base + pool(x, batch)
+
+
+# ---- where PEFT's names go -------------------------------------------------------------------------
+
+# transformers' module names (as PEFT saves them, after "base_model.model.") -> (mode, layer or None
+# for the self-conditioning MLP, what in blockdiff, which part of it).
+_LAYER = re.compile(r"model\.(encoder\.language_model|decoder)\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj$")
+_SELF_COND = re.compile(r"model\.decoder\.self_conditioning\.(gate|up|down)_proj$")
+_PARTS = {"q": ("qkv_proj", 0), "k": ("qkv_proj", 1), "v": ("qkv_proj", 2), "o": ("o_proj", 0),
+          "gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
+
+
+def lora_layers(model: nn.Module) -> dict[tuple[int, str, str], nn.Module]:
+    """The linears of `model` (a DiffusionGemma) that adapters can target, by (layer or -1 for the
+    self-conditioning MLP, "self_attn" / "mlp", the blockdiff linear's name)."""
+    out = {}
+    for i, block in enumerate(model.layers):
+        out[(i, "self_attn", "qkv_proj")] = block.attn.qkv_proj
+        out[(i, "self_attn", "o_proj")] = block.attn.o_proj
+        out[(i, "mlp", "gate_up_proj")] = block.mlp.gate_up_proj
+        out[(i, "mlp", "down_proj")] = block.mlp.down_proj
+    mlp = model.self_conditioning.mlp
+    out[(-1, "mlp", "gate_up_proj")] = mlp.gate_up_proj
+    out[(-1, "mlp", "down_proj")] = mlp.down_proj
+    return out
+
+
+def place(module: str) -> tuple[int, tuple[int, str, str], int]:
+    """(mode, lora_layers key, part) of a transformers module name; LoRAError for one blockdiff cannot apply."""
+    m = _LAYER.search(module)
+    if m:
+        mode = ENCODER if m.group(1).startswith("encoder") else DECODER
+        name, part = _PARTS[m.group(4)]
+        if m.group(3) == "self_attn" and m.group(4) in ("gate", "up", "down") or m.group(3) == "mlp" and m.group(4) in "qkvo":
+            raise LoRAError(f"the adapter targets {module}, which blockdiff cannot apply")
+        return mode, (int(m.group(2)), m.group(3), name), part
+    m = _SELF_COND.search(module)
+    if m:
+        name, part = _PARTS[m.group(1)]
+        return DECODER, (-1, "mlp", name), part
+    raise LoRAError(f"the adapter targets {module}, which blockdiff cannot apply (blockdiff applies LoRA to the "
+                    "attention projections, the dense MLP and the self-conditioning MLP)")
+
+
+def enable_lora(model: nn.Module, slots: int, rank: int) -> None:
+    """Gives every linear an adapter may target a pool of `slots` adapters of rank <= `rank`."""
+    from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    group = model.group
+    for key, layer in lora_layers(model).items():
+        weight = layer.weight
+        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise LoRAError(f"LoRA on a quantized layer ({weight.dtype}) is not supported")
+        if isinstance(layer, RowParallelLinear):
+            start = group.rank * layer.local_in
+            pool = LoRALinear([(weight.shape[0], weight.shape[0], 0)], layer.in_features, layer.local_in, start, slots,
+                              rank, model.dtype, weight.device)
+        else:
+            assert isinstance(layer, ColumnParallelLinear)
+            pool = LoRALinear(layer.parts, layer.in_features, layer.in_features, 0, slots, rank, model.dtype, weight.device)
+        layer.lora = pool
+    model.lora_slots, model.lora_rank = slots, rank
+
+
+# ---- adapters on the host ----------------------------------------------------------------------------
+
+@dataclass
+class Adapter:
+    """An adapter read from disk: per (mode, layer key, part), its A, B and scale."""
+
+    path: str
+    rank: int
+    deltas: dict[tuple[int, tuple[int, str, str], int], tuple[torch.Tensor, torch.Tensor, float, str]]
+
+
+def read_adapter(path: str, max_rank: int | None = None) -> Adapter:
+    """PEFT's adapter at `path`, checked: a LoRAError names what blockdiff cannot apply."""
+    cfg_path = os.path.join(path, "adapter_config.json")
+    weights = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(cfg_path):
+        raise LoRAError(f"{path}: no adapter_config.json")
+    if not os.path.isfile(weights):
+        raise LoRAError(f"{path}: no adapter_model.safetensors (blockdiff reads adapters in safetensors only)")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"{path}: peft_type {cfg.get('peft_type')}, blockdiff serves LORA adapters")
+    for key, ok in (("use_dora", False), ("bias", "none"), ("lora_bias", False), ("modules_to_save", None),
+                    ("trainable_token_indices", None)):
+        if cfg.get(key, ok) not in (ok, [], {}):
+            raise LoRAError(f"{path}: {key}={cfg[key]!r} is not supported")
+    if cfg.get("target_parameters"):
+        raise LoRAError(f"{path}: target_parameters {cfg['target_parameters']} (the MoE experts): blockdiff does not "
+                        "apply LoRA to the experts yet")
+    if cfg.get("layer_replication"):
+        raise LoRAError(f"{path}: layer_replication is not supported")
+    alpha, rslora = cfg.get("lora_alpha", 8), cfg.get("use_rslora", False)
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    from safetensors import safe_open
+
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(weights, "pt") as f:
+        for key in f.keys():
+            m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", key)
+            if m is None:
+                raise LoRAError(f"{path}: tensor {key!r} is not a LoRA weight blockdiff can apply")
+            tensors.setdefault(m.group(1), {})[m.group(2)] = f.get_tensor(key)
+    deltas = {}
+    top = 0
+    for module, ab in sorted(tensors.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise LoRAError(f"{path}: {module} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
+        mode, key, part = place(module)
+        a, b = ab["lora_A"], ab["lora_B"]
+        r = a.shape[0]
+        if max_rank is not None and r > max_rank:
+            raise LoRAError(f"{path}: {module} has rank {r}, more than --max-lora-rank {max_rank}")
+        top = max(top, r)
+        al = alpha
+        for pattern, value in alpha_pattern.items():
+            if re.search(rf"(^|\.){pattern}$", module):
+                al = value
+        scale = al / (r**0.5 if rslora else r)
+        deltas[(mode, key, part)] = (a, b, scale, module)
+    return Adapter(path, top, deltas)
+
+
+def check_fits(adapter: Adapter, config) -> None:
+    """LoRAError unless every delta of `adapter` fits the model of GemmaConfig `config` (a layer it
+    has, the projection's shape): checked when a request names it, so that a step never meets it."""
+    h, heads, inter = config.hidden_size, config.num_heads, config.intermediate_size
+    for (_, (layer, block, name), part), (a, b, _, module) in adapter.deltas.items():
+        if layer >= len(config.layers):
+            raise LoRAError(f"the adapter targets {module}, but the model has {len(config.layers)} layers")
+        if layer < 0 or block == "mlp":
+            shape = {"gate_up_proj": (inter, h), "down_proj": (h, inter)}[name]
+        else:
+            spec = config.layers[layer]
+            if part == 2 and not spec.has_v_proj:
+                raise LoRAError(f"the adapter targets {module}, which this checkpoint does not have (no v_proj in that layer)")
+            if name == "o_proj":
+                shape = (h, heads * spec.head_dim)
+            else:  # q, k, v
+                shape = ((heads if part == 0 else spec.num_kv_heads) * spec.head_dim, h)
+        out, inp = shape
+        if a.shape[1] != inp or b.shape[0] != out or b.shape[1] != a.shape[0]:
+            raise LoRAError(f"{module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the model "
+                            f"([r, {inp}] / [{out}, r])")
+
+
+def put_adapter(model: nn.Module, slot: int, adapter: Adapter | None) -> None:
+    """Writes `adapter` into pool slot `slot` of every LoRA layer (None: clears it)."""
+    layers = lora_layers(model)
+    for layer in layers.values():
+        layer.lora.clear(slot)
+    if adapter is None:
+        return
+    for (mode, key, part), (a, b, scale, name) in adapter.deltas.items():
+        if key not in layers:
+            raise LoRAError(f"the adapter targets {name}, but the model has no such layer")
+        pool = layers[key].lora
+        if part >= len(pool.parts):
+            raise LoRAError(f"the adapter targets {name}, which this checkpoint does not have (no v_proj in that layer)")
+        pool.put(slot, mode, part, a, b, scale, name)
+
+
+class AdapterCache:
+    """Adapters read from disk, kept in host memory (the --max-cpu-loras most recently used)."""
+
+    def __init__(self, capacity: int, max_rank: int | None = None):
+        self.capacity, self.max_rank = max(1, capacity), max_rank
+        self.entries: OrderedDict[str, Adapter] = OrderedDict()
+
+    def get(self, path: str) -> Adapter:
+        if path in self.entries:
+            self.entries.move_to_end(path)
+            return self.entries[path]
+        adapter = read_adapter(path, self.max_rank)
+        self.entries[path] = adapter
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+        return adapter

@@ -1,0 +1,278 @@
+"""LoRA adapters (model/lora.py) against PEFT's unmerged model on transformers' DiffusionGemma (the oracle)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import DEVICE, Harness, Oracle, load_hf, rel_err
+
+from blockdiff.model.attention import build_metadata
+from blockdiff.model.interface import layer_kinds
+from blockdiff.model.loader import load_model
+from blockdiff.model.lora import LoRABatch, LoRAError, enable_lora, put_adapter, read_adapter
+from blockdiff.model.attention import Row
+
+peft = pytest.importorskip("peft")
+
+FP32_TOL = 1e-4
+# transformers' text modules that PEFT wraps (the vision tower's ClippableLinear is not a plain Linear)
+ATTN_MLP = (r".*model\.(?:encoder\.language_model|decoder)\.(?:layers\.\d+\.(?:self_attn|mlp)\.(?:q|k|v|o|gate|up|down)_proj"
+            r"|self_conditioning\.(?:gate|up|down)_proj)")
+
+
+def make_adapter(base: str, out: str, seed: int, r: int = 4, alpha: int = 8, target: str = ATTN_MLP, **kw) -> str:
+    """PEFT puts a random LoRA (init_lora_weights=False) on transformers' model of `base` and saves it."""
+    if not os.path.isdir(out):
+        torch.manual_seed(seed)
+        hf = load_hf(base)
+        cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target, init_lora_weights=False, **kw)
+        model = peft.get_peft_model(hf, cfg)
+        # scale B up so that the delta matters against the tiny random weights
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(4)
+        model.save_pretrained(out)
+    return out
+
+
+def peft_model(base: str, adapter: str):
+    return peft.PeftModel.from_pretrained(load_hf(base), adapter).eval()
+
+
+class LoRAHarness(Harness):
+    """Harness whose tokens all use adapter slot `slot`."""
+
+    def __init__(self, model, slot: int):
+        super().__init__(model)
+        self.slot = slot
+
+    @torch.no_grad()
+    def encode(self, ids):
+        row = Row(0, self.length, len(ids), False, self.blocks)
+        meta = build_metadata([row], self.geo, layer_kinds(self.model), DEVICE)
+        ids_t = torch.tensor(ids + [0] * (meta.num_tokens - len(ids)), device=DEVICE)
+        self.model(ids_t, meta, self.kv, lora=self.batch(meta, len(ids)))
+        self.length += len(ids)
+
+    def batch(self, meta, n):
+        index = torch.full((meta.num_tokens,), -1, dtype=torch.long, device=DEVICE)
+        index[:n] = self.slot
+        return LoRABatch(index, meta.num_encoder_tokens)
+
+    @torch.no_grad()
+    def decode(self, canvas, soft=None):
+        meta = build_metadata([Row(0, self.length, len(canvas), True, self.blocks)], self.geo, layer_kinds(self.model), DEVICE)
+        ids_t = torch.tensor(canvas + [0] * (meta.num_tokens - len(canvas)), device=DEVICE)
+        return self.model(ids_t, meta, self.kv, soft, lora=self.batch(meta, len(canvas)))
+
+
+def _tokens(n, vocab, seed):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny, tmp_path_factory):
+    return make_adapter(tiny, str(tmp_path_factory.mktemp("lora") / "a"), seed=0)
+
+
+def test_forward_parity_with_peft(tiny, adapter):
+    """Prefill (encoder mode), a committed canvas and a denoising step (decoder mode) with
+    self-conditioning: our logits are PEFT's unmerged model's."""
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    enable_lora(model, 2, 8)
+    put_adapter(model, 1, read_adapter(adapter))
+    mine, ref = LoRAHarness(model, 1), Oracle(peft_model(tiny, adapter).base_model.model)
+    base = Oracle(load_hf(tiny))
+    prompt, first, canvas = _tokens(5, 301, 0), _tokens(8, 301, 1), _tokens(8, 301, 2)
+    for side in (mine, ref, base):
+        side.encode(prompt)
+        side.encode(first)
+    sc = (torch.randn(8, 301, generator=torch.Generator().manual_seed(4)) * 3).to(DEVICE)
+    from blockdiff.parallel.self_conditioning import soft_embedding
+    soft = soft_embedding(sc.softmax(-1), model.embed.weight, model.embed_scale)
+    want = ref.decode(canvas, sc)
+    assert rel_err(mine.decode(canvas, soft), want) <= FP32_TOL
+    assert rel_err(base.decode(canvas, sc), want) > 100 * FP32_TOL  # the adapter matters
+
+
+def test_no_adapter_rows_are_the_base_model(tiny, adapter):
+    """Tokens of slot -1 in a model with a pool (an adapter loaded in another slot) get the base
+    model's logits, bit for bit."""
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    plain = Harness(load_model(tiny, dtype=torch.float32, device=DEVICE))
+    enable_lora(model, 2, 8)
+    put_adapter(model, 0, read_adapter(adapter))
+    mine = LoRAHarness(model, -1)
+    prompt, canvas = _tokens(5, 301, 0), _tokens(8, 301, 2)
+    mine.encode(prompt)
+    plain.encode(prompt)
+    assert torch.equal(mine.decode(canvas), plain.decode(canvas))
+
+
+def test_unsupported_targets_fail_at_load(tiny, tmp_path):
+    path = make_adapter(tiny, str(tmp_path / "router"), seed=1, target=r".*model\.decoder\.layers\.0\.router\.proj")
+    with pytest.raises(LoRAError, match=r"model\.decoder\.layers\.0\.router\.proj"):
+        read_adapter(path)
+    path = make_adapter(tiny, str(tmp_path / "experts"), seed=1, target=r".*model\.decoder\.layers\.0\.self_attn\.q_proj",
+                        target_parameters=["experts.gate_up_proj"])
+    with pytest.raises(LoRAError, match="experts"):
+        read_adapter(path)
+    cfg = json.load(open(os.path.join(path, "adapter_config.json")))
+    cfg["target_parameters"] = None
+    json.dump(cfg, open(os.path.join(path, "adapter_config.json"), "w"))
+    with pytest.raises(LoRAError, match="experts"):  # the tensors name them too
+        read_adapter(path)
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    enable_lora(model, 1, 2)
+    with pytest.raises(LoRAError, match="max-lora-rank"):
+        put_adapter(model, 0, read_adapter(make_adapter(tiny, str(tmp_path / "r4"), seed=2)))
+
+
+# ---- through the engine ----------------------------------------------------------------------------
+
+GREEDY = dict(t_min=1e-6, t_max=2e-6)
+MAX_TOKENS, STEPS = 16, 4
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory):
+    """Three adapters: attention + MLP (+ self-conditioning) of ranks 4, 8 and 2, one with rsLoRA."""
+    root = tmp_path_factory.mktemp("loras")
+    return [make_adapter(tiny, str(root / "a0"), seed=10, r=4),
+            make_adapter(tiny, str(root / "a1"), seed=11, r=8, alpha=4, use_rslora=True),
+            make_adapter(tiny, str(root / "a2"), seed=12, r=2, alpha=16)]
+
+
+def _requests(paths):
+    from blockdiff import LoRARequest
+    return [LoRARequest(f"lora{i}", i + 1, p) for i, p in enumerate(paths)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_generation_matches_peft(tiny, adapters, tp):
+    """blockdiff serving a PEFT adapter generates transformers' greedy tokens through PEFT's unmerged
+    model, on one rank and on two (A and B sharded as their layers)."""
+    from helpers import hf_generate_with_draft
+
+    from blockdiff import LLM, SamplingParams
+
+    prompts = [_tokens(n, 301, 100 + n) for n in (3, 11)]
+    drafts = [_tokens(MAX_TOKENS, 301, 200 + n) for n in (3, 11)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, max_denoising_steps=STEPS, draft=d, ignore_eos=True, **GREEDY)
+              for d in drafts]
+    lora = _requests(adapters[:1])[0]
+    with LLM(tiny, device="cpu", tensor_parallel_size=tp, enable_lora=True, max_lora_rank=8) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
+    hf = peft_model(tiny, adapters[0]).base_model.model
+    base = load_hf(tiny)
+    for prompt, draft, mine in zip(prompts, drafts, got):
+        want = hf_generate_with_draft(hf, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS, **GREEDY)
+        assert list(mine) == want[:MAX_TOKENS]
+        plain = hf_generate_with_draft(base, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS, **GREEDY)
+        assert plain != want  # the adapter changes the tokens
+
+
+def test_mixed_batch_is_each_request_alone(tiny, adapters):
+    """One batch of three adapters and the base model: each request's tokens are those it gets alone
+    (bit-identical; seeded sampling), and the pool of 2 slots makes the third adapter wait, not fail."""
+    from blockdiff import LLM, SamplingParams
+
+    loras = [*_requests(adapters), None, _requests(adapters)[0]]
+    prompts = [_tokens(n, 301, 300 + n) for n in (4, 9, 6, 13, 7)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, max_denoising_steps=STEPS, seed=5, ignore_eos=True)
+    with LLM(tiny, device="cpu", enable_lora=True, max_loras=3, max_lora_rank=8, max_num_seqs=8) as llm:
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+        alone = [llm.generate([p], params, use_tqdm=False, lora_request=[lo])[0].outputs[0].token_ids
+                 for p, lo in zip(prompts, loras)]
+        assert len(set(map(tuple, alone))) == len(alone)  # every adapter gives other tokens
+        # the static step ran with adapters (its shape key ends with the LoRA flag), and without
+        flags = {key[-1] for key in llm.engine.executor.runner.canvas_steps.shapes}
+        assert flags == {True, False}
+    assert together == alone
+    with LLM(tiny, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8) as llm:
+        cycled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+        assert cycled == alone
+        assert len(llm.engine.lora.held) == 2
+
+
+def test_prefix_cache_keys_include_the_adapter(tiny, adapters):
+    from blockdiff import LLM, SamplingParams
+
+    prompt = _tokens(40, 301, 7)
+    params = SamplingParams(max_tokens=8, max_denoising_steps=STEPS, seed=1, ignore_eos=True)
+    a, b = _requests(adapters[:2])
+    with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=8, enable_prefix_caching=True, block_size=8) as llm:
+        first = llm.generate([prompt], params, use_tqdm=False, lora_request=a)[0]
+        other = llm.generate([prompt], params, use_tqdm=False, lora_request=b)[0]
+        again = llm.generate([prompt], params, use_tqdm=False, lora_request=a)[0]
+    assert not other.num_cached_tokens
+    assert again.num_cached_tokens
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_pool_holds_at_most_max_loras(tiny, adapters, tmp_path_factory):
+    """Cycling five adapters through two device slots (two kept in host memory): no error, each
+    request its tokens alone, and neither the device pool nor the host cache grows."""
+    from blockdiff import LLM, LoRARequest, SamplingParams
+
+    root = tmp_path_factory.mktemp("cycle")
+    paths = adapters + [make_adapter(tiny, str(root / f"c{i}"), seed=30 + i, r=4) for i in range(2)]
+    loras = [LoRARequest(f"c{i}", i + 1, p) for i, p in enumerate(paths)]
+    params = SamplingParams(max_tokens=8, max_denoising_steps=STEPS, seed=2, ignore_eos=True)
+    prompt = _tokens(6, 301, 9)
+    with LLM(tiny, device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=8) as llm:
+        runner = llm.engine.executor.runner
+        pools = [m for m in runner.model.modules() if type(m).__name__ == "LoRALinear"]
+        size = sum(b.numel() for m in pools for b in m.buffers())
+        first = [llm.generate([prompt], params, use_tqdm=False, lora_request=lo)[0].outputs[0].token_ids for lo in loras]
+        again = [llm.generate([prompt], params, use_tqdm=False, lora_request=lo)[0].outputs[0].token_ids
+                 for lo in reversed(loras)]
+        batch = [o.outputs[0].token_ids for o in llm.generate([prompt] * 5, params, use_tqdm=False, lora_request=loras)]
+        assert sum(b.numel() for m in pools for b in m.buffers()) == size
+        assert len(runner.lora.entries) <= 2
+        assert len(llm.engine.lora.held) == 2 and sum(llm.engine.lora.refs) == 0
+    assert again[::-1] == first == batch
+    assert len(set(map(tuple, first))) == len(first)
+
+
+def test_lora_flags_and_misuse(tiny, adapters):
+    import argparse
+
+    from blockdiff import LLM, LoRARequest
+    from blockdiff.arg_utils import add_engine_args, engine_config, lora_modules
+
+    assert lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == [
+        LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/y", "m")]
+    with pytest.raises(ValueError, match="name=path"):
+        lora_modules(["nopath"])
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config(p.parse_args(["--model", tiny, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
+                                      "--max-cpu-loras", "5", "--lora-modules", "a=/x", "b=/y"]))
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.lora_modules) == (
+        True, 3, 32, 5, ("a=/x", "b=/y"))
+    with pytest.raises(ValueError, match="--enable-lora"):
+        engine_config(p.parse_args(["--model", tiny, "--lora-modules", "a=/x"]))
+    with LLM(tiny, device="cpu") as llm:  # without --enable-lora a request cannot name an adapter
+        with pytest.raises(ValueError, match="enable-lora"):
+            llm.generate([[5, 6]], lora_request=LoRARequest("a", 1, adapters[0]), use_tqdm=False)
+    with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=2) as llm:  # rank 4 > --max-lora-rank 2
+        with pytest.raises(LoRAError, match="max-lora-rank"):
+            llm.generate([[5, 6]], lora_request=LoRARequest("a", 1, adapters[0]), use_tqdm=False)
+
+
+def test_an_adapter_of_another_model_is_refused_when_named(tiny, checkpoints, tmp_path):
+    """Checked against the model when a request names it: no step ever meets it."""
+    from blockdiff import LLM, LoRARequest
+
+    other = checkpoints("lora_other", vocab_size=301, canvas_length=8, num_layers=5, num_heads=4, num_kv_heads=2,
+                        head_dim=16, global_head_dim=32, num_global_kv_heads=1, seed=3)
+    path = make_adapter(other, str(tmp_path / "other"), seed=40)
+    with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=8) as llm:
+        with pytest.raises(LoRAError, match="do not fit the model|layers"):
+            llm.generate([[5, 6]], lora_request=LoRARequest("o", 1, path), use_tqdm=False)
+        assert llm.generate([[5, 6]], use_tqdm=False)[0].outputs[0].token_ids  # the engine goes on
