@@ -157,7 +157,7 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
     engine = llm.engine
     device = cfg.resolved_device()
     config = engine.model_config
-    dtype = parse_dtype(cfg.dtype, config)
+    dtype = parse_dtype(cfg.dtype, config, device)
     reference = None
     if args.compare == "transformers":
         from blockdiff.bench.reference import TransformersRunner
