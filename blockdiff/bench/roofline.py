@@ -167,11 +167,12 @@ def _best_seconds(fn, device: torch.device, min_time: float) -> float:
     return best
 
 
-def measure_peak(device: torch.device | str, dtype: torch.dtype, min_time: float = 0.3) -> Peak:
+def measure_peak(device: torch.device | str, dtype: torch.dtype, min_time: float = 0.3, size: int | None = None) -> Peak:
     """Best matmul GFLOP/s over the kernels the engine may use, on a square product big enough to
-    be compute-bound, and the copy bandwidth of a tensor far larger than the caches."""
+    be compute-bound (`size`, default 1024 on the CPU, 8192 on GPUs), and the copy bandwidth of a
+    tensor far larger than the caches."""
     device = torch.device(device)
-    n = 1024 if device.type == "cpu" else 8192
+    n = size or (1024 if device.type == "cpu" else 8192)
     a = torch.randn(n, n, device=device).to(dtype)
     w = torch.randn(n, n, device=device).to(dtype)
     kernels = {"blockdiff linear": lambda: linear(a, w), "torch.mm": lambda: torch.mm(a, w)}
