@@ -5,7 +5,7 @@ torch), runs alternating so that load on the machine hits both sides alike.
 The peak is measured in the same run, just before each dtype's timings: the best of blockdiff's
 `linear` and torch.mm on a 2048 x 2048 x 2048 product (blockdiff/bench/roofline.py measure_peak).
 
-The useful FLOPs of one sequence (the same count for both sides; `useful_flops`):
+The useful FLOPs of one sequence (the same count for both sides; roofline.sequence_flops):
 
     2 x active parameters x tokens      every token through every layer's attention projections,
                                          dense MLP, router and its top-k experts (roofline.plan_cost):
@@ -38,8 +38,7 @@ import time
 import torch
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
-from blockdiff.bench.roofline import measure_peak, parameter_count, plan_cost
-from blockdiff.model.attention_layout import Row
+from blockdiff.bench.roofline import measure_peak, parameter_count, sequence_flops
 from blockdiff.model.registry import load_config
 from blockdiff.model.tiny import TinySpec, make_tiny_model
 
@@ -59,19 +58,6 @@ def checkpoint(name: str) -> str:
     if not os.path.isdir(path):
         make_tiny_model(path, TinySpec(**CONFIGS[name], dtype="bfloat16"))
     return path
-
-
-def useful_flops(config, prompt: int, new: int, steps: int) -> float:
-    """The FLOPs of one sequence, as the docstring counts them (roofline.plan_cost per step)."""
-    canvas = config.canvas_length
-    total = plan_cost(config, [Row(0, 0, prompt, False)], [], 0, 2).flops
-    for c in range(-(-new // canvas)):
-        start = prompt + c * canvas
-        for n in range(steps, 0, -1):
-            total += plan_cost(config, [Row(0, start, canvas, True)], [n], int(n == steps), 2).flops
-        if start + canvas < prompt + new:  # the last canvas is never read back
-            total += plan_cost(config, [Row(0, start, canvas, False)], [], 0, 2).flops
-    return total
 
 
 def loadavg() -> str:
@@ -99,7 +85,7 @@ def main() -> None:
     for name in args.configs.split(","):
         path = checkpoint(name)
         config = load_config(path)
-        flops = useful_flops(config, args.input_len, args.output_len, args.steps)
+        flops = sequence_flops(config, args.input_len, args.output_len, args.steps)
         print(f"\n{name}: {parameter_count(config) / 1e6:.1f}M parameters, {flops / 1e9:.1f} GFLOP per sequence")
         gen_s = {}
         for dtype_name in args.dtypes.split(","):

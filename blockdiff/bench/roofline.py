@@ -120,6 +120,24 @@ def plan_cost(config: ModelConfig, rows: list[Row], steps: list[int], new_canvas
     return cost
 
 
+def sequence_flops(config: ModelConfig, prompt: int, new: int, steps: int) -> float:
+    """The useful FLOPs of one sequence of `prompt` tokens and `new` generated ones in canvases of
+    `config.canvas_length`, each denoised `steps` times (none stopping early), by `plan_cost`:
+    2 x active parameters x tokens (the prompt once, each canvas once per step, each committed
+    canvas but the last once more), the LM head per canvas token and step, the self-conditioning
+    product (the soft embedding of each step with a next one, and the self-conditioning MLP of each
+    step after the first) and attention over the keys each query sees."""
+    canvas = config.canvas_length
+    total = plan_cost(config, [Row(0, 0, prompt, False)], [], 0, 2).flops
+    for c in range(-(-new // canvas)):
+        start = prompt + c * canvas
+        for n in range(steps, 0, -1):
+            total += plan_cost(config, [Row(0, start, canvas, True)], [n], int(n == steps), 2).flops
+        if start + canvas < prompt + new:  # the last canvas is never read back
+            total += plan_cost(config, [Row(0, start, canvas, False)], [], 0, 2).flops
+    return total
+
+
 @dataclass
 class Bound:
     """The least time a step can take: its compulsory bytes at the memory bandwidth, or its FLOPs at
