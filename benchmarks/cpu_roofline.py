@@ -22,7 +22,9 @@ Configs: "319m" (hidden 1024, 8 layers, 7 sliding + 1 full, 8 heads of 128, glob
 32 experts top-4 of width 256, dense width 2048, vocabulary 32,768) and "15m" (the 15.8M bench
 checkpoint of docs/benchmarks.md); random bfloat16 checkpoints made by model/tiny.py under /tmp.
 The workload: 128-token prompts, 128 new tokens in 64-token canvases of 8 denoising steps (no
-canvas stops early: stability_threshold = steps, no EOS).
+canvas stops early: stability_threshold = steps, no EOS). The engine keeps freed memory in the heap
+as the `blockdiff` commands do (worker/cpu_heap.py; process-wide, so for both sides) unless
+--no-tune-cpu-heap.
 
     python benchmarks/cpu_roofline.py                      # both configs, 3 timed runs each
     python benchmarks/cpu_roofline.py --configs 15m --iters 1 --batches 1
@@ -76,6 +78,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-transformers", action="store_true", help="blockdiff only")
+    p.add_argument("--no-tune-cpu-heap", action="store_true",
+                   help="leave glibc's heap as it is (the blockdiff commands tune it: worker/cpu_heap.py; the "
+                        "setting is process-wide, so transformers' side runs with it too)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from blockdiff import LLM, SamplingParams
@@ -91,7 +96,7 @@ def main() -> None:
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
             llm = LLM(path, dtype=dtype_name, device="cpu", max_num_seqs=max(map(int, args.batches.split(","))),
-                      max_model_len=args.input_len + args.output_len)
+                      max_model_len=args.input_len + args.output_len, tune_cpu_heap=not args.no_tune_cpu_heap)
             reference = None
             if not args.no_transformers:
                 from blockdiff.bench.reference import TransformersRunner
