@@ -208,9 +208,9 @@ def _requests(paths):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_generation_matches_peft(tiny, adapters, tp):
-    """blockdiff serving a PEFT adapter (on attention, MLPs and experts) generates transformers'
-    greedy tokens through PEFT's unmerged model, on one rank and on two (A and B sharded as their
-    layers, the experts' by their width)."""
+    """blockdiff serving PEFT adapters (one on attention, MLPs and experts, one on attention and MLPs
+    with rsLoRA) generates transformers' greedy tokens through PEFT's unmerged model, on one rank and
+    on two (A and B sharded as their layers, the experts' by their width)."""
     from helpers import hf_generate_with_draft
 
     from blockdiff import LLM, SamplingParams
@@ -219,16 +219,19 @@ def test_greedy_generation_matches_peft(tiny, adapters, tp):
     drafts = [_tokens(MAX_TOKENS, 301, 200 + n) for n in (3, 11)]
     params = [SamplingParams(max_tokens=MAX_TOKENS, max_denoising_steps=STEPS, draft=d, ignore_eos=True, **GREEDY)
               for d in drafts]
-    lora = _requests(adapters[:1])[0]
+    loras = _requests(adapters[:2])
     with LLM(tiny, device="cpu", tensor_parallel_size=tp, enable_lora=True, max_lora_rank=8) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
-    hf = peft_model(tiny, adapters[0]).base_model.model
+        got = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
+               for lora in loras]
     base = load_hf(tiny)
-    for prompt, draft, mine in zip(prompts, drafts, got):
-        want = hf_generate_with_draft(hf, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS, **GREEDY)
-        assert list(mine) == want[:MAX_TOKENS]
-        plain = hf_generate_with_draft(base, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS, **GREEDY)
-        assert plain != want  # the adapter changes the tokens
+    for path, tokens in zip(adapters, got):
+        hf = peft_model(tiny, path).base_model.model
+        for prompt, draft, mine in zip(prompts, drafts, tokens):
+            want = hf_generate_with_draft(hf, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS, **GREEDY)
+            assert list(mine) == want[:MAX_TOKENS]
+            plain = hf_generate_with_draft(base, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS,
+                                           **GREEDY)
+            assert plain != want  # the adapter changes the tokens
 
 
 def test_mixed_batch_is_each_request_alone(tiny, adapters):
