@@ -259,6 +259,23 @@ def test_mixed_batch_is_each_request_alone(tiny, adapters):
         assert len(llm.engine.lora.held) == 2
 
 
+@pytest.mark.slow  # two replica processes of their own: ~20 s on a busy 2-core machine
+def test_data_parallel_replicas_serve_adapters(tiny, adapters):
+    """LLM(data_parallel_size=2) routes each prompt with its adapter to a replica: the tokens of one engine."""
+    from blockdiff import LLM, SamplingParams
+
+    loras = [*_requests(adapters[:2]), None, _requests(adapters[:1])[0]]
+    prompts = [_tokens(n, 301, 400 + n) for n in (4, 9, 6, 5)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, max_denoising_steps=STEPS, seed=5, ignore_eos=True)
+    with LLM(tiny, enable_lora=True, max_lora_rank=8) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+    with LLM(tiny, enable_lora=True, max_lora_rank=8, data_parallel_size=2) as two:
+        assert two.engine is None
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+    assert got == expected
+    assert len({tuple(t) for t in got[:3]}) == 3  # the adapters matter
+
+
 def test_prefix_cache_keys_include_the_adapter(tiny, adapters):
     from blockdiff import LLM, SamplingParams
 
