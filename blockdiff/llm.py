@@ -78,8 +78,6 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
-        if self.replicas is not None and any(loras):
-            raise ValueError("lora_request with data_parallel_size > 1 is not supported")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -90,7 +88,7 @@ class LLM:
         choices = [(i, prompt, c) for i, (prompt, p) in enumerate(zip(prompts, params))
                    for c in _choices(replace(p or SamplingParams(), output_kind="final_only"))]
         if self.replicas is not None:
-            return _merged(self._run_replicas([(prompt, c) for _, prompt, c in choices], use_tqdm), choices)
+            return _merged(self._run_replicas([(prompt, c, loras[i]) for i, prompt, c in choices], use_tqdm), choices)
         requests, warned = [], set()
         try:
             for i, prompt, c in choices:

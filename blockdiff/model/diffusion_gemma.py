@@ -67,7 +67,7 @@ class Block(nn.Module):
         unit = unit_rms(x, self.pre_feedforward_layernorm.eps)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm.scaled(unit, x.dtype), lora))
         weights, index = self.router.route(self.router.norm.scaled(unit, x.dtype))
-        experts = self.experts(self.pre_feedforward_layernorm_2.scaled(unit, x.dtype), weights, index)
+        experts = self.experts(self.pre_feedforward_layernorm_2.scaled(unit, x.dtype), weights, index, lora)
         moe = self.post_feedforward_layernorm_2(experts)
         x = residual + self.post_feedforward_layernorm(dense + moe)
 

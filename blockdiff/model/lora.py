@@ -19,6 +19,9 @@ skips LoRA altogether: worker/request_slots.py). On CUDA the product is two Trit
 (ops/triton_lora.py) in which each token reads its own adapter only. Under tensor parallelism A and
 B are sharded as their base layer: column-parallel layers keep their rows of B, row-parallel layers
 their columns of A, and the delta joins the base layer's partial product before its one all-reduce.
+
+The experts' 3-D tensors (PEFT's `target_parameters`) get a pool each (`LoRAExperts`) that runs
+inside the experts' own grouped product, only in steps where a token's adapter targets them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from blockdiff.ops.kernels import padded
 from blockdiff.ops.matmul import linear
 
 try:
@@ -53,16 +57,20 @@ class LoRABatch:
 
     index: torch.Tensor
     num_encoder_tokens: int
+    # whether a token's adapter targets the experts: only then do the experts' pools run (they cost
+    # as much as the experts' own products at small widths)
+    experts: bool = False
     mask: torch.Tensor | None = None  # [tokens, slots * rank] (`with_mask`), made once per forward
 
     def with_mask(self, slots: int, rank: int, dtype: torch.dtype) -> "LoRABatch":
         """The batch with its mask: 1 on the columns of each token's slot, 0 elsewhere."""
         cols = torch.arange(slots * rank, device=self.index.device) // rank
-        return LoRABatch(self.index, self.num_encoder_tokens, (self.index.unsqueeze(1) == cols.unsqueeze(0)).to(dtype))
+        return LoRABatch(self.index, self.num_encoder_tokens, self.experts,
+                         (self.index.unsqueeze(1) == cols.unsqueeze(0)).to(dtype))
 
     def rows(self, start: int, end: int) -> "LoRABatch":
         """The tokens [start, end), all in one mode (the self-conditioning MLP's: decoder tokens)."""
-        return LoRABatch(self.index[start:end], 0, None if self.mask is None else self.mask[start:end])
+        return LoRABatch(self.index[start:end], 0, self.experts, None if self.mask is None else self.mask[start:end])
 
 
 class LoRALinear(nn.Module):
@@ -140,6 +148,69 @@ def with_lora(base: torch.Tensor, layer: nn.Module, x: torch.Tensor, batch: LoRA
     return base + pool(x, batch)
 
 
+class LoRAExperts(nn.Module):
+    """The LoRA pool of one projection of a layer's experts (gate_up or down), both modes: A
+    [E, C, in] and B [E, out, C] in the local, padded shapes of the experts' own weight
+    (model/moe.py), C = the columns of 2 modes x `slots` x `rank` (padded as the grouped products
+    need). Column (mode * slots + s) * rank + j is adapter slot s's j-th rank in `mode`. Every expert
+    row then takes one shrink and one expand through the experts' own product (grouped or per
+    expert), with a mask keeping its token's mode and slot's columns: ranks and slots of every
+    adapter in one product, and no delta (exactly) for a token without an adapter.
+
+    rows: the base weight's output rows as (first global row, first local row, count) runs;
+    cols: its input columns the same way (one run). Under tensor parallelism each rank holds its
+    slice of every expert's width, so gate_up keeps its rows of B and down its columns of A, and
+    down's delta joins the experts' output before their one all-reduce."""
+
+    def __init__(self, experts: int, out_local: int, in_local: int, rows: list[tuple[int, int, int]],
+                 cols: tuple[int, int, int], global_shape: tuple[int, int], slots: int, rank: int, dtype: torch.dtype,
+                 device=None):
+        super().__init__()
+        self.experts, self.rows, self.cols, self.global_shape = experts, rows, cols, global_shape
+        self.slots, self.rank = slots, rank
+        width = padded(2 * slots * rank, dtype)
+        self.register_buffer("a", torch.zeros(experts, width, in_local, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("b", torch.zeros(experts, out_local, width, dtype=dtype, device=device), persistent=False)
+
+    def clear(self, slot: int) -> None:
+        for mode in (ENCODER, DECODER):
+            c = (mode * self.slots + slot) * self.rank
+            self.a[:, c : c + self.rank] = 0
+            self.b[:, :, c : c + self.rank] = 0
+
+    def put(self, slot: int, mode: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float, name: str) -> None:
+        """Adapter `slot`'s delta of `mode` as PEFT saves it for 3-D expert tensors: A [E * r, in]
+        (expert e's rows e*r:(e+1)*r) and B [out, r * E] (expert e's columns e, e+E, ...), scaled by
+        `scale`; this rank takes its slice."""
+        e, (out, inp) = self.experts, self.global_shape
+        r = a.shape[0] // e
+        if r > self.rank:
+            raise LoRAError(f"{name} has rank {r}, more than --max-lora-rank {self.rank}")
+        if a.shape[0] % e or tuple(a.shape) != (e * r, inp) or tuple(b.shape) != (out, e * r):
+            raise LoRAError(f"{name}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the experts "
+                            f"([{e} x r, {inp}] / [{out}, r x {e}])")
+        c = (mode * self.slots + slot) * self.rank
+        first, local, n = self.cols
+        self.a[:, c : c + r, local : local + n] = a.view(e, r, inp)[..., first : first + n].to(self.a.dtype)
+        per_expert = (b.float() * scale).view(out, r, e).permute(2, 0, 1)  # [E, out, r]
+        for first, local, n in self.rows:
+            self.b[:, local : local + n, c : c + r] = per_expert[:, first : first + n].to(self.b.dtype)
+
+    def mask(self, batch: LoRABatch, source: torch.Tensor) -> torch.Tensor:
+        """[rows, C] of the expert rows whose tokens are `source` (model/moe.py's sorted pairs): 1 on
+        the columns of each row's token's mode and adapter slot."""
+        index, ne = batch.index, batch.num_encoder_tokens
+        decoder = torch.arange(index.shape[0], device=index.device) >= ne
+        column = torch.where(index >= 0, index + self.slots * decoder, -1).index_select(0, source)
+        cols = torch.arange(self.a.shape[1], device=index.device) // self.rank
+        return (column.unsqueeze(1) == cols.unsqueeze(0)).to(self.a.dtype)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, product) -> torch.Tensor:
+        """The delta [rows, out] of the expert rows x [rows, in]; `product(x, weight)` is the experts'
+        own (grouped or per-expert) product of rows by [E, out, in] weights."""
+        return product(product(x, self.a) * mask, self.b)
+
+
 # ---- where PEFT's names go -------------------------------------------------------------------------
 
 # transformers' module names (as PEFT saves them, after "base_model.model.") -> (mode, layer or None
@@ -150,23 +221,33 @@ _PARTS = {"q": ("qkv_proj", 0), "k": ("qkv_proj", 1), "v": ("qkv_proj", 2), "o":
           "gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
 
 
-def lora_layers(model: nn.Module) -> dict[tuple[int, str, str], nn.Module]:
-    """The linears of `model` (a DiffusionGemma) that adapters can target, by (layer or -1 for the
-    self-conditioning MLP, "self_attn" / "mlp", the blockdiff linear's name)."""
+_EXPERTS = re.compile(r"model\.(encoder\.language_model|decoder)\.layers\.(\d+)\.experts((?:\.base_layer)*)$")
+# transformers' experts register gate_up_proj first; PEFT wraps a module's targeted parameters in
+# that order, the first innermost (saved as experts.base_layer.lora_A when both are targeted)
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def lora_pools(model: nn.Module) -> dict[tuple[int, str, str], nn.Module]:
+    """The LoRA pools of `model` (a DiffusionGemma with enable_lora) by (layer or -1 for the
+    self-conditioning MLP, "self_attn" / "mlp" / "experts", the blockdiff linear's or the expert
+    tensor's name)."""
     out = {}
     for i, block in enumerate(model.layers):
-        out[(i, "self_attn", "qkv_proj")] = block.attn.qkv_proj
-        out[(i, "self_attn", "o_proj")] = block.attn.o_proj
-        out[(i, "mlp", "gate_up_proj")] = block.mlp.gate_up_proj
-        out[(i, "mlp", "down_proj")] = block.mlp.down_proj
+        out[(i, "self_attn", "qkv_proj")] = block.attn.qkv_proj.lora
+        out[(i, "self_attn", "o_proj")] = block.attn.o_proj.lora
+        out[(i, "mlp", "gate_up_proj")] = block.mlp.gate_up_proj.lora
+        out[(i, "mlp", "down_proj")] = block.mlp.down_proj.lora
+        out[(i, "experts", "gate_up_proj")] = block.experts.lora_gate_up
+        out[(i, "experts", "down_proj")] = block.experts.lora_down
     mlp = model.self_conditioning.mlp
-    out[(-1, "mlp", "gate_up_proj")] = mlp.gate_up_proj
-    out[(-1, "mlp", "down_proj")] = mlp.down_proj
+    out[(-1, "mlp", "gate_up_proj")] = mlp.gate_up_proj.lora
+    out[(-1, "mlp", "down_proj")] = mlp.down_proj.lora
     return out
 
 
-def place(module: str) -> tuple[int, tuple[int, str, str], int]:
-    """(mode, lora_layers key, part) of a transformers module name; LoRAError for one blockdiff cannot apply."""
+def place(module: str, expert_params: list[str] | None = None) -> tuple[int, tuple[int, str, str], int]:
+    """(mode, lora_pools key, part) of a transformers module name; LoRAError for one blockdiff cannot
+    apply. expert_params: the expert tensors the adapter targets (PEFT's target_parameters)."""
     m = _LAYER.search(module)
     if m:
         mode = ENCODER if m.group(1).startswith("encoder") else DECODER
@@ -178,16 +259,25 @@ def place(module: str) -> tuple[int, tuple[int, str, str], int]:
     if m:
         name, part = _PARTS[m.group(1)]
         return DECODER, (-1, "mlp", name), part
+    m = _EXPERTS.search(module)
+    if m and expert_params:
+        depth = m.group(3).count("base_layer")
+        if depth >= len(expert_params):
+            raise LoRAError(f"the adapter has {module}, more nested than its target_parameters {expert_params}")
+        mode = ENCODER if m.group(1).startswith("encoder") else DECODER
+        return mode, (int(m.group(2)), "experts", expert_params[len(expert_params) - 1 - depth]), 0
     raise LoRAError(f"the adapter targets {module}, which blockdiff cannot apply (blockdiff applies LoRA to the "
-                    "attention projections, the dense MLP and the self-conditioning MLP)")
+                    "attention projections, the dense MLP, the experts and the self-conditioning MLP)")
 
 
 def enable_lora(model: nn.Module, slots: int, rank: int) -> None:
-    """Gives every linear an adapter may target a pool of `slots` adapters of rank <= `rank`."""
+    """Gives every linear and expert tensor an adapter may target a pool of `slots` adapters of rank <= `rank`."""
     from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     group = model.group
-    for key, layer in lora_layers(model).items():
+    for layer in [m for block in model.layers for m in (block.attn.qkv_proj, block.attn.o_proj, block.mlp.gate_up_proj,
+                                                        block.mlp.down_proj)] + [model.self_conditioning.mlp.gate_up_proj,
+                                                                                 model.self_conditioning.mlp.down_proj]:
         weight = layer.weight
         if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise LoRAError(f"LoRA on a quantized layer ({weight.dtype}) is not supported")
@@ -199,7 +289,21 @@ def enable_lora(model: nn.Module, slots: int, rank: int) -> None:
             assert isinstance(layer, ColumnParallelLinear)
             pool = LoRALinear(layer.parts, layer.in_features, layer.in_features, 0, slots, rank, model.dtype, weight.device)
         layer.lora = pool
+    for block in model.layers:
+        enable_expert_lora(block.experts, slots, rank, model.dtype)
     model.lora_slots, model.lora_rank = slots, rank
+
+
+def enable_expert_lora(experts: nn.Module, slots: int, rank: int, dtype: torch.dtype) -> None:
+    """Gives a layer's experts (model/moe.py Experts) a pool for each of gate_up and down."""
+    ex = experts
+    if ex.gate_up.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise LoRAError(f"LoRA on quantized experts ({ex.gate_up.dtype}) is not supported")
+    e, h, i, lo, n, w = ex.num_experts, ex.hidden, ex.inter, ex.lo, ex.owned, ex.local
+    device = ex.gate_up.device
+    ex.lora_gate_up = LoRAExperts(e, 2 * w, ex.hidden_in, [(lo, 0, n), (i + lo, w, n)], (0, 0, h), (2 * i, h),
+                                  slots, rank, dtype, device)
+    ex.lora_down = LoRAExperts(e, ex.hidden_in, w, [(0, 0, h)], (lo, 0, n), (h, i), slots, rank, dtype, device)
 
 
 # ---- adapters on the host ----------------------------------------------------------------------------
@@ -211,6 +315,11 @@ class Adapter:
     path: str
     rank: int
     deltas: dict[tuple[int, tuple[int, str, str], int], tuple[torch.Tensor, torch.Tensor, float, str]]
+
+    @property
+    def experts(self) -> bool:
+        """Whether it targets the experts (a step with such an adapter runs the experts' pools)."""
+        return any(key[1] == "experts" for _, key, _ in self.deltas)
 
 
 def read_adapter(path: str, max_rank: int | None = None) -> Adapter:
@@ -229,13 +338,23 @@ def read_adapter(path: str, max_rank: int | None = None) -> Adapter:
                     ("trainable_token_indices", None)):
         if cfg.get(key, ok) not in (ok, [], {}):
             raise LoRAError(f"{path}: {key}={cfg[key]!r} is not supported")
-    if cfg.get("target_parameters"):
-        raise LoRAError(f"{path}: target_parameters {cfg['target_parameters']} (the MoE experts): blockdiff does not "
-                        "apply LoRA to the experts yet")
+    targets = cfg.get("target_parameters") or []
+    for target in targets:
+        owner, _, param = target.rpartition(".")
+        if param not in EXPERT_PARAMS or not (owner == "experts" or owner.endswith(".experts")):
+            raise LoRAError(f"{path}: target_parameters {target!r}: blockdiff applies LoRA to the experts' "
+                            f"{' and '.join(EXPERT_PARAMS)} only")
     if cfg.get("layer_replication"):
         raise LoRAError(f"{path}: layer_replication is not supported")
     alpha, rslora = cfg.get("lora_alpha", 8), cfg.get("use_rslora", False)
-    alpha_pattern = cfg.get("alpha_pattern") or {}
+    alpha_pattern, rank_pattern = cfg.get("alpha_pattern") or {}, cfg.get("rank_pattern") or {}
+
+    def pattern(patterns: dict, name: str, default):
+        for key, value in patterns.items():
+            if re.search(rf"(^|\.){key}$", name):
+                return value
+        return default
+
     from safetensors import safe_open
 
     tensors: dict[str, dict[str, torch.Tensor]] = {}
@@ -250,17 +369,18 @@ def read_adapter(path: str, max_rank: int | None = None) -> Adapter:
     for module, ab in sorted(tensors.items()):
         if set(ab) != {"lora_A", "lora_B"}:
             raise LoRAError(f"{path}: {module} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
-        mode, key, part = place(module)
+        owner = re.sub(r"(\.base_layer)+$", "", module)
+        targeted = [p for p in EXPERT_PARAMS if any(f"{owner}.{p}".endswith(t) for t in targets)]
+        mode, key, part = place(module, targeted)
         a, b = ab["lora_A"], ab["lora_B"]
         r = a.shape[0]
+        if key[1] == "experts":  # A holds every expert's r rows: the rank is the config's
+            module = f"{owner}.{key[2]}"
+            r = pattern(rank_pattern, module, cfg.get("r", 8))
         if max_rank is not None and r > max_rank:
             raise LoRAError(f"{path}: {module} has rank {r}, more than --max-lora-rank {max_rank}")
         top = max(top, r)
-        al = alpha
-        for pattern, value in alpha_pattern.items():
-            if re.search(rf"(^|\.){pattern}$", module):
-                al = value
-        scale = al / (r**0.5 if rslora else r)
+        scale = pattern(alpha_pattern, module, alpha) / (r**0.5 if rslora else r)
         deltas[(mode, key, part)] = (a, b, scale, module)
     return Adapter(path, top, deltas)
 
@@ -272,6 +392,13 @@ def check_fits(adapter: Adapter, config) -> None:
     for (_, (layer, block, name), part), (a, b, _, module) in adapter.deltas.items():
         if layer >= len(config.layers):
             raise LoRAError(f"the adapter targets {module}, but the model has {len(config.layers)} layers")
+        if block == "experts":
+            e, i = config.num_experts, config.moe_intermediate_size
+            out, inp = {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}[name]
+            if a.shape[0] % e or a.shape[1] != inp or b.shape[0] != out or b.shape[1] != a.shape[0]:
+                raise LoRAError(f"{module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the model's "
+                                f"{e} experts ([{e} x r, {inp}] / [{out}, r x {e}])")
+            continue
         if layer < 0 or block == "mlp":
             shape = {"gate_up_proj": (inter, h), "down_proj": (h, inter)}[name]
         else:
@@ -290,16 +417,16 @@ def check_fits(adapter: Adapter, config) -> None:
 
 def put_adapter(model: nn.Module, slot: int, adapter: Adapter | None) -> None:
     """Writes `adapter` into pool slot `slot` of every LoRA layer (None: clears it)."""
-    layers = lora_layers(model)
-    for layer in layers.values():
-        layer.lora.clear(slot)
+    pools = lora_pools(model)
+    for pool in pools.values():
+        pool.clear(slot)
     if adapter is None:
         return
     for (mode, key, part), (a, b, scale, name) in adapter.deltas.items():
-        if key not in layers:
+        if key not in pools:
             raise LoRAError(f"the adapter targets {name}, but the model has no such layer")
-        pool = layers[key].lora
-        if part >= len(pool.parts):
+        pool = pools[key]
+        if isinstance(pool, LoRALinear) and part >= len(pool.parts):
             raise LoRAError(f"the adapter targets {name}, which this checkpoint does not have (no v_proj in that layer)")
         pool.put(slot, mode, part, a, b, scale, name)
 

@@ -20,6 +20,7 @@ from blockdiff.ops.kernels import (
 from blockdiff.ops.matmul import batched_linear, grouped_linear, linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
+from blockdiff.model.lora import LoRABatch
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import (
     ColumnParallelLinear,
@@ -166,17 +167,19 @@ class Experts(nn.Module):
     def grouped(self, x: torch.Tensor) -> bool:
         return self.kernel(x) != PER_EXPERT
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Tokens are sorted by expert into one buffer where each expert's rows start on a multiple
         of ROW_ALIGN, with no padding to the busiest expert's load. The buffer has a fixed size (the
         pairs plus every expert's worst alignment gap) and the offsets stay on the device, so the
-        grouped path has static shapes and no host sync; the per-expert path reads the row counts."""
+        grouped path has static shapes and no host sync; the per-expert path reads the row counts.
+        lora: the tokens' adapters, applied where they target the experts (model/lora.py)."""
         n, k = index.shape
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
         kernel = self.kernel(x)
-        if kernel == BATCHED:
+        expert_lora = lora is not None and lora.experts and "lora_gate_up" in self._modules
+        if kernel == BATCHED and not expert_lora:  # adapters on the experts: the grouped products' LoRA pools
             out = self._batched(x, weights, index, flat, order, token)
             if out is not None:
                 return out
@@ -193,10 +196,13 @@ class Experts(nn.Module):
         if self.hidden_in != self.hidden:  # zero columns for the padded weights (blockdiff/ops/kernels.py)
             x = F.pad(x, (0, self.hidden_in - self.hidden))
         xs = x.index_select(0, source)
+        mask = None
+        if expert_lora:
+            mask = self.lora_gate_up.mask(lora, source)
         if kernel != PER_EXPERT:
-            y = self._grouped(xs, ends.to(torch.int32))
+            y = self._grouped(xs, ends.to(torch.int32), mask)
         else:
-            y = self._per_expert(xs, rows.tolist())
+            y = self._per_expert(xs, rows.tolist(), mask)
         y = (y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]).to(x.dtype)
         out = combine_top_k(y, order, n, k)
         if self.reduce:
@@ -233,19 +239,38 @@ class Experts(nn.Module):
             self.group.all_reduce(out)
         return out
 
-    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """Both products of every expert as one grouped call each (groups end at `ends`, int32)."""
-        gate, up = grouped_linear(xs, self.gate_up, ends).split(self.local, dim=-1)
-        return grouped_linear(self.act(gate) * up, self.down, ends)
+    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Both products of every expert as one grouped call each (groups end at `ends`, int32),
+        with the LoRA pools' deltas where `mask` (the rows' adapter columns) is given."""
+        def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return grouped_linear(x, weight, ends)
 
-    def _per_expert(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Two plain products per busy expert over its own rows (the first sum(sizes) rows of xs)."""
-        busy = [e for e, s in enumerate(sizes) if s]
-        parts = xs.split(sizes + [xs.shape[0] - sum(sizes)])
-        hidden = torch.cat([self.gate_up_product(parts[e], e) for e in busy])
+        hidden = product(xs, self.gate_up)
+        if mask is not None:
+            hidden = hidden + self.lora_gate_up(xs, mask, product)
         gate, up = hidden.split(self.local, dim=-1)
-        act = (self.act(gate) * up).split([sizes[e] for e in busy])
-        return torch.cat([self.down_product(a, e) for a, e in zip(act, busy)])
+        act = self.act(gate) * up
+        out = product(act, self.down)
+        return out if mask is None else out + self.lora_down(act, mask, product)
+
+    def _per_expert(self, xs: torch.Tensor, sizes: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Two plain products per busy expert over its own rows (the first sum(sizes) rows of xs),
+        LoRA as in `_grouped`."""
+        busy = [e for e, s in enumerate(sizes) if s]
+        counts = [sizes[e] for e in busy]
+        total = sum(counts)
+        xs = xs[:total]
+
+        def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return torch.cat([linear(part, weight[e]) for part, e in zip(x.split(counts), busy)])
+
+        hidden = torch.cat([self.gate_up_product(part, e) for part, e in zip(xs.split(counts), busy)])
+        if mask is not None:
+            hidden = hidden + self.lora_gate_up(xs, mask[:total], product)
+        gate, up = hidden.split(self.local, dim=-1)
+        act = self.act(gate) * up
+        out = torch.cat([self.down_product(a, e) for a, e in zip(act.split(counts), busy)])
+        return out if mask is None else out + self.lora_down(act, mask[:total], product)
 
     def gate_up_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return linear(x, self.gate_up[e])
@@ -304,9 +329,10 @@ class Fp8Experts(Experts):
     def load_down_scale(self, param: torch.Tensor, source, name: str, part: int) -> None:
         load_scale(param.data[part, : self.hidden], source, name, self.hidden, 0, self.hidden)
 
-    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """torch._scaled_grouped_mm twice (kernels.SCALED_GROUPED): the activations quantized to FP8
-        per row (or with the static input scale), the weights' row scales applied in the product."""
+        per row (or with the static input scale), the weights' row scales applied in the product.
+        `mask` is always None: FP8 experts have no LoRA pools (model/lora.py enable_lora)."""
         hidden = scaled_grouped_linear(xs, self.gate_up, self.gate_up_scale, ends, self.activations, self.gate_up_input_scale)
         gate, up = hidden.split(self.local, dim=-1)
         act = self.act(gate) * up

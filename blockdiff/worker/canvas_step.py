@@ -73,13 +73,15 @@ def canvas_step(
     steps: int = 1,
     logits: torch.Tensor | None = None,
     adapters: torch.Tensor | None = None,
+    lora_experts: bool = False,
 ) -> CanvasOutputs:
     """`steps` denoising steps of every canvas in `inputs`, back to back; reads `state`, `kv`, the
     block `tables` (layer kind -> [slots + 1, blocks per sequence]), the slots' `positions`
     [slots + 1] (cached lengths) and `slot_params` (the sampler's [slots + 1] rows, with the step's
     options), writes none of them. `logits`: a float32 buffer of at least [canvases * CL, local
     vocab] that the model writes the logits into (the outputs' `dist` then views it), or None for
-    fresh ones. `adapters`: the slots' LoRA adapter slots [slots + 1] (--enable-lora), else None. A canvas
+    fresh ones. `adapters`: the slots' LoRA adapter slots [slots + 1] (--enable-lora), else None, and
+    `lora_experts` whether one of them targets the experts. A canvas
     that finishes at one of the steps keeps its state and its results from that step on (the later
     steps still compute it, masked), so its results are those of one step at a time."""
     rows = inputs.slots.shape[0]
@@ -95,7 +97,8 @@ def canvas_step(
     out = None
     for i in range(steps):
         params = first if i == 0 else first.later(i)
-        now = forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits, lora=lora)[1]
+        now = forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits, lora=lora,
+                           lora_experts=lora_experts)[1]
         if out is None:
             out = now
         else:
@@ -117,7 +120,7 @@ def _where(keep: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Te
 def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, meta, state: SlotState,
                  slots: torch.Tensor, params: StepParams | None, prefix: torch.Tensor | None = None, scored: int = 0,
                  images=None, logits_out: torch.Tensor | None = None,
-                 lora: torch.Tensor | None = None) -> tuple[torch.Tensor, CanvasOutputs | None]:
+                 lora: torch.Tensor | None = None, lora_experts: bool = False) -> tuple[torch.Tensor, CanvasOutputs | None]:
     """The one step function, of the eager and the static step alike: a forward over the tokens
     [prefix | the canvases of `slots`] and, where there are canvases, the sampler's step and the
     self-conditioning product of every one of them.
@@ -130,7 +133,7 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
     exactly zero, so that is the reference's step without a previous one), and every canvas's new
     ones are computed, a finished canvas's too (its slot is reset when the next canvas starts).
     lora: each token's LoRA adapter slot ([tokens] of prefix and canvases, -1: none; padding gets
-    none), or None without --enable-lora."""
+    none), or None without --enable-lora; `lora_experts`: whether one of the adapters targets the experts."""
     rows, cl = slots.shape[0], state.canvas.shape[1]
     ids = state.canvas.index_select(0, slots).reshape(-1)
     soft = state.soft.index_select(0, slots).flatten(0, 1) if sampler.self_conditioning else None
@@ -144,7 +147,7 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
     if lora is not None:
         if meta.num_tokens > lora.shape[0]:
             lora = torch.cat((lora, lora.new_full((meta.num_tokens - lora.shape[0],), -1)))
-        batch = LoRABatch(lora, meta.num_encoder_tokens)
+        batch = LoRABatch(lora, meta.num_encoder_tokens, lora_experts)
     logits = model(ids, meta, kv, soft, images, logits_out=None if logits_out is None else logits_out[: scored + rows * cl],
                    lora=batch)
     if rows == 0:
@@ -220,7 +223,7 @@ class CanvasSteps:
         # these calls only; a shape beyond them would be a bug and still fails.
         context = max(k.shape[0] for k, _ in kv) if kv else 0
         self.limits = dict(recompile_limit=steps_per_launch * shape_count(state.scratch, context, geometry.block_size)
-                           * (2 if self.lora else 1))
+                           * (3 if self.lora else 1))  # LoRA: steps with none, with adapters, on the experts too
         self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
                                                          2 * self.limits["recompile_limit"])
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -242,7 +245,7 @@ class CanvasSteps:
         host = host_inputs(rows, size, self.state.scratch)
         # the options (e.g. restrict: top-k/p, min-p), the steps per launch and whether a canvas has a
         # LoRA adapter: a graph each
-        lora = self.lora and self.requests.any_adapter(rows)
+        lora = self.requests.lora_level(rows) if self.lora else 0
         key = (size, context, tuple(options.items()), steps) + ((lora,) if self.lora else ())
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
@@ -258,12 +261,13 @@ class CanvasSteps:
         graph.replay()
         return inputs, outputs
 
-    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1, lora: bool = False) -> tuple:
+    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1, lora: int = 0) -> tuple:
         """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions,
-        with the sampler's step `options`, and with the slots' LoRA adapters where `lora`."""
+        with the sampler's step `options`, and with the slots' LoRA adapters at `lora`'s level
+        (RequestSlots.lora_level)."""
         return (self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state,
                 self.requests.starts, self.requests.params.with_options(options), inputs, steps, self.logits,
-                self.requests.adapters if lora else None)
+                self.requests.adapters if lora else None, lora == 2)
 
     def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).

@@ -99,7 +99,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput | None:
         self.tables.apply(plan.tables)
         for slot, path in plan.lora_loads.items():
-            put_adapter(self.model, slot, self.lora.get(path))
+            adapter = self.lora.get(path)
+            put_adapter(self.model, slot, adapter)
+            (self.requests.expert_adapters.add if adapter.experts else self.requests.expert_adapters.discard)(slot)
         self.requests.admit(plan.new_requests)
         rows = self.requests.rows(plan.rows)
         self.requests.advance(plan.rows)  # the rows above start where their slots stood before the step
@@ -128,11 +130,13 @@ class ModelRunner:
             meta = build_metadata(rows, self.geometry, self.kinds, self.device, self.tables.tables)
             params = self.requests.step_params(slots, plan.denoise) if dec_rows else None
             images = None if plan.images is None else plan.images.to(self.device)
-            lora = None  # a step whose rows have no adapter runs as without --enable-lora
-            if self.lora is not None and self.requests.any_adapter(plan.rows):
-                lora = self.requests.token_adapters(plan.rows, meta.num_tokens)
+            lora, level = None, 0  # a step whose rows have no adapter runs as without --enable-lora
+            if self.lora is not None:
+                level = self.requests.lora_level(plan.rows)
+                if level:
+                    lora = self.requests.token_adapters(plan.rows, meta.num_tokens)
             score_logits, out = forward_step(self.model, self.sampler, self.vocab, self.kv, meta, self.state, slots,
-                                             params, ids, scored_tokens, images, lora=lora)
+                                             params, ids, scored_tokens, images, lora=lora, lora_experts=level == 2)
             if plan.score is not None:
                 score = self._score(score_logits, plan.score)
             if out is None:

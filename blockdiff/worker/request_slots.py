@@ -29,6 +29,7 @@ class RequestSlots:
         # each slot's LoRA adapter slot (-1: none), read per token where the model has a LoRA pool
         self.adapters = torch.full((rows,), -1, dtype=torch.long, device=device)
         self.adapters_host = [-1] * rows  # the same on the host: a step whose rows have none skips LoRA
+        self.expert_adapters: set[int] = set()  # the adapter slots whose adapter targets the experts
 
     def admit(self, new: NewRequests | None) -> None:
         if new is None:
@@ -48,9 +49,11 @@ class RequestSlots:
         return [Row(r.slot, self.positions[r.slot], r.length, r.decoder, bidirectional=r.bidirectional)
                 for r in plan_rows]
 
-    def any_adapter(self, rows) -> bool:
-        """Whether a row (of a plan, or an attention Row) runs with a LoRA adapter."""
-        return any(self.adapters_host[r.slot] >= 0 for r in rows)
+    def lora_level(self, rows) -> int:
+        """How the rows (of a plan, or attention Rows) run LoRA: 0 no row has an adapter, 1 some
+        have, 2 one of them targets the experts too (whose pools then run)."""
+        held = {self.adapters_host[r.slot] for r in rows} - {-1}
+        return 0 if not held else 2 if held & self.expert_adapters else 1
 
     def token_adapters(self, plan_rows: list[StepRow], tokens: int) -> torch.Tensor:
         """[tokens] each packed token's adapter slot (rows in order, then -1 padding)."""

@@ -61,7 +61,7 @@ class LoRAHarness(Harness):
     def batch(self, meta, n):
         index = torch.full((meta.num_tokens,), -1, dtype=torch.long, device=DEVICE)
         index[:n] = self.slot
-        return LoRABatch(index, meta.num_encoder_tokens)
+        return LoRABatch(index, meta.num_encoder_tokens, experts=True)
 
     @torch.no_grad()
     def decode(self, canvas, soft=None):
@@ -99,6 +99,59 @@ def test_forward_parity_with_peft(tiny, adapter):
     assert rel_err(base.decode(canvas, sc), want) > 100 * FP32_TOL  # the adapter matters
 
 
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+@pytest.mark.parametrize("targets", [EXPERTS, EXPERTS[1:], EXPERTS[:1]], ids=["both", "down", "gate_up"])
+def test_expert_adapters_match_peft(tiny, tmp_path, targets):
+    """An adapter on the experts' 3-D tensors (PEFT's target_parameters; both nested on one module,
+    or one alone): our logits are PEFT's, and without the experts' deltas they are not."""
+    target = ATTN_MLP if len(targets) == 2 else r".*model\.decoder\.layers\.0\.self_attn\.q_proj"
+    path = make_adapter(tiny, str(tmp_path / "experts"), seed=3, target=target, target_parameters=targets)
+    adapter = read_adapter(path)
+    assert {key[2] for _, key, _ in adapter.deltas if key[1] == "experts"} == {t.split(".")[1] for t in targets}
+    ref = Oracle(peft_model(tiny, path).base_model.model)
+    without = read_adapter(path)
+    without.deltas = {k: v for k, v in without.deltas.items() if k[1][1] != "experts"}
+    sides = []
+    for a in (adapter, without):
+        model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+        enable_lora(model, 2, 8)
+        put_adapter(model, 1, a)
+        sides.append(LoRAHarness(model, 1))
+    prompt, first, canvas = _tokens(5, 301, 0), _tokens(8, 301, 1), _tokens(8, 301, 2)
+    for side in (*sides, ref):
+        side.encode(prompt)
+        side.encode(first)
+    want = ref.decode(canvas)
+    assert rel_err(sides[0].decode(canvas), want) <= FP32_TOL
+    assert rel_err(sides[1].decode(canvas), want) > 100 * FP32_TOL  # the experts' deltas matter
+
+
+def test_expert_deltas_alike_on_the_grouped_and_the_per_expert_products(tiny, tmp_path):
+    """The experts' LoRA through the grouped product (the CPU's and Hopper's) and through the
+    per-expert one (other GPUs): the same rows, within float32 rounding."""
+    from blockdiff.model.moe import Experts
+
+    path = make_adapter(tiny, str(tmp_path / "experts"), seed=5, target=r".*model\.decoder\.layers\.0\.self_attn\.q_proj",
+                        target_parameters=EXPERTS)
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    enable_lora(model, 3, 8)
+    put_adapter(model, 2, read_adapter(path))
+    experts: Experts = model.layers[0].experts
+    g = torch.Generator().manual_seed(0)
+    sizes = [8, 0, 16, 8]  # rows per expert, aligned; expert 1 idle
+    xs = torch.randn(sum(sizes), experts.hidden_in, generator=g)
+    batch = LoRABatch(torch.tensor([2, -1, 2, 0, 2, 2, -1, 2, 2, 2]), 4, experts=True)
+    source = torch.randint(0, 10, (sum(sizes),), generator=g)
+    mask = experts.lora_gate_up.mask(batch, source)
+    assert mask.sum() == 8 * (batch.index[source] >= 0).sum()  # rank 8: each row with an adapter keeps 8 columns
+    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    grouped, per_expert = experts._grouped(xs, ends, mask), experts._per_expert(xs, sizes, mask)
+    assert torch.allclose(grouped, per_expert, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(grouped, experts._grouped(xs, ends), atol=1e-3)  # the deltas are there
+
+
 def test_no_adapter_rows_are_the_base_model(tiny, adapter):
     """Tokens of slot -1 in a model with a pool (an adapter loaded in another slot) get the base
     model's logits, bit for bit."""
@@ -119,13 +172,13 @@ def test_unsupported_targets_fail_at_load(tiny, tmp_path):
         read_adapter(path)
     path = make_adapter(tiny, str(tmp_path / "experts"), seed=1, target=r".*model\.decoder\.layers\.0\.self_attn\.q_proj",
                         target_parameters=["experts.gate_up_proj"])
-    with pytest.raises(LoRAError, match="experts"):
-        read_adapter(path)
-    cfg = json.load(open(os.path.join(path, "adapter_config.json")))
-    cfg["target_parameters"] = None
-    json.dump(cfg, open(os.path.join(path, "adapter_config.json"), "w"))
-    with pytest.raises(LoRAError, match="experts"):  # the tensors name them too
-        read_adapter(path)
+    config = os.path.join(path, "adapter_config.json")
+    cfg = json.load(open(config))
+    for targets, match in ((["router.per_expert_scale"], "router.per_expert_scale"),
+                           (None, r"layers\.\d\.experts, which blockdiff cannot apply")):  # the tensors name them
+        json.dump({**cfg, "target_parameters": targets}, open(config, "w"))
+        with pytest.raises(LoRAError, match=match):
+            read_adapter(path)
     model = load_model(tiny, dtype=torch.float32, device=DEVICE)
     enable_lora(model, 1, 2)
     with pytest.raises(LoRAError, match="max-lora-rank"):
@@ -140,9 +193,10 @@ MAX_TOKENS, STEPS = 16, 4
 
 @pytest.fixture(scope="module")
 def adapters(tiny, tmp_path_factory):
-    """Three adapters: attention + MLP (+ self-conditioning) of ranks 4, 8 and 2, one with rsLoRA."""
+    """Three adapters: attention + MLP (+ self-conditioning) of ranks 4, 8 and 2, one with rsLoRA,
+    the first on the experts too."""
     root = tmp_path_factory.mktemp("loras")
-    return [make_adapter(tiny, str(root / "a0"), seed=10, r=4),
+    return [make_adapter(tiny, str(root / "a0"), seed=10, r=4, target_parameters=EXPERTS),
             make_adapter(tiny, str(root / "a1"), seed=11, r=8, alpha=4, use_rslora=True),
             make_adapter(tiny, str(root / "a2"), seed=12, r=2, alpha=16)]
 
@@ -154,8 +208,9 @@ def _requests(paths):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_generation_matches_peft(tiny, adapters, tp):
-    """blockdiff serving a PEFT adapter generates transformers' greedy tokens through PEFT's unmerged
-    model, on one rank and on two (A and B sharded as their layers)."""
+    """blockdiff serving PEFT adapters (one on attention, MLPs and experts, one on attention and MLPs
+    with rsLoRA) generates transformers' greedy tokens through PEFT's unmerged model, on one rank and
+    on two (A and B sharded as their layers, the experts' by their width)."""
     from helpers import hf_generate_with_draft
 
     from blockdiff import LLM, SamplingParams
@@ -164,21 +219,25 @@ def test_greedy_generation_matches_peft(tiny, adapters, tp):
     drafts = [_tokens(MAX_TOKENS, 301, 200 + n) for n in (3, 11)]
     params = [SamplingParams(max_tokens=MAX_TOKENS, max_denoising_steps=STEPS, draft=d, ignore_eos=True, **GREEDY)
               for d in drafts]
-    lora = _requests(adapters[:1])[0]
+    loras = _requests(adapters[:2])
     with LLM(tiny, device="cpu", tensor_parallel_size=tp, enable_lora=True, max_lora_rank=8) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
-    hf = peft_model(tiny, adapters[0]).base_model.model
+        got = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
+               for lora in loras]
     base = load_hf(tiny)
-    for prompt, draft, mine in zip(prompts, drafts, got):
-        want = hf_generate_with_draft(hf, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS, **GREEDY)
-        assert list(mine) == want[:MAX_TOKENS]
-        plain = hf_generate_with_draft(base, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS, **GREEDY)
-        assert plain != want  # the adapter changes the tokens
+    for path, tokens in zip(adapters, got):
+        hf = peft_model(tiny, path).base_model.model
+        for prompt, draft, mine in zip(prompts, drafts, tokens):
+            want = hf_generate_with_draft(hf, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS, **GREEDY)
+            assert list(mine) == want[:MAX_TOKENS]
+            plain = hf_generate_with_draft(base, prompt, draft, max_new_tokens=MAX_TOKENS, max_denoising_steps=STEPS,
+                                           **GREEDY)
+            assert plain != want  # the adapter changes the tokens
 
 
 def test_mixed_batch_is_each_request_alone(tiny, adapters):
-    """One batch of three adapters and the base model: each request's tokens are those it gets alone
-    (bit-identical; seeded sampling), and the pool of 2 slots makes the third adapter wait, not fail."""
+    """One batch of three adapters (one on the experts) and the base model: each request's tokens are
+    those it gets alone (bit-identical; seeded sampling), and the pool of 2 slots makes the third
+    adapter wait, not fail."""
     from blockdiff import LLM, SamplingParams
 
     loras = [*_requests(adapters), None, _requests(adapters)[0]]
@@ -189,14 +248,32 @@ def test_mixed_batch_is_each_request_alone(tiny, adapters):
         alone = [llm.generate([p], params, use_tqdm=False, lora_request=[lo])[0].outputs[0].token_ids
                  for p, lo in zip(prompts, loras)]
         assert len(set(map(tuple, alone))) == len(alone)  # every adapter gives other tokens
-        # the static step ran with adapters (its shape key ends with the LoRA flag), and without
-        flags = {key[-1] for key in llm.engine.executor.runner.canvas_steps.shapes}
-        assert flags == {True, False}
+        # the static step ran at every LoRA level (its shape key ends with RequestSlots.lora_level:
+        # 0 no adapter, 1 adapters, 2 one of them on the experts)
+        levels = {key[-1] for key in llm.engine.executor.runner.canvas_steps.shapes}
+        assert levels == {0, 1, 2}
     assert together == alone
     with LLM(tiny, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8) as llm:
         cycled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
         assert cycled == alone
         assert len(llm.engine.lora.held) == 2
+
+
+@pytest.mark.slow  # two replica processes of their own: ~20 s on a busy 2-core machine
+def test_data_parallel_replicas_serve_adapters(tiny, adapters):
+    """LLM(data_parallel_size=2) routes each prompt with its adapter to a replica: the tokens of one engine."""
+    from blockdiff import LLM, SamplingParams
+
+    loras = [*_requests(adapters[:2]), None, _requests(adapters[:1])[0]]
+    prompts = [_tokens(n, 301, 400 + n) for n in (4, 9, 6, 5)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, max_denoising_steps=STEPS, seed=5, ignore_eos=True)
+    with LLM(tiny, enable_lora=True, max_lora_rank=8) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+    with LLM(tiny, enable_lora=True, max_lora_rank=8, data_parallel_size=2) as two:
+        assert two.engine is None
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+    assert got == expected
+    assert len({tuple(t) for t in got[:3]}) == 3  # the adapters matter
 
 
 def test_prefix_cache_keys_include_the_adapter(tiny, adapters):
@@ -226,7 +303,7 @@ def test_pool_holds_at_most_max_loras(tiny, adapters, tmp_path_factory):
     prompt = _tokens(6, 301, 9)
     with LLM(tiny, device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=8) as llm:
         runner = llm.engine.executor.runner
-        pools = [m for m in runner.model.modules() if type(m).__name__ == "LoRALinear"]
+        pools = [m for m in runner.model.modules() if type(m).__name__ in ("LoRALinear", "LoRAExperts")]
         size = sum(b.numel() for m in pools for b in m.buffers())
         first = [llm.generate([prompt], params, use_tqdm=False, lora_request=lo)[0].outputs[0].token_ids for lo in loras]
         again = [llm.generate([prompt], params, use_tqdm=False, lora_request=lo)[0].outputs[0].token_ids

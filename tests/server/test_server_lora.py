@@ -24,7 +24,9 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def loras(tiny, tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("server_loras")
-    return [_lora.make_adapter(tiny, str(root / f"a{i}"), seed=20 + i, r=4) for i in range(3)]
+    # the first one on the experts' tensors too
+    return [_lora.make_adapter(tiny, str(root / f"a{i}"), seed=20 + i, r=4, target_parameters=_lora.EXPERTS if i == 0 else None)
+            for i in range(3)]
 
 
 server = serve(
