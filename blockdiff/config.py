@@ -116,15 +116,43 @@ def read_json(path: str) -> dict:
         raise ConfigError(f"{path} is {e}") from None
 
 
-def parse_dtype(name: str | torch.dtype, config: ModelConfig) -> torch.dtype:
-    """Resolve a user's dtype choice; "auto" takes the checkpoint's."""
+# CPU features under which oneDNN multiplies bfloat16 at a multiple of float32's rate (AMX tiles, or
+# AVX-512's bfloat16 dot products); elsewhere the CPU converts bfloat16 to float32 for every product.
+BF16_CPU_FEATURES = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_features() -> tuple[str, ...]:
+    """Those of BF16_CPU_FEATURES this CPU has (torch.cpu.get_capabilities, torch >= 2.7)."""
+    try:
+        caps = torch.cpu.get_capabilities()
+    except (AttributeError, RuntimeError):
+        return ()
+    return tuple(f for f in BF16_CPU_FEATURES if caps.get(f))
+
+
+def choose_dtype(name: str | torch.dtype, config: ModelConfig, device: str = "cpu",
+                 features: tuple[str, ...] | None = None) -> tuple[torch.dtype, str]:
+    """(the dtype the model runs, why) from the user's choice. "auto" takes the checkpoint's, except
+    a bfloat16 checkpoint on a CPU without AMX or AVX512-BF16 (`features`: the CPU's, default this
+    one's), which runs float32: there every bfloat16 product converts to float32 and runs slower
+    than float32 itself."""
     if isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return config.dtype
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
-    return _DTYPES[name]
+        return name, "asked"
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
+        return _DTYPES[name], "asked"
+    if config.dtype != torch.bfloat16 or not device.startswith("cpu"):
+        return config.dtype, "the checkpoint's"
+    have = [f for f in (cpu_features() if features is None else features) if f in BF16_CPU_FEATURES]
+    if have:
+        return torch.bfloat16, f"the checkpoint's; the CPU has {have[0]}"
+    return torch.float32, "the checkpoint is bfloat16, but the CPU has neither AMX nor AVX512-BF16"
+
+
+def parse_dtype(name: str | torch.dtype, config: ModelConfig, device: str = "cpu") -> torch.dtype:
+    """Resolve a user's dtype choice on `device` (`choose_dtype`)."""
+    return choose_dtype(name, config, device)[0]
 
 
 # Whether static steps are compiled unless the user says, per device type: the faster of compiled

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
 from blockdiff.config import parse_dtype
-from blockdiff.bench.roofline import Cost, measure_peak, parameter_count, plan_cost
+from blockdiff.bench.roofline import Cost, measure_peak, parameter_count, plan_cost, sequence_flops
 from blockdiff.engine.request import State
 from blockdiff.model.attention import Row
 from blockdiff.arg_utils import add_engine_args, at_least, engine_config
@@ -157,7 +157,7 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
     engine = llm.engine
     device = cfg.resolved_device()
     config = engine.model_config
-    dtype = parse_dtype(cfg.dtype, config)
+    dtype = parse_dtype(cfg.dtype, config, device)
     reference = None
     if args.compare == "transformers":
         from blockdiff.bench.reference import TransformersRunner
@@ -231,11 +231,15 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
         phases = median_phases(profiles)
         row = {"batch": batch, "blockdiff_s": statistics.median(times[0]), "blockdiff_runs_s": times[0]}
         row["blockdiff_tok_s"] = batch * args.output_len / row["blockdiff_s"]
+        # The useful FLOPs of the batch (roofline.sequence_flops) over the time, as a fraction of the peak.
+        useful = batch * sequence_flops(config, args.input_len, args.output_len, steps)
+        row["blockdiff_of_peak"] = useful / row["blockdiff_s"] / 1e9 / peak.gflops
         if reference:
             row["transformers_s"] = statistics.median(times[1])
             row["transformers_runs_s"] = times[1]
             row["transformers_tok_s"] = batch * args.output_len / row["transformers_s"]
             row["speedup"] = row["transformers_s"] / row["blockdiff_s"]
+            row["transformers_of_peak"] = useful / row["transformers_s"] / 1e9 / peak.gflops
         row["phases"] = {k: v.as_dict(peak.gflops) for k, v in sorted(phases.items())}
         rows.append(row)
         _print_row(row, reference is not None, first=batch == batch_sizes[0])
@@ -263,13 +267,14 @@ def _print_header(h: dict) -> None:
 
 def _print_row(row: dict, compare: bool, first: bool) -> None:
     if first:
-        cols = f"{'batch':>5} {'blockdiff s':>12} {'tok/s':>9}"
+        cols = f"{'batch':>5} {'blockdiff s':>12} {'tok/s':>9} {'of peak':>8}"
         if compare:
-            cols += f" {'transformers s':>15} {'tok/s':>9} {'speedup':>8}"
+            cols += f" {'transformers s':>15} {'tok/s':>9} {'of peak':>8} {'speedup':>8}"
         print(cols)
-    line = f"{row['batch']:>5} {row['blockdiff_s']:>12.3f} {row['blockdiff_tok_s']:>9.1f}"
+    line = f"{row['batch']:>5} {row['blockdiff_s']:>12.3f} {row['blockdiff_tok_s']:>9.1f} {row['blockdiff_of_peak']:>7.1%}"
     if compare:
-        line += f" {row['transformers_s']:>15.3f} {row['transformers_tok_s']:>9.1f} {row['speedup']:>7.2f}x"
+        line += (f" {row['transformers_s']:>15.3f} {row['transformers_tok_s']:>9.1f} {row['transformers_of_peak']:>7.1%}"
+                 f" {row['speedup']:>7.2f}x")
     print(line, flush=True)
 
 

@@ -120,6 +120,24 @@ def plan_cost(config: ModelConfig, rows: list[Row], steps: list[int], new_canvas
     return cost
 
 
+def sequence_flops(config: ModelConfig, prompt: int, new: int, steps: int) -> float:
+    """The useful FLOPs of one sequence of `prompt` tokens and `new` generated ones in canvases of
+    `config.canvas_length`, each denoised `steps` times (none stopping early), by `plan_cost`:
+    2 x active parameters x tokens (the prompt once, each canvas once per step, each committed
+    canvas but the last once more), the LM head per canvas token and step, the self-conditioning
+    product (the soft embedding of each step with a next one, and the self-conditioning MLP of each
+    step after the first) and attention over the keys each query sees."""
+    canvas = config.canvas_length
+    total = plan_cost(config, [Row(0, 0, prompt, False)], [], 0, 2).flops
+    for c in range(-(-new // canvas)):
+        start = prompt + c * canvas
+        for n in range(steps, 0, -1):
+            total += plan_cost(config, [Row(0, start, canvas, True)], [n], int(n == steps), 2).flops
+        if start + canvas < prompt + new:  # the last canvas is never read back
+            total += plan_cost(config, [Row(0, start, canvas, False)], [], 0, 2).flops
+    return total
+
+
 @dataclass
 class Bound:
     """The least time a step can take: its compulsory bytes at the memory bandwidth, or its FLOPs at
@@ -167,11 +185,12 @@ def _best_seconds(fn, device: torch.device, min_time: float) -> float:
     return best
 
 
-def measure_peak(device: torch.device | str, dtype: torch.dtype, min_time: float = 0.3) -> Peak:
+def measure_peak(device: torch.device | str, dtype: torch.dtype, min_time: float = 0.3, size: int | None = None) -> Peak:
     """Best matmul GFLOP/s over the kernels the engine may use, on a square product big enough to
-    be compute-bound, and the copy bandwidth of a tensor far larger than the caches."""
+    be compute-bound (`size`, default 1024 on the CPU, 8192 on GPUs), and the copy bandwidth of a
+    tensor far larger than the caches."""
     device = torch.device(device)
-    n = 1024 if device.type == "cpu" else 8192
+    n = size or (1024 if device.type == "cpu" else 8192)
     a = torch.randn(n, n, device=device).to(dtype)
     w = torch.randn(n, n, device=device).to(dtype)
     kernels = {"blockdiff linear": lambda: linear(a, w), "torch.mm": lambda: torch.mm(a, w)}

@@ -71,7 +71,7 @@ class LLMEngine:
         # Steps are bounded so that one canvas cannot hold its slot indefinitely.
         self.max_denoising_steps = cfg.max_denoising_steps_limit or max(4 * self.canvas_length,
                                                                         self.defaults["max_denoising_steps"])
-        self.executor = make_executor(cfg, self.model_config, parse_dtype(cfg.dtype, self.model_config),
+        self.executor = make_executor(cfg, self.model_config, parse_dtype(cfg.dtype, self.model_config, cfg.resolved_device()),
                                       cfg.resolved_device(), self.max_model_len, self.sampler.name)
         cache = self.executor.cache_config
         # A non-causal encoder's K/V of a token depend on the tokens after it in its chunk: nothing to share.

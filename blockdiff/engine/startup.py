@@ -10,12 +10,13 @@ from dataclasses import replace
 
 import torch
 
-from blockdiff.config import EngineConfig, ModelConfig, parse_dtype
+from blockdiff.config import EngineConfig, ModelConfig, choose_dtype
 from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.engine.client import EngineClient
 from blockdiff.engine.dp_client import DPClient
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.model.registry import load_config
+from blockdiff.ops.kernels import ExpertShape, expert_kernel, padded, target
 from blockdiff.step import CacheConfig
 
 log = logging.getLogger("blockdiff")
@@ -92,12 +93,28 @@ def kv_dtype(cache: CacheConfig, model_dtype: str) -> str:
     return f"fp8 (float8_e4m3fn) entries, per-layer scales ({scales})"
 
 
+def kernels_line(model_config: ModelConfig, dtype: torch.dtype, device: str, tp: int) -> str:
+    """Which kernels the experts' products take (blockdiff/ops/kernels.py), as the summary says it."""
+    arch = model_config.arch
+    width = getattr(arch, "moe_intermediate_size", None)
+    if not width or not getattr(arch, "num_experts", 0):
+        return "kernels: no experts"
+    if getattr(arch, "quantization", None) is not None:
+        return "kernels: experts quantized (blockdiff/ops/kernels.py chooses per layer)"
+    shape = ExpertShape(padded(arch.hidden_size, dtype), padded(-(-width // tp), dtype), dtype)
+    kernel, why = expert_kernel(target(device), dtype, shape)
+    return f"kernels: experts {kernel} ({why})"
+
+
 def summary(engine: LLMEngine, threads: str) -> list[str]:
     """The startup summary, one log line each."""
     cfg, cache = engine.cfg, engine.executor.cache_config
-    dtype = str(parse_dtype(cfg.dtype, engine.model_config)).removeprefix("torch.")
+    device = cfg.resolved_device()
+    chosen, reason = choose_dtype(cfg.dtype, engine.model_config, device)
+    dtype = str(chosen).removeprefix("torch.")
     return [
-        f"model {cfg.model}: {dtype} on {cfg.resolved_device()}, tensor parallel size {cfg.tensor_parallel_size}",
+        f"model {cfg.model}: {dtype} on {device}, tensor parallel size {cfg.tensor_parallel_size}",
+        f"dtype {dtype}: {reason}; " + kernels_line(engine.model_config, chosen, device, cfg.tensor_parallel_size),
         f"threads: {threads}",
         f"max_model_len {engine.max_model_len}, max_num_seqs {cache.num_slots}, "
         f"KV cache {cache.num_blocks} blocks x {cache.block_size} = {cache.num_blocks * cache.block_size} tokens, "

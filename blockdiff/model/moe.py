@@ -14,8 +14,10 @@ from torch import nn
 
 from blockdiff.model.gemma_config import GemmaConfig
 from blockdiff.ops.fp8 import FP8, fp8_linear, scaled_grouped_linear, sharded_token_scales
-from blockdiff.ops.kernels import PER_EXPERT, ExpertShape, kernel_on, padded, transposed_experts
-from blockdiff.ops.matmul import grouped_linear, linear
+from blockdiff.ops.kernels import (
+    BATCH_TILE, BATCHED, PER_EXPERT, ExpertShape, batched_rows, kernel_on, padded, transposed_experts,
+)
+from blockdiff.ops.matmul import batched_linear, grouped_linear, linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.model.lora import LoRABatch
@@ -175,6 +177,12 @@ class Experts(nn.Module):
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
+        kernel = self.kernel(x)
+        expert_lora = lora is not None and lora.experts and "lora_gate_up" in self._modules
+        if kernel == BATCHED and not expert_lora:  # adapters on the experts: the grouped products' LoRA pools
+            out = self._batched(x, weights, index, flat, order, token)
+            if out is not None:
+                return out
         experts = torch.arange(self.num_experts, device=x.device)
         counts = torch.searchsorted(flat.index_select(0, order), experts, right=True).diff(prepend=experts[:1] * 0)
         rows = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
@@ -189,12 +197,42 @@ class Experts(nn.Module):
             x = F.pad(x, (0, self.hidden_in - self.hidden))
         xs = x.index_select(0, source)
         mask = None
-        if lora is not None and lora.experts and "lora_gate_up" in self._modules:
+        if expert_lora:
             mask = self.lora_gate_up.mask(lora, source)
-        if self.grouped(x):
+        if kernel != PER_EXPERT:
             y = self._grouped(xs, ends.to(torch.int32), mask)
         else:
             y = self._per_expert(xs, rows.tolist(), mask)
+        y = (y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]).to(x.dtype)
+        out = combine_top_k(y, order, n, k)
+        if self.reduce:
+            self.group.all_reduce(out)
+        return out
+
+    def _batched(self, x, weights, index, flat, order, token) -> torch.Tensor | None:
+        """The experts as one torch.bmm per projection (kernels.BATCHED): expert e's tokens are rows
+        e * cap ... of one [E, cap, hidden] buffer, cap the busiest expert's count rounded up to
+        BATCH_TILE rows, read on the host (free on the CPU; traced code takes the static bound, n
+        rows each). None where that padding would exceed kernels.BATCH_MAX_PADDING: the caller runs
+        the grouped products then. Padding rows repeat token 0 and are dropped."""
+        n, k = index.shape
+        e = self.num_experts
+        ranked = flat.index_select(0, order)  # the pairs' experts, ascending
+        experts = torch.arange(e, device=x.device)
+        counts = torch.searchsorted(ranked, experts, right=True).diff(prepend=experts[:1] * 0)
+        if torch.compiler.is_compiling():
+            cap = -(-n // BATCH_TILE) * BATCH_TILE
+        else:
+            cap = batched_rows(int(counts.max()), n * k, e)
+            if cap is None:
+                return None
+        dest = ranked * cap + torch.arange(n * k, device=x.device) - (counts.cumsum(0) - counts).index_select(0, ranked)
+        source = torch.zeros(e * cap, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
+        if self.hidden_in != self.hidden:
+            x = F.pad(x, (0, self.hidden_in - self.hidden))
+        xs = x.index_select(0, source).view(e, cap, self.hidden_in)
+        gate, up = batched_linear(xs, self.gate_up).split(self.local, dim=-1)
+        y = batched_linear(self.act(gate) * up, self.down).view(e * cap, -1)
         y = (y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]).to(x.dtype)
         out = combine_top_k(y, order, n, k)
         if self.reduce:

@@ -11,6 +11,15 @@ captured as a CUDA graph:
   host, a sync that cannot be captured in a graph.
 - "scaled_grouped": FP8 experts as `torch._scaled_grouped_mm` with row-wise scales: CUDA 9.x / 10.x,
   bfloat16 activations that are quantized (a "dynamic" or "static" scheme), dimensions divisible by 16.
+- "batched": bfloat16 experts on CPUs with AMX: one `torch.bmm` per projection
+  over all experts' rows, each expert's rows padded to the busiest expert's (a multiple of
+  BATCH_TILE rows, AMX's tile height). The padded size is read on the host, which on the CPU costs
+  nothing; traced code (torch.compile) takes the static bound instead, every token in every expert.
+  Where the padding would more than double the rows (`batched_rows`) the call takes the grouped
+  product instead: few tokens spread over many experts. On a Xeon with AMX one layer's experts at 64
+  tokens took 3.62 ms batched against 5.32 ms grouped; on an AMD EPYC with AVX512-BF16 but no AMX
+  the batched products were no faster (0.90-1.10x per layer, 0.92-0.95x per generate), so there
+  bfloat16 experts stay grouped (docs/benchmarks.md, issue 41).
 - "per_expert": two products per busy expert, which reads the group sizes on the host: everything
   else. Such a step has a host sync in every layer, so it is neither compiled nor captured.
 
@@ -27,12 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.config import COMPILE_BY_DEFAULT
+from blockdiff.config import COMPILE_BY_DEFAULT, cpu_features
 
 ALIGN_BYTES = 16  # torch's grouped products: leading strides (and FP8 dimensions) of 16 bytes
 FP8 = torch.float8_e4m3fn
 
-GROUPED, SCALED_GROUPED, PER_EXPERT = "grouped", "scaled_grouped", "per_expert"
+GROUPED, SCALED_GROUPED, PER_EXPERT, BATCHED = "grouped", "scaled_grouped", "per_expert", "batched"
+BATCH_TILE = 16  # rows per expert in a batched product are a multiple of this (AMX tiles are 16 rows)
+BATCH_MAX_PADDING = 2.0  # a batched call may run at most this many rows per routed pair, else grouped
+
 # torch's grouped kernels without a host sync: compute capability 9.x (Hopper) and 10.x (Blackwell).
 _GROUPED_MAJORS = (9, 10)
 
@@ -49,13 +61,23 @@ class Target:
 
     type: str
     capability: tuple[int, int] | None = None
+    features: frozenset[str] = frozenset()  # on the CPU: its config.BF16_CPU_FEATURES (tests inject them)
 
 
 def target(device: torch.device | str) -> Target:
     device = torch.device(device)
+    if device.type == "cpu":
+        return Target("cpu", features=frozenset(cpu_features()))
     if device.type != "cuda":
         return Target(device.type)
     return Target("cuda", tuple(torch.cuda.get_device_capability(device)))
+
+
+def batched_rows(counts_max: int, pairs: int, experts: int) -> int | None:
+    """Rows per expert of a batched call whose busiest expert has `counts_max` of the `pairs` routed
+    token-expert pairs, or None where that padding is more than BATCH_MAX_PADDING times the pairs."""
+    cap = -(-max(counts_max, 1) // BATCH_TILE) * BATCH_TILE
+    return cap if experts * cap <= BATCH_MAX_PADDING * max(pairs, 1) else None
 
 
 @dataclass(frozen=True)
@@ -117,6 +139,10 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
     if not (_aligned(shape.hidden, shape.weight_dtype) and _aligned(shape.width, shape.weight_dtype)):
         return PER_EXPERT, f"widths {shape.hidden} x {shape.width} of {shape.weight_dtype} miss 16-byte rows (unpadded)"
     if where.type == "cpu":
+        if (dtype == torch.bfloat16 and shape.weight_dtype == torch.bfloat16 and "amx_bf16" in where.features
+                and dtype in ops.cpu_grouped_mm):
+            return BATCHED, (f"one torch.bmm per projection over all experts' rows padded to {BATCH_TILE}-row tiles "
+                             f"(AMX; grouped where that padding exceeds {BATCH_MAX_PADDING:g}x)")
         if dtype in ops.cpu_grouped_mm:
             return GROUPED, "torch._grouped_mm's CPU kernel, offsets on the device"
         return PER_EXPERT, f"this torch has no CPU grouped_mm for {dtype}"
@@ -134,8 +160,10 @@ def transposed_experts(device: torch.device, dtype: torch.dtype, shape: ExpertSh
     """Whether experts of `shape` on `device` keep each expert's [out, in] weight in memory as
     [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies by such a
     weight up to a quarter faster than by the checkpoint's layout read through a transposed view,
-    with the same bits (docs/benchmarks.md); CUDA's grouped kernels take the checkpoint's layout."""
-    return device.type == "cpu" and expert_kernel(Target("cpu"), dtype, shape)[0] == GROUPED
+    with the same bits (docs/benchmarks.md); CUDA's grouped kernels and the CPU's batched products
+    (torch.bmm, whose oneDNN kernel read that layout faster: docs/benchmarks.md, issue 41) take the
+    checkpoint's layout."""
+    return device.type == "cpu" and expert_kernel(target(device), dtype, shape)[0] == GROUPED
 
 
 @torch.compiler.assume_constant_result  # traced code takes the answer as a constant

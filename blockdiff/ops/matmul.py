@@ -11,7 +11,8 @@ Everything else (GPUs, reduced precision, where oneDNN is missing, training, and
 torch.compile, whose inductor cannot lower the oneDNN op) stays on `F.linear`.
 
 `grouped_linear` runs many experts' products in one call (`torch._grouped_mm`) with the group
-offsets on the device, so no per-expert row count ever reaches the host.
+offsets on the device, so no per-expert row count ever reaches the host; `batched_linear` runs them
+as one `torch.bmm` over experts' rows padded to one count (model/moe.py, kernels.BATCHED).
 """
 
 from __future__ import annotations
@@ -90,3 +91,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
     """Rows ends[g-1]:ends[g] of x [rows, in] times weight[g] [out, in].T, in one call; `ends`
     int32 on x's device. Rows past ends[-1] are left undefined."""
     return _grouped_mm(x, weight, ends)
+
+
+def batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [E, rows, in] @ weight [E, out, in].T per expert, one torch.bmm (oneDNN's batched kernel on
+    the CPU); `weight` in the checkpoint's layout, read through a transposed view."""
+    return torch.bmm(x, weight.transpose(1, 2))

@@ -41,6 +41,12 @@ def test_bench_offline(tiny, tmp_path, capsys):
         # 4 denoising steps, one commit (the last canvas is never committed)
         assert {k: v["steps"] for k, v in phases.items()} == {"prefill": 1, "denoise": 4, "commit": 1}
         assert all(v["gflop_per_step"] > 0 and v["mb_per_step"] > 0 for v in phases.values())
+        # The fraction of peak counts roofline.sequence_flops per request, what the engine's steps cost
+        # to a few percent: the profile costs a launch of several steps as its first step times their
+        # number (the first step's soft embedding counted for the last too, the later steps'
+        # self-conditioning MLP for none).
+        total = sum(v["gflop_per_step"] * v["steps"] for v in phases.values())
+        assert row["blockdiff_of_peak"] == pytest.approx(total / row["blockdiff_s"] / saved["config"]["peak_gflops"], rel=0.03)
     one, two = (r["phases"]["denoise"]["gflop_per_step"] for r in saved["results"])
     assert two == pytest.approx(2 * one)  # same work per canvas, twice the canvases
 
@@ -360,3 +366,29 @@ def test_sharegpt_samples_take_the_first_two_turns(tiny, tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="is not JSON"):
         sharegpt_samples(str(path), 1, 0, tok, 0, None)
+
+
+def test_sequence_flops_is_the_docstring_formula(tiny):
+    """roofline.sequence_flops, counted by hand: 2 x active parameters x tokens (the prompt, each
+    canvas once per step, each committed canvas once more) + LM head + soft embedding + the
+    self-conditioning MLP + attention over the keys each query sees."""
+    from blockdiff.bench.roofline import _token_weights, sequence_flops
+
+    config = load_config(tiny)
+    g, cl = config.arch, config.canvas_length
+    h, v = g.hidden_size, config.vocab_size
+    prompt, new, steps = 7, 3 * cl, 4
+    active = sum(dense + g.top_k_experts * expert for dense, expert in (_token_weights(g, s) for s in g.layers))
+    tokens = prompt + steps * new + (new - cl)
+    want = 2 * active * tokens + steps * new * 2 * h * v + (steps - 1) * new * 2 * v * h
+    want += (steps - 1) * new * 2 * 3 * h * g.intermediate_size
+    for spec in g.layers:
+        window = spec.window if spec.sliding else None
+        per_key = 4 * g.num_heads * spec.head_dim
+        seen = lambda pos: pos + 1 if window is None else min(pos + 1, window)  # causal, window included
+        want += per_key * sum(seen(i) for i in range(prompt + new - cl))  # the prompt and committed canvases
+        for c in range(new // cl):
+            start = prompt + c * cl
+            cached = start if window is None else min(start, window - 1)
+            want += per_key * steps * cl * (cached + cl)
+    assert sequence_flops(config, prompt, new, steps) == pytest.approx(want)

@@ -128,6 +128,24 @@ def test_expert_adapters_match_peft(tiny, tmp_path, targets):
     assert rel_err(sides[1].decode(canvas), want) > 100 * FP32_TOL  # the experts' deltas matter
 
 
+def test_expert_adapters_where_the_batched_kernel_is_chosen(tiny, tmp_path, monkeypatch):
+    """On a CPU whose experts run batched (AMX; forced here, on any CPU), a step whose adapters may
+    target the experts takes the grouped products and their LoRA pools: still PEFT's logits, and
+    the batched path is never tried; a step without adapters tries it."""
+    import blockdiff.model.moe as moe
+    from blockdiff.ops.kernels import BATCHED
+
+    monkeypatch.setattr(moe, "kernel_on", lambda *a: BATCHED)
+    batched = []
+    original = moe.Experts._batched
+    monkeypatch.setattr(moe.Experts, "_batched", lambda self, *a: batched.append(1) or original(self, *a))
+    test_expert_adapters_match_peft(tiny, tmp_path, EXPERTS)
+    assert not batched
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    Harness(model).encode(_tokens(9, 301, 4))
+    assert batched
+
+
 def test_expert_deltas_alike_on_the_grouped_and_the_per_expert_products(tiny, tmp_path):
     """The experts' LoRA through the grouped product (the CPU's and Hopper's) and through the
     per-expert one (other GPUs): the same rows, within float32 rounding."""

@@ -14,8 +14,10 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from blockdiff.model.gemma_config import GemmaConfig
 from blockdiff.model.registry import load_config
 from blockdiff.ops.kernels import (
-    FP8, GROUPED, PER_EXPERT, SCALED_GROUPED, ExpertShape, Ops, Target, expert_kernel, padded, static_kernel, step_modes,
+    BATCHED, FP8, GROUPED, PER_EXPERT, SCALED_GROUPED, ExpertShape, Ops, Target, batched_rows, expert_kernel, padded,
+    static_kernel, step_modes,
 )
+from blockdiff.parallel.group import TPGroup
 from blockdiff.model.moe import Experts, Fp8Experts, combine_top_k
 from blockdiff.quantization import Fp8Config
 
@@ -178,3 +180,53 @@ def test_the_moe_combine_adds_what_index_add_adds_on_the_cpu(dtype):
     y = (torch.randn(n * k, hidden, generator=g) * 3).to(dtype)
     want = torch.zeros(n, hidden, dtype=dtype).index_add_(0, order // k, y)
     assert torch.equal(combine_top_k(y, order, n, k), want)
+
+
+AMX, AVX512_BF16 = Target("cpu", features=frozenset({"amx_bf16"})), Target("cpu", features=frozenset({"avx512_bf16"}))
+
+
+@pytest.mark.parametrize("where,dtype,shape,kernel", [
+    (AMX, torch.bfloat16, BF16_26B, BATCHED),
+    (AVX512_BF16, torch.bfloat16, BF16_26B, GROUPED),  # measured no faster batched without AMX
+    (CPU, torch.bfloat16, BF16_26B, GROUPED),  # an AMD CPU without AVX512-BF16: the grouped fallback
+    (AMX, torch.float32, ExpertShape(2816, 704, torch.float32), GROUPED),
+    (AMX, torch.bfloat16, FP8_26B, PER_EXPERT),
+    (AMX, torch.bfloat16, ExpertShape(50, 20, torch.bfloat16), PER_EXPERT),  # unpadded widths
+])
+def test_bfloat16_cpus_take_the_batched_kernel(where, dtype, shape, kernel):
+    """The batched products on CPUs with AMX (the features are injected: no test depends on this
+    machine's CPU), the grouped ones elsewhere; a batched step stays static."""
+    assert expert_kernel(where, dtype, shape, ALL_OPS)[0] == kernel
+    assert static_kernel(BATCHED)
+
+
+def test_batched_rows_pad_to_tiles_unless_padding_doubles_the_rows():
+    assert batched_rows(12, 64 * 4, 32) == 16  # 512 rows for 256 pairs: 2x, allowed
+    assert batched_rows(17, 64 * 4, 32) is None  # 1024 rows for 256 pairs
+    assert batched_rows(43, 256 * 4, 32) == 48
+    assert batched_rows(1, 4, 4) is None  # 64 rows for 4 pairs
+    assert batched_rows(16, 128, 8) == 16
+
+
+@pytest.mark.parametrize("hidden,width", [(64, 32), (50, 20)])
+def test_batched_experts_equal_the_grouped_ones(hidden, width):
+    """The experts through one torch.bmm per projection give what the grouped products give (the
+    same oneDNN products per row; bfloat16 rounding may differ by a last bit)."""
+    torch.manual_seed(0)
+    config = _config(num_experts=8, top_k_experts=2, hidden_size=hidden, moe_intermediate_size=width)
+    experts = Experts(config, TPGroup(), torch.bfloat16)
+    experts.gate_up.data.normal_(0, 0.1)
+    experts.down.data.normal_(0, 0.1)
+    experts.zero_padding()
+    x = torch.randn(40, hidden, dtype=torch.bfloat16)
+    token = torch.randperm(40)
+    index = torch.stack([token % 8, (token + 3) % 8], dim=1)  # 10 tokens per expert, in no order
+    assert batched_rows(int(torch.bincount(index.reshape(-1)).max()), 80, 8) is not None  # not the fallback
+    weights = torch.rand(40, 2)
+    outs = {}
+    with torch.inference_mode():
+        for kernel in (GROUPED, BATCHED):
+            experts.kernel = lambda x, kernel=kernel: kernel
+            outs[kernel] = experts(x, weights, index)
+    assert outs[BATCHED].dtype == torch.bfloat16 and outs[BATCHED].shape == x.shape
+    torch.testing.assert_close(outs[BATCHED], outs[GROUPED], rtol=1e-2, atol=1e-2)
