@@ -139,15 +139,6 @@ class LoRALinear(nn.Module):
                           for p, (part, off) in enumerate(zip(self.parts, self.offsets))], dim=-1)
 
 
-def with_lora(base: torch.Tensor, layer: nn.Module, x: torch.Tensor, batch: LoRABatch | None) -> torch.Tensor:
-    """`base` (the layer's output for x) plus its LoRA delta where the layer has a pool and the
-    forward has adapters."""
-    pool = getattr(layer, "lora", None)
-    if batch is None or pool is None:
-        return base
-    return base + pool(x, batch)
-
-
 class LoRAExperts(nn.Module):
     """The LoRA pool of one projection of a layer's experts (gate_up or down), both modes: A
     [E, C, in] and B [E, out, C] in the local, padded shapes of the experts' own weight

@@ -177,67 +177,59 @@ class Experts(nn.Module):
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
-        kernel = self.kernel(x)
-        expert_lora = lora is not None and lora.experts and "lora_gate_up" in self._modules
-        if kernel == BATCHED and not expert_lora:  # adapters on the experts: the grouped products' LoRA pools
-            out = self._batched(x, weights, index, flat, order, token)
-            if out is not None:
-                return out
+        ranked = flat.index_select(0, order)  # the pairs' experts, ascending
         experts = torch.arange(self.num_experts, device=x.device)
-        counts = torch.searchsorted(flat.index_select(0, order), experts, right=True).diff(prepend=experts[:1] * 0)
-        rows = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-        ends = rows.cumsum(0)
-        skip = (ends - rows) - (counts.cumsum(0) - counts)  # per expert: aligned start - packed start
-        dest = torch.arange(n * k, device=x.device) + skip[flat[order]]
-        capacity = n * k + self.num_experts * (ROW_ALIGN - 1)
-        # Row gathers through index_select (a copy per row) rather than advanced indexing (index
-        # arithmetic per element, ~5x slower on CPU); gap rows repeat token 0 and are dropped.
-        source = torch.zeros(capacity, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
+        counts = torch.searchsorted(ranked, experts, right=True).diff(prepend=experts[:1] * 0)
         if self.hidden_in != self.hidden:  # zero columns for the padded weights (blockdiff/ops/kernels.py)
             x = F.pad(x, (0, self.hidden_in - self.hidden))
-        xs = x.index_select(0, source)
-        mask = None
-        if expert_lora:
-            mask = self.lora_gate_up.mask(lora, source)
-        if kernel != PER_EXPERT:
-            y = self._grouped(xs, ends.to(torch.int32), mask)
+        kernel = self.kernel(x)
+        expert_lora = lora is not None and lora.experts and "lora_gate_up" in self._modules
+        # adapters on the experts: the grouped products, where their LoRA pools are
+        batched = self._batched(x, ranked, counts, token) if kernel == BATCHED and not expert_lora else None
+        if batched is not None:
+            y, dest = batched
         else:
-            y = self._per_expert(xs, rows.tolist(), mask)
+            rows = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+            ends = rows.cumsum(0)
+            skip = (ends - rows) - (counts.cumsum(0) - counts)  # per expert: aligned start - packed start
+            dest = torch.arange(n * k, device=x.device) + skip[ranked]
+            capacity = n * k + self.num_experts * (ROW_ALIGN - 1)
+            # Row gathers through index_select (a copy per row) rather than advanced indexing (index
+            # arithmetic per element, ~5x slower on CPU); gap rows repeat token 0 and are dropped.
+            source = torch.zeros(capacity, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
+            xs = x.index_select(0, source)
+            mask = self.lora_gate_up.mask(lora, source) if expert_lora else None
+            if kernel != PER_EXPERT:
+                y = self._grouped(xs, ends.to(torch.int32), mask)
+            else:
+                y = self._per_expert(xs, rows.tolist(), mask)
         y = (y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]).to(x.dtype)
         out = combine_top_k(y, order, n, k)
         if self.reduce:
             self.group.all_reduce(out)
         return out
 
-    def _batched(self, x, weights, index, flat, order, token) -> torch.Tensor | None:
+    def _batched(self, x: torch.Tensor, ranked: torch.Tensor, counts: torch.Tensor,
+                 token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The experts as one torch.bmm per projection (kernels.BATCHED): expert e's tokens are rows
         e * cap ... of one [E, cap, hidden] buffer, cap the busiest expert's count rounded up to
         BATCH_TILE rows, read on the host (free on the CPU; traced code takes the static bound, n
-        rows each). None where that padding would exceed kernels.BATCH_MAX_PADDING: the caller runs
-        the grouped products then. Padding rows repeat token 0 and are dropped."""
-        n, k = index.shape
-        e = self.num_experts
-        ranked = flat.index_select(0, order)  # the pairs' experts, ascending
-        experts = torch.arange(e, device=x.device)
-        counts = torch.searchsorted(ranked, experts, right=True).diff(prepend=experts[:1] * 0)
+        rows each). -> (the rows' outputs, each pair's row), or None where that padding would exceed
+        kernels.BATCH_MAX_PADDING: the caller runs the grouped products then. Padding rows repeat
+        token 0 and are dropped."""
+        e, pairs = self.num_experts, ranked.shape[0]
+        n = x.shape[0]
         if torch.compiler.is_compiling():
             cap = -(-n // BATCH_TILE) * BATCH_TILE
         else:
-            cap = batched_rows(int(counts.max()), n * k, e)
+            cap = batched_rows(int(counts.max()), pairs, e)
             if cap is None:
                 return None
-        dest = ranked * cap + torch.arange(n * k, device=x.device) - (counts.cumsum(0) - counts).index_select(0, ranked)
+        dest = ranked * cap + torch.arange(pairs, device=x.device) - (counts.cumsum(0) - counts).index_select(0, ranked)
         source = torch.zeros(e * cap, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
-        if self.hidden_in != self.hidden:
-            x = F.pad(x, (0, self.hidden_in - self.hidden))
         xs = x.index_select(0, source).view(e, cap, self.hidden_in)
         gate, up = batched_linear(xs, self.gate_up).split(self.local, dim=-1)
-        y = batched_linear(self.act(gate) * up, self.down).view(e * cap, -1)
-        y = (y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]).to(x.dtype)
-        out = combine_top_k(y, order, n, k)
-        if self.reduce:
-            self.group.all_reduce(out)
-        return out
+        return batched_linear(self.act(gate) * up, self.down).view(e * cap, -1), dest
 
     def _grouped(self, xs: torch.Tensor, ends: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Both products of every expert as one grouped call each (groups end at `ends`, int32),
