@@ -17,6 +17,7 @@ from blockdiff.engine.dp_client import DPClient
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.model.registry import load_config
 from blockdiff.ops.kernels import ExpertShape, expert_kernel, padded, target
+from blockdiff.ops.matmul import dense_kernel
 from blockdiff.step import CacheConfig
 
 log = logging.getLogger("blockdiff")
@@ -94,16 +95,18 @@ def kv_dtype(cache: CacheConfig, model_dtype: str) -> str:
 
 
 def kernels_line(model_config: ModelConfig, dtype: torch.dtype, device: str, tp: int) -> str:
-    """Which kernels the experts' products take (blockdiff/ops/kernels.py), as the summary says it."""
+    """Which kernels the dense products (blockdiff/ops/matmul.py) and the experts' products
+    (blockdiff/ops/kernels.py) take, as the summary says it."""
+    dense = f"kernels: dense products {dense_kernel(device, dtype)}; "
     arch = model_config.arch
     width = getattr(arch, "moe_intermediate_size", None)
     if not width or not getattr(arch, "num_experts", 0):
-        return "kernels: no experts"
+        return dense + "no experts"
     if getattr(arch, "quantization", None) is not None:
-        return "kernels: experts quantized (blockdiff/ops/kernels.py chooses per layer)"
+        return dense + "experts quantized (blockdiff/ops/kernels.py chooses per layer)"
     shape = ExpertShape(padded(arch.hidden_size, dtype), padded(-(-width // tp), dtype), dtype)
     kernel, why = expert_kernel(target(device), dtype, shape)
-    return f"kernels: experts {kernel} ({why})"
+    return dense + f"experts {kernel} ({why})"
 
 
 def summary(engine: LLMEngine, threads: str) -> list[str]:

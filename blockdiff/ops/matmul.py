@@ -2,13 +2,20 @@
 
 On x86 CPUs PyTorch sends float32 `F.linear` to MKL's sgemm, which takes an AVX2 path on AMD
 processors; oneDNN's float32 kernel uses AVX-512 where the CPU has it and runs the same products
-about twice as fast (docs/benchmarks.md), so it is used where the CPU has AVX-512. It is full float32 arithmetic, like sgemm. Like sgemm it
-computes a row the same way wherever it sits in a product whose row count is a multiple of 8, which
-keeps requests batch-invariant (see ROW_ALIGN in model/attention.py). Given a plain weight it
-reorders it into its blocked layout on every call; a parameter's weight is reordered once and kept
-(`_packed`): the same bits, 5-20% less time per product at the 15.8M checkpoint's shapes.
-Everything else (GPUs, reduced precision, where oneDNN is missing, training, and code traced by
-torch.compile, whose inductor cannot lower the oneDNN op) stays on `F.linear`.
+about twice as fast (docs/benchmarks.md), so it is used where the CPU has AVX-512. It is full
+float32 arithmetic, like sgemm. Like sgemm it computes a row the same way wherever it sits in a
+product whose row count is a multiple of 8, which keeps requests batch-invariant (see ROW_ALIGN in
+model/attention.py). bfloat16 `F.linear` already runs on oneDNN wherever torch has its bfloat16
+kernels (AVX512-BF16, AMX, or AVX-512 emulating them).
+
+Given a plain weight, oneDNN reorders it into its blocked layout on every call; a parameter's
+weight is reordered once and kept (`_packed`), in both dtypes: the same bits as `F.linear`, 5-20%
+less time per float32 product at the 15.8M checkpoint's shapes, 4-23% per bfloat16 product at the
+319M one's (docs/benchmarks.md). The blocked copies are kept beside the parameters: the dense
+weights' memory twice over (the tied embedding three times: as the embedding and as the LM head),
+the experts' not at all (they take the grouped products). Everything else (GPUs, float16, where
+oneDNN is missing, training, and code traced by torch.compile, whose inductor cannot lower the
+oneDNN op) stays on `F.linear`.
 
 `grouped_linear` runs many experts' products in one call (`torch._grouped_mm`) with the group
 offsets on the device, so no per-expert row count ever reaches the host; `batched_linear` runs them
@@ -32,13 +39,26 @@ _ONEDNN_AVAILABLE = (
 # Only with AVX-512 is oneDNN the faster kernel: on an AVX2-only CPU whole generations took 0.95x the
 # time with MKL and SDPA instead (benchmarks/onednn_products.py, docs/benchmarks.md).
 _ONEDNN_FP32 = _ONEDNN_AVAILABLE and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+# Where torch runs bfloat16 products on oneDNN at all (F.linear's kernel too): packing changes only
+# how often the weight is reordered.
+_ONEDNN_BF16 = (_ONEDNN_AVAILABLE and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def onednn_float32(x: torch.Tensor) -> bool:
-    """Whether `linear` runs products of `x` on oneDNN's float32 kernel. Not when `x` needs a
-    gradient (the demo trainer): the oneDNN op has no autograd formula."""
-    return (_ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
-            and not torch.compiler.is_compiling())
+def _onednn(device_type: str, dtype: torch.dtype) -> bool:
+    # the flags are read at every call: benchmarks/onednn_products.py switches them
+    return device_type == "cpu" and {torch.float32: _ONEDNN_FP32, torch.bfloat16: _ONEDNN_BF16}.get(dtype, False)
+
+
+def onednn_packed(x: torch.Tensor) -> bool:
+    """Whether `linear` runs products of `x` on oneDNN with the weight packed once. Not when `x`
+    needs a gradient (the demo trainer): the oneDNN op has no autograd formula."""
+    return _onednn(x.device.type, x.dtype) and not x.requires_grad and not torch.compiler.is_compiling()
+
+
+def dense_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
+    """What `linear` runs for activations of `dtype` on `device`, as the startup summary says it."""
+    return "oneDNN, weights packed once" if _onednn(torch.device(device).type, dtype) else "F.linear"
 
 
 # Per parameter (by id, dropped with it): (data pointer, shape, strides) of a weight view of it ->
@@ -68,7 +88,7 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight [out, in].T; `weight` may be a transposed view."""
-    if onednn_float32(x) and not weight.requires_grad and x.numel():
+    if onednn_packed(x) and not weight.requires_grad and x.numel():
         return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), None, "none", [], "")
     return F.linear(x, weight)
 
