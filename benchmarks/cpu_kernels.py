@@ -7,7 +7,10 @@ that lets the choice keep every seeded output:
   against a transposed view of the checkpoint's [out, in];
 - attention's unseen keys: a 0 / -inf bias against a broadcast `masked_fill_`, and the -inf scores
   exponentiated as 0 and zeroed after against `exp` of -inf;
-- torch's CPU `exp` on inputs inside and below float32's range (what greedy decoding feeds it).
+- torch's CPU `exp` on inputs inside and below float32's range (what greedy decoding feeds it),
+  and the sampler's weights with the ones below that range taken as 0 (ops/sampler_weights.py)
+  against `exp` of the same shifted logits: the last denoising step's temperature of 0.4 spreads
+  them over [-150, 0], greedy decoding over [-1e6, 0].
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_kernels.py
 """
@@ -19,6 +22,7 @@ import time
 import torch
 
 from blockdiff.ops.matmul import _ONEDNN_FP32
+from blockdiff.ops.sampler_weights import weights_exp
 
 
 def cpu_us(fn, n: int = 20) -> float:
@@ -87,6 +91,10 @@ def exp_ranges() -> None:
     for lo, hi in ((-95, -88), (-120, -104)):
         y = torch.empty(64, 8192).uniform_(lo, hi)
         row(f"exp of [64, 8192] in [-80, 0] -> in [{lo}, {hi}]", inside, cpu_us(lambda: torch.exp(y, out=out)))
+    for lo in (-150, -1e6):
+        y = torch.empty(64, 8192).uniform_(lo, 0)
+        row(f"weights of [64, 8192] in [{lo:g}, 0]: exp -> floored", cpu_us(lambda: torch.exp(y, out=out)),
+            cpu_us(lambda: weights_exp(y, out=out)))
 
 
 if __name__ == "__main__":

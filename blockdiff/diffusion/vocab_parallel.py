@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdiff.config import LOGPROBS_MODES
+from blockdiff.ops.sampler_weights import weights_exp
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 
@@ -119,7 +120,7 @@ class ReferenceKernels:
         return inverse_cdf(y, cum, target, threshold)
 
     def weights(self, y: torch.Tensor) -> torch.Tensor:
-        return y.exp()
+        return weights_exp(y)
 
     def count_at_least(self, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """[positions, thresholds] float32 count of the weights >= each threshold t [positions, thresholds]."""
@@ -145,8 +146,8 @@ class ReferenceKernels:
     def exp_rows(self, flat: torch.Tensor, start: int, index: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """out = exp(flat[index]) (None: the rows from `start` on that fit out)."""
         if index is None:
-            return torch.exp(flat[start : start + out.shape[0]], out=out)
-        return torch.index_select(flat, 0, index, out=out).exp_()
+            return weights_exp(flat[start : start + out.shape[0]], out=out)
+        return weights_exp(torch.index_select(flat, 0, index, out=out), out=out)
 
     def cumsum(self, x: torch.Tensor) -> torch.Tensor:
         """Running float32 sums along the last dimension (CUDA's torch.cumsum of floats is not
@@ -161,7 +162,8 @@ class ReferenceKernels:
     def scaled_exp_sum(self, flat: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """[rows] Σ exp(scale · flat[index]) per row of flat [positions, local vocab], for the
         positions `index` [rows] and their `scale` [rows]: a [rows, local vocab] temporary."""
-        return torch.index_select(flat, 0, index).mul_(scale.unsqueeze(-1)).exp_().sum(-1)
+        scaled = torch.index_select(flat, 0, index).mul_(scale.unsqueeze(-1))
+        return weights_exp(scaled, out=scaled).sum(-1)
 
 
 class VocabParallel:
@@ -442,7 +444,7 @@ def exp_statistics(x: torch.Tensor, m: torch.Tensor, tile: int) -> tuple[torch.T
     part = max(1, tile // 8)
     product = y.new_empty(min(part, rows.shape[0]), rows.shape[1])
     for a in reversed(range(0, rows.shape[0], tile)):
-        e = torch.exp(rows[a : a + tile], out=buffer[: min(tile, rows.shape[0] - a)])
+        e = weights_exp(rows[a : a + tile], out=buffer[: min(tile, rows.shape[0] - a)])
         cum[a : a + tile] = per_chunk(e, torch.sum).cumsum(-1)
         # Σ e·y: one elementwise pass and a sum beat a batched [1, V] @ [V, 1] matmul ~3x on CPU.
         if a:
@@ -481,7 +483,8 @@ def inverse_cdf(log_weights: torch.Tensor, cum: torch.Tensor, target: torch.Tens
     chunk = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[-1] - 1)
     before = torch.where(chunk > 0, cum.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
     inside = chunk * CHUNK + torch.arange(CHUNK, device=log_weights.device)
-    values = log_weights.gather(-1, inside.clamp(max=v - 1)).exp_() * (inside < v)
+    values = log_weights.gather(-1, inside.clamp(max=v - 1))
+    values = weights_exp(values, out=values) * (inside < v)
     if threshold is not None:
         values = torch.where(values >= threshold.unsqueeze(-1), values, 0.0)
     pos = torch.searchsorted(values.cumsum(-1), target - before, right=True)

@@ -17,10 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
+from blockdiff.ops.sampler_weights import EXP_FLOOR
+
 _CHUNKS = 8  # chunks per tile: a tile is 8 x 128 columns
 _BLOCK = 1024  # columns per tile of the kernels that do not work by chunk
 _SEARCH_BLOCK = 256  # columns per tile of the searches, which compare each against 16 thresholds
 _PADDED = -1e30  # what a padding column becomes: finite, so exp gives 0 and 0 * it stays 0
+_EXP_FLOOR = tl.constexpr(EXP_FLOOR)
+
+
+@triton.jit
+def _weight(y):
+    """exp(y), 0 below EXP_FLOOR, as the reference's weights (ops/sampler_weights.py)."""
+    return tl.where(y >= _EXP_FLOOR, tl.exp(y), 0.0)
 
 
 @triton.jit
@@ -52,7 +61,7 @@ def _exp_statistics_kernel(x_ptr, m_ptr, cum_ptr, dot_ptr, V, CHUNKS_TOTAL, CHUN
         ptr = x_ptr + row.to(tl.int64) * V + cols
         y = tl.load(ptr, mask=inside, other=0.0) - m
         tl.store(ptr, y, mask=inside)
-        e = tl.where(inside, tl.exp(y), 0.0)
+        e = tl.where(inside, _weight(y), 0.0)
         sums = tl.sum(e, axis=1)
         tl.store(cum_ptr + row.to(tl.int64) * CHUNKS_TOTAL + chunks, carry + tl.cumsum(sums, axis=0),
                  mask=chunks < CHUNKS_TOTAL)
@@ -100,7 +109,7 @@ def _inverse_cdf_kernel(y_ptr, cum_ptr, target_ptr, threshold_ptr, out_ptr, V, C
     before = tl.where(chunk > 0, before, 0.0)
     lanes = tl.arange(0, CHUNK)
     cols = chunk * CHUNK + lanes
-    values = tl.where(cols < V, tl.exp(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=0.0)), 0.0)
+    values = tl.where(cols < V, _weight(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=0.0)), 0.0)
     if HAS_THRESHOLD:
         values = tl.where(values >= tl.load(threshold_ptr + row), values, 0.0)
     pos = tl.sum((tl.cumsum(values, axis=0) <= target - before).to(tl.int32), axis=0)
@@ -117,7 +126,7 @@ def _count_at_least_kernel(y_ptr, t_ptr, out_ptr, V, K, KP: tl.constexpr, BLOCK:
     count = tl.zeros((KP,), dtype=tl.float32)
     for first in range(0, V, BLOCK):
         cols = first + tl.arange(0, BLOCK)
-        e = tl.exp(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=-float("inf")))
+        e = _weight(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=-float("inf")))
         count += tl.sum((e[None, :] >= t[:, None]).to(tl.float32), axis=1)
     tl.store(out_ptr + row * K + ks, count, mask=ks < K)
 
@@ -131,7 +140,7 @@ def _mass_above_kernel(y_ptr, t_ptr, floor_ptr, out_ptr, V, K, KP: tl.constexpr,
     mass = tl.zeros((KP,), dtype=tl.float32)
     for first in range(0, V, BLOCK):
         cols = first + tl.arange(0, BLOCK)
-        e = tl.exp(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=-float("inf")))
+        e = _weight(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=-float("inf")))
         kept = tl.where(e >= floor, e, 0.0)
         mass += tl.sum(tl.where(e[None, :] > t[:, None], kept[None, :], 0.0), axis=1)
     tl.store(out_ptr + row * K + ks, mass, mask=ks < K)
@@ -145,7 +154,7 @@ def _kept_cumsum_kernel(y_ptr, t_ptr, cum_ptr, V, CHUNKS_TOTAL, CHUNK: tl.conste
     for first in range(0, CHUNKS_TOTAL, NC):
         chunks = first + tl.arange(0, NC)
         cols = chunks[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-        e = tl.exp(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=-float("inf")))
+        e = _weight(tl.load(y_ptr + row.to(tl.int64) * V + cols, mask=cols < V, other=-float("inf")))
         sums = tl.sum(tl.where(e >= t, e, 0.0), axis=1)
         tl.store(cum_ptr + row.to(tl.int64) * CHUNKS_TOTAL + chunks, carry + tl.cumsum(sums, axis=0),
                  mask=chunks < CHUNKS_TOTAL)
@@ -158,7 +167,7 @@ def _exp_rows_kernel(y_ptr, index_ptr, out_ptr, V, BLOCK: tl.constexpr):
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(index_ptr + i)
     y = tl.load(y_ptr + row * V + cols, mask=cols < V, other=0.0)
-    tl.store(out_ptr + i.to(tl.int64) * V + cols, tl.exp(y).to(out_ptr.dtype.element_ty), mask=cols < V)
+    tl.store(out_ptr + i.to(tl.int64) * V + cols, _weight(y).to(out_ptr.dtype.element_ty), mask=cols < V)
 
 
 @triton.jit
@@ -179,7 +188,7 @@ def _scaled_exp_sum_kernel(y_ptr, index_ptr, scale_ptr, out_ptr, V, BLOCK: tl.co
     for first in range(0, V, BLOCK):
         cols = first + tl.arange(0, BLOCK)
         y = tl.load(y_ptr + row * V + cols, mask=cols < V, other=-float("inf"))
-        total += tl.sum(tl.exp(y * scale), axis=0)
+        total += tl.sum(_weight(y * scale), axis=0)
     tl.store(out_ptr + i, total)
 
 

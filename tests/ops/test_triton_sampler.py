@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.diffusion.sampler_kernels import TritonKernels, choose_sampler_backend, sampler_kernels
 from blockdiff.diffusion.vocab_parallel import ReferenceKernels, VocabParallel
+from blockdiff.ops.sampler_weights import EXP_FLOOR
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.ranks import RankContext
 from blockdiff.parallel.vocab import VocabShard
@@ -131,6 +132,28 @@ def test_a_broken_case_is_seen(broken):
     want = _run(None, logits.clone(), weight, _params(), "reference", ADDED)
     got = _run(None, logits.clone(), weight, _params(**broken), "triton", ADDED)
     assert _differs(got[0], want[0])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_weight_below_the_floor_is_zero(backend):
+    """exp(y) below EXP_FLOOR (under float32's normal range, which the CPU computes ~10x slower) is
+    0 in both backends: in the weights, the sums and the entropy (ops/sampler_weights.py)."""
+    y = torch.full((2, 300), -100.0)
+    y[:, 7] = 0.0
+    y[1, 100:110] = EXP_FLOOR + 0.1  # kept: exp is still a normal number
+    y[1, 110:120] = EXP_FLOOR - 0.5  # a denormal: dropped
+    y[1, 120:130] = -300.0
+    vocab = VocabParallel(VocabShard.make(0, 1, 300, 0), TPGroup(), kernels=sampler_kernels(backend))
+    weights = vocab.kernels.exp_rows(y, 0, None, torch.empty_like(y))
+    kept = y >= EXP_FLOOR
+    assert torch.equal(weights[~kept], torch.zeros(int((~kept).sum())))
+    torch.testing.assert_close(weights[kept], y[kept].exp(), rtol=1e-6, atol=0)
+    d = vocab.distribution(y.clone())
+    assert torch.equal(d.total, torch.ones(2))
+    # a row whose every other token is below the floor has entropy 0, not the ~1e-33 of its denormals
+    assert d.entropy[0].item() == 0.0
+    torch.testing.assert_close(d.entropy[1], -(10 * (EXP_FLOOR + 0.1) * torch.tensor(EXP_FLOOR + 0.1).exp()),
+                               rtol=1e-5, atol=0)
 
 
 def test_choose_sampler_backend(monkeypatch):
