@@ -132,10 +132,28 @@ def restricted_draw(ctx: RankContext, logits: torch.Tensor, u: torch.Tensor, top
     [canvases, CL, V]: the kept-token thresholds and the draws."""
     shard = VocabShard.make(ctx.rank, ctx.size, logits.shape[-1])
     vocab = VocabParallel(shard, ctx.group, workspace_bytes=workspace)
+    kept = _keep_kept_masks(vocab.kernels)
     d = vocab.distribution(local_columns(shard, logits))
     draw = vocab.restricted_draw(d, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
     argmax, sample = vocab.argmax_and_sample(d, u, draw)
-    return {"threshold": draw.threshold, "argmax": argmax, "sample": sample, "total": draw.total}
+    return {"threshold": draw.threshold, "argmax": argmax, "sample": sample, "total": draw.total,
+            "kept": torch.cat(kept).view(d.shifted.shape)}
+
+
+def _keep_kept_masks(kernels) -> list[torch.Tensor]:
+    """From now on `kernels` (an instance of the reference kernels) appends to the returned list,
+    per tile of a restricted draw, which of this rank's tokens the draw keeps [positions, local
+    rows]: the mask its kept_cumsum applies to the weights it computed itself (a mask recomputed
+    from the threshold could differ at the boundary token, whose exp may round 1 ulp apart when
+    computed in a tensor of another shape)."""
+    masks, kept_cumsum = [], kernels.kept_cumsum
+
+    def recording_kept_cumsum(w, t):
+        masks.append(w >= t.unsqueeze(-1))
+        return kept_cumsum(w, t)
+
+    kernels.kept_cumsum = recording_kept_cumsum
+    return masks
 
 
 def compile_steps_with(ctx: RankContext, backend: str) -> None:
@@ -189,3 +207,35 @@ def backend_step(ctx: RankContext, logits: torch.Tensor, weight: torch.Tensor, p
             "total": res.dist.total, "logprob": vocab.token_logprob(res.dist, res.canvas),
             "raw_argmax": raw_argmax, "raw_top": vocab.reported(res.dist, top, rows), "top_ids": top_ids,
             "soft": vocab.soft_embed(res.dist, None, embed, torch.float32)}
+
+
+def record_restricted_draws(ctx: RankContext) -> None:
+    """From now on this rank's sampler (the engine's runner, reference kernels) keeps, for every step
+    whose draw is restricted (top_k, top_p, min_p), what its draw ran on and what it drew: the
+    shifted logits of its shard (with their token ids), the per-canvas top_k, top_p and min_p, the
+    uniforms, the kept-token threshold and mask, the argmax and the candidates (`recorded_draws`)."""
+    vocab = ctx.state["runner"].vocab
+    log = ctx.state["draws"] = []
+    restricted, argmax_and_sample = vocab.restricted_draw, vocab.argmax_and_sample
+    ids = vocab.shard.global_ids()
+    kept = _keep_kept_masks(vocab.kernels)
+
+    def recording_restricted_draw(d, top_k, top_p, min_p):
+        kept.clear()
+        draw = restricted(d, top_k, top_p, min_p)
+        log.append({"shifted": d.shifted.clone(), "ids": ids, "top_k": top_k.clone(), "top_p": top_p.clone(),
+                    "min_p": min_p.clone(), "threshold": draw.threshold.clone(),
+                    "kept": torch.cat(kept).view(d.shifted.shape)})
+        return draw
+
+    def recording_argmax_and_sample(d, u, draw=None):
+        argmax, sample = argmax_and_sample(d, u, draw)
+        if draw is not None:
+            log[-1].update(u=u.clone(), argmax=argmax.clone(), sample=sample.clone())
+        return argmax, sample
+
+    vocab.restricted_draw, vocab.argmax_and_sample = recording_restricted_draw, recording_argmax_and_sample
+
+
+def recorded_draws(ctx: RankContext) -> list[dict]:
+    return ctx.state["draws"]
