@@ -3,7 +3,7 @@ taken as 0.
 
 exp(y) for y below -87.3 is smaller than float32's smallest normal number (2^-126): a denormal,
 or 0 below -103.9. CPUs compute such results through microcode assists, about ten times slower
-than the rest: 11 of a bfloat16 step's 140 ms at batch 1 on the 319M benchmark config, whose
+than the rest: 11 ms of a bfloat16 step's ~150 ms at batch 1 on the 319M benchmark config, whose
 shifted logits reach -150 at the last denoising step's temperature of 0.4 (a softcap of 30 spans
 60, divided by 0.4; docs/benchmarks.md). No such weight can move what the sampler derives from a
 row: its most likely token weighs exp(0) = 1, so the row's total is at least 1, and anything below
