@@ -12,8 +12,8 @@ Given a plain weight, oneDNN reorders it into its blocked layout on every call; 
 weight is reordered once and kept (`_packed`), in both dtypes: the same bits as `F.linear`, 5-20%
 less time per float32 product at the 15.8M checkpoint's shapes, 4-23% per bfloat16 product at the
 319M one's (docs/benchmarks.md). The blocked copies are kept beside the parameters: the dense
-weights' memory twice over (the tied embedding three times: as the embedding and as the LM head),
-the experts' not at all (they take the grouped products). Everything else (GPUs, float16, where
+weights' memory twice over (the tied embedding three times: itself, the LM head's copy and the
+soft embedding's, of its transpose), the experts' not at all (they take the grouped products). Everything else (GPUs, float16, where
 oneDNN is missing, training, and code traced by torch.compile, whose inductor cannot lower the
 oneDNN op) stays on `F.linear`.
 
