@@ -26,5 +26,6 @@ EXP_FLOOR = -87.0
 
 def weights_exp(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """exp(y), 0 where y < EXP_FLOOR; into `out` where given (`out` may be y itself)."""
-    below = y < EXP_FLOOR
-    return torch.clamp(y, min=EXP_FLOOR, out=out).exp_().masked_fill_(below, 0.0)
+    kept = y >= EXP_FLOOR  # before `out`, which may be y, is written
+    # times the mask rather than masked_fill_: half the time on this CPU, and exact (e * 1, e * 0)
+    return torch.clamp(y, min=EXP_FLOOR, out=out).exp_().mul_(kept)
