@@ -24,6 +24,7 @@ import torch
 
 import blockdiff.ops.matmul as matmul
 from blockdiff import LLM, SamplingParams
+from blockdiff.model.registry import load_config
 
 # dtype -> (the switch in ops/matmul.py, the checkpoint, the other kernel's name)
 SETUPS = {
@@ -40,7 +41,7 @@ def main() -> None:
     p.add_argument("--model", help="checkpoint (default: the dtype's, above)")
     args = p.parse_args()
     switch, model, other = SETUPS[args.dtype]
-    vocab = 8000 if args.dtype == "float32" else 32000
+    vocab = load_config(args.model or model).vocab_size
     prompts = [torch.randint(3, vocab, (128,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(args.batch)]
     params = SamplingParams(max_tokens=256, max_denoising_steps=8, stability_threshold=8, ignore_eos=True, seed=0)

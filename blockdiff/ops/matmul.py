@@ -10,8 +10,8 @@ kernels (AVX512-BF16, AMX, or AVX-512 emulating them).
 
 Given a plain weight, oneDNN reorders it into its blocked layout on every call; a parameter's
 weight is reordered once and kept (`_packed`), in both dtypes: the same bits as `F.linear`, 5-20%
-less time per float32 product at the 15.8M checkpoint's shapes, 4-23% per bfloat16 product at the
-319M one's (docs/benchmarks.md). The blocked copies are kept beside the parameters: the dense
+less time per float32 product at the 15.8M checkpoint's shapes, 1.04-1.23x faster bfloat16
+products at the 319M one's (docs/benchmarks.md). The blocked copies are kept beside the parameters: the dense
 weights' memory twice over (the tied embedding three times: itself, the LM head's copy and the
 soft embedding's, of its transpose), the experts' not at all (they take the grouped products). Everything else (GPUs, float16, where
 oneDNN is missing, training, and code traced by torch.compile, whose inductor cannot lower the

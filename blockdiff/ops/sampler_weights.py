@@ -9,9 +9,9 @@ shifted logits reach -150 at the last denoising step's temperature of 0.4 (a sof
 row: its most likely token weighs exp(0) = 1, so the row's total is at least 1, and anything below
 2^-126 added to it rounds away; a draw (inverse CDF, uniforms on a grid of 2^-24) reaches such a
 token only when its uniform is exactly 0, and then takes the first token with any weight, which is
-now the first of weight e^-87 or more; and AVX512-BF16's products already read bfloat16 denormals
-as 0 in the self-conditioning product. What changes is an entropy of about 1e-33 (a row whose
-every other token lies below the floor), which becomes 0. So below EXP_FLOOR a weight is 0, in
+now the first of weight e^-87 or more; and in the self-conditioning product each adds at most
+2^-126 times an embedding entry to sums rounded to the model's dtype. What changes is an entropy as
+small as about 1e-33 (a row whose every other token lies below the floor), which becomes 0. So below EXP_FLOOR a weight is 0, in
 every kernel: the reference's here and the Triton ones (ops/triton_sampler.py), which take the
 constant from here.
 """
