@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from blockdiff.model.attention_layout import ROW_ALIGN, align
 from blockdiff.ops.kernels import padded
 from blockdiff.ops.matmul import linear
 
@@ -118,14 +119,16 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """The delta [tokens, out] of the tokens `x` [tokens, in_local]."""
         mask = batch.mask if batch.mask is not None else batch.with_mask(self.slots, self.rank, x.dtype).mask
-        ne = batch.num_encoder_tokens
-        out = []
-        index = batch.index
-        if ne:
-            out.append(self._delta(x[:ne], mask[:ne], ENCODER, index[:ne]))
-        if ne < x.shape[0]:
-            out.append(self._delta(x[ne:], mask[ne:], DECODER, index[ne:].contiguous()))
-        return out[0] if len(out) == 1 else torch.cat(out)
+        ne, n, index = batch.num_encoder_tokens, x.shape[0], batch.index
+        if ne in (0, n):
+            return self._delta(x, mask, ENCODER if ne else DECODER, index)
+        # Each mode's products run over whole ROW_ALIGN groups of rows (the other mode's few rows in
+        # the shared group are computed and dropped), so that a token's delta does not depend on how
+        # many encoder tokens lead the step: a prompt's K/V then has the same bits whether its
+        # prefix came from the cache or was computed with it.
+        enc, dec = align(ne), ne - ne % ROW_ALIGN
+        return torch.cat((self._delta(x[:enc], mask[:enc], ENCODER, index[:enc])[:ne],
+                          self._delta(x[dec:], mask[dec:], DECODER, index[dec:].contiguous())[ne - dec:]))
 
     def _delta(self, x: torch.Tensor, mask: torch.Tensor, mode: int, index: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and lora_shrink is not None:  # each token reads its own adapter only (ops/triton_lora.py)

@@ -295,10 +295,13 @@ def test_data_parallel_replicas_serve_adapters(tiny, adapters):
 
 
 def test_prefix_cache_keys_include_the_adapter(tiny, adapters):
+    """An adapter's cached prefix is found by that adapter only, and gives the bits the adapter
+    computes without it: the uncached tail (43 - 40 tokens) leads a step with a row count off the
+    8-row groups in which the CPU's products are batch-invariant (the logprobs show any bit)."""
     from blockdiff import LLM, SamplingParams
 
-    prompt = _tokens(40, 301, 7)
-    params = SamplingParams(max_tokens=8, max_denoising_steps=STEPS, seed=1, ignore_eos=True)
+    prompt = _tokens(43, 301, 7)
+    params = SamplingParams(max_tokens=8, max_denoising_steps=STEPS, seed=1, ignore_eos=True, logprobs=0)
     a, b = _requests(adapters[:2])
     with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=8, enable_prefix_caching=True, block_size=8) as llm:
         first = llm.generate([prompt], params, use_tqdm=False, lora_request=a)[0]
@@ -307,6 +310,7 @@ def test_prefix_cache_keys_include_the_adapter(tiny, adapters):
     assert not other.num_cached_tokens
     assert again.num_cached_tokens
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.outputs[0].logprobs == first.outputs[0].logprobs
 
 
 def test_pool_holds_at_most_max_loras(tiny, adapters, tmp_path_factory):
