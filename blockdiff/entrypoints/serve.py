@@ -140,8 +140,9 @@ def run(args: argparse.Namespace) -> int:
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
     engine = dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args))
-    if engine.kv_events_config is not None:  # KV events carry every client's token ids: on the server's address
-        engine = dataclasses.replace(engine, kv_events_config=dataclasses.replace(engine.kv_events_config,
-                                                                                  bind_host=args.host))
+    if engine.kv_events_config is not None:  # KV events carry every client's token ids: on the server's address,
+        # and behind the API key, if there is one
+        engine = dataclasses.replace(engine, kv_events_config=dataclasses.replace(
+            engine.kv_events_config, bind_host=args.host, require_curve=cfg.api_key is not None))
     serve(engine, cfg)
     return 0
