@@ -218,7 +218,7 @@ KV_EVENT_ENCODINGS = ("map", "array")
 @dataclass(frozen=True)
 class KVEventsConfig:
     """vLLM's KVEventsConfig (`--kv-events-config`): whether and where the engine publishes its KV
-    cache events (engine/kv_events.py), with vLLM's names and defaults, and one key of ours."""
+    cache events (engine/kv_events.py), with vLLM's names and defaults, and keys of ours (marked)."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; None: zmq when events are enabled
