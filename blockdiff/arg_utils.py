@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import os
 
@@ -147,6 +148,23 @@ def sampler_name(text: str) -> str:
     if text not in SAMPLERS:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(SAMPLERS)}, got {text!r}")
     return text
+
+def trusted_proxies(text: str) -> tuple[str, ...]:
+    """argparse type of --forwarded-allow-ips: comma-separated IP addresses and CIDR networks, or `*`
+    (any peer). -> each written as uvicorn compares it (a network with host bits set would be no
+    network to uvicorn, and would never match)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if "*" in items:
+        return ("*",)
+    out = []
+    for item in items:
+        try:
+            out.append(str(ipaddress.ip_network(item, strict=False)) if "/" in item else str(ipaddress.ip_address(item)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not an IP address or a CIDR network (a comma-separated "
+                                             "list of them, or *)") from None
+    return tuple(out)
+
 
 def kv_events_config(text: str) -> KVEventsConfig:
     """argparse type of --kv-events-config: vLLM's JSON."""

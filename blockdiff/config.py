@@ -218,7 +218,7 @@ KV_EVENT_ENCODINGS = ("map", "array")
 @dataclass(frozen=True)
 class KVEventsConfig:
     """vLLM's KVEventsConfig (`--kv-events-config`): whether and where the engine publishes its KV
-    cache events (engine/kv_events.py), with vLLM's names and defaults, and one key of ours."""
+    cache events (engine/kv_events.py), with vLLM's names and defaults, and keys of ours (marked)."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; None: zmq when events are enabled
@@ -235,6 +235,15 @@ class KVEventsConfig:
     # vLLM 0.11 to 0.23, for consumers that decode only that). The batch is an array in both.
     encoding: str = "map"
     bind_host: str = "127.0.0.1"  # ours: the default endpoint's address (`serve` sets its --host)
+    # Ours: CURVE on both sockets (kv_events.py). A directory of the routers' public keys
+    # (zmq.auth's *.key files): only peers holding one of their secret keys get anything.
+    curve_clients_dir: str | None = None
+    # Ours: the server's key pair (zmq.auth's .key_secret file); None: a new one at each start,
+    # its public key in the log.
+    curve_server_secret_key_file: str | None = None
+    # Ours: `serve` sets it with --api-key, which then covers the events too: they are published
+    # only with CURVE, never in clear.
+    require_curve: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -250,11 +259,19 @@ class KVEventsConfig:
         for name in ("topic", "bind_host"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
-        for name in ("endpoint", "replay_endpoint"):
+        for name in ("endpoint", "replay_endpoint", "curve_clients_dir", "curve_server_secret_key_file"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         if self.encoding not in KV_EVENT_ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(KV_EVENT_ENCODINGS)}, got {self.encoding!r}")
+        if not isinstance(self.require_curve, bool):
+            raise ValueError(f"require_curve must be true or false, got {self.require_curve!r}")
+        if self.curve_server_secret_key_file is not None and self.curve_clients_dir is None:
+            raise ValueError("curve_server_secret_key_file needs curve_clients_dir, the routers' public keys")
+        if self.publishes and self.require_curve and self.curve_clients_dir is None:
+            raise ValueError("kv_events_config: with --api-key, KV events (every client's prompt tokens) are published "
+                             "only to routers that authenticate with CURVE: set curve_clients_dir to a directory of "
+                             "their public keys (docs/scaling.md, \"Who can read them\")")
 
     @property
     def publishes(self) -> bool:

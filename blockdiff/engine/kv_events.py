@@ -34,15 +34,21 @@ The wire, as vLLM's `ZmqEventPublisher` writes it (vllm/distributed/kv_events.py
   with every buffered batch from that number on, [identity, b"", sequence, payload] each, then
   [identity, b"", -1 (8 bytes, signed), b""]. A peer address gets 4 replays a second (more are
   answered with the end marker alone), one replay is served per batch published, and a request
-  over 64 bytes disconnects its peer unread;
+  over 64 bytes (1 KiB under CURVE, whose handshake is larger) disconnects its peer unread;
 - the default endpoint is tcp://<the server's --host>:5557, bound (vLLM's is tcp://*:5557): the
   events carry every client's token ids, so they are for the operator's routers, not the network;
+  an endpoint beyond the loopback without CURVE is warned about at start;
+- with `curve_clients_dir` (required under `serve --api-key`) both sockets are CURVE servers: the
+  wire is encrypted, and pyzmq's ZAP authenticator (zmq.auth) lets in only peers whose public key
+  is in that directory; any other gets nothing, not even a refusal;
 - replica r (data_parallel_rank) offsets the port of both endpoints by r (an inproc name gets "_dp{r}").
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import queue
 import threading
 import time
@@ -172,6 +178,8 @@ def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
 
 
 REPLAY_MAX_BYTES = 64
+# The limit covers the handshake's commands too, whose CURVE INITIATE is some 300 bytes.
+REPLAY_MAX_BYTES_CURVE = 1024
 REPLAYS_PER_PEER, REPLAY_WINDOW_S = 4, 1.0
 
 
@@ -194,11 +202,15 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._topic = cfg.topic.encode()
         self._dropped = 0
-        self._ctx = zmq.Context.instance()
+        curve = _curve_keys(cfg)
+        # A context of its own under CURVE: it holds the one ZAP authenticator a context may have.
+        self._ctx = zmq.Context.instance() if curve is None else zmq.Context()
+        self._auth = None if curve is None else _authenticator(self._ctx, cfg.curve_clients_dir)
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
         self._replays: dict[str, deque[float]] = {}  # peer address -> times of its recent replay requests
         try:
+            _serve_curve(self._pub, curve)
             self._pub.set_hwm(cfg.hwm)
             given = cfg.endpoint or default_endpoint(cfg.bind_host)
             endpoint = offset_endpoint(given, data_parallel_rank)
@@ -207,8 +219,9 @@ class ZmqEventPublisher:
             self.replay_endpoint = None
             if cfg.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                _serve_curve(self._replay, curve)
                 # A replay request is 8 bytes: a peer that sends more is disconnected, unread.
-                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_BYTES)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_BYTES if curve is None else REPLAY_MAX_BYTES_CURVE)
                 self._replay.bind(offset_endpoint(cfg.replay_endpoint, data_parallel_rank))
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
@@ -217,8 +230,16 @@ class ZmqEventPublisher:
                              f"{cfg.replay_endpoint!r} (data_parallel_rank {data_parallel_rank}): {e}") from None
         self._thread = threading.Thread(target=self._run, name="blockdiff-kv-events", daemon=True)
         self._thread.start()
-        log.info("publishing KV cache events on %s%s", self.endpoint,
-                 f" (replay on {self.replay_endpoint})" if self.replay_endpoint else "")
+        log.info("publishing KV cache events on %s%s%s", self.endpoint,
+                 f" (replay on {self.replay_endpoint})" if self.replay_endpoint else "",
+                 "" if curve is None else f", CURVE only, to the keys in {cfg.curve_clients_dir}; the server's public "
+                                          f"key (a router's curve_serverkey) is {curve[0].decode()}")
+        if curve is None:
+            for endpoint in (self.endpoint, self.replay_endpoint):
+                if endpoint is not None and not _loopback(endpoint):
+                    log.warning("KV events on %s reach beyond this machine in clear, unauthenticated: they carry "
+                                "every client's prompt and output token ids; give curve_clients_dir in "
+                                "--kv-events-config (with --api-key it is required; docs/scaling.md)", endpoint)
 
     def publish(self, events: list[KVEvent]) -> None:
         """Queue one step's events (a consumer that falls behind loses batches, which replay resends)."""
@@ -241,6 +262,9 @@ class ZmqEventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._ctx.term()
 
     def _run(self) -> None:
         seq = 0
@@ -293,6 +317,61 @@ class ZmqEventPublisher:
             for idle in [p for p, times in self._replays.items() if not times or now - times[-1] > REPLAY_WINDOW_S]:
                 del self._replays[idle]
         return True
+
+
+def _curve_keys(cfg: KVEventsConfig) -> tuple[bytes, bytes] | None:
+    """The server's CURVE key pair (public, secret), Z85; None without curve_clients_dir."""
+    if cfg.curve_clients_dir is None:
+        return None
+    import zmq
+    import zmq.auth
+
+    if not zmq.has("curve"):
+        raise ValueError(f"kv_events_config: curve_clients_dir needs CURVE, which this pyzmq's libzmq "
+                         f"{zmq.zmq_version()} was built without (pyzmq's own wheels have it)")
+    if not os.path.isdir(cfg.curve_clients_dir) or not zmq.auth.load_certificates(cfg.curve_clients_dir):
+        raise ValueError(f"kv_events_config: curve_clients_dir {cfg.curve_clients_dir!r} is not a directory of public "
+                         "keys (the *.key files of zmq.auth.create_certificates)")
+    if cfg.curve_server_secret_key_file is None:
+        return zmq.curve_keypair()
+    try:
+        public, secret = zmq.auth.load_certificate(cfg.curve_server_secret_key_file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"kv_events_config: cannot read curve_server_secret_key_file "
+                         f"{cfg.curve_server_secret_key_file!r}: {e}") from None
+    if secret is None:
+        raise ValueError(f"kv_events_config: curve_server_secret_key_file {cfg.curve_server_secret_key_file!r} has no "
+                         "secret key (give the .key_secret file of zmq.auth.create_certificates)")
+    return public, secret
+
+
+def _authenticator(ctx, clients_dir: str):
+    """pyzmq's ZAP handler for `ctx`, letting in the CURVE clients whose public keys are in `clients_dir`."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx, log=log.getChild("auth"))
+    auth.start()
+    auth.configure_curve(domain="*", location=clients_dir)
+    return auth
+
+
+def _serve_curve(sock, keys: tuple[bytes, bytes] | None) -> None:
+    """Make `sock` a CURVE server with `keys` (public, secret); None: leave it in clear."""
+    if keys is not None:
+        sock.curve_publickey, sock.curve_secretkey = keys
+        sock.curve_server = True
+
+
+def _loopback(endpoint: str) -> bool:
+    """Whether `endpoint` (a socket's last endpoint) stays on this machine: an ipc:// or inproc://
+    one, or tcp:// on a loopback address."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, or a wildcard ("*")
+        return host == "localhost"
 
 
 def default_endpoint(host: str) -> str:

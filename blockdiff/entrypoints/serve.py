@@ -7,7 +7,8 @@ import dataclasses
 import os
 
 from blockdiff.arg_utils import (add_chat_template_arg, add_engine_args, add_sampling_args, at_least, engine_config,
-                                 given_model, parse_size, port, positive, positive_seconds, sampling_overrides)
+                                 given_model, parse_size, port, positive, positive_seconds, sampling_overrides,
+                                 trusted_proxies)
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.reasoning import REASONING_PARSERS
 from blockdiff.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -63,6 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-client-uploads", type=at_least(1), default=ServerConfig.max_client_uploads,
                    help="connections of one client address that may be sending a request body at once; more get "
                         "429 (default %(default)s)")
+    p.add_argument("--forwarded-allow-ips", type=trusted_proxies, default=ServerConfig.forwarded_allow_ips,
+                   metavar="IPS",
+                   help="uvicorn's: the reverse proxies (comma-separated IP addresses and CIDR networks, * for any "
+                        "peer) whose X-Forwarded-For names the client that per-client limits, stored responses and "
+                        "the prefix cache belong to; from any other peer the header is ignored (default: none, "
+                        "every client is the address it connects from)")
     p.add_argument("--keep-alive-timeout", type=positive_seconds, default=ServerConfig.keep_alive_timeout,
                    help="seconds an idle keep-alive connection stays open (default %(default)s)")
     p.add_argument("--preprocess-threads", type=at_least(1), default=ServerConfig.preprocess_threads,
@@ -115,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         min_body_rate=args.min_body_rate,
         max_client_uploads=args.max_client_uploads,
+        forwarded_allow_ips=args.forwarded_allow_ips,
         keep_alive_timeout=args.keep_alive_timeout,
         max_request_cost=args.max_request_cost,
         max_response_bytes=args.max_response_bytes,
@@ -132,8 +140,9 @@ def run(args: argparse.Namespace) -> int:
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
     engine = dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args))
-    if engine.kv_events_config is not None:  # KV events carry every client's token ids: on the server's address
-        engine = dataclasses.replace(engine, kv_events_config=dataclasses.replace(engine.kv_events_config,
-                                                                                  bind_host=args.host))
+    if engine.kv_events_config is not None:  # KV events carry every client's token ids: on the server's address,
+        # and behind the API key, if there is one
+        engine = dataclasses.replace(engine, kv_events_config=dataclasses.replace(
+            engine.kv_events_config, bind_host=args.host, require_curve=cfg.api_key is not None))
     serve(engine, cfg)
     return 0

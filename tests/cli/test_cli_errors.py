@@ -71,6 +71,8 @@ CASES = [
     ("chat-without-server", ["chat", "--url", "http://127.0.0.1:{free_port}/v1"], 1,
      "cannot connect to http://127.0.0.1:{free_port}/v1: "),
     ("make-tiny-model-over-a-checkpoint", ["make-tiny-model", "{no_tok}"], 2, "holds a checkpoint; pass --overwrite"),
+    ("forwarded-allow-ips-not-an-address", ["serve", "--forwarded-allow-ips", "127.0.0.1,proxy.local"], 2,
+     "argument --forwarded-allow-ips: 'proxy.local' is not an IP address or a CIDR network"),
     ("abbreviated-flag", ["serve", "--max-num-seq", "4"], 2, "unrecognized arguments: --max-num-seq (see `blockdiff serve --help`)"),
     ("unknown-flag-of-a-nested-command", ["bench", "serve", "--no-such-flag"], 2,
      "unrecognized arguments: --no-such-flag (see `blockdiff bench serve --help`)"),

@@ -6,16 +6,19 @@ the low 64 bits of blockdiff's SHA-256 block key), independently of the engine."
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from array import array
 
+import httpx
 import msgpack
 import pytest
 import zmq
+import zmq.auth
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.entrypoints.cli import main
-from server_process import free_port
+from server_process import ServerProcess, free_port
 
 BS = 16
 PROMPT = [(11 * i) % 280 + 10 for i in range(40)]  # two full blocks and a tail
@@ -38,12 +41,20 @@ def _ports() -> tuple[int, int]:
     return a, b
 
 
-def _replay(port: int, start: int = 0) -> list[tuple[int, list]]:
+def _curve(sock: zmq.Socket, curve: tuple[tuple[bytes, bytes], bytes] | None) -> zmq.Socket:
+    """`sock` as a CURVE client with `curve`, ((its public key, its secret key), the server's public
+    key), as a router configures its sockets; None: in clear."""
+    if curve is not None:
+        (sock.curve_publickey, sock.curve_secretkey), sock.curve_serverkey = curve
+    return sock
+
+
+def _replay(port: int, start: int = 0, curve=None, timeout_ms: int = 5000) -> list[tuple[int, list]]:
     """Every buffered batch from sequence `start` on, through the replay (ROUTER) socket as vLLM's
-    subscriber asks for it: -> [(sequence, decoded EventBatch)]."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)  # one request, many replies
+    subscriber asks for it: -> [(sequence, decoded EventBatch)]; zmq.Again if no answer comes."""
+    sock = _curve(zmq.Context.instance().socket(zmq.DEALER), curve)  # one request, many replies
     sock.connect(f"tcp://127.0.0.1:{port}")
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     try:
         sock.send_multipart([b"", start.to_bytes(8, "big")])
         batches = []
@@ -156,6 +167,13 @@ def test_bad_configs_are_one_line_errors(capsys, tiny):
             main(["serve", "--kv-events-config", config])
         assert exit.value.code == 2
         assert capsys.readouterr().err.startswith(f"error: argument --kv-events-config: {message}")
+    # --api-key covers the events: they are not published unauthenticated.
+    assert main(["serve", "--api-key", "k", "--kv-events-config", '{"enable_kv_cache_events": true}']) == 2
+    assert capsys.readouterr().err.startswith("error: kv_events_config: with --api-key, KV events (every client's "
+                                              "prompt tokens) are published only to routers that authenticate")
+    with pytest.raises(ValueError, match="curve_clients_dir '/nonexistent' is not a directory of public keys"):
+        LLM(tiny, kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
+                                    "curve_clients_dir": "/nonexistent"})
     port = free_port()
     with LLM(tiny, kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}):
         with pytest.raises(ValueError, match="cannot open the endpoint"):
@@ -229,3 +247,91 @@ def test_replay_requests_are_bounded_in_size_and_rate_and_live_events_go_on(publ
     finally:
         big.close(linger=0)
         flood.close(linger=0)
+
+
+# ---- who can read them ----------------------------------------------------------------------------
+def _subscriber(port: int, curve=None) -> zmq.Socket:
+    sock = _curve(zmq.Context.instance().socket(zmq.SUB), curve)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    return sock
+
+
+@pytest.fixture
+def keys(tmp_path) -> dict:
+    """Key pairs made as the docs say, with zmq.auth: a router's, whose public key is in the directory
+    the server is given, and the server's. -> the config's keys, and each peer's `_curve` argument."""
+    (tmp_path / "routers").mkdir()
+    (tmp_path / "server").mkdir()
+    _, router_secret = zmq.auth.create_certificates(tmp_path / "routers", "router")
+    server_public, server_secret = zmq.auth.create_certificates(tmp_path / "server", "server")
+    server_key = zmq.auth.load_certificate(server_public)[0]
+    return {"config": {"curve_clients_dir": str(tmp_path / "routers"), "curve_server_secret_key_file": str(server_secret)},
+            "router": (zmq.auth.load_certificate(router_secret), server_key),
+            "stranger": (zmq.curve_keypair(), server_key)}
+
+
+def test_under_curve_only_a_router_with_a_key_gets_events_or_replays(tiny, keys):
+    """With curve_clients_dir (which `serve --api-key` requires) the router holding a listed key reads
+    vLLM's events, live and replayed; a peer in clear, or with a key of its own, gets nothing from
+    either socket."""
+    pub, replay = _ports()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+              "require_curve": True, **keys["config"]}
+    subs = {name: _subscriber(pub, curve) for name, curve in (("router", keys["router"]), ("clear", None),
+                                                              ("stranger", keys["stranger"]))}
+    try:
+        with LLM(tiny, block_size=BS, max_model_len=128, kv_events_config=config) as llm:
+            time.sleep(0.3)  # a SUB socket gets only what is published after it connected
+            llm.generate([PROMPT], SamplingParams(max_tokens=8, max_denoising_steps=2, seed=1), use_tqdm=False)
+            assert subs["router"].poll(5000)
+            _, seq, payload = subs["router"].recv_multipart()
+            ts, events, rank = msgpack.unpackb(payload)
+            assert int.from_bytes(seq, "big") == 0 and rank == 0
+            assert events[0] == {
+                "type": "BlockStored", "block_hashes": _hashes(PROMPT), "parent_block_hash": None,
+                "token_ids": PROMPT[:32], "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None,
+                "extra_keys": [None, None], "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+            assert _replay(replay, curve=keys["router"])[0] == (0, [ts, events, rank])
+            assert not subs["clear"].poll(500) and not subs["stranger"].poll(0)
+            for curve in (None, keys["stranger"]):
+                with pytest.raises(zmq.Again):
+                    _replay(replay, curve=curve, timeout_ms=1000)
+    finally:
+        for sock in subs.values():
+            sock.close(linger=0)
+
+
+@pytest.mark.slow  # a server of its own
+def test_serve_with_an_api_key_publishes_to_the_routers_keys_only(tiny, keys, tmp_path):
+    pub, replay = _ports()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", **keys["config"]}
+    subs = [_subscriber(pub, keys["router"]), _subscriber(pub)]
+    server = ServerProcess(tiny, "--api-key", "k", "--max-model-len", "128", "--kv-events-config", json.dumps(config),
+                           log_path=str(tmp_path / "server.log"))
+    try:
+        time.sleep(0.3)
+        r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+                       json={"prompt": PROMPT, "max_tokens": 8, "max_denoising_steps": 2})
+        assert r.status_code == 200, r.text
+        assert subs[0].poll(5000)
+        assert msgpack.unpackb(subs[0].recv_multipart()[2])[1][0]["token_ids"][:16] == PROMPT[:16]
+        assert not subs[1].poll(500)
+        assert "CURVE only" in server.log() and "in clear" not in server.log()
+    finally:
+        server.close()
+        for sock in subs:
+            sock.close(linger=0)
+
+
+def test_events_beyond_the_loopback_in_clear_are_warned_about(tiny, caplog):
+    """Without CURVE (and so without --api-key) a socket beyond the loopback is named at start with
+    what it carries; one on the loopback is not. Nothing here connects from another address."""
+    pub, replay = _ports()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    with caplog.at_level("WARNING", logger="blockdiff.engine.kv_events"), LLM(tiny, kv_events_config=config):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if r.name == "blockdiff.engine.kv_events"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"KV events on tcp://0.0.0.0:{pub} reach beyond this machine in clear")
+    assert "every client's prompt and output token ids" in warnings[0]

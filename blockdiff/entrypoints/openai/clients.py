@@ -1,20 +1,28 @@
 """Clients and their share of the engine. A client is the address a request comes from: a bearer
 token would not do, since without --api-key any token is accepted, and with it every client sends
-the same one (behind a proxy, every client is the proxy). Its engine requests count, each choice
-and prompt of a call one: against --max-client-concurrency here, and for fairness in the
+the same one. Behind a reverse proxy every client is the proxy, unless the proxy's address is in
+--forwarded-allow-ips: from those peers only, uvicorn's ProxyHeadersMiddleware makes the client the
+address X-Forwarded-For names (the last one no trusted proxy added), before any of the app runs.
+From any other peer the header means nothing: a process on the server's host connects from
+127.0.0.1 too, and would otherwise be whichever client it names. Every per-client mechanism reads
+this one identity, `client_of`: --max-client-uploads (connections.py), the stored responses'
+owner (responses.py), the prefix cache's scope (engine/kv_cache_manager.py), the turns of the
+preprocessing pools and of the structured-output builds, and the client's engine requests, each
+choice and prompt of a call one: against --max-client-concurrency here, and for fairness in the
 scheduler (engine/scheduler.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from starlette.requests import Request
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from blockdiff.entrypoints.openai.errors import APIError
 
 
-def client_of(raw: Request) -> str:
-    return raw.client.host if raw.client else ""
+def client_of(scope: Mapping[str, Any]) -> str:
+    """The client of an ASGI scope, or of a starlette Request (a mapping over its scope)."""
+    client = scope.get("client")
+    return client[0] if client else ""
 
 
 class ClientLimit:

@@ -24,6 +24,8 @@ class ServerConfig:
     body_timeout: float = 60.0  # seconds a request may take to send its body
     min_body_rate: float = 1024.0  # bytes a second a body must average once header_timeout has passed
     max_client_uploads: int = 64  # connections of one client address whose request body is still arriving
+    # The peers (IPs, CIDR networks; "*": any) whose X-Forwarded-For names the client (clients.py)
+    forwarded_allow_ips: tuple[str, ...] = ()
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     responses_store_bytes: int = 256 * 2**20  # JSON of the stored /v1/responses turns; the oldest go first
     max_response_bytes: int = 32 * 2**20  # a request whose response could be larger is refused before any work

@@ -14,8 +14,8 @@ with a plain-text 503 once enough connections are open, whatever they are doing.
 - `BodyAdmission` reads each request body before the app sees it: JSON only (415), at most
   `max_bytes` (413), at least `min_rate` bytes a second on average once `grace` seconds have passed
   and all of it within `timeout` (408, so a trickle is cut off), and at most `per_client`
-  connections of one client address, and `total` in all, with a body seen to be still arriving
-  (429, 503).
+  connections of one client (clients.py: its address, or what a trusted proxy says it is), and
+  `total` in all, with a body seen to be still arriving (429, 503).
   The refused connection is closed. Requests without a body are not held to any of it.
 
 A burst can still run out of descriptors: asyncio accepts up to `backlog` connections in one go
@@ -36,6 +36,7 @@ from collections.abc import Callable
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import error_response
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class BodyAdmission:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(send, 413, "body_too_large", f"request body of {int(declared)} bytes is over the "
                                       f"{self.max_bytes}-byte limit (--max-request-size)", "request_too_large")
-        body = await self._read((scope.get("client") or ("",))[0], receive, send)
+        body = await self._read(client_of(scope), receive, send)
         if body is None:  # refused, or the client hung up
             return
         replayed = False

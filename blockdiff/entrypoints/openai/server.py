@@ -385,7 +385,12 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
             metrics.refused(reason)
 
         # No limit_concurrency: uvicorn would answer /health too with a plain 503 (connections.py).
+        # Proxy headers only from --forwarded-allow-ips (clients.py): both given, so that neither
+        # uvicorn's default (trust 127.0.0.1, where any local process connects from) nor its
+        # FORWARDED_ALLOW_IPS variable applies.
         config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ws="none",
+                                proxy_headers=bool(cfg.forwarded_allow_ips),
+                                forwarded_allow_ips=list(cfg.forwarded_allow_ips),
                                 timeout_graceful_shutdown=cfg.shutdown_timeout + 5, timeout_keep_alive=cfg.keep_alive_timeout,
                                 http=guarded_protocol(cfg.header_timeout, connection_limit(cfg.max_connections),
                                                       metrics.connection_closed, refused))
