@@ -53,7 +53,10 @@ def min_chars(spec: StructuredOutputsParams) -> int:
         return _regex_min_chars(spec.regex)
     if spec.json is not None:
         schema = schema_of(spec)
-        return _Schema(schema).min_chars(schema)
+        try:
+            return _Schema(schema).min_chars(schema)
+        except RecursionError:  # a const nested deeper than Python recurses (the server bounds nesting)
+            return 0
     return 0
 
 
@@ -96,10 +99,12 @@ class _Schema:
 
     def typed(self, schema: dict) -> int:
         types = schema.get("type")
-        types = types if isinstance(types, list) else [types]
+        if types is None:
+            return 0
+        types = {t for t in (types if isinstance(types, list) else [types]) if isinstance(t, str)}  # each once
         return min(self.of_type(t, schema) for t in types) if types else 0
 
-    def of_type(self, t, schema: dict) -> int:
+    def of_type(self, t: str, schema: dict) -> int:
         if t == "string":
             return 2 + _count(schema, "minLength")
         if t in ("boolean", "null"):
@@ -120,16 +125,17 @@ class _Schema:
             first = [max(1, self.min_chars(s)) for s in prefix[:count]]
             rest = max(1, self.min_chars(schema.get("items", True))) if count > len(first) else 0
             return 2 + sum(first) + rest * (count - len(first)) + count - 1
-        return 1 if t is not None else 0  # a number; without a type, any value
+        return 1  # a number
 
     def ref(self, ref: str) -> int:
         if ref in self.refs:  # resolved, or being resolved (a recursive schema): the bound of any value
             return self.refs[ref]
         self.refs[ref] = 1
-        node = self.root
-        for part in ref[2:].split("/") if ref.startswith("#/") else ():
-            node = node.get(part) if isinstance(node, dict) else None
-        self.refs[ref] = max(1, self.min_chars(node)) if ref.startswith("#/") else 1
+        if ref.startswith("#/"):  # only local references are resolved (the build refuses others)
+            node = self.root
+            for part in ref[2:].split("/"):
+                node = node.get(part) if isinstance(node, dict) else None
+            self.refs[ref] = max(1, self.min_chars(node))
         return self.refs[ref]
 
 
