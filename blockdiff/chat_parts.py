@@ -35,76 +35,78 @@ class MediaPolicy:
 def fetch_url(url: str, policy: MediaPolicy, max_bytes: int, what: str = "image_url", modality: str = "image") -> bytes:
     """The encoded image or video a URL names, or MediaError saying why not (and how to allow it)."""
     if not isinstance(url, str):
-        raise MediaError(f"{what} must be a string URL, not {type(url).__name__}")
+        raise MediaError(f"{what} must be a string URL, not {type(url).__name__}", modality)
     if url.startswith("data:"):
         return _data_url(url, max_bytes, what, modality)
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
-        return _remote(url, policy, max_bytes, what)
+        return _remote(url, policy, max_bytes, what, modality)
     if scheme == "file":
-        return _local(url[len("file://"):] if url.startswith("file://") else url[len("file:"):], policy, max_bytes, what)
+        path = url[len("file://"):] if url.startswith("file://") else url[len("file:"):]
+        return _local(path, policy, max_bytes, what, modality)
     raise MediaError(f"{what}: unsupported URL {url[:40]!r}; use a data:{modality}/...;base64 URL"
                      + ("" if policy.domains else ", or enable http(s) URLs with --allowed-media-domains")
-                     + ("" if policy.local_path else ", or file:// URLs with --allowed-local-media-path"))
+                     + ("" if policy.local_path else ", or file:// URLs with --allowed-local-media-path"), modality)
 
 
 def _data_url(url: str, max_bytes: int, what: str, modality: str) -> bytes:
     head, sep, payload = url[len("data:"):].partition(",")
     if not sep:
-        raise MediaError(f"{what}: a data URL needs a ',' before its data")
+        raise MediaError(f"{what}: a data URL needs a ',' before its data", modality)
     media_type, *options = head.split(";")
     if not media_type.lower().startswith(modality + "/"):
-        raise MediaError(f"{what}: a data URL of type {media_type or 'text/plain'!r} is not {_a(modality)}")
+        raise MediaError(f"{what}: a data URL of type {media_type or 'text/plain'!r} is not {_a(modality)}", modality)
     if "base64" not in options:
-        raise MediaError(f"{what}: {_a(modality)} data URL must be base64 (data:{media_type};base64,...)")
+        raise MediaError(f"{what}: {_a(modality)} data URL must be base64 (data:{media_type};base64,...)", modality)
     if len(payload) * 3 // 4 > max_bytes:
-        raise MediaError(f"{what} is about {len(payload) * 3 // 4} bytes, above the limit of {max_bytes}")
+        raise MediaError(f"{what} is about {len(payload) * 3 // 4} bytes, above the limit of {max_bytes}", modality)
     try:
         return base64.b64decode(payload, validate=True)
     except binascii.Error:
-        raise MediaError(f"{what}: the data URL's base64 data is not valid") from None
+        raise MediaError(f"{what}: the data URL's base64 data is not valid", modality) from None
 
 
-def _remote(url: str, policy: MediaPolicy, max_bytes: int, what: str) -> bytes:
+def _remote(url: str, policy: MediaPolicy, max_bytes: int, what: str, modality: str) -> bytes:
     host = (urllib.parse.urlsplit(url).hostname or "").lower()
     if not policy.domains:
         raise MediaError(f"{what}: fetching media from URLs is off; start the server with "
-                         f"--allowed-media-domains {host or 'DOMAIN'} to allow it, or send a data: URL")
+                         f"--allowed-media-domains {host or 'DOMAIN'} to allow it, or send a data: URL", modality)
     if host not in policy.domains:
-        raise MediaError(f"{what}: the domain {host!r} is not in --allowed-media-domains ({', '.join(policy.domains)})")
+        raise MediaError(f"{what}: the domain {host!r} is not in --allowed-media-domains ({', '.join(policy.domains)})",
+                         modality)
     import httpx
 
     end = time.monotonic() + policy.timeout  # a trickle of bytes must not hold the fetch for long
     try:
         with httpx.stream("GET", url, timeout=policy.timeout, follow_redirects=False) as r:
             if r.status_code != 200:
-                raise MediaError(f"{what}: {url} answered HTTP {r.status_code}")
+                raise MediaError(f"{what}: {url} answered HTTP {r.status_code}", modality)
             data = bytearray()
             for chunk in r.iter_bytes():
                 data += chunk
                 if len(data) > max_bytes:
-                    raise MediaError(f"{what}: {url} is more than {max_bytes} bytes, the limit")
+                    raise MediaError(f"{what}: {url} is more than {max_bytes} bytes, the limit", modality)
                 if time.monotonic() > end:
-                    raise MediaError(f"{what}: {url} did not arrive within {policy.timeout:g} s")
+                    raise MediaError(f"{what}: {url} did not arrive within {policy.timeout:g} s", modality)
             return bytes(data)
     except httpx.HTTPError as e:
-        raise MediaError(f"{what}: cannot fetch {url}: {type(e).__name__}") from None
+        raise MediaError(f"{what}: cannot fetch {url}: {type(e).__name__}", modality) from None
 
 
-def _local(path: str, policy: MediaPolicy, max_bytes: int, what: str) -> bytes:
+def _local(path: str, policy: MediaPolicy, max_bytes: int, what: str, modality: str) -> bytes:
     if policy.local_path is None:
         raise MediaError(f"{what}: reading local files is off; start the server with --allowed-local-media-path DIR "
-                         "to allow files under DIR")
+                         "to allow files under DIR", modality)
     # The messages name no path: the client's own says nothing it does not know, the directory
     # allowed is the server's to keep (docs/server.md, "Security").
     root = os.path.realpath(policy.local_path)
     real = os.path.realpath(urllib.parse.unquote(path))
     if os.path.commonpath([root, real]) != root:
-        raise MediaError(f"{what}: the file is outside --allowed-local-media-path")
+        raise MediaError(f"{what}: the file is outside --allowed-local-media-path", modality)
     if not os.path.isfile(real):
-        raise MediaError(f"{what}: no such file under --allowed-local-media-path")
+        raise MediaError(f"{what}: no such file under --allowed-local-media-path", modality)
     if os.path.getsize(real) > max_bytes:
-        raise MediaError(f"{what}: the file is {os.path.getsize(real)} bytes, above the limit of {max_bytes}")
+        raise MediaError(f"{what}: the file is {os.path.getsize(real)} bytes, above the limit of {max_bytes}", modality)
     with open(real, "rb") as f:
         return f.read()
 
@@ -141,7 +143,7 @@ def split_chat_media(messages: list[dict], fetch) -> tuple[list[dict], dict[str,
                 url = value.get("url") if isinstance(value, dict) else value
                 media.setdefault(modality, []).append(fetch(url, what, modality))
             elif value is None:
-                raise MediaError(f"{what}: a {kind!r} part needs its {kind!r} field")
+                raise MediaError(f"{what}: a {kind!r} part needs its {kind!r} field", modality)
             else:
                 media.setdefault(modality, []).append(value)
     return rendered, media

@@ -3,6 +3,7 @@ checked against this engine, seeded. Nothing invalid reaches the scheduler."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 from blockdiff.diffusion.strategy import DiffusionSampler
@@ -11,7 +12,9 @@ from blockdiff.engine.multimodal import MultiModalIntake, PromptInputs
 from blockdiff.engine.request import Request
 from blockdiff.sampling_params import InvalidParam, ResolvedParams, SamplingParams
 from blockdiff.structured.compiler import OutputConstraint, StructuredOutputs, check_ends, tokens_needed
+from blockdiff.structured.lengths import check_room
 from blockdiff.structured.restrictions import VocabularyRules
+from blockdiff.structured.vocabulary import longest_token
 from blockdiff.tokenizer import Tokenizer
 
 
@@ -172,7 +175,17 @@ class InputProcessor:
             room = max(1, self.max_model_len - prompt_len)
             given = defaults["max_tokens"]
             defaults = {**defaults, "max_tokens": room if given is None else max(1, min(given, room))}
-        return ResolvedParams.of(self.sampler.resolve(params, defaults, self.max_steps), prompt_len, self.sampler.name)
+        resolved = ResolvedParams.of(self.sampler.resolve(params, defaults, self.max_steps), prompt_len,
+                                     self.sampler.name)
+        if resolved.structured_outputs is not None and self.tokenizer is not None:
+            # Before any build: a constraint no output within max_tokens meets would hold a build worker for nothing.
+            check_room(resolved.structured_outputs, resolved.max_tokens, self._token_chars)
+        return resolved
+
+    @functools.cached_property
+    def _token_chars(self) -> int:
+        """The most characters one token spells (worked out at the first structured output)."""
+        return longest_token(self.tokenizer)
 
     def cost(self, params: ResolvedParams) -> int:
         """Positions the decoder evaluates for a request at most: its canvases' steps, and with

@@ -50,9 +50,9 @@ class MultiModalIntake:
                 continue
             p = self.processors.get(m)
             if p is None or isinstance(p, str):
-                raise MediaError(f"this model does not take {m}s" + (f": its checkpoint has {p}" if p else ""))
+                raise MediaError(f"this model does not take {m}s" + (f": its checkpoint has {p}" if p else ""), m)
             if n > p.limit:
-                raise MediaError(f"{n} {m}s in one prompt, above the limit of {p.limit} (--limit-mm-per-prompt)")
+                raise MediaError(f"{n} {m}s in one prompt, above the limit of {p.limit} (--limit-mm-per-prompt)", m)
 
     def load(self, sources: dict[str, list]) -> list[MultiModalItem]:
         """Per modality its inputs (as its processor takes them) -> the items, modality by modality."""

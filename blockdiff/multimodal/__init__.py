@@ -20,9 +20,15 @@ import torch
 
 
 class MediaError(ValueError):
-    """An input of some modality that cannot be used; the message names the problem."""
+    """An input of some modality that cannot be used; the message names the problem, and `code` (the
+    server's error code) its modality: invalid_image or invalid_video."""
 
-    code = "invalid_image"  # the server's error code (a URL refused before its kind is known: as an image's)
+    code = "invalid_image"  # of an input whose modality is not known (a part the server cannot read): as an image's
+
+    def __init__(self, message: str, modality: str | None = None):
+        super().__init__(message)
+        if modality is not None:
+            self.code = f"invalid_{modality}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +90,7 @@ def _queues(items: list[MultiModalItem], counts: dict[str, int]) -> dict[str, li
     queues = {m: [it for it in items if it.modality == m] for m in counts}
     for m, found in counts.items():
         if found != len(queues[m]):
-            raise MediaError(f"the prompt has {found} {m} placeholders for {len(queues[m])} {m}s")
+            raise MediaError(f"the prompt has {found} {m} placeholders for {len(queues[m])} {m}s", m)
     return queues
 
 
@@ -113,7 +119,8 @@ def expand_text(text: str, items: list[MultiModalItem], placeholders: dict[str, 
         for r, (a, b) in enumerate(item.runs):
             start = ids.index(token, pos) if token in ids[pos:] else -1
             if start < 0 or ids[start:start + b - a] != [token] * (b - a):
-                raise MediaError(f"the prompt's {item.modality} tokens do not come where its text put them")
+                raise MediaError(f"the prompt's {item.modality} tokens do not come where its text put them",
+                                 item.modality)
             runs.append(Placeholder(item, r, start, start + b - a))
             pos = start + b - a
     return ids, runs

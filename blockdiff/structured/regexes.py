@@ -49,12 +49,13 @@ def check_supported(spec: StructuredOutputsParams) -> None:
                                                  "choice")
     if spec.json is not None:
         try:
-            check_schema(_schema(spec))
+            check_schema(schema_of(spec))
         except RecursionError:  # the server bounds nesting when it decodes; a library caller may not
             raise InvalidParam("structured_outputs", "the JSON schema nests too deep") from None
 
 
-def _schema(spec: StructuredOutputsParams):
+def schema_of(spec: StructuredOutputsParams):
+    """The JSON schema of `spec` (a dict, or decoded from its JSON text)."""
     if not isinstance(spec.json, str):
         return spec.json
     try:
@@ -74,7 +75,7 @@ def regex_job(spec: StructuredOutputsParams) -> tuple:
         return ("regex", "(" + "|".join(escape(c) for c in spec.choice) + ")")
     if spec.json_object:
         return ("regex", json_object_regex(spec.whitespace_pattern or WHITESPACE))
-    return ("schema", json.dumps(_schema(spec)), spec.whitespace_pattern or WHITESPACE)
+    return ("schema", json.dumps(schema_of(spec)), spec.whitespace_pattern or WHITESPACE)
 
 
 def check_schema(schema, path: str = "#") -> None:

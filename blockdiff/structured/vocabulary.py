@@ -79,3 +79,8 @@ def token_bytes(tokenizer: Tokenizer, symbols: tuple[str, ...] = ()) -> list[byt
 def symbol(k: int) -> str:
     """The character the k-th named special token reads as, in a regex."""
     return chr(SYMBOL_BASE + k)
+
+
+def longest_token(tokenizer: Tokenizer) -> int:
+    """The most bytes one token spells (so the most characters): what bounds the text of N tokens."""
+    return max((len(t) for t in token_bytes(tokenizer) if t), default=1)

@@ -155,17 +155,30 @@ def test_tool_choice_none_reads_no_call(client):
 
 
 def test_thinking_blocks(client):
+    # Adaptive: an enabled budget must be 1,024 or more and below max_tokens, more than the demo's context.
     question = [{"role": "user", "content": "reverse: block"}]
-    on = create(client, question, thinking={"type": "enabled", "budget_tokens": 1024})
+    on = create(client, question, thinking={"type": "adaptive"})
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in on.content] == [
         ("thinking", "I reverse the word."), ("text", "kcolb")]
     off = create(client, question, thinking={"type": "disabled"})
     assert [(b.type, b.text) for b in off.content] == [("text", "kcolb")]
-    events = raw_events(client, question, thinking={"type": "enabled", "budget_tokens": 1024})
+    events = raw_events(client, question, thinking={"type": "adaptive"})
     deltas = [e for e in events if e.type == "content_block_delta"]
     assert "".join(e.delta.thinking for e in deltas if e.delta.type == "thinking_delta") == "I reverse the word."
     assert "".join(e.delta.text for e in deltas if e.delta.type == "text_delta") == "kcolb"
     assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1]
+
+
+@pytest.mark.parametrize("budget, says", [
+    (-1, "thinking.budget_tokens: Input should be greater than or equal to 1024"),
+    (1023, "thinking.budget_tokens: Input should be greater than or equal to 1024"),
+    (10**30, f"thinking.budget_tokens ({10**30}) must be less than max_tokens (48)"),
+    (1024, "thinking.budget_tokens (1024) must be less than max_tokens (48)"),
+])
+def test_a_thinking_budget_out_of_anthropics_bounds_is_a_400(client, budget, says):
+    with pytest.raises(anthropic.BadRequestError) as error:
+        create(client, SORT, thinking={"type": "enabled", "budget_tokens": budget})
+    assert error.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": says}}
 
 
 def test_stop_sequences_and_max_tokens(client):

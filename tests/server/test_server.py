@@ -518,6 +518,16 @@ def test_openai_client_sees_typed_errors(client):
         openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).models.list()
 
 
+@pytest.mark.parametrize("modality", ["image", "video"])
+def test_media_on_a_text_model_is_a_400_coded_by_its_modality(server, modality):
+    part = {"type": f"{modality}_url", f"{modality}_url": {"url": f"data:{modality}/png;base64,AAAA"}}
+    r = httpx.post(server.url + _CHAT, headers=_auth(), timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == f"invalid_{modality}" and f"does not take {modality}s" in error["message"], error
+
+
 def test_serves_after_bad_input(server, client):
     m = server.wait_idle()
     assert m.total("vllm:num_requests_running") == 0 and m.total("vllm:num_requests_waiting") == 0

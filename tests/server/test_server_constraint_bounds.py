@@ -22,6 +22,8 @@ from server_process import HealthProbe, ServerProcess, rss_mib, serve
 from benchmarks.structured_outputs import SCHEMA as TWENTY_FIELDS
 from benchmarks.structured_outputs import plain
 from blockdiff.demo.tasks import WEATHER_TOOL
+from blockdiff.sampling_params import StructuredOutputsParams
+from blockdiff.structured.lengths import min_chars
 
 MEMORY_MIB = 512
 ARGS = ("--max-model-len", "512", "--structured-outputs-memory", f"{MEMORY_MIB}MiB", "--structured-outputs-timeout", "30")
@@ -134,13 +136,75 @@ def test_a_schema_whose_regex_explodes_is_a_400(server):
 
 def test_the_twenty_field_schema_still_builds(server):
     """The largest honest schema (20 fields, an array, enums, a nested object) is within every bound:
-    its automaton is built, and max_tokens=1 is refused for being shorter than its shortest output."""
-    refused(chat(server, max_tokens=1, response_format={"type": "json_schema", "json_schema": {
-        "name": "user", "schema": TWENTY_FIELDS}}), "max_tokens", "too small for the structured output")
+    its automaton is built, and max_tokens at the length its request shows (the demo's tokens are
+    one character each) is refused for being shorter than its shortest output, which the automaton
+    knows; max_tokens=1 is refused from the request alone."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": TWENTY_FIELDS}}
+    shown = min_chars(StructuredOutputsParams(json=TWENTY_FIELDS))
+    refused(chat(server, max_tokens=shown, response_format=fmt), "max_tokens", "whose shortest text takes")
+    refused(chat(server, max_tokens=1, response_format=fmt), "max_tokens", "too small for the structured output")
     # A forced call's arguments take no length bounds or formats: the schema without them.
     tool = {"type": "function", "function": {"name": "save_user", "parameters": plain(TWENTY_FIELDS)}}
     tools = {"tools": [tool], "tool_choice": "required"}
     refused(chat(server, max_tokens=1, **tools), "max_tokens", "too small for the structured output")
+
+
+# ---- a length no output within max_tokens can have -----------------------------------------------
+IMPOSSIBLE = {"type": "string", "minLength": 100_000}
+
+
+def messages(server: ServerProcess, **body) -> httpx.Response:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "sort: 3 1 2"}], "max_tokens": 16, **body}
+    return httpx.post(server.url + "/v1/messages", json=body, timeout=60)
+
+
+def test_a_length_no_output_within_max_tokens_has_is_a_400_before_any_build(server):
+    """A string of minLength 100,000 under max_tokens 16 held a build worker until the build's time
+    bound (60 s by default) before its 400; a regex of a fixed length as well. Refused from the
+    request, through every API that takes a schema, at once and with no build started."""
+    deep = {"type": "object", "properties": {"a": {"type": "array", "minItems": 2, "items": {
+        "type": "object", "properties": {"b": IMPOSSIBLE}, "required": ["b"]}}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": IMPOSSIBLE}}
+    cases = [
+        (lambda: chat(server, response_format=fmt), "max_tokens", 100_002),
+        (lambda: chat(server, max_completion_tokens=16, response_format=fmt), "max_completion_tokens", 100_002),
+        (lambda: chat(server, structured_outputs={"json": json.dumps(deep)}), "max_tokens", 200_025),
+        (lambda: chat(server, guided_json=IMPOSSIBLE), "max_tokens", 100_002),
+        (lambda: chat(server, guided_regex="a{100000}"), "max_tokens", 100_000),
+        (lambda: httpx.post(server.url + "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 16,
+                                                                   "structured_outputs": {"regex": "(ab){50000}"}},
+                            timeout=60), "max_tokens", 100_000),
+        (lambda: httpx.post(server.url + "/v1/responses", json={"model": "demo", "input": "x", "max_output_tokens": 16,
+                                                                 "text": {"format": {"type": "json_schema", "name": "x",
+                                                                                     "schema": IMPOSSIBLE}}},
+                            timeout=60), "max_output_tokens", 100_002),
+    ]
+    with HealthProbe(server) as health, BuildMemory(server) as builds:
+        for send, param, need in cases:
+            t0 = time.monotonic()
+            r = send()
+            took = time.monotonic() - t0
+            refused(r, param, "too small for the structured output", f"at least {need} characters")
+            assert took < 5, (param, took)  # a build runs until its 30 s bound here
+        t0 = time.monotonic()
+        r = messages(server, output_config={"format": {"type": "json_schema", "schema": IMPOSSIBLE}})
+        took = time.monotonic() - t0
+        assert r.status_code == 400 and took < 5, (r.text, took)
+        error = r.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+        assert "max_tokens (16) is too small for the structured output" in error["error"]["message"], error
+    assert builds.seen == 0
+    health.check()
+
+
+def test_a_possible_length_is_still_served(server):
+    schema = {"type": "string", "minLength": 3, "maxLength": 6}
+    r = chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert r.status_code == 200, r.text
+    assert 3 <= len(json.loads(r.json()["choices"][0]["message"]["content"])) <= 6
+    r = messages(server, output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert r.status_code == 200, r.text
+    assert 3 <= len(json.loads(r.json()["content"][0]["text"])) <= 6
 
 
 # ---- a forced tool's regex ------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_video_url_chat_equals_offline(mm, files, client):
 def test_bad_video_urls_are_400s_naming_the_problem(client, url, says):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=_messages(_video_part(url)), max_tokens=4)
-    assert says in e.value.body["message"], e.value.body
+    assert says in e.value.body["message"] and e.value.body["code"] == "invalid_video", e.value.body
 
 
 def test_two_videos_are_above_the_default_limit(client):
@@ -96,6 +96,7 @@ def test_two_videos_are_above_the_default_limit(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=_messages(_video_part(url), _video_part(url)), max_tokens=4)
     assert "2 videos in one prompt, above the limit of 1 (--limit-mm-per-prompt)" in e.value.body["message"]
+    assert e.value.body["code"] == "invalid_video"
 
 
 def test_a_4k_video_of_1000_frames_is_refused_from_its_header(server):

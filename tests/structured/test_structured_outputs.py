@@ -13,8 +13,13 @@ import jsonschema
 import pytest
 
 from blockdiff import LLM, SamplingParams
+from blockdiff.demo import demo_checkpoint
 from blockdiff.model.tiny import TinySpec, build_tokenizer, make_tiny_model, save_tokenizer
 from blockdiff.sampling_params import StructuredOutputsParams
+from blockdiff.structured.compiler import StructuredOutputs, tokens_needed
+from blockdiff.structured.lengths import min_chars
+from blockdiff.structured.vocabulary import longest_token
+from blockdiff.tokenizer import Tokenizer
 
 # The tiny tokenizer learns its tokens from this text, so that JSON can be spelt (and with "▁" for spaces).
 CORPUS = ('{"name": "Ada", "age": 36, "tags": ["x", "y"], "ok": true, "v": null, "pi": -3.25e+2}\n' * 3
@@ -143,6 +148,9 @@ def test_unconstrained_requests_are_the_same_bits_beside_constrained_ones(llm):
     (dict(json={"enum": []}), "structured_outputs", "enum must be a non-empty list"),
     (dict(json='{"items":' * 2000 + "{}" + "}" * 2000), "structured_outputs", "nests too deep"),
     (dict(choice=["abc"], max_tokens=1), "max_tokens", "too small for the structured output"),
+    # refused from the request, before a build of 100,000 states
+    (dict(json={"type": "string", "minLength": 100_000}), "max_tokens", "at least 100002 characters"),
+    (dict(regex="a{100000}"), "max_tokens", "at least 100000 characters"),
 ])
 def test_what_cannot_be_guaranteed_is_refused(llm, spec, field, why):
     max_tokens = spec.pop("max_tokens", 16)
@@ -226,3 +234,35 @@ def test_a_choice_of_two_thousand_long_strings_builds_and_is_followed():
         [out] = llm.generate(["pick: "], SamplingParams(max_tokens=128, max_denoising_steps=2, structured_outputs=
                                                         StructuredOutputsParams(choice=choices)), use_tqdm=False)
     assert out.outputs[0].text in choices
+
+
+# (a constraint, the fewest characters the length bound reads from it)
+LENGTHS = [
+    (dict(json={"type": "string", "minLength": 5}), 7),
+    (dict(json={"type": "array", "minItems": 3, "items": {"type": "integer"}}), 7),
+    (dict(json={"type": "object", "properties": {"k": {"type": "string", "minLength": 2}, "n": {"type": "null"}},
+                "required": ["k"]}), 10),
+    (dict(json={"$defs": {"s": {"type": "string", "minLength": 4}}, "anyOf": [{"$ref": "#/$defs/s"}, {"type": "boolean"}]}),
+     4),
+    (dict(regex="a{20}(b|cd)?"), 20),
+    (dict(choice=["abc", "de"]), 2),
+]
+
+
+def test_the_length_bound_is_at_most_the_shortest_output():
+    """On the demo vocabulary, whose tokens are single bytes, an automaton's fewest tokens are its
+    fewest bytes, so at least its fewest characters: the bound read from the request never exceeds
+    them (it would refuse a request that can be served), and is what it should be where known."""
+    tokenizer = Tokenizer.from_pretrained(demo_checkpoint())
+    assert longest_token(tokenizer) == 1
+    structured = StructuredOutputs(tokenizer, tokenizer.vocab_size, timeout=60, memory=2**31, builds=1)
+    try:
+        cases = [*LENGTHS, *((dict(json=s), None) for s in SCHEMAS.values()), *((dict(regex=r), None) for r in REGEXES),
+                 (dict(choice=CHOICES), None)]
+        for spec, want in cases:
+            params = StructuredOutputsParams(**spec)
+            bound = min_chars(params)
+            assert want is None or bound == want, (spec, bound)
+            assert 0 < bound <= tokens_needed(structured.automaton(params)), spec
+    finally:
+        structured.close()

@@ -57,6 +57,7 @@ def chat_request(req: a.CountTokensRequest, chat_type: type[p.ChatCompletionRequ
                          for t in req.tools]
     if req.tool_choice is not None:
         body.update(_tool_choice(req.tool_choice))
+    _check_budget(req)
     effort = _effort(req)
     if effort is not None:
         body["reasoning_effort"] = effort
@@ -69,6 +70,16 @@ def chat_request(req: a.CountTokensRequest, chat_type: type[p.ChatCompletionRequ
         error = e.errors(include_url=False)[0]
         where = ".".join(str(x) for x in error["loc"])
         raise APIError(400, f"{where} (of the chat request this request becomes): {error['msg']}") from None
+
+
+def _check_budget(req: a.CountTokensRequest) -> None:
+    """Anthropic's bound beside the protocol's: the thinking budget is less than max_tokens (which
+    count_tokens has not)."""
+    budget = req.thinking.budget_tokens if req.thinking is not None else None
+    max_tokens = getattr(req, "max_tokens", None)
+    if budget is not None and max_tokens is not None and budget >= max_tokens:
+        raise APIError(400, f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+                       param="thinking")
 
 
 def _effort(req: a.CountTokensRequest) -> str | None:

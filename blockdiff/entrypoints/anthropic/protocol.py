@@ -81,6 +81,7 @@ class Message(p._Request):
 
 
 # ---- the request's other fields ------------------------------------------------------------------
+MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 
 
 class Tool(p._Request):
@@ -102,7 +103,8 @@ class ToolChoice(p._Request):
 
 class ThinkingConfig(p._Request):
     type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: int | None = None  # accepted; thinking has no budget of its own here
+    # Anthropic's bounds (and less than max_tokens, convert.py); thinking has no budget of its own here
+    budget_tokens: int | None = Field(default=None, ge=MIN_THINKING_BUDGET)
 
 
 class JsonOutputFormat(p._Request):

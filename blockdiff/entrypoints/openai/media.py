@@ -51,7 +51,7 @@ class ChatMedia:
         try:
             return await self.fetch.run(client, self._fetch_url, url, what, modality, deadline=Deadline(timeout))
         except APIError:  # the fetch pool's deadline: the thread gives up within one more read
-            raise MediaError(f"{what}: the {modality} did not arrive within {timeout:g} s") from None
+            raise MediaError(f"{what}: the {modality} did not arrive within {timeout:g} s", modality) from None
 
     def _decode(self, sources: dict[str, list]) -> list:
         """(In the decode pool) data: URLs decoded, then every input, one after another."""
