@@ -28,7 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients use as `model` (default: MODEL as given, or 'demo'); the first one is reported")
     p.add_argument("--api-key", default=os.environ.get("BLOCKDIFF_API_KEY"),
-                   help="require `Authorization: Bearer KEY` everywhere but /health (default: $BLOCKDIFF_API_KEY)")
+                   help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) everywhere but /health, /ping, "
+                        "the playground and /metrics (default: $BLOCKDIFF_API_KEY)")
+    p.add_argument("--metrics-require-api-key", action="store_true",
+                   help="with --api-key: /metrics needs the key too (default: open, as vLLM serves it, for "
+                        "Prometheus; it shows counts, latencies, the model's and running adapters' names)")
     p.add_argument("--max-queued-requests", type=at_least(0), default=None,
                    help="answer 429 when more requests than this would wait (default: no limit)")
     p.add_argument("--max-client-concurrency", type=at_least(1), default=None,
@@ -105,6 +109,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from blockdiff.entrypoints.openai.server import serve
 
+    if args.metrics_require_api_key and not args.api_key:
+        raise ValueError("--metrics-require-api-key needs --api-key (or $BLOCKDIFF_API_KEY)")
     model = given_model(args)
     names = args.served_model_name or [model if model is not None else "demo"]
     cfg = ServerConfig(
@@ -112,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
+        metrics_require_api_key=args.metrics_require_api_key,
         max_queued_requests=args.max_queued_requests,
         max_client_concurrency=args.max_client_concurrency,
         max_request_bytes=args.max_request_size,
