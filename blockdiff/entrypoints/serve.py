@@ -8,7 +8,7 @@ import os
 
 from blockdiff.arg_utils import (add_chat_template_arg, add_engine_args, add_sampling_args, at_least, engine_config,
                                  given_model, parse_size, port, positive, positive_seconds, sampling_overrides,
-                                 trusted_proxies)
+                                 show_first, trusted_proxies)
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.reasoning import REASONING_PARSERS
 from blockdiff.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -16,7 +16,10 @@ from blockdiff.vllm_options import json_object
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    # A short usage line, as vLLM's: the full synopsis of every flag would fill the first screens.
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       usage="%(prog)s [MODEL] [options]",
+                       description="The main flags first, then every flag by topic (docs/server.md).")
     add_engine_args(p, model_positional=True)
     add_chat_template_arg(p)
     add_sampling_args(p)
@@ -25,9 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uvicorn-log-level", type=str.lower, default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (default: --log-level)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names clients use as `model` (default: MODEL as given, or 'demo'); the first one is reported")
-    p.add_argument("--api-key", default=os.environ.get("BLOCKDIFF_API_KEY"),
+    p.add_argument("--api-key", default=os.environ.get("BLOCKDIFF_API_KEY"), metavar="KEY",
                    help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) everywhere but /health, /ping, "
                         "the playground and /metrics (default: $BLOCKDIFF_API_KEY)")
     p.add_argument("--metrics-require-api-key", action="store_true",
@@ -103,6 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vLLM's: serve GET /tokenizer_info, the tokenizer's configuration and chat template, from "
                         "which tools such as lm-eval's local-completions tokenize through the server (off by "
                         "default: it shows the chat template)")
+    show_first(p, "main flags", ["--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--dtype",
+                                 "--tensor-parallel-size", "--max-num-seqs"])
     p.set_defaults(func=run)
 
 
