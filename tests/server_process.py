@@ -59,7 +59,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        # With --api-key, everything but /health needs it, /metrics included.
+        # With --api-key, /metrics is open unless --metrics-require-api-key: the key is sent either way.
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "BLOCKDIFF_API_KEY"}

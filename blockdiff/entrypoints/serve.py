@@ -8,7 +8,7 @@ import os
 
 from blockdiff.arg_utils import (add_chat_template_arg, add_engine_args, add_sampling_args, at_least, engine_config,
                                  given_model, parse_size, port, positive, positive_seconds, sampling_overrides,
-                                 trusted_proxies)
+                                 show_first, trusted_proxies)
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.reasoning import REASONING_PARSERS
 from blockdiff.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -16,7 +16,10 @@ from blockdiff.vllm_options import json_object
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    # A short usage line, as vLLM's: the full synopsis of every flag would fill the first screens.
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       usage="%(prog)s [MODEL] [options]",
+                       description="The main flags first, then every flag by topic (docs/server.md).")
     add_engine_args(p, model_positional=True)
     add_chat_template_arg(p)
     add_sampling_args(p)
@@ -25,10 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uvicorn-log-level", type=str.lower, default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (default: --log-level)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names clients use as `model` (default: MODEL as given, or 'demo'); the first one is reported")
-    p.add_argument("--api-key", default=os.environ.get("BLOCKDIFF_API_KEY"),
-                   help="require `Authorization: Bearer KEY` everywhere but /health (default: $BLOCKDIFF_API_KEY)")
+    p.add_argument("--api-key", default=os.environ.get("BLOCKDIFF_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) everywhere but /health, /ping, "
+                        "the playground and /metrics (default: $BLOCKDIFF_API_KEY)")
+    p.add_argument("--metrics-require-api-key", action="store_true",
+                   help="with --api-key: /metrics needs the key too (default: open, as vLLM serves it, for "
+                        "Prometheus; it shows counts, latencies, the model's and running adapters' names)")
     p.add_argument("--max-queued-requests", type=at_least(0), default=None,
                    help="answer 429 when more requests than this would wait (default: no limit)")
     p.add_argument("--max-client-concurrency", type=at_least(1), default=None,
@@ -99,12 +106,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vLLM's: serve GET /tokenizer_info, the tokenizer's configuration and chat template, from "
                         "which tools such as lm-eval's local-completions tokenize through the server (off by "
                         "default: it shows the chat template)")
+    show_first(p, "main flags", ["--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--dtype",
+                                 "--tensor-parallel-size", "--max-num-seqs"])
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from blockdiff.entrypoints.openai.server import serve
 
+    if args.metrics_require_api_key and not args.api_key:
+        raise ValueError("--metrics-require-api-key needs --api-key (or $BLOCKDIFF_API_KEY)")
     model = given_model(args)
     names = args.served_model_name or [model if model is not None else "demo"]
     cfg = ServerConfig(
@@ -112,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
+        metrics_require_api_key=args.metrics_require_api_key,
         max_queued_requests=args.max_queued_requests,
         max_client_concurrency=args.max_client_concurrency,
         max_request_bytes=args.max_request_size,

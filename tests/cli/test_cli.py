@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -79,6 +80,26 @@ def test_vllm_spellings_and_help_with_defaults(capsys):
     assert parser.parse_args(["--log-level", "warning", "serve"]).log_level == "warning"  # the global one is kept
     assert parser.parse_args(["serve", "--uvicorn-log-level", "WARNING"]).uvicorn_log_level == "warning"
     assert os.path.abspath(parser.parse_args(["train-demo"]).out) != CHECKPOINT_DIR  # an experiment never replaces it
+
+
+def test_serve_help_starts_with_the_model_and_the_main_flags():
+    """`blockdiff serve --help | head -30` shows what a first run sets, as vLLM's help does: a short
+    usage line, MODEL, then the main flags; every flag is still listed further down."""
+    from blockdiff.entrypoints.cli import build_parser
+
+    done = subprocess.run([sys.executable, "-m", "blockdiff", "serve", "--help"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "usage: blockdiff serve [MODEL] [options]"
+    head = "\n".join(lines[:30])
+    for name in ["MODEL", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--dtype",
+                 "--tensor-parallel-size", "--max-num-seqs"]:
+        assert re.search(rf"^  {name} ", head, re.M), f"{name} not in the first 30 lines:\n{head}"
+    [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    flags = {name for a in commands.choices["serve"]._actions for name in a.option_strings}
+    listed = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", done.stdout))
+    assert len(flags) > 100 and flags <= listed, sorted(flags - listed)
 
 
 def test_tokenizer_chat_template_and_ignored_vllm_flags(tmp_path):

@@ -73,6 +73,8 @@ CASES = [
     ("make-tiny-model-over-a-checkpoint", ["make-tiny-model", "{no_tok}"], 2, "holds a checkpoint; pass --overwrite"),
     ("forwarded-allow-ips-not-an-address", ["serve", "--forwarded-allow-ips", "127.0.0.1,proxy.local"], 2,
      "argument --forwarded-allow-ips: 'proxy.local' is not an IP address or a CIDR network"),
+    ("metrics-key-without-api-key", ["serve", "--metrics-require-api-key", "--port", "{free_port}"], 2,
+     "--metrics-require-api-key needs --api-key"),
     ("abbreviated-flag", ["serve", "--max-num-seq", "4"], 2, "unrecognized arguments: --max-num-seq (see `blockdiff serve --help`)"),
     ("unknown-flag-of-a-nested-command", ["bench", "serve", "--no-such-flag"], 2,
      "unrecognized arguments: --no-such-flag (see `blockdiff bench serve --help`)"),

@@ -248,6 +248,21 @@ def test_errors_in_anthropics_shape_and_the_server_stays_up(server, client, chat
     assert create(client, SORT).content[0].text == "1 2 3"
 
 
+def test_a_server_tool_is_refused_by_name(server, client):
+    """Anthropic's server tools (web search, code execution, ...) run on Anthropic's side: nothing here runs
+    them, and the 400 says so, naming the tool, rather than pydantic's "Input should be 'custom'"."""
+    web_search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+    expected = ("tools.1: tool 'web_search' of type 'web_search_20250305' is not served: this server runs no "
+                "Anthropic server tools nor other built-in tool types, only client tools (a name and an input_schema)")
+    with pytest.raises(anthropic.BadRequestError) as error:
+        create(client, WEATHER, tools=[TOOL, web_search])
+    assert error.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": expected}}
+    with pytest.raises(anthropic.BadRequestError) as error:
+        client.messages.count_tokens(model="demo", messages=WEATHER, tools=[TOOL, web_search])
+    assert error.value.body["error"]["message"] == expected
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_a_500_is_in_anthropics_shape_too(tiny, monkeypatch):
     """In-process, as no request makes the real server fail: Starlette's error layer, outside every
     added middleware, sends a bug's 500; on /v1/messages it is Anthropic's `api_error`, elsewhere OpenAI's."""

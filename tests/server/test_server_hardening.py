@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from server_process import HealthProbe, ServerProcess, fixture_value, serve
+from server_process import HealthProbe, ServerProcess, fixture_value, parse_metrics, serve
 
 from blockdiff.config import EngineConfig
 from blockdiff.engine.engine import LLMEngine
@@ -71,12 +71,35 @@ def test_nul_noncharacters_and_surrogate_pairs_are_served(server, text):
 
 
 # ---- the API key --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", ["/docs", "/openapi.json", "/metrics", "/v1/models", "/redoc", "/nowhere"])
-def test_everything_but_health_needs_the_key(server, path):
+@pytest.mark.parametrize("path", ["/docs", "/openapi.json", "/version", "/v1/models", "/redoc", "/nowhere"])
+def test_everything_but_health_and_metrics_needs_the_key(server, path):
     r = httpx.get(server.url + path, timeout=30)
     assert r.status_code == 401, r.text
     assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_metrics_are_scraped_without_the_key_as_from_vllm(server):
+    """Prometheus scrapes a vLLM server's /metrics with no credentials; the API still needs the key."""
+    r = httpx.get(server.url + "/metrics", timeout=30)
+    assert r.status_code == 200, r.text
+    assert parse_metrics(r.text).total("vllm:num_requests_running") == 0
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 2 1", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.slow  # a server of its own: ~25 s on the shared machine
+def test_metrics_behind_the_key_on_request(tiny, tmp_path):
+    proc = ServerProcess(tiny, "--api-key", KEY, "--metrics-require-api-key", "--max-model-len", "64",
+                         log_path=str(tmp_path / "server.log"))
+    try:
+        r = httpx.get(proc.url + "/metrics", timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(proc.url + "/metrics", headers=AUTH, timeout=30).status_code == 200
+        assert httpx.get(proc.url + "/v1/models", timeout=30).status_code == 401
+        assert httpx.get(proc.url + "/health", timeout=30).status_code == 200
+    finally:
+        proc.close()
 
 
 def test_two_authorization_headers_are_a_400(server):

@@ -84,6 +84,20 @@ def test_unknown_adapter_is_a_404(client):
     assert e.value.body["code"] == "model_not_found"
 
 
+def test_unknown_model_404_names_every_adapter_served(server, client, loras):
+    """After a runtime unload, the 404 of an unknown model lists the base model and the adapters still
+    served: those of --lora-modules and those loaded at runtime."""
+    url = server.url + "/v1"
+    for name in ("five", "six"):
+        r = httpx.post(url + "/load_lora_adapter", json={"lora_name": name, "lora_path": loras[2]})
+        assert r.status_code == 200, r.text
+    assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "five"}).status_code == 200
+    with pytest.raises(openai.NotFoundError) as e:
+        _complete(client, "five")
+    assert e.value.body["message"] == "model 'five' does not exist; this server serves ['tiny', 'one', 'two', 'six']"
+    assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "six"}).status_code == 200
+
+
 def test_load_and_unload_at_runtime(server, client, loras, offline):
     url = server.url + "/v1"
     r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "three", "lora_path": loras[2]})

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai import responses_protocol as r
@@ -85,14 +86,25 @@ MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 
 
 class Tool(p._Request):
-    """A client tool. Anthropic's server tools (web search, code execution, ...) have a `type` of
-    their own and are refused by this model: there is nothing here to run them."""
+    """A client tool. Anthropic's server tools (web search, code execution, ...) and its other
+    built-in tools have a `type` of their own and are refused by name: there is nothing here to run
+    them, and no schema to show the model."""
 
     model_config = ConfigDict(strict=True, extra="ignore")  # cache_control, and the tool's other hints
     type: Literal["custom"] | None = None
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_a_server_tool(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "custom":
+            message = (f"tool {data.get('name')!r} of type {kind!r} is not served: this server runs no Anthropic "
+                       f"server tools nor other built-in tool types, only client tools (a name and an input_schema)")
+            raise PydanticCustomError("server_tool", "{message}", {"message": message})  # not a template: names may hold braces
+        return data
 
 
 class ToolChoice(p._Request):

@@ -14,6 +14,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    metrics_require_api_key: bool = False  # with api_key: /metrics needs it too (vLLM leaves /metrics open)
     max_queued_requests: int | None = None
     max_client_concurrency: int | None = None  # engine requests (choices x prompts) in progress per client host
     max_request_bytes: int = 16 * 2**20

@@ -99,14 +99,16 @@ _OPEN_PATHS = frozenset({"/health", "/ping", *playground.PUBLIC_PATHS})
 
 
 class RequireAPIKey(_Middleware):
-    """API key check on every path but /health and /ping (which probes call without credentials)
-    and the playground's page and files (which hold nothing of the server's; the page sends the key):
-    /metrics, /docs and /openapi.json describe the server and need the key too. The key comes as a
-    Bearer token (OpenAI's clients) or in x-api-key (Anthropic's); either one right lets the request
-    in. Two of the same header are a 400, not "the last one wins"."""
+    """API key check on every path but `open_paths`: /health and /ping (which probes call without
+    credentials), the playground's page and files (which hold nothing of the server's; the page sends
+    the key) and, as vLLM serves it, /metrics (which Prometheus scrapes without credentials; it holds
+    counts, latencies and names, never a request's text). /docs, /openapi.json and /version describe
+    the server and need the key. The key comes as a Bearer token (OpenAI's clients) or in x-api-key
+    (Anthropic's); either one right lets the request in. Two of the same header are a 400, not "the
+    last one wins"."""
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             bearer = [value for name, value in scope["headers"] if name == b"authorization"]
             keys = [value for name, value in scope["headers"] if name == b"x-api-key"]
             if len(bearer) > 1 or len(keys) > 1:
@@ -295,7 +297,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
                        min_rate=cfg.min_body_rate, grace=cfg.header_timeout, per_client=cfg.max_client_uploads,
                        total=max(1, max_connections // 2), on_refused=metrics.refused)
     if cfg.api_key:
-        app.add_middleware(RequireAPIKey, key=cfg.api_key)
+        app.add_middleware(RequireAPIKey, key=cfg.api_key,
+                           open_paths=_OPEN_PATHS if cfg.metrics_require_api_key else _OPEN_PATHS | {"/metrics"})
     return app
 
 

@@ -208,7 +208,9 @@ class OpenAIServing:
         if requested is None:
             return self.model_names[0]
         if requested not in self.model_names and requested not in self.loras:
-            raise APIError(404, f"model {requested!r} does not exist; this server serves {self.model_names}",
+            # The adapters as served now: runtime loads and unloads change the dict.
+            raise APIError(404, f"model {requested!r} does not exist; this server serves "
+                                f"{[*self.model_names, *self.loras]}",
                            param="model", code="model_not_found")
         return requested
 
