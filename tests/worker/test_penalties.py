@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import vllm_penalized
 
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.model.attention_layout import Row
@@ -26,21 +27,6 @@ def _penalties(rep=1.0, presence=0.0, frequency=0.0, prompt=(), output=(), bias=
 
 def _admit(pen: SlotPenalties, slots: list[int], penalties: list[Penalties | None]) -> None:
     pen.admit(NewRequests(slots, [0] * len(slots), None, None, penalties))
-
-
-def vllm_penalized(logits: torch.Tensor, p: Penalties, committed: list[int]) -> torch.Tensor:
-    """vLLM's v1 sampler on logits [..., V] in float64: logit_bias added, then the repetition
-    penalty over the prompt's and the output's tokens, the frequency and presence penalties over
-    the output's (vllm/model_executor/layers/utils.py apply_penalties)."""
-    x = logits.double().clone()
-    for t, b in zip(p.bias_ids.tolist(), p.bias.tolist()):
-        x[..., t] += b
-    counts = torch.bincount(torch.tensor(committed, dtype=torch.long), minlength=V).double()
-    seen = torch.zeros(V, dtype=torch.bool)
-    seen[p.prompt] = True
-    seen |= counts > 0
-    x = torch.where(seen & (x > 0), x / p.repetition, torch.where(seen, x * p.repetition, x))
-    return x - p.frequency * counts - p.presence * (counts > 0).double()
 
 
 REQUESTS = {
@@ -82,7 +68,9 @@ def test_penalized_logits_are_vllms_in_float64_and_a_neutral_request_keeps_its_l
         if p is None:
             assert torch.equal(out[slot], logits[slot])
             continue
-        want = vllm_penalized(logits[slot], p, p.output.tolist() + canvas)
+        bias = dict(zip(p.bias_ids.tolist(), p.bias.tolist()))
+        want = vllm_penalized(logits[slot], p.prompt.tolist(), p.output.tolist() + canvas, p.repetition, p.presence,
+                              p.frequency, bias)
         torch.testing.assert_close(out[slot].double(), want, rtol=1e-6, atol=1e-5)
         assert not torch.equal(out[slot], logits[slot])
     assert (out[0, :, 3] < -90).all()  # the bias of -100
