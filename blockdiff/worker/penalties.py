@@ -17,10 +17,11 @@ step depend on the previous step's random draws. Every position of a canvas sees
 Memory: a request with none of them costs nothing, and a step whose canvases have none skips the
 work (so their logits are exactly the model's). The per-slot tensors are made at the first request
 that has one, for every slot: the committed output's counts (int32) and the prompt's tokens (bool),
-dense over this rank's vocabulary rows (5 bytes per row per slot: 1.3 MB a slot at a 262k
-vocabulary on one rank, 1/TP of it under tensor parallelism), and the logit bias sparse (at most
-MAX_LOGIT_BIAS (row, value) pairs per slot). Under tensor parallelism each rank keeps and
-penalizes its own vocabulary rows: nothing is gathered.
+and the logit bias (float32), dense over this rank's vocabulary rows: 9 bytes per row per slot (2.4
+MB a slot at a 262k vocabulary on one rank, 1/TP of it under tensor parallelism). Dense, so that a
+step only gathers its slots' rows and adds: no scatter, which CUDA runs with atomics in no fixed
+order. Under tensor parallelism each rank keeps and penalizes its own vocabulary rows: nothing is
+gathered.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import torch
 from blockdiff.diffusion.vocab_parallel import VocabParallel
 from blockdiff.model.attention import Row
 from blockdiff.parallel.vocab import VocabShard
-from blockdiff.sampling_params import MAX_LOGIT_BIAS
 from blockdiff.step import NewRequests, Penalties
 
 # bytes per logit of a tile's temporaries: the penalty and its inverse gathered per position, the
@@ -58,12 +58,11 @@ class SlotPenalties:
             self.repetition = torch.ones(self.rows)
             self.presence = torch.zeros(self.rows)
             self.frequency = torch.zeros(self.rows)
-            self.bias_rows = torch.zeros(self.rows, MAX_LOGIT_BIAS, dtype=torch.long)  # local rows; padding: 0...
-            self.bias = torch.zeros(self.rows, MAX_LOGIT_BIAS)  # ...adding 0
+            self.bias = torch.zeros(self.rows, v)  # [rows, local vocab]: what logit_bias adds
 
     def admit(self, new: NewRequests | None) -> None:
         """The requests that took their slots: each one's row set (a request without penalties gets
-        the neutral row, which a step beside penalized canvases computes exactly: x * 1 - 0 * 0 + 0)."""
+        the neutral row, which a step beside penalized canvases computes exactly: (x + 0) * 1 - 0 * 0)."""
         if new is None:
             return
         for i, slot in enumerate(new.slots):
@@ -75,22 +74,22 @@ class SlotPenalties:
                 self._put(slot, pen)
 
     def _put(self, slot: int, pen: Penalties | None) -> None:
-        self.counts[slot] = 0
-        self.prompt[slot] = False
-        self.bias_rows[slot] = 0
-        self.bias[slot] = 0.0
         if pen is None:
+            self.counts[slot], self.prompt[slot], self.bias[slot] = 0, False, 0.0
             self.repetition[slot], self.presence[slot], self.frequency[slot] = 1.0, 0.0, 0.0
             return
         self.repetition[slot], self.presence[slot], self.frequency[slot] = pen.repetition, pen.presence, pen.frequency
-        local, owned = self.shard.to_local(pen.prompt.to(self.device))
-        self.prompt[slot, local[owned]] = True
-        self._count(torch.full_like(pen.output, slot), pen.output)
+        self.prompt[slot] = self._histogram(pen.prompt) > 0
+        self.counts[slot] = self._histogram(pen.output)
         local, owned = self.shard.to_local(pen.bias_ids.to(self.device))
-        k = local.shape[0]
-        self.bias_rows[slot, :k] = local
-        self.bias[slot, :k] = torch.where(owned, pen.bias.to(self.device), 0.0)
+        # ids owned elsewhere add 0 to row 0: a sum of the same values in any order
+        self.bias[slot] = torch.zeros_like(self.bias[slot]).index_add_(0, local, torch.where(owned, pen.bias.to(self.device), 0.0))
         self.counted[slot] = pen.prompt.shape[0] + pen.output.shape[0]
+
+    def _histogram(self, ids: torch.Tensor) -> torch.Tensor:
+        """[local vocab] int32: how often each of this rank's tokens is in `ids` (no host read)."""
+        local, owned = self.shard.to_local(ids.to(self.device))
+        return torch.zeros(self.shard.local_rows, dtype=torch.int32, device=self.device).index_add_(0, local, owned.to(torch.int32))
 
     def _count(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         local, owned = self.shard.to_local(ids.to(self.device))
@@ -120,9 +119,8 @@ class SlotPenalties:
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, vocab: VocabParallel) -> None:
         """Penalize the canvases' logits [canvases, CL, local vocab] float32 in place (`slots`:
         theirs). No host sync: the static step runs it as it is."""
-        rows, cl, v = logits.shape
-        bias_rows = self.bias_rows.index_select(0, slots)[:, None, :].expand(rows, cl, -1)
-        logits.scatter_add_(-1, bias_rows, self.bias.index_select(0, slots)[:, None, :].expand(rows, cl, -1))
+        cl, v = logits.shape[1:]
+        logits.add_(self.bias.index_select(0, slots)[:, None, :])
         counts = self.counts.index_select(0, slots)
         output = counts > 0
         penalty = torch.where(self.prompt.index_select(0, slots) | output, self.repetition.index_select(0, slots)[:, None],
