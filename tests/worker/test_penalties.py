@@ -12,15 +12,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import vllm_penalized
+from helpers import import_test_file, new_requests, vllm_penalized, whole_tables
 from rank_checks import record_penalized_logits, recorded_penalties
 
 from blockdiff import LLM, SamplingParams
+from blockdiff.diffusion.entropy_bound import EntropyBound, denoise_params
 from blockdiff.diffusion.vocab_parallel import VocabParallel
+from blockdiff.sampling_params import REFERENCE_DEFAULTS
 from blockdiff.model.attention_layout import Row
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.vocab import VocabShard
 from blockdiff.step import NewRequests, Penalties
+from blockdiff.worker.canvas_step import COMPILE_OPTIONS, canvas_step, context_of
 from blockdiff.worker.penalties import SlotPenalties
 
 V, CL, SLOTS = 37, 4, 4
@@ -107,6 +110,36 @@ def test_a_slot_taken_by_a_request_without_penalties_is_neutral_again():
     pen.apply(out, torch.tensor([0, 1, 2]), VocabParallel(shard, TPGroup()))
     assert torch.equal(out[:2], logits[:2]) and not torch.equal(out[2], logits[2])
     assert pen.of([0, 1]) is None
+
+
+@pytest.mark.slow  # one dynamo trace of the whole step: ~23 s on a shared machine
+def test_the_compiled_step_penalizes_as_the_eager_step_does(checkpoints):
+    """The static step compiled with the engine's options (fullgraph; dynamo's graph-only backend:
+    the graph, no generated code) beside a canvas without penalties: the same outputs as the eager
+    step, the penalized canvas's commit all the token a bias of 100 favours, the other canvas's
+    outputs exactly those of a step without penalties."""
+    torch._dynamo.reset()
+    cache, tables, requests, steps = import_test_file("worker/test_canvas_step.py")._canvas_steps(checkpoints, 2, 32, True)
+    graphs = []
+    steps.fn = torch.compile(canvas_step, backend=lambda gm, _: graphs.append(gm) or gm.forward, **COMPILE_OPTIONS)
+    cl = steps.state.canvas.shape[1]
+    rows = [Row(slot, 3, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(2)]
+    params = denoise_params([3, 3], [EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)] * 2, [0, 1])
+    tables.apply(whole_tables(rows))
+    admitted = new_requests(rows, params)
+    requests.admit(admitted)
+    admitted.penalties = [_penalties(1.5, 0.5, 1.0, prompt=[5, 6], output=[7, 7], bias={11: 100.0}), None]
+    steps.penalties.admit(admitted)
+    context, options = context_of(rows, cache.block_size), params.options()
+    with torch.inference_mode():
+        inputs, out = steps(rows, options)
+        eager = canvas_step(*steps.step_args(context, inputs, options, 1, 0, True))
+        plain = canvas_step(*steps.step_args(context, inputs, options))
+    assert len(graphs) == 1
+    for name in ("tokens", "logprob", "entropy", "finished"):
+        torch.testing.assert_close(getattr(out, name)[:2], getattr(eager, name)[:2], rtol=1e-5, atol=1e-5)
+    assert (eager.tokens[0] == 11).all() and not (plain.tokens[0] == 11).all()
+    assert torch.equal(eager.tokens[1], plain.tokens[1]) and torch.equal(eager.logprob[1], plain.logprob[1])
 
 
 # ---- through the engine, on the demo model ---------------------------------------------------
