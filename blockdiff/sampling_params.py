@@ -304,7 +304,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and -PENALTY_BOUND <= v <= PENALTY_BOUND):
-                raise InvalidParam(name, f"{name} must be a number in [-{PENALTY_BOUND:g}, {PENALTY_BOUND:g}], got {v!r}")
+                raise InvalidParam(name, f"{name} must be a number in [-{PENALTY_BOUND:g}, {PENALTY_BOUND:g}], "
+                                         f"got {v!r}")
         v = self.repetition_penalty
         if v is not None and not (_is_number(v) and 0 < v <= FLOAT32_MAX):
             raise InvalidParam("repetition_penalty", f"repetition_penalty must be a finite number > 0, got {v!r}")

@@ -168,7 +168,8 @@ class Request:
             presence=float(p.presence_penalty or 0), frequency=float(p.frequency_penalty or 0),
             prompt=torch.tensor(self.prompt_token_ids, dtype=torch.long),
             output=torch.tensor(self.output.token_ids, dtype=torch.long),
-            bias_ids=torch.tensor(list(bias), dtype=torch.long), bias=torch.tensor(list(bias.values()), dtype=torch.float32))
+            bias_ids=torch.tensor(list(bias), dtype=torch.long),
+            bias=torch.tensor(list(bias.values()), dtype=torch.float32))
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) of prompt + output, without joining the two."""

@@ -83,13 +83,15 @@ class SlotPenalties:
         self.counts[slot] = self._histogram(pen.output)
         local, owned = self.shard.to_local(pen.bias_ids.to(self.device))
         # ids owned elsewhere add 0 to row 0: a sum of the same values in any order
-        self.bias[slot] = torch.zeros_like(self.bias[slot]).index_add_(0, local, torch.where(owned, pen.bias.to(self.device), 0.0))
+        bias = torch.where(owned, pen.bias.to(self.device), 0.0)
+        self.bias[slot] = torch.zeros_like(self.bias[slot]).index_add_(0, local, bias)
         self.counted[slot] = pen.prompt.shape[0] + pen.output.shape[0]
 
     def _histogram(self, ids: torch.Tensor) -> torch.Tensor:
         """[local vocab] int32: how often each of this rank's tokens is in `ids` (no host read)."""
         local, owned = self.shard.to_local(ids.to(self.device))
-        return torch.zeros(self.shard.local_rows, dtype=torch.int32, device=self.device).index_add_(0, local, owned.to(torch.int32))
+        zeros = torch.zeros(self.shard.local_rows, dtype=torch.int32, device=self.device)
+        return zeros.index_add_(0, local, owned.to(torch.int32))
 
     def _count(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         local, owned = self.shard.to_local(ids.to(self.device))
@@ -123,8 +125,8 @@ class SlotPenalties:
         logits.add_(self.bias.index_select(0, slots)[:, None, :])
         counts = self.counts.index_select(0, slots)
         output = counts > 0
-        penalty = torch.where(self.prompt.index_select(0, slots) | output, self.repetition.index_select(0, slots)[:, None],
-                              1.0)
+        seen = self.prompt.index_select(0, slots) | output
+        penalty = torch.where(seen, self.repetition.index_select(0, slots)[:, None], 1.0)
         inverse = 1.0 / penalty
         flat = logits.view(-1, v)
         row_of = torch.arange(flat.shape[0], device=logits.device) // cl
