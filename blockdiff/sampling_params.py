@@ -33,6 +33,8 @@ MAX_TEMPERATURE = 1e4
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS = 128, 16384  # vLLM's 128 words (as token sequences); characters in all
+MAX_LOGIT_BIAS, LOGIT_BIAS_BOUND = 300, 100.0  # OpenAI's: at most 300 tokens, each biased by a value in [-100, 100]
+PENALTY_BOUND = 2.0  # vLLM's (and OpenAI's): presence_penalty and frequency_penalty in [-2, 2]
 
 
 class InvalidParam(ValueError):
@@ -205,10 +207,15 @@ class SamplingParams:
     # Completions per prompt: LLM.generate and the server run each as a request of its own, choice
     # i drawing from seed + i (the engine itself takes one completion per request).
     n: int | None = None
-    # vLLM's knobs, accepted at their neutral values only
+    # vLLM's penalties and OpenAI's logit_bias, applied to every canvas position's logits at every
+    # denoising step (diffusion/penalties.py): repetition_penalty (> 0, 1: none) scales the logits of
+    # the tokens in the prompt or the committed output; frequency_penalty and presence_penalty (in
+    # [-2, 2], 0: none) subtract per committed occurrence / once per token committed; logit_bias
+    # adds to the logits of its token ids (at most 300, values in [-100, 100]).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
     # The fields of samplers other than the reference one, by name (their tables check them when the
     # engine resolves the request).
     extra_args: dict[str, int | float] | None = None
@@ -241,7 +248,7 @@ class SamplingParams:
             declared = sorted(set(self.extra_args) & _DECLARED)
             if declared:
                 raise InvalidParam(declared[0], f"{declared[0]} is a SamplingParams field: set it directly, not in extra_args")
-        self._check_unsupported()
+        self._check_penalties()
         _int(self, "n", minimum=1)
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 1024):
             raise InvalidParam("cache_salt", "cache_salt must be a non-empty string of at most 1024 characters")
@@ -291,18 +298,35 @@ class SamplingParams:
             raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens "
                                              f"({self.max_tokens})")
 
-    def _check_unsupported(self) -> None:
-        """vLLM's sampling knobs that have no diffusion meaning (yet): only their neutral values. A
-        penalty counts the tokens generated so far, which a canvas denoised in parallel does not have
-        while it is denoised."""
-        neutral = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0)}
-        for name, values in neutral.items():
+    def _check_penalties(self) -> None:
+        """vLLM's bounds on its penalties, OpenAI's on logit_bias (ids within the vocabulary are the
+        engine's check, engine/input_processor.py)."""
+        for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or v not in values):
-                raise InvalidParam(
-                    name, f"{name} is not supported: the diffusion sampler has no use for it "
-                    f"(got {v!r}; allowed: {values[0]})"
-                )
+            if v is not None and not (_is_number(v) and -PENALTY_BOUND <= v <= PENALTY_BOUND):
+                raise InvalidParam(name, f"{name} must be a number in [-{PENALTY_BOUND:g}, {PENALTY_BOUND:g}], "
+                                         f"got {v!r}")
+        v = self.repetition_penalty
+        if v is not None and not (_is_number(v) and 0 < v <= FLOAT32_MAX):
+            raise InvalidParam("repetition_penalty", f"repetition_penalty must be a finite number > 0, got {v!r}")
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict) or not all(_is_int(k) and k >= 0 for k in self.logit_bias):
+            raise InvalidParam("logit_bias", f"logit_bias must map token ids (integers >= 0) to numbers, got "
+                                             f"{self.logit_bias!r:.80}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParam("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for k, b in self.logit_bias.items():
+            if not (_is_number(b) and -LOGIT_BIAS_BOUND <= b <= LOGIT_BIAS_BOUND):
+                raise InvalidParam("logit_bias", f"logit_bias[{k}] must be a number in [-{LOGIT_BIAS_BOUND:g}, "
+                                                 f"{LOGIT_BIAS_BOUND:g}], got {b!r}")
+        self.logit_bias = dict(self.logit_bias)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty or a logit bias changes this request's logits."""
+        return (self.repetition_penalty not in (None, 1) or self.presence_penalty not in (None, 0)
+                or self.frequency_penalty not in (None, 0) or bool(self.logit_bias))
 
 
 _DECLARED = {f.name for f in fields(SamplingParams)}

@@ -216,6 +216,21 @@ class StepRow:
 
 
 @dataclass
+class Penalties:
+    """vLLM's penalties and OpenAI's logit_bias of one request (SamplingParams), sent with its
+    admission: what each rank keeps of them per slot (diffusion/penalties.py). The output committed
+    after the admission reaches the ranks as encoder rows past `prompt` + `output`."""
+
+    repetition: float
+    presence: float
+    frequency: float
+    prompt: torch.Tensor  # [prompt tokens] int64: the prompt's ids (the repetition penalty's)
+    output: torch.Tensor  # [tokens] int64: the output committed before this admission (a readmission's)
+    bias_ids: torch.Tensor  # [k] int64 token ids, k <= MAX_LOGIT_BIAS
+    bias: torch.Tensor  # [k] float32: what logit_bias adds to their logits
+
+
+@dataclass
 class NewRequests:
     """The requests that took a slot since the workers last heard (admitted, or readmitted after a
     preemption): what each rank keeps of them per slot on its device, sent once. A plan of requests
@@ -227,6 +242,8 @@ class NewRequests:
     params: StepParams  # [len(slots)] the sampler's per-request parameters: seed, per-canvas fields
     # With --enable-lora: each one's adapter slot in the LoRA pool (-1: none); None: none has one
     adapters: list[int] | None = None
+    # Each one's penalties and logit bias (None: it has none); None: none of them has any
+    penalties: list[Penalties | None] | None = None
 
 
 @dataclass

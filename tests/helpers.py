@@ -167,3 +167,20 @@ def wait_until(done, timeout: float, every: float = 0.05) -> bool:
     while not done() and time.monotonic() < deadline:
         time.sleep(every)
     return done()
+
+
+def vllm_penalized(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float = 1.0,
+                   presence: float = 0.0, frequency: float = 0.0, bias: dict[int, float] | None = None) -> torch.Tensor:
+    """vLLM's v1 sampler's logits processing on logits [..., V] in float64: logit_bias added, then
+    the repetition penalty over the prompt's and the output's tokens, then the frequency and
+    presence penalties over the output's (vllm/model_executor/layers/utils.py apply_penalties)."""
+    v = logits.shape[-1]
+    x = logits.double().clone()
+    for t, b in (bias or {}).items():
+        x[..., t] += b
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=v).double()
+    seen = torch.zeros(v, dtype=torch.bool)
+    seen[torch.tensor(prompt, dtype=torch.long)] = True
+    seen |= counts > 0
+    x = torch.where(seen & (x > 0), x / repetition, torch.where(seen, x * repetition, x))
+    return x - frequency * counts - presence * (counts > 0).double()

@@ -239,3 +239,26 @@ def record_restricted_draws(ctx: RankContext) -> None:
 
 def recorded_draws(ctx: RankContext) -> list[dict]:
     return ctx.state["draws"]
+
+
+def record_penalized_logits(ctx: RankContext) -> None:
+    """From now on this rank keeps, for every step whose canvases have penalties or a logit bias,
+    the logits of its shard before and after they are penalized (worker/penalties.py), the slots
+    (padded canvases: the scratch slot), each slot's canvas index in its request, and the shard's
+    token ids (`recorded_penalties`)."""
+    runner = ctx.state["runner"]
+    log = ctx.state["penalized"] = []
+    penalties, ids = runner.penalties, runner.vocab.shard.global_ids()
+    apply = penalties.apply
+
+    def recording_apply(logits, slots, vocab):
+        before = logits.clone()
+        apply(logits, slots, vocab)
+        log.append({"before": before, "after": logits.clone(), "slots": slots.clone(), "ids": ids,
+                    "scratch": penalties.rows - 1, "canvas": runner.requests.params.canvas.index_select(0, slots).clone()})
+
+    penalties.apply = recording_apply
+
+
+def recorded_penalties(ctx: RankContext) -> list[dict]:
+    return ctx.state["penalized"]

@@ -75,8 +75,8 @@ class InputProcessor:
                 f"max_model_len={self.max_model_len}: ask for at most {self.max_model_len - len(ids)}"
             )
         self._check_tokens("prompt", ids)
-        for name in ("draft", "stop_token_ids", "allowed_token_ids"):
-            self._check_tokens(name, getattr(params, name) or [])
+        for name in ("draft", "stop_token_ids", "allowed_token_ids", "logit_bias"):
+            self._check_tokens(name, list(getattr(params, name) or []))
         if params.stop and self.tokenizer is None:
             raise InvalidParam("stop", f"stop strings {params.stop!r} need a tokenizer, and this checkpoint has none: "
                                        "use stop_token_ids")

@@ -27,6 +27,7 @@ from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.multimodal import Placeholder
 from blockdiff.outputs import TokenLogprob
 from blockdiff.sampling_params import LoRARequest, SamplingParams
+from blockdiff.step import Penalties
 from blockdiff.structured.compiler import OutputConstraint
 
 
@@ -154,6 +155,21 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt and committed output: what the cache holds once the request is caught up."""
         return len(self.prompt_token_ids) + len(self.output.token_ids)
+
+    def penalties(self) -> Penalties | None:
+        """What the workers keep of its penalties and logit bias when it takes a slot (None: none):
+        the prompt, and the output committed so far (after a preemption), counted there once."""
+        p = self.params
+        if not p.penalized:
+            return None
+        bias = p.logit_bias or {}
+        return Penalties(
+            repetition=1.0 if p.repetition_penalty is None else float(p.repetition_penalty),
+            presence=float(p.presence_penalty or 0), frequency=float(p.frequency_penalty or 0),
+            prompt=torch.tensor(self.prompt_token_ids, dtype=torch.long),
+            output=torch.tensor(self.output.token_ids, dtype=torch.long),
+            bias_ids=torch.tensor(list(bias), dtype=torch.long),
+            bias=torch.tensor(list(bias.values()), dtype=torch.float32))
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) of prompt + output, without joining the two."""

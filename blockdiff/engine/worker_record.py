@@ -6,7 +6,8 @@ its block tables (worker/request_slots.py, worker/block_tables.py), and the toke
 structured outputs by key. The engine sends each piece once and then only what changed:
 
 - a request that takes a slot (another request held it, or the same one before a preemption) is
-  sent whole: its cached length and sampler parameters (`step.NewRequests`), its tables cleared and
+  sent whole: its cached length and sampler parameters (`step.NewRequests`; with penalties or a
+  logit bias, its prompt and the output committed so far too), its tables cleared and
   written; within one admission its tables only grow (a sliding entry given back keeps its old id
   on the workers, out of every query's reach), so a step sends the entries past those sent;
 - an automaton goes with the first step that needs it, and the least recently used beyond
@@ -54,8 +55,10 @@ class WorkerRecord:
             sliding += [(req.slot, i, b) for i, b in enumerate(req.sliding_blocks[sent_sliding:], sent_sliding)]
             self._slots[req.slot] = (req, admission, len(req.blocks), len(req.sliding_blocks))
         adapters = [r.lora_slot for r in taken]
+        penalties = [r.penalties() for r in taken]
         new = NewRequests([r.slot for r in taken], [r.num_cached for r in taken], step_params(taken),
-                          adapters if any(a >= 0 for a in adapters) else None) if taken else None
+                          adapters if any(a >= 0 for a in adapters) else None,
+                          penalties if any(p is not None for p in penalties) else None) if taken else None
         if not (taken or full or sliding):
             return new, None
         return new, TableDelta.of([r.slot for r in taken], full, sliding)

@@ -21,6 +21,7 @@ from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.model.attention import CacheGeometry, Row, canvas_metadata
 from blockdiff.model.interface import BlockDiffusionModel
 from blockdiff.model.lora import LoRABatch
+from blockdiff.worker.penalties import SlotPenalties
 from blockdiff.worker.request_slots import RequestSlots
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -74,6 +75,7 @@ def canvas_step(
     logits: torch.Tensor | None = None,
     adapters: torch.Tensor | None = None,
     lora_experts: bool = False,
+    penalties: SlotPenalties | None = None,
 ) -> CanvasOutputs:
     """`steps` denoising steps of every canvas in `inputs`, back to back; reads `state`, `kv`, the
     block `tables` (layer kind -> [slots + 1, blocks per sequence]), the slots' `positions`
@@ -81,7 +83,8 @@ def canvas_step(
     options), writes none of them. `logits`: a float32 buffer of at least [canvases * CL, local
     vocab] that the model writes the logits into (the outputs' `dist` then views it), or None for
     fresh ones. `adapters`: the slots' LoRA adapter slots [slots + 1] (--enable-lora), else None, and
-    `lora_experts` whether one of them targets the experts. A canvas
+    `lora_experts` whether one of them targets the experts. `penalties`: the slots' penalties and
+    logit biases where one of the canvases has some, else None. A canvas
     that finishes at one of the steps keeps its state and its results from that step on (the later
     steps still compute it, masked), so its results are those of one step at a time."""
     rows = inputs.slots.shape[0]
@@ -98,7 +101,7 @@ def canvas_step(
     for i in range(steps):
         params = first if i == 0 else first.later(i)
         now = forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits, lora=lora,
-                           lora_experts=lora_experts)[1]
+                           lora_experts=lora_experts, penalties=penalties, penalty_slots=inputs.slots)[1]
         if out is None:
             out = now
         else:
@@ -120,7 +123,8 @@ def _where(keep: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Te
 def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, meta, state: SlotState,
                  slots: torch.Tensor, params: StepParams | None, prefix: torch.Tensor | None = None, scored: int = 0,
                  images=None, logits_out: torch.Tensor | None = None,
-                 lora: torch.Tensor | None = None, lora_experts: bool = False) -> tuple[torch.Tensor, CanvasOutputs | None]:
+                 lora: torch.Tensor | None = None, lora_experts: bool = False, penalties: SlotPenalties | None = None,
+                 penalty_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, CanvasOutputs | None]:
     """The one step function, of the eager and the static step alike: a forward over the tokens
     [prefix | the canvases of `slots`] and, where there are canvases, the sampler's step and the
     self-conditioning product of every one of them.
@@ -133,7 +137,11 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
     exactly zero, so that is the reference's step without a previous one), and every canvas's new
     ones are computed, a finished canvas's too (its slot is reset when the next canvas starts).
     lora: each token's LoRA adapter slot ([tokens] of prefix and canvases, -1: none; padding gets
-    none), or None without --enable-lora; `lora_experts`: whether one of the adapters targets the experts."""
+    none), or None without --enable-lora; `lora_experts`: whether one of the adapters targets the experts.
+    penalties: the slots' penalties and logit biases (worker/penalties.py), applied to the canvases'
+    logits before the sampler, where a canvas of the step has some (None: the logits as they are);
+    `penalty_slots`: the canvases' slots in that table (default `slots`: the static step reads
+    `state` through a working copy of its canvases' rows)."""
     rows, cl = slots.shape[0], state.canvas.shape[1]
     ids = state.canvas.index_select(0, slots).reshape(-1)
     soft = state.soft.index_select(0, slots).flatten(0, 1) if sampler.self_conditioning else None
@@ -152,7 +160,10 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
                    lora=batch)
     if rows == 0:
         return logits[:scored], None
-    res = sampler.step(logits[scored:].view(rows, cl, -1), state, slots, params, vocab)
+    canvases = logits[scored:].view(rows, cl, -1)
+    if penalties is not None:
+        penalties.apply(canvases, slots if penalty_slots is None else penalty_slots, vocab)
+    res = sampler.step(canvases, state, slots, params, vocab)
     updates = dict(res.updates)
     if sampler.self_conditioning:
         updates["soft"] = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
@@ -208,22 +219,24 @@ class CanvasSteps:
     def __init__(self, model: BlockDiffusionModel, sampler: DiffusionSampler, vocab: VocabParallel,
                  kv: list[tuple[torch.Tensor, torch.Tensor]], geometry: CacheGeometry, tables: dict[bool, torch.Tensor],
                  state: SlotState, requests: RequestSlots, device: torch.device, compile: bool, cuda_graphs: bool,
-                 steps_per_launch: int = 1):
+                 steps_per_launch: int = 1, penalties: SlotPenalties | None = None):
         """tables: the rank's block tables (BlockTables.tables), and requests its per-slot positions
         and sampler parameters, read where they are at every step.
         steps_per_launch: the most steps one launch runs (EngineConfig.num_scheduler_steps): each
-        shape has a graph for each number of steps up to it."""
+        shape has a graph for each number of steps up to it. penalties: the rank's per-slot
+        penalties and logit biases (worker/penalties.py): a step with some has graphs of its own."""
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables = model, sampler, vocab, kv, geometry, tables
-        self.state, self.requests, self.device = state, requests, device
+        self.state, self.requests, self.device, self.penalties = state, requests, device, penalties
         self.lora = getattr(model, "lora_slots", 0) > 0  # --enable-lora: the model has LoRA pools
         self.fn = torch.compile(canvas_step, **COMPILE_OPTIONS) if compile else canvas_step
         # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
         # these calls only; a shape beyond them would be a bug and still fails.
         context = max(k.shape[0] for k, _ in kv) if kv else 0
         self.limits = dict(recompile_limit=steps_per_launch * shape_count(state.scratch, context, geometry.block_size)
-                           * (3 if self.lora else 1))  # LoRA: steps with none, with adapters, on the experts too
+                           * (3 if self.lora else 1)  # LoRA: steps with none, with adapters, on the experts too
+                           * (2 if penalties is not None else 1))  # with and without penalties
         self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
                                                          2 * self.limits["recompile_limit"])
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -246,28 +259,30 @@ class CanvasSteps:
         # the options (e.g. restrict: top-k/p, min-p), the steps per launch and whether a canvas has a
         # LoRA adapter: a graph each
         lora = self.requests.lora_level(rows) if self.lora else 0
-        key = (size, context, tuple(options.items()), steps) + ((lora,) if self.lora else ())
+        penalized = self.penalties is not None and self.penalties.of([r.slot for r in rows]) is not None
+        key = (size, context, tuple(options.items()), steps, penalized) + ((lora,) if self.lora else ())
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
             with torch._dynamo.config.patch(**self.limits):
-                return inputs, self.fn(*self.step_args(context, inputs, options, steps, lora))
+                return inputs, self.fn(*self.step_args(context, inputs, options, steps, lora, penalized))
         if graph is None:
             with torch._dynamo.config.patch(**self.limits):
-                graph, outputs = self._capture(self.step_args(context, inputs, options, steps, lora))
+                graph, outputs = self._capture(self.step_args(context, inputs, options, steps, lora, penalized))
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs
 
-    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1, lora: int = 0) -> tuple:
+    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1, lora: int = 0,
+                  penalized: bool = False) -> tuple:
         """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions,
-        with the sampler's step `options`, and with the slots' LoRA adapters at `lora`'s level
-        (RequestSlots.lora_level)."""
+        with the sampler's step `options`, with the slots' LoRA adapters at `lora`'s level
+        (RequestSlots.lora_level), and with their penalties where `penalized`."""
         return (self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state,
                 self.requests.starts, self.requests.params.with_options(options), inputs, steps, self.logits,
-                self.requests.adapters if lora else None, lora == 2)
+                self.requests.adapters if lora else None, lora == 2, self.penalties if penalized else None)
 
     def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).

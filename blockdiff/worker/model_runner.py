@@ -35,6 +35,7 @@ from blockdiff.worker.block_tables import BlockTables
 from blockdiff.worker.canvas_step import CanvasOutputs, CanvasSteps, all_canvases, forward_step
 from blockdiff.worker.cpu_heap import keep_freed_memory
 from blockdiff.worker.kv_cache import allocate, geometry
+from blockdiff.worker.penalties import SlotPenalties
 from blockdiff.worker.request_slots import RequestSlots
 
 
@@ -84,6 +85,7 @@ class ModelRunner:
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
                                        self.device)
         self.requests = RequestSlots(sampler, cache.num_slots + 1, self.device)
+        self.penalties = SlotPenalties(cache.num_slots + 1, model.shard, self.device)
         self.automata: dict[str, DeviceAutomaton] = {}  # structured outputs' automata, by key (StepPlan.automata)
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
@@ -93,7 +95,7 @@ class ModelRunner:
         if modes.compile or modes.cuda_graphs or self.steps_per_launch > 1:
             self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, self.tables.tables,
                                             self.state, self.requests, self.device, modes.compile, modes.cuda_graphs,
-                                            self.steps_per_launch)
+                                            self.steps_per_launch, self.penalties)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
@@ -103,8 +105,10 @@ class ModelRunner:
             put_adapter(self.model, slot, adapter)
             (self.requests.expert_adapters.add if adapter.experts else self.requests.expert_adapters.discard)(slot)
         self.requests.admit(plan.new_requests)
+        self.penalties.admit(plan.new_requests)
         rows = self.requests.rows(plan.rows)
         self.requests.advance(plan.rows)  # the rows above start where their slots stood before the step
+        self.penalties.count(rows, plan.encoder_ids)  # committed canvases count before the next one denoises
         for key in plan.forget_automata:
             self.automata.pop(key, None)
         for key, automaton in plan.automata.items():
@@ -136,7 +140,8 @@ class ModelRunner:
                 if level:
                     lora = self.requests.token_adapters(plan.rows, meta.num_tokens)
             score_logits, out = forward_step(self.model, self.sampler, self.vocab, self.kv, meta, self.state, slots,
-                                             params, ids, scored_tokens, images, lora=lora, lora_experts=level == 2)
+                                             params, ids, scored_tokens, images, lora=lora, lora_experts=level == 2,
+                                             penalties=self.penalties.of([r.slot for r in dec_rows]))
             if plan.score is not None:
                 score = self._score(score_logits, plan.score)
             if out is None:

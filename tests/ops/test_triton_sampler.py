@@ -28,6 +28,7 @@ from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.ranks import RankContext
 from blockdiff.parallel.vocab import VocabShard
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
+from blockdiff.step import Penalties
 
 SINGLE = RankContext(0, 1, torch.device("cpu"), TPGroup())
 CANVASES, CL, ORG, ADDED, HIDDEN = 2, 4, 301, 5, 8  # odd sizes: every shard of 2 and 3 ranks pads
@@ -239,6 +240,7 @@ class OpLog(TorchDispatchMode):
         super().__init__()
         self.ops: set[str] = set()
         self.nondeterministic: list[str] = []
+        self.entered: set[str] = set()  # the functions logged that ran
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
@@ -248,9 +250,10 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _logged_static_step(top_k: int) -> tuple[OpLog, object, object]:
+def _logged_static_step(top_k: int, penalties=None) -> tuple[OpLog, object, object]:
     """The 26B-A4B static step of three canvases (tests/ops/test_fake_cuda.py) with top_k, on a fake
-    H200, no host read allowed, the sampler's part (step and self-conditioning) under an OpLog."""
+    H200, no host read allowed, the sampler's part (penalties, step and self-conditioning) under an
+    OpLog. `penalties`: the first canvas's request's (step.Penalties), or None."""
     from fake_cuda import NoHostReads, fake_cuda
     from test_fake_cuda import _canvas_rows, _runner
 
@@ -260,18 +263,24 @@ def _logged_static_step(top_k: int) -> tuple[OpLog, object, object]:
     log = OpLog()
     with fake_cuda((9, 0)), pytest.MonkeyPatch.context() as patch:
         runner = _runner(1)
-        for obj, name in ((runner.sampler, "step"), (runner.vocab, "soft_embed")):
-            def logged(*args, _original=getattr(obj, name), **kwargs):
+        for obj, name in ((runner.sampler, "step"), (runner.vocab, "soft_embed"), (runner.penalties, "apply")):
+            def logged(*args, _original=getattr(obj, name), _name=name, **kwargs):
+                log.entered.add(_name)
                 with log:
                     return _original(*args, **kwargs)
             patch.setattr(obj, name, logged)
         steps = CanvasSteps(runner.model, runner.sampler, runner.vocab, runner.kv, runner.geometry, runner.tables.tables,
-                            runner.state, runner.requests, runner.device, compile=False, cuda_graphs=False)
+                            runner.state, runner.requests, runner.device, compile=False, cuda_graphs=False,
+                            penalties=runner.penalties)
         rows = _canvas_rows(runner.canvas_length)
         p = EntropyBound().resolve(SamplingParams(top_k=top_k), REFERENCE_DEFAULTS)
         params = denoise_params([16] * len(rows), [p] * len(rows), list(range(len(rows))))
         runner.tables.apply(whole_tables(rows))
-        runner.requests.admit(new_requests(rows, params))
+        admitted = new_requests(rows, params)
+        runner.requests.admit(admitted)
+        if penalties is not None:
+            admitted.penalties = [penalties] + [None] * (len(rows) - 1)
+            runner.penalties.admit(admitted)
         with NoHostReads():
             _, out = steps(rows, params.options())
     return log, runner, out
@@ -285,6 +294,18 @@ def test_static_step_on_a_fake_h200_runs_the_triton_sampler():
                                                  "row_cumsum")} <= log.ops
     assert not log.nondeterministic
     assert out.updates["soft"].dtype == torch.bfloat16 and out.tokens.is_cuda
+
+
+def test_static_step_with_penalties_on_a_fake_h200_reads_nothing_back_and_runs_no_nondeterministic_op():
+    """Penalties and logit_bias in the static step (worker/penalties.py) before the Triton sampler:
+    gathered per slot and applied elementwise, no scatter, no host read."""
+    penalties = Penalties(1.2, 0.5, 0.3, torch.tensor([5, 9, 9]), torch.tensor([7, 7, 200_000]), torch.tensor([3, 100]),
+                          torch.tensor([-100.0, 2.0]))
+    log, runner, out = _logged_static_step(top_k=-1, penalties=penalties)
+    assert runner.vocab.kernels.name == "triton" and runner.penalties.of([0]) is runner.penalties
+    assert "apply" in log.entered  # the penalties ran inside the step
+    assert not log.nondeterministic
+    assert out.tokens.is_cuda
 
 
 def test_the_op_log_sees_a_nondeterministic_op():

@@ -134,7 +134,8 @@ def test_the_requests_of_vllm_bench_serve_are_served(server):
     chunks = _sse(r)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "1 2 3"
     assert chunks[-1]["usage"]["completion_tokens"] > 0
-    refused = _post(server, "/v1/completions", {**completion, "repetition_penalty": 1.2})
+    assert _post(server, "/v1/completions", {**completion, "repetition_penalty": 1.2}).status_code == 200
+    refused = _post(server, "/v1/completions", {**completion, "repetition_penalty": -1.0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "repetition_penalty"
 
 

@@ -28,6 +28,7 @@ from blockdiff.worker.canvas_step import (
     COMPILE_OPTIONS, CanvasInputs, CanvasSteps, canvas_step, context_of, shape_count,
 )
 from blockdiff.worker.kv_cache import allocate, geometry
+from blockdiff.worker.penalties import SlotPenalties
 from blockdiff.worker.request_slots import RequestSlots
 
 GREEDY = dict(t_min=1e-6, t_max=2e-6)
@@ -160,7 +161,7 @@ def test_cuda_graph_replay_equals_eager(tiny, compile):
         got = _generate(llm, prompts[:1]) + _generate(llm, prompts)
         steps = llm.engine.executor.runner.canvas_steps
         assert steps.shapes and all(graph is not None for _, graph, _ in steps.shapes.values())
-        for (_, context, options, n), (inputs, graph, outputs) in steps.shapes.items():  # keys: (size, context, options, steps)
+        for (_, context, options, n, _), (inputs, graph, outputs) in steps.shapes.items():  # keys: (size, context, options, steps, penalized)
             graph.replay()
             replayed = {k: v.clone() for k, v in _tensors(outputs).items()}
             with torch.inference_mode():  # as the runner calls it
@@ -207,7 +208,7 @@ def test_the_compiled_step_may_take_every_shape_of_its_engine():
 
 def _canvas_steps(checkpoints, slots: int, blocks: int, compile: bool):
     """A static step's parts on a two-layer random model, outside an engine: (cache config, block
-    tables, request slots, CanvasSteps); the slots' canvases hold random tokens."""
+    tables, request slots, CanvasSteps, with the slots' penalties); the slots' canvases hold random tokens."""
     model = load_model(checkpoints("two-layers", vocab_size=301, canvas_length=8, sliding_window=6, num_layers=2, seed=3))
     cache = CacheConfig(num_slots=slots, num_blocks=blocks, block_size=4, max_model_len=64)
     sampler, cpu = EntropyBound(), torch.device("cpu")
@@ -216,7 +217,8 @@ def _canvas_steps(checkpoints, slots: int, blocks: int, compile: bool):
     tables = BlockTables(cache, {False, True}, cpu)
     requests = RequestSlots(sampler, slots + 1, cpu)
     steps = CanvasSteps(model, sampler, VocabParallel(model.shard, model.group), allocate(model, cache, "cpu"),
-                        geometry(model, cache), tables.tables, state, requests, cpu, compile=compile, cuda_graphs=False)
+                        geometry(model, cache), tables.tables, state, requests, cpu, compile=compile, cuda_graphs=False,
+                        penalties=SlotPenalties(slots + 1, model.shard, cpu))
     return cache, tables, requests, steps
 
 
@@ -247,7 +249,7 @@ def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
             requests.admit(new_requests(rows, params))
             steps(rows, params.options())
     assert len(steps.shapes) == len(graphs) == 12 > torch._dynamo.config.recompile_limit
-    for (size, context, options, _), (inputs, _, _) in steps.shapes.items():  # keys: (size, context, options, steps)
+    for (size, context, options, _, _), (inputs, _, _) in steps.shapes.items():  # keys: (size, context, options, steps, penalized)
         with torch.inference_mode():
             compiled = steps.fn(*steps.step_args(context, inputs, dict(options)))
             eager = canvas_step(*steps.step_args(context, inputs, dict(options)))

@@ -90,16 +90,21 @@ def generation_prompt(req: p.ChatCompletionRequest | p.TokenizeRequest) -> bool:
     return not req.continue_final_message if req.add_generation_prompt is None else req.add_generation_prompt
 
 
+def logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias, keyed by token ids as JSON strings, keyed by the ids."""
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().lstrip("-").isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r:.40}", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
 def check_common(req: p._GenerationRequest) -> int:
     """Reject what the diffusion sampler cannot honour; -> n."""
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
-    if req.repetition_penalty not in (None, 1.0):
-        raise APIError(400, f"repetition_penalty is not supported (got {req.repetition_penalty}; allowed: 1)",
-                       param="repetition_penalty")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options needs stream: true", param="stream_options")
     if req.stream_drafts and not req.stream:
@@ -273,6 +278,8 @@ class Preprocessor:
         limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.limits.max_model_len)
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
+        if req.logit_bias is not None:
+            values["logit_bias"] = logit_bias(req.logit_bias)
         skip = skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens
         try:
             params = SamplingParams.of(**values, max_tokens=max_tokens, seed=req.seed, stop=req.stop, logprobs=logprobs,

@@ -41,7 +41,7 @@ class StreamOptions(_Request):
 SAMPLER_EXTENSIONS = (*(f.name for f in ENGINE_FIELDS if f.per_canvas), "ignore_eos", "draft", "stop_token_ids",
                       "stream_drafts", "draft_details")
 # OpenAI/vLLM sampling fields, passed to SamplingParams, which says what it supports.
-VLLM_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+VLLM_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                  "include_stop_str_in_output", "cache_salt", "allowed_token_ids", "bad_words")
 # Fields of OpenAI's and vLLM's that change nothing here: accepted, and named in a warning when set.
 IGNORED_FIELDS = ("store", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "modalities",
@@ -106,8 +106,8 @@ class _GenerationRequest(_SamplerExtensions):
     min_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's; `vllm bench serve` sends 1.0, the only value accepted
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) -> bias
     user: str | None = None
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None  # OpenAI's: stored nowhere, so ignored
     return_token_ids: bool | None = None  # extension: token ids in every choice and chunk
