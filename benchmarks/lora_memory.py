@@ -46,6 +46,20 @@ def adapter(root: str, i: int) -> str:
     return out
 
 
+def held(path: str) -> None:
+    """What LoRA itself holds: the device pool (--max-loras 1, rank 16) and one adapter's host copy."""
+    import torch
+
+    from blockdiff.model.loader import load_model
+    from blockdiff.model.lora import enable_lora, lora_pools, read_adapter
+
+    model = load_model(DEMO, dtype=torch.float32, device="cpu")
+    enable_lora(model, 1, 16)
+    pools = sum(b.numel() * b.element_size() for p in lora_pools(model).values() for b in (p.a, p.b))
+    copy = sum(t.numel() * t.element_size() for a, b, _, _ in read_adapter(path).deltas.values() for t in (a, b))
+    print(f"LoRA pools {pools / 2**20:.2f} MiB, one adapter's host copy {copy / 2**20:.2f} MiB", flush=True)
+
+
 def smaps(pid: int) -> dict[str, float]:
     """Resident MiB by kind of mapping."""
     out = {"heap": 0.0, "anon": 0.0, "file": 0.0}
@@ -77,21 +91,25 @@ def arenas(log: str) -> tuple[int, float, float]:
     return n, sum(system[:n]) / 2**20, sum(used[:n]) / 2**20
 
 
+CLIENTS = 16  # --max-num-seqs: every slot busy
+
+
 def load(server: ServerProcess, models: list[str], seconds: float) -> int:
-    """Completions from 4 client threads for `seconds`, the models in turn; -> how many."""
+    """Completions of ~460-token prompts from CLIENTS client threads for `seconds`, the models in
+    turn; -> how many."""
     end, done = time.monotonic() + seconds, [0]
 
     def client(k: int) -> None:
         i = k
         while time.monotonic() < end:
-            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-                "model": models[i % len(models)], "prompt": "the cat sat on the mat " * 4, "max_tokens": 32})
+            r = httpx.post(server.url + "/v1/completions", timeout=300, json={
+                "model": models[i % len(models)], "prompt": f"{i} the cat sat on the mat " * 20, "max_tokens": 64})
             assert r.status_code == 200, r.text
             done[0] += 1
             i += 1
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(client, range(4)))
+    with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
+        list(pool.map(client, range(CLIENTS)))
     return done[0]
 
 
@@ -140,6 +158,7 @@ def main() -> None:
         paths = [adapter(root, i) for i in range(2)]
         size = sum(os.path.getsize(os.path.join(p, "adapter_model.safetensors")) for p in paths) / 2**20
         print(f"two adapters of rank 16, {size:.1f} MiB of safetensors together", flush=True)
+        held(paths[0])
         run(False, root, paths, args.seconds)
         run(True, root, paths, args.seconds)
 

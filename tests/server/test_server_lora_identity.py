@@ -185,3 +185,22 @@ def test_runtime_adapters_are_capped(server, sources, lora_root):
     finally:
         for name in loaded:
             _unload(server, name)
+
+
+vllm_server = serve(
+    lambda request: request.getfixturevalue("tiny"), "--served-model-name", MODEL, "--max-model-len", "256",
+    "--enable-lora", "--max-lora-rank", "8", "--lora-modules", lambda request: f"one={request.getfixturevalue('sources')[0]}",
+    env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"},
+)
+
+
+def test_without_a_root_runtime_loading_is_off(vllm_server, sources):
+    """vLLM's switch alone opens the endpoints, but a load names the flag that allows it: whatever
+    the path, one answer (nothing is read); the operator's --lora-modules are served and unloadable."""
+    answers = {(r.status_code, r.json()["error"]["message"])
+               for r in (_load(vllm_server, "x", path) for path in (sources[1], "/nonexistent"))}
+    [(status, message)] = answers
+    assert status == 400 and "start the server with --lora-modules-dir" in message
+    assert _tokens(vllm_server, "one")
+    _unload(vllm_server, "one")
+    assert _complete(vllm_server, "one").status_code == 404
