@@ -272,8 +272,9 @@ class StepPlan:
     new_canvas_index: list[int] = field(default_factory=list)
     steps: int = 1  # denoising steps run back to back (only where every row is a canvas: the static step)
     # With --enable-lora: adapters to write into LoRA pool slots before the step (slot -> the
-    # adapter's directory), sent once when the engine gives the slot a new adapter.
-    lora_loads: dict[int, str] = field(default_factory=dict)
+    # adapter's directory and the fingerprint its files must have), sent once when the engine gives
+    # the slot a new adapter.
+    lora_loads: dict[int, tuple] = field(default_factory=dict)
 
 
 @dataclass

@@ -223,6 +223,8 @@ class LLMEngine:
                    if not r.finished]
             log.exception("an engine step failed; its %d requests end with an error", len(ran))
             fail(self.scheduler, ran, f"the engine step failed: {type(e).__name__}: {e}")
+            if self.lora is not None:  # a slot it was to write may be empty now: each is written again
+                self.lora.forget()
             return ran
         return update_from_output(self.scheduler, sched, out)
 

@@ -26,6 +26,7 @@ inside the experts' own grouped product, only in steps where a token's adapter t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -100,16 +101,23 @@ class LoRALinear(nn.Module):
             self.a[:, c : c + self.rank] = 0
         self.b[:, :, slot * self.rank : (slot + 1) * self.rank] = 0
 
-    def put(self, slot: int, mode: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float, name: str) -> None:
-        """Adapter `slot`'s delta of `mode` for output part `part`: A [r, in], B [out, r] whole
-        (this rank takes its slice), scaled by `scale`."""
-        r = a.shape[0]
-        global_rows, local, start = self.parts[part]
+    def check(self, part: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+        """LoRAError unless A and B fit output part `part` (put() writes nothing before this holds)."""
+        if part >= len(self.parts):
+            raise LoRAError(f"the adapter targets {name}, which this checkpoint does not have (no v_proj in that layer)")
+        r, global_rows = a.shape[0], self.parts[part][0]
         if r > self.rank:
             raise LoRAError(f"{name} has rank {r}, more than --max-lora-rank {self.rank}")
         if tuple(a.shape) != (r, self.in_features) or tuple(b.shape) != (global_rows, r):
             raise LoRAError(f"{name}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the layer "
                             f"([r, {self.in_features}] / [{global_rows}, r])")
+
+    def put(self, slot: int, mode: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float, name: str) -> None:
+        """Adapter `slot`'s delta of `mode` for output part `part`: A [r, in], B [out, r] whole
+        (this rank takes its slice), scaled by `scale`."""
+        self.check(part, a, b, name)
+        r = a.shape[0]
+        _, local, start = self.parts[part]
         c = (part * self.slots + slot) * self.rank
         off = self.offsets[part]
         self.a[mode, c : c + r] = a[:, self.in_start : self.in_start + self.in_local].to(self.a.dtype)
@@ -172,10 +180,8 @@ class LoRAExperts(nn.Module):
             self.a[:, c : c + self.rank] = 0
             self.b[:, :, c : c + self.rank] = 0
 
-    def put(self, slot: int, mode: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float, name: str) -> None:
-        """Adapter `slot`'s delta of `mode` as PEFT saves it for 3-D expert tensors: A [E * r, in]
-        (expert e's rows e*r:(e+1)*r) and B [out, r * E] (expert e's columns e, e+E, ...), scaled by
-        `scale`; this rank takes its slice."""
+    def check(self, part: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+        """LoRAError unless A and B fit the experts (put() writes nothing before this holds)."""
         e, (out, inp) = self.experts, self.global_shape
         r = a.shape[0] // e
         if r > self.rank:
@@ -183,6 +189,14 @@ class LoRAExperts(nn.Module):
         if a.shape[0] % e or tuple(a.shape) != (e * r, inp) or tuple(b.shape) != (out, e * r):
             raise LoRAError(f"{name}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the experts "
                             f"([{e} x r, {inp}] / [{out}, r x {e}])")
+
+    def put(self, slot: int, mode: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float, name: str) -> None:
+        """Adapter `slot`'s delta of `mode` as PEFT saves it for 3-D expert tensors: A [E * r, in]
+        (expert e's rows e*r:(e+1)*r) and B [out, r * E] (expert e's columns e, e+E, ...), scaled by
+        `scale`; this rank takes its slice."""
+        self.check(part, a, b, name)
+        e, (out, inp) = self.experts, self.global_shape
+        r = a.shape[0] // e
         c = (mode * self.slots + slot) * self.rank
         first, local, n = self.cols
         self.a[:, c : c + r, local : local + n] = a.view(e, r, inp)[..., first : first + n].to(self.a.dtype)
@@ -302,13 +316,55 @@ def enable_expert_lora(experts: nn.Module, slots: int, rank: int, dtype: torch.d
 
 # ---- adapters on the host ----------------------------------------------------------------------------
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Who an adapter is: each of its files' (size, mtime in ns, SHA-256 of the bytes read)."""
+
+    files: tuple[tuple[int, int, str], ...]
+
+    def stat_matches(self, path: str) -> bool:
+        """Whether the files' sizes and mtimes are still those (a stat each, no read)."""
+        try:
+            now = [os.stat(os.path.join(path, name)) for name in ADAPTER_FILES]
+        except OSError:
+            return False
+        return [(st.st_size, st.st_mtime_ns) for st in now] == [f[:2] for f in self.files]
+
+
+def fingerprint(path: str) -> Fingerprint:
+    """The fingerprint of the adapter files at `path` as they are now (LoRAError when unreadable)."""
+    return _read_files(path)[1]
+
+
+def _read_files(path: str) -> tuple[list[bytes], Fingerprint]:
+    """The adapter's files, each read once: the fingerprint is of the very bytes parsed."""
+    data, files = [], []
+    for name in ADAPTER_FILES:
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                st = os.fstat(f.fileno())
+                data.append(f.read())
+        except FileNotFoundError:
+            raise LoRAError(f"no {name}" + (" (blockdiff reads adapters in safetensors only)"
+                                            if name.endswith(".safetensors") else "")) from None
+        except OSError as e:
+            raise LoRAError(f"cannot read {name} ({e.strerror or type(e).__name__})") from None
+        files.append((st.st_size, st.st_mtime_ns, hashlib.sha256(data[-1]).hexdigest()))
+    return data, Fingerprint(tuple(files))
+
+
 @dataclass
 class Adapter:
-    """An adapter read from disk: per (mode, layer key, part), its A, B and scale."""
+    """An adapter read from disk: per (mode, layer key, part), its A, B and scale; the fingerprint
+    of the files they were read from."""
 
     path: str
     rank: int
     deltas: dict[tuple[int, tuple[int, str, str], int], tuple[torch.Tensor, torch.Tensor, float, str]]
+    fingerprint: Fingerprint
 
     @property
     def experts(self) -> bool:
@@ -316,53 +372,70 @@ class Adapter:
         return any(key[1] == "experts" for _, key, _ in self.deltas)
 
 
-def read_adapter(path: str, max_rank: int | None = None) -> Adapter:
-    """PEFT's adapter at `path`, checked: a LoRAError names what blockdiff cannot apply."""
-    cfg_path = os.path.join(path, "adapter_config.json")
-    weights = os.path.join(path, "adapter_model.safetensors")
-    if not os.path.isfile(cfg_path):
-        raise LoRAError(f"{path}: no adapter_config.json")
-    if not os.path.isfile(weights):
-        raise LoRAError(f"{path}: no adapter_model.safetensors (blockdiff reads adapters in safetensors only)")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+def read_adapter(path: str, max_rank: int | None = None, expect: Fingerprint | None = None) -> Adapter:
+    """PEFT's adapter at `path`, checked: a LoRAError says what blockdiff cannot read or apply (the
+    caller names the adapter; no message quotes the config's values). `expect`: the fingerprint the
+    files must still have (LoRAError if they changed)."""
+    (config_bytes, weights), found = _read_files(path)
+    if expect is not None and found != expect:
+        raise LoRAError("its files changed on disk since it was loaded")
+    try:
+        cfg = json.loads(config_bytes)
+    except ValueError:  # UnicodeDecodeError too
+        raise LoRAError("adapter_config.json is not JSON") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError("adapter_config.json is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise LoRAError(f"{path}: peft_type {cfg.get('peft_type')}, blockdiff serves LORA adapters")
+        raise LoRAError("peft_type is not LORA, the only kind blockdiff serves")
     for key, ok in (("use_dora", False), ("bias", "none"), ("lora_bias", False), ("modules_to_save", None),
                     ("trainable_token_indices", None)):
         if cfg.get(key, ok) not in (ok, [], {}):
-            raise LoRAError(f"{path}: {key}={cfg[key]!r} is not supported")
-    targets = cfg.get("target_parameters") or []
-    for target in targets:
-        owner, _, param = target.rpartition(".")
-        if param not in EXPERT_PARAMS or not (owner == "experts" or owner.endswith(".experts")):
-            raise LoRAError(f"{path}: target_parameters {target!r}: blockdiff applies LoRA to the experts' "
-                            f"{' and '.join(EXPERT_PARAMS)} only")
+            raise LoRAError(f"{key} is not supported")
     if cfg.get("layer_replication"):
-        raise LoRAError(f"{path}: layer_replication is not supported")
-    alpha, rslora = cfg.get("lora_alpha", 8), cfg.get("use_rslora", False)
+        raise LoRAError("layer_replication is not supported")
+    alpha, rslora, default_rank = cfg.get("lora_alpha", 8), cfg.get("use_rslora", False), cfg.get("r", 8)
     alpha_pattern, rank_pattern = cfg.get("alpha_pattern") or {}, cfg.get("rank_pattern") or {}
+    targets = cfg.get("target_parameters") or []
+    if not (_number(alpha) and isinstance(rslora, bool) and _positive(default_rank) and isinstance(targets, list)
+            and isinstance(alpha_pattern, dict) and isinstance(rank_pattern, dict)
+            and all(_number(v) for v in alpha_pattern.values()) and all(_positive(v) for v in rank_pattern.values())):
+        raise LoRAError("adapter_config.json: r, lora_alpha, use_rslora, alpha_pattern, rank_pattern or "
+                        "target_parameters has a value of the wrong type")
+    for target in targets:
+        owner, _, param = target.rpartition(".") if isinstance(target, str) else ("", "", "")
+        if param not in EXPERT_PARAMS or not (owner == "experts" or owner.endswith(".experts")):
+            raise LoRAError(f"target_parameters: blockdiff applies LoRA to the experts' "
+                            f"{' and '.join(EXPERT_PARAMS)} only")
 
     def pattern(patterns: dict, name: str, default):
         for key, value in patterns.items():
-            if re.search(rf"(^|\.){key}$", name):
-                return value
+            try:
+                if re.search(rf"(^|\.){key}$", name):
+                    return value
+            except re.error:
+                raise LoRAError("alpha_pattern or rank_pattern has a key that is not a regular expression") from None
         return default
 
-    from safetensors import safe_open
+    from safetensors import SafetensorError
+    from safetensors.torch import load
 
+    try:
+        loaded = load(weights)
+    except SafetensorError as e:
+        raise LoRAError(f"adapter_model.safetensors cannot be read: {e}") from None
     tensors: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(weights, "pt") as f:
-        for key in f.keys():
-            m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", key)
-            if m is None:
-                raise LoRAError(f"{path}: tensor {key!r} is not a LoRA weight blockdiff can apply")
-            tensors.setdefault(m.group(1), {})[m.group(2)] = f.get_tensor(key)
+    for key, tensor in loaded.items():
+        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", key)
+        if m is None:
+            raise LoRAError(f"tensor {key[:200]!r} is not a LoRA weight blockdiff can apply")
+        if tensor.dim() != 2 or not tensor.is_floating_point():
+            raise LoRAError(f"tensor {key[:200]!r} is not a 2-D floating-point matrix")
+        tensors.setdefault(m.group(1), {})[m.group(2)] = tensor
     deltas = {}
     top = 0
     for module, ab in sorted(tensors.items()):
         if set(ab) != {"lora_A", "lora_B"}:
-            raise LoRAError(f"{path}: {module} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
+            raise LoRAError(f"{module} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
         owner = re.sub(r"(\.base_layer)+$", "", module)
         targeted = [p for p in EXPERT_PARAMS if any(f"{owner}.{p}".endswith(t) for t in targets)]
         mode, key, part = place(module, targeted)
@@ -370,13 +443,23 @@ def read_adapter(path: str, max_rank: int | None = None) -> Adapter:
         r = a.shape[0]
         if key[1] == "experts":  # A holds every expert's r rows: the rank is the config's
             module = f"{owner}.{key[2]}"
-            r = pattern(rank_pattern, module, cfg.get("r", 8))
+            r = pattern(rank_pattern, module, default_rank)
+        if r < 1:
+            raise LoRAError(f"{module} has rank 0 (lora_A has no rows)")
         if max_rank is not None and r > max_rank:
-            raise LoRAError(f"{path}: {module} has rank {r}, more than --max-lora-rank {max_rank}")
+            raise LoRAError(f"{module} has rank {r}, more than --max-lora-rank {max_rank}")
         top = max(top, r)
         scale = pattern(alpha_pattern, module, alpha) / (r**0.5 if rslora else r)
         deltas[(mode, key, part)] = (a, b, scale, module)
-    return Adapter(path, top, deltas)
+    return Adapter(path, top, deltas, found)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def check_fits(adapter: Adapter, config) -> None:
@@ -410,33 +493,41 @@ def check_fits(adapter: Adapter, config) -> None:
 
 
 def put_adapter(model: nn.Module, slot: int, adapter: Adapter | None) -> None:
-    """Writes `adapter` into pool slot `slot` of every LoRA layer (None: clears it)."""
+    """Writes `adapter` into pool slot `slot` of every LoRA layer (None: clears it). Every delta is
+    checked before the first write: an adapter that does not fit leaves the slot empty, never half
+    written (a request running on it would get weights of no adapter)."""
     pools = lora_pools(model)
-    for pool in pools.values():
-        pool.clear(slot)
+    try:
+        for (_, key, part), (a, b, _, name) in (adapter.deltas.items() if adapter is not None else ()):
+            if key not in pools:
+                raise LoRAError(f"the adapter targets {name}, but the model has no such layer")
+            pools[key].check(part, a, b, name)
+    finally:
+        for pool in pools.values():
+            pool.clear(slot)
     if adapter is None:
         return
     for (mode, key, part), (a, b, scale, name) in adapter.deltas.items():
-        if key not in pools:
-            raise LoRAError(f"the adapter targets {name}, but the model has no such layer")
-        pool = pools[key]
-        if isinstance(pool, LoRALinear) and part >= len(pool.parts):
-            raise LoRAError(f"the adapter targets {name}, which this checkpoint does not have (no v_proj in that layer)")
-        pool.put(slot, mode, part, a, b, scale, name)
+        pools[key].put(slot, mode, part, a, b, scale, name)
 
 
 class AdapterCache:
-    """Adapters read from disk, kept in host memory (the --max-cpu-loras most recently used)."""
+    """Adapters read from disk, kept in host memory (the --max-cpu-loras most recently used), each
+    under the fingerprint of the files it was read from: one read again (evicted, or asked for under
+    another fingerprint) must come from files of the fingerprint asked for."""
 
     def __init__(self, capacity: int, max_rank: int | None = None):
         self.capacity, self.max_rank = max(1, capacity), max_rank
         self.entries: OrderedDict[str, Adapter] = OrderedDict()
 
-    def get(self, path: str) -> Adapter:
-        if path in self.entries:
+    def get(self, path: str, expect: Fingerprint | None = None) -> Adapter:
+        """The adapter at `path` whose files have the fingerprint `expect` (None: as they are now)."""
+        cached = self.entries.get(path)
+        if cached is not None and expect in (None, cached.fingerprint):
             self.entries.move_to_end(path)
-            return self.entries[path]
-        adapter = read_adapter(path, self.max_rank)
+            return cached
+        self.entries.pop(path, None)
+        adapter = read_adapter(path, self.max_rank, expect)
         self.entries[path] = adapter
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)

@@ -29,7 +29,7 @@ from blockdiff.ops.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata, calculate_kv_scales
 from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
-from blockdiff.model.lora import AdapterCache, enable_lora, put_adapter
+from blockdiff.model.lora import AdapterCache, LoRAError, enable_lora, put_adapter
 from blockdiff.step import CacheConfig, LoRAConfig, MinTokens, ScorePlan, StepOutput, StepPlan
 from blockdiff.worker.block_tables import BlockTables
 from blockdiff.worker.canvas_step import CanvasOutputs, CanvasSteps, all_canvases, forward_step
@@ -100,9 +100,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
         self.tables.apply(plan.tables)
-        for slot, path in plan.lora_loads.items():
-            adapter = self.lora.get(path)
-            put_adapter(self.model, slot, adapter)
+        for slot, (path, fingerprint) in plan.lora_loads.items():
+            try:
+                adapter = self.lora.get(path, fingerprint)
+                put_adapter(self.model, slot, adapter)
+            except LoRAError:  # left empty: no request runs on the slot's old weights (the engine forgets it)
+                put_adapter(self.model, slot, None)
+                self.requests.expert_adapters.discard(slot)
+                raise
             (self.requests.expert_adapters.add if adapter.experts else self.requests.expert_adapters.discard)(slot)
         self.requests.admit(plan.new_requests)
         self.penalties.admit(plan.new_requests)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 
 import pytest
 import torch
 from helpers import DEVICE, Harness, Oracle, load_hf, rel_err
+from safetensors.torch import load_file, save_file
 
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import layer_kinds
 from blockdiff.model.loader import load_model
-from blockdiff.model.lora import LoRABatch, LoRAError, enable_lora, put_adapter, read_adapter
+from blockdiff.model.lora import AdapterCache, LoRABatch, LoRAError, enable_lora, lora_pools, put_adapter, read_adapter
 from blockdiff.model.attention import Row
 
 peft = pytest.importorskip("peft")
@@ -37,6 +40,41 @@ def make_adapter(base: str, out: str, seed: int, r: int = 4, alpha: int = 8, tar
                     p.mul_(4)
         model.save_pretrained(out)
     return out
+
+
+# ---- adapter files damaged as a disk or a hostile client might (tests/server/test_server_lora_identity.py too)
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+def wrong_shapes(path: str) -> None:
+    tensors = load_file(os.path.join(path, WEIGHTS))
+    save_file({k: torch.randn(t.shape[0], t.shape[1] + 8) for k, t in tensors.items()}, os.path.join(path, WEIGHTS))
+
+
+def truncated(path: str) -> None:
+    with open(os.path.join(path, WEIGHTS), "rb") as f:
+        data = f.read()
+    with open(os.path.join(path, WEIGHTS), "wb") as f:
+        f.write(data[: len(data) // 2])
+
+
+def zero_rank(path: str) -> None:
+    tensors = load_file(os.path.join(path, WEIGHTS))
+    save_file({k: t[:0] if ".lora_A." in k else t[:, :0] for k, t in tensors.items()}, os.path.join(path, WEIGHTS))
+
+
+def huge_header(path: str) -> None:
+    """A few hundred bytes whose header claims a 100,000 x 250,000 tensor."""
+    header = json.dumps({"base_model.model.model.decoder.layers.0.self_attn.q_proj.lora_A.weight": {
+        "dtype": "F32", "shape": [100_000, 250_000], "data_offsets": [0, 100_000 * 250_000 * 4]}}).encode()
+    with open(os.path.join(path, WEIGHTS), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+
+
+def config_not_json(path: str) -> None:
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        f.write("{not json")
 
 
 def peft_model(base: str, adapter: str):
@@ -192,7 +230,7 @@ def test_unsupported_targets_fail_at_load(tiny, tmp_path):
                         target_parameters=["experts.gate_up_proj"])
     config = os.path.join(path, "adapter_config.json")
     cfg = json.load(open(config))
-    for targets, match in ((["router.per_expert_scale"], "router.per_expert_scale"),
+    for targets, match in ((["router.per_expert_scale"], "target_parameters"),
                            (None, r"layers\.\d\.experts, which blockdiff cannot apply")):  # the tensors name them
         json.dump({**cfg, "target_parameters": targets}, open(config, "w"))
         with pytest.raises(LoRAError, match=match):
@@ -201,6 +239,45 @@ def test_unsupported_targets_fail_at_load(tiny, tmp_path):
     enable_lora(model, 1, 2)
     with pytest.raises(LoRAError, match="max-lora-rank"):
         put_adapter(model, 0, read_adapter(make_adapter(tiny, str(tmp_path / "r4"), seed=2)))
+
+
+@pytest.mark.parametrize("damage, reason", [(truncated, "cannot be read"), (huge_header, "cannot be read"),
+                                            (zero_rank, "rank 0"), (config_not_json, "not JSON")])
+def test_malformed_adapters_are_lora_errors(adapter, tmp_path, damage, reason):
+    """Whatever is wrong with the files, reading them says so as a LoRAError (a 400 on the server)."""
+    path = shutil.copytree(adapter, tmp_path / "damaged")
+    damage(path)
+    with pytest.raises(LoRAError, match=reason):
+        read_adapter(str(path))
+
+
+def test_an_adapter_that_does_not_fit_leaves_its_slot_empty(tiny, adapter):
+    """Every delta is checked before the first is written: a slot never holds part of an adapter
+    (nor, after a failed load, the adapter it held before)."""
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    enable_lora(model, 2, 8)
+    put_adapter(model, 0, read_adapter(adapter))
+    bad = read_adapter(adapter)
+    last = list(bad.deltas)[-1]  # the delta written last
+    a, b, scale, name = bad.deltas[last]
+    bad.deltas[last] = (a, b[:-1], scale, name)
+    with pytest.raises(LoRAError, match="do not fit"):
+        put_adapter(model, 0, bad)
+    assert not any(buf.any() for pool in lora_pools(model).values() for buf in (pool.a, pool.b))
+
+
+def test_the_host_cache_reads_only_the_files_it_was_asked_for(tiny, tmp_path):
+    """An adapter evicted from host memory and read again must come from files of the fingerprint
+    the engine recorded: files rewritten since are a LoRAError, never other weights."""
+    a, b = (make_adapter(tiny, str(tmp_path / name), seed=seed) for name, seed in (("a", 5), ("b", 6)))
+    cache = AdapterCache(1)
+    first = cache.get(a)
+    assert cache.get(a, first.fingerprint) is first
+    cache.get(b)  # a is evicted
+    shutil.copyfile(os.path.join(b, WEIGHTS), os.path.join(a, WEIGHTS))
+    with pytest.raises(LoRAError, match="changed on disk"):
+        cache.get(a, first.fingerprint)
+    assert cache.get(a).fingerprint != first.fingerprint  # as the files are now, when no fingerprint is asked for
 
 
 # ---- through the engine ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """LoRA adapters through the real server and the official openai client (docs/lora.md): adapters
-named as the request's model, listed in /v1/models, loaded and unloaded at runtime; an unknown
-adapter is a 404."""
+named as the request's model, listed in /v1/models, loaded (from --lora-modules-dir) and unloaded
+at runtime; an unknown adapter is a 404."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ server = serve(
     "--max-model-len", "256", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
     "--lora-modules", lambda request: f"one={request.getfixturevalue('loras')[0]}",
     lambda request: '{"name": "two", "path": "%s"}' % request.getfixturevalue("loras")[1],
+    "--lora-modules-dir", lambda request: os.path.dirname(request.getfixturevalue("loras")[2]),
     env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"},
 )
 
@@ -116,8 +117,10 @@ def test_load_and_unload_at_runtime(server, client, loras, offline):
     with pytest.raises(openai.NotFoundError):
         _complete(client, "three")
     assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "three"}).status_code == 404
+    bad = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": "nonexistent"})
+    assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]  # under the root
     bad = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
-    assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "under the server's --lora-modules-dir" in bad.json()["error"]["message"]
 
 
 def test_lora_requests_info_metric(server, client):

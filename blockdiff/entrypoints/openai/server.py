@@ -30,6 +30,7 @@ from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, BodyAdmission, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.media import ChatMedia
+from blockdiff.entrypoints.openai.lora_adapters import LoRAAdapters
 from blockdiff.entrypoints.openai.metrics import ServingMetrics
 from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, DetokenizeRequest, DetokenizeResponse,
                                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now,
@@ -46,7 +47,6 @@ from blockdiff.entrypoints.openai.tokenizer_info import tokenizer_info
 from blockdiff.engine.startup import start_client
 from blockdiff.arg_utils import lora_modules
 from blockdiff.model.lora import LoRAError, read_adapter
-from blockdiff.sampling_params import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +141,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     chat_serving = OpenAIServingChat(*shared, cfg.tool_call_parser, cfg.reasoning_parser, cfg.trust_request_chat_template)
     tokenization = OpenAIServingTokenization(chat_serving)
     # The LoRA adapters served by name, one dict that every endpoint reads (docs/lora.md).
-    loras = {lo.lora_name: lo for lo in cfg.lora_modules}
-    lora_ids = [max((lo.lora_int_id for lo in cfg.lora_modules), default=0)]
-    completion.loras = chat_serving.loras = loras
+    adapters = LoRAAdapters(cfg.lora_modules, cfg.served_model_names, cfg.lora_modules_dir, cfg.max_runtime_loras,
+                            cfg.max_lora_rank)
+    loras = completion.loras = chat_serving.loras = adapters.by_name
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}
 
@@ -219,24 +219,14 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
         async def load_lora_adapter(request: Request) -> Response:
             """vLLM's: {"lora_name", "lora_path"} served from now on under lora_name."""
             data = await lora_body(request, "lora_name", "lora_path")
-            name, path = data["lora_name"], data["lora_path"]
-            if name in loras or name in cfg.served_model_names:
-                raise errors.APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-            try:
-                await asyncio.to_thread(read_adapter, path, cfg.max_lora_rank)
-            except (LoRAError, OSError, ValueError) as e:
-                raise errors.APIError(400, str(e), param="lora_path") from None
-            lora_ids[0] += 1
-            loras[name] = LoRARequest(name, lora_ids[0], path)
-            return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+            await adapters.load(data["lora_name"], data["lora_path"])
+            return Response(f"Success: LoRA adapter '{data['lora_name']}' added successfully.", media_type="text/plain")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(request: Request) -> Response:
             """vLLM's: {"lora_name"} no longer served (requests running with it finish)."""
             name = (await lora_body(request, "lora_name"))["lora_name"]
-            if loras.pop(name, None) is None:
-                raise errors.APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
-                                      code="model_not_found")
+            adapters.unload(name)
             return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     # Bodies are parsed by `body.BodyParser` (bounded, off the loop when large), not by FastAPI; the
@@ -366,10 +356,17 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
         if engine_cfg.enable_lora:
             cfg = replace(cfg, enable_lora=True, lora_modules=lora_modules(engine_cfg.lora_modules),
                           max_lora_rank=engine_cfg.max_lora_rank,
-                          runtime_lora_updating=cfg.runtime_lora_updating or os.environ.get(
-                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
+                          runtime_lora_updating=cfg.runtime_lora_updating or cfg.lora_modules_dir is not None
+                          or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
+            if cfg.lora_modules_dir is not None and not os.path.isdir(cfg.lora_modules_dir):
+                raise ValueError(f"--lora-modules-dir {cfg.lora_modules_dir!r} is not a directory")
             for lo in cfg.lora_modules:  # a broken adapter fails the start, naming what is wrong
-                read_adapter(lo.lora_path, engine_cfg.max_lora_rank)
+                try:
+                    read_adapter(lo.lora_path, engine_cfg.max_lora_rank)
+                except LoRAError as e:
+                    raise LoRAError(f"--lora-modules {lo.lora_name}={lo.lora_path}: {e}") from None
+        elif cfg.lora_modules_dir is not None:
+            raise ValueError("--lora-modules-dir needs --enable-lora")
         engine = start_client(engine_cfg, cfg.max_queued_requests)
         try:
             app = build_app(engine, cfg)
