@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import pydantic_core
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -142,6 +143,20 @@ class ResponseFormat:
         return []
 
 
+def json_body(response: BaseModel) -> str:
+    """`response.model_dump_json()`, its top-level lists (choices, prompt_logprobs) written an item
+    at a time: one call over a large body holds the GIL, so the event loop, until it is done."""
+    lists = {name: value for name in type(response).model_fields
+             if isinstance(value := getattr(response, name), list) and value}
+    envelope = response.model_copy(update={name: [] for name in lists}).model_dump_json()
+    parts, at = [], 0
+    for name, items in lists.items():
+        marker = envelope.index(f'"{name}":[]', at) + len(f'"{name}":[')
+        parts += [envelope[at:marker], ",".join(pydantic_core.to_json(item).decode() for item in items)]
+        at = marker
+    return "".join(parts) + envelope[at:]
+
+
 def sse(model: BaseModel | dict, event: str | None = None) -> str:
     data = model.model_dump_json() if isinstance(model, BaseModel) else json.dumps(model)
     return (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
@@ -265,8 +280,10 @@ class OpenAIServing:
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         pieces = {i: states[i].advance(out) for i, out in finals.items()}
-        body = fmt.response(pieces, usage(prompts, finals, len(states)))
-        return Response(body.model_dump_json(), media_type="application/json")
+        # Off the event loop: a large body (echo with logprobs: every choice a prompt's tokens with
+        # their alternatives) takes seconds to build.
+        body = await asyncio.to_thread(lambda: json_body(fmt.response(pieces, usage(prompts, finals, len(states)))))
+        return Response(body, media_type="application/json")
 
     async def _events(self, stream: RequestStream, states: list[ChoiceState], prompts, fmt: ResponseFormat,
                       include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:

@@ -12,6 +12,7 @@ from blockdiff.entrypoints.openai import vllm_fields
 from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.entrypoints.openai.preprocessing import check_choices, check_common
+from blockdiff.entrypoints.openai.response_size import CompletionSize
 from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat
 from blockdiff.entrypoints.openai.structured import request_constraint
 from blockdiff.outputs import TokenLogprob
@@ -27,6 +28,9 @@ class CompletionFormat(ResponseFormat):
         # text_offset runs over the token strings sent so far, per choice; it is not the text sent,
         # which lags behind the tokens while a stop string may still cut it.
         self._offsets: dict[int, int] = {}
+        # Each prompt's part of its choices' logprobs, built once: the first of its choices to arrive
+        # with the prompt's scores brings them (with score_once, the only one that has them).
+        self._heads: dict[int, p.CompletionLogprobs] = {}
 
     def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
         first = index not in self._offsets
@@ -36,14 +40,21 @@ class CompletionFormat(ResponseFormat):
         lp = None
         if self.logprobs is not None:
             top = self.logprobs > 0
-            head = None if echo is None else vllm_fields.echo_logprobs(echo[1], piece.prompt_logprobs,
-                                                                        self.token_text, top)
+            head = None if echo is None else self._head(index // self.n, echo[1], piece.prompt_logprobs, top)
             start = offset + (0 if head is None else sum(map(len, head.tokens)))
             lp = self._logprobs(piece.logprobs or [], start, top)
             self._offsets[index] = start + sum(map(len, lp.tokens))
             lp = lp if head is None else vllm_fields.joined(head, lp)
         return p.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=piece.finish_reason,
                                   token_ids=self._ids(piece))
+
+    def _head(self, prompt: int, ids: list[int], scores: list[TokenLogprob] | None, top: bool) -> p.CompletionLogprobs:
+        head = self._heads.get(prompt)
+        if head is None:
+            head = vllm_fields.echo_logprobs(ids, scores, self.token_text, top)
+            if scores is not None:
+                self._heads[prompt] = head
+        return head
 
     def _logprobs(self, lps: list[TokenLogprob], offset: int, top: bool) -> p.CompletionLogprobs:
         tokens = [self.token_text(lp.token_id) for lp in lps]
@@ -104,7 +115,10 @@ class OpenAIServingCompletion(OpenAIServing):
         pre = self.preprocess
         prompts = pre.truncated(pre.completion_prompts(req.prompt, request_id, req.add_special_tokens is not False),
                                 req.truncate_prompt_tokens)
+        # A stream sends each choice's echo in its first chunk, which cannot wait for another choice's
+        # scores: there every choice scores the prompt.
         requests = pre.engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs,
-                                       prompt_logprobs=vllm_fields.prompt_logprobs(req), structured_outputs=constraint)
+                                       CompletionSize(bool(req.echo)), prompt_logprobs=vllm_fields.prompt_logprobs(req),
+                                       structured_outputs=constraint, score_once=not req.stream)
         echo = [(pre.prompt_text(x, ids), ids) for x, ids in zip(_prompt_list(req.prompt), prompts)] if req.echo else None
         return prompts, requests, echo

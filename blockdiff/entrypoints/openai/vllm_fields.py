@@ -55,9 +55,11 @@ def echo_logprobs(ids: list[int], scores: list[TokenLogprob] | None, token_text,
 
 
 def joined(a: p.CompletionLogprobs, b: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    """a then b, not validated again: both were (a prompt's part, shared by its choices, is long)."""
     top = None if a.top_logprobs is None else a.top_logprobs + (b.top_logprobs or [])
-    return p.CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
-                                top_logprobs=top, text_offset=a.text_offset + b.text_offset)
+    return p.CompletionLogprobs.model_construct(tokens=a.tokens + b.tokens,
+                                                token_logprobs=a.token_logprobs + b.token_logprobs,
+                                                top_logprobs=top, text_offset=a.text_offset + b.text_offset)
 
 
 def completion_max_tokens(req: p.CompletionRequest) -> None:
