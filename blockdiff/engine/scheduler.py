@@ -9,8 +9,8 @@ recomputed from their tokens when readmitted, as vLLM v1 does. Then waiting requ
 first come first served, while a slot is free and the cache holds their first chunk after the
 prefix they find cached: admission asks for what a request needs now, not its worst case. A request
 whose cached prefix stops at a block that a running request is prefilling (the choices of one
-prompt) waits until it is registered, rather than computing it again beside it; its client's
-later requests wait with it for the step, and other clients' go first.
+prompt) waits until it is registered, rather than computing it again beside it; the requests
+queued after it go first.
 
 Fairness is per client (`Request.client`; the server's is the caller's address): every engine
 request counts, so one API call's choices and prompts count as many, and a request scoring its
@@ -104,10 +104,10 @@ class Scheduler:
 
     def _head(self, running: Counter, deferred: frozenset | set = frozenset()) -> Request | None:
         """The waiting request to admit next: the first of the client with the smallest running share,
-        among the clients not `deferred` this step."""
+        passing over the requests `deferred` this step."""
         firsts: dict[str | None, int] = {}
         for i, req in enumerate(self.waiting):
-            if req.client not in deferred:
+            if req not in deferred:
                 firsts.setdefault(req.client, i)
         if not firsts:
             return None
@@ -125,23 +125,24 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: -running[r.client]):
             if self._fits(head):
                 break
-            if not self._yields(req, head):
-                continue
-            if req.client != head.client and running[req.client] <= running[head.client]:
+            if not self._yields(req, head, running):
                 continue
             running[req.client] -= req.share
             self._preempt(req)
             preempted.append(req)
         return preempted
 
-    def _yields(self, req: Request, head: Request) -> bool:
-        """Whether `req` may give its slot to `head` now: at a canvas boundary once it has had its
-        canvases, or, for another client's head, while it prefills or scores its prompt (a long
-        prompt, or a scoring request's piece after piece, would otherwise hold the slot for as many
-        steps): what it computed stays in the prefix cache, which its readmission finds."""
-        if req.state == State.COMMIT:
-            return req.canvases_since_admitted >= self.preempt_after
-        return req.state == State.PREFILL and req.client != head.client and self.kv.full.caching
+    def _yields(self, req: Request, head: Request, running: Counter) -> bool:
+        """Whether `req` gives its slot to `head` now: at a canvas boundary once it has had its
+        canvases (its own client's head, or one of a client running less); or while it prefills or
+        scores its prompt, to another client's head whose client runs less even once the swap is
+        made (so two clients never trade a slot back and forth): a long prompt, or a scoring
+        request's piece after piece, would otherwise hold it for as many steps. What it computed
+        stays in the prefix cache, which its readmission finds."""
+        if req.state == State.COMMIT and req.canvases_since_admitted >= self.preempt_after:
+            return req.client == head.client or running[req.client] > running[head.client]
+        return (req.state == State.PREFILL and req.client != head.client and self.kv.full.caching
+                and running[req.client] - req.share > running[head.client])
 
     def schedule(self) -> SchedulerOutput | None:
         """-> this step's requests, or None if nothing can run."""
@@ -183,7 +184,7 @@ class Scheduler:
                 budget -= n
             i += 1
         running = self._shares()
-        deferred = set()  # clients whose head waits for a prefix being prefilled this step
+        deferred = set()  # requests that wait for a prefix being prefilled
         while self.waiting and self.free_slots and not out_of_memory:
             req = self._head(running, deferred)
             if req is None:
@@ -191,7 +192,7 @@ class Scheduler:
             if self.lora is not None and not self.lora.available(req):  # it waits for an adapter slot
                 break
             if self.kv.computing(req, self.running):
-                deferred.add(req.client)
+                deferred.add(req)
                 continue
             hit = self.kv.admit(req, budget)
             if hit is None:

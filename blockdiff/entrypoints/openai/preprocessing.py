@@ -19,7 +19,7 @@ from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_js
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
 from blockdiff.entrypoints.openai.media import ChatMedia
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
-from blockdiff.entrypoints.openai.response_size import TOKEN_ID_TEXT, Pricing
+from blockdiff.entrypoints.openai.response_size import ENVELOPE, TOKEN_ID_TEXT, Pricing
 from blockdiff.entrypoints.openai.structured import constraint_field
 from blockdiff.multimodal import MediaError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams
@@ -310,7 +310,7 @@ class Preprocessor:
         text = max(self.token_bytes, TOKEN_ID_TEXT if tokens_as_ids else 0)
         first = choices[0][0]
         # A prompt's choices return as much as its first (the one that scores it, if any), which the size prices.
-        total = sum(size(of_prompt[0], len(of_prompt), text) for of_prompt in within)
+        total = ENVELOPE + sum(size(of_prompt[0], len(of_prompt), text) for of_prompt in within)
         if total > self.max_response_bytes:
             raise APIError(400, f"this request's response could take about {total} bytes (choices x tokens returned, with "
                                 f"their logprobs and alternatives, the prompt's too where they are returned), more than "

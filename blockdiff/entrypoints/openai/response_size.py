@@ -15,6 +15,8 @@ FLOAT = 23  # a logprob at its longest: -1.2345678901234567e-05
 OFFSET = 7  # a text offset and its comma
 TOKEN_ID = 8  # a token id as a JSON key, quoted, and its colon
 TOKEN_ID_TEXT = len("token_id:999999")  # a token spelled by its id (no tokenizer, return_tokens_as_token_ids)
+ENVELOPE = 384  # a response's id, model and usage
+COMPLETION_CHOICE, CHAT_CHOICE = 96, 192  # a choice's index, finish reason and empty fields
 
 # Priced: (one prompt's resolved parameters, its choices, bytes of a token's text) -> bytes.
 Pricing = Callable[[ResolvedParams, int, int], int]
@@ -23,9 +25,9 @@ Pricing = Callable[[ResolvedParams, int, int], int]
 @dataclass(frozen=True)
 class CompletionSize:
     """/v1/completions: each choice's text (with echo, the prompt's first), and with logprobs, per
-    token `tokens` ("text",), `token_logprobs`, `text_offset` and `top_logprobs` ({"text":logprob, ...});
-    echo with logprobs gives every choice the prompt's tokens so, each with the token itself among
-    its alternatives."""
+    token `tokens` ("text",), `token_logprobs`, `text_offset` and, with logprobs > 0, `top_logprobs`
+    ({"text":logprob, ...}); echo with logprobs gives every choice the prompt's tokens so, each with
+    the token itself among its alternatives."""
 
     echo: bool
 
@@ -33,11 +35,14 @@ class CompletionSize:
         k = params.logprobs
         prompt = params.prompt_len if self.echo else 0
         if k is None:
-            return n * (prompt + params.max_tokens) * text
-        frame = 2 * text + 3 + FLOAT + 1 + OFFSET + 3  # the text, its "token", logprob, offset, {}
-        alternative = text + 3 + FLOAT + 1
-        scored = prompt * (frame + (k + 1) * alternative) if params.prompt_logprobs is not None else prompt * text
-        return n * (scored + params.max_tokens * (frame + k * alternative))
+            return n * (COMPLETION_CHOICE + (prompt + params.max_tokens) * text)
+        entry = 2 * text + 3 + FLOAT + 1 + OFFSET  # its text, and its "text", logprob and offset in the lists
+        alternative = text + 3 + FLOAT + 1  # "text":logprob,
+        top = 0 if k == 0 else len("{},")
+        scored = prompt * text
+        if params.prompt_logprobs is not None:
+            scored = prompt * (entry + (0 if k == 0 else top + (k + 1) * alternative))
+        return n * (COMPLETION_CHOICE + scored + params.max_tokens * (entry + top + k * alternative))
 
 
 def chat_size(params: ResolvedParams, n: int, text: int) -> int:
@@ -52,4 +57,4 @@ def chat_size(params: ResolvedParams, n: int, text: int) -> int:
     if params.prompt_logprobs is not None:
         alternative = TOKEN_ID + len('{"logprob":,"rank":,"decoded_token":""},') + FLOAT + OFFSET + text
         scores = params.prompt_len * (2 + (params.prompt_logprobs + 1) * alternative)
-    return n * params.max_tokens * per_token + scores
+    return n * (CHAT_CHOICE + params.max_tokens * per_token) + scores
