@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import fields, replace
 
 from blockdiff.chat_parts import PART_MODALITY, template_content
@@ -310,7 +311,7 @@ class Preprocessor:
         text = max(self.token_bytes, TOKEN_ID_TEXT if tokens_as_ids else 0)
         first = choices[0][0]
         # A prompt's choices return as much as its first (the one that scores it, if any), which the size prices.
-        total = ENVELOPE + sum(size(of_prompt[0], len(of_prompt), text) for of_prompt in within)
+        total = ENVELOPE + math.ceil(sum(size(of_prompt[0], len(of_prompt), text) for of_prompt in within))
         if total > self.max_response_bytes:
             raise APIError(400, f"this request's response could take about {total} bytes (choices x tokens returned, with "
                                 f"their logprobs and alternatives, the prompt's too where they are returned), more than "

@@ -19,7 +19,7 @@ ENVELOPE = 384  # a response's id, model and usage
 COMPLETION_CHOICE, CHAT_CHOICE = 96, 192  # a choice's index, finish reason and empty fields
 
 # Priced: (one prompt's resolved parameters, its choices, bytes of a token's text) -> bytes.
-Pricing = Callable[[ResolvedParams, int, int], int]
+Pricing = Callable[[ResolvedParams, int, float], float]
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class CompletionSize:
 
     echo: bool
 
-    def __call__(self, params: ResolvedParams, n: int, text: int) -> int:
+    def __call__(self, params: ResolvedParams, n: int, text: float) -> float:
         k = params.logprobs
         prompt = params.prompt_len if self.echo else 0
         if k is None:
@@ -45,7 +45,7 @@ class CompletionSize:
         return n * (COMPLETION_CHOICE + scored + params.max_tokens * (entry + top + k * alternative))
 
 
-def chat_size(params: ResolvedParams, n: int, text: int) -> int:
+def chat_size(params: ResolvedParams, n: int, text: float) -> float:
     """/v1/chat/completions (and what runs as a chat): each choice's content, and with logprobs per
     token {"token", "logprob", "bytes": [each byte, up to 4 characters], "top_logprobs": [each
     alternative so]}; with prompt_logprobs, once for the response, per prompt token {"id": {"logprob",
