@@ -292,9 +292,10 @@ class OpenAIServing:
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         pieces = {i: states[i].advance(out) for i, out in finals.items()}
-        # Off the event loop: a large body (echo with logprobs: every choice a prompt's tokens with
-        # their alternatives) takes seconds to build.
-        body = await asyncio.to_thread(fmt.body, pieces, usage(prompts, finals, len(states)))
+        # Off the event loop, to its bytes: a large body (echo with logprobs: every choice a prompt's
+        # tokens with their alternatives) takes seconds to build.
+        u = usage(prompts, finals, len(states))
+        body = await asyncio.to_thread(lambda: fmt.body(pieces, u).encode())
         return Response(body, media_type="application/json")
 
     async def _events(self, stream: RequestStream, states: list[ChoiceState], prompts, fmt: ResponseFormat,
