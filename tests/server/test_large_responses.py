@@ -69,6 +69,15 @@ def test_the_choices_of_a_prompt_share_its_scores(server, priced):
     assert heads[0]["token_logprobs"][0] is None and all(x <= 0 for x in heads[0]["token_logprobs"][1:])
 
 
+def test_choices_that_generate_nothing_each_score_the_prompt(server):
+    """max_tokens 0: a choice is its prompt's scoring and nothing else, so each one scores it."""
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "sort: 3 1 2", "echo": True, "logprobs": 1,
+                                                         "max_tokens": 0, "n": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    lps = [c["logprobs"] for c in r.json()["choices"]]
+    assert len(lps) == 3 and lps[0]["token_logprobs"][0] is None and all(lp == lps[0] for lp in lps[1:])
+
+
 def test_a_response_over_the_limit_is_refused_before_any_work(server):
     """The issue's shape: 64 choices echoing a 1,000-token prompt with 20 alternatives each (about
     34 MB, over the default 32 MiB) is a 400 naming the limit, at once."""

@@ -266,7 +266,8 @@ class Preprocessor:
         size: how the endpoint's response spells what it returns (response_size.py).
         skip_special_tokens: the endpoint's default, under the request's own (vLLM's field).
         score_once: only a prompt's first choice scores it (prompt_logprobs), and the response gives
-        its scores to every choice of the prompt: they are the same prompt's, whatever the seed."""
+        its scores to every choice of the prompt: they are the same prompt's, whatever the seed
+        (unless the choices generate nothing, max_tokens 0, and so are their scorings)."""
         limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.limits.max_model_len)
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
@@ -279,7 +280,9 @@ class Preprocessor:
             resolved = [self.engine.resolve(params, prompt_length(prompt)) for prompt in prompts]
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, request_names(req)) from None
-        choices = [[params if i == 0 else self._choice(params, i, not score_once) for i in range(n)] for params in resolved]
+        # A choice of max_tokens 0 is its scoring, nothing else: each scores the prompt.
+        choices = [[params if i == 0 else self._choice(params, i, not score_once or params.max_tokens == 0)
+                    for i in range(n)] for params in resolved]
         self._check_cost(choices, size, req.return_tokens_as_token_ids)
         return [(prompt, params) for prompt, of_prompt in zip(prompts, choices) for params in of_prompt]
 
