@@ -72,6 +72,13 @@ class Tokenizer:
         `<0xNN>`), so text longer than N times this cannot encode to N tokens or fewer."""
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
+    @functools.cached_property
+    def mean_token_bytes(self) -> float:
+        """UTF-8 bytes of the average vocabulary entry: what a token's text takes in a response,
+        about (a space marker's 3 bytes decode to 1, so ordinary text runs below it)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return sum(len(t.encode()) for t in vocab) / max(1, len(vocab))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):

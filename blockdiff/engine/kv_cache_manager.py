@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from blockdiff.engine.block_allocator import BlockPool, block_keys, key_root
 from blockdiff.engine.kv_events import BlockStored, KVEvent
-from blockdiff.engine.request import Request
+from blockdiff.engine.request import Request, State
 
 
 class KVCacheManager:
@@ -56,6 +56,16 @@ class KVCacheManager:
             if None not in sliding:
                 return k, full[:k], [-1] * lo + sliding, keys[:k]
         return 0, [], [], []
+
+    def computing(self, req: Request, running: list[Request]) -> bool:
+        """Whether a running request is prefilling the block that `req`'s cached prefix stops before
+        (the choices of one prompt, prompts of one context): admitted once it is registered, `req`
+        finds it cached instead of computing it again beside it."""
+        k = self._hit(req)[0]
+        if k >= len(req.prefix_keys) or (k + 1) * self.block_size > req.max_hit:
+            return False
+        key = req.prefix_keys[k]
+        return any(key in r.prefix_keys[len(r.block_hashes):] for r in running if r.state == State.PREFILL)
 
     def _need(self, req: Request, end: int) -> tuple[int, int]:
         """New (full, sliding) blocks for `req` to hold positions up to `end`."""

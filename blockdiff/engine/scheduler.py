@@ -7,7 +7,10 @@ finished canvas) or its canvas being denoised (DENOISE). Blocks are taken as row
 the pool runs out, the newest running requests are preempted (in any state) until the row fits, and
 recomputed from their tokens when readmitted, as vLLM v1 does. Then waiting requests are admitted,
 first come first served, while a slot is free and the cache holds their first chunk after the
-prefix they find cached: admission asks for what a request needs now, not its worst case.
+prefix they find cached: admission asks for what a request needs now, not its worst case. A request
+whose cached prefix stops at a block that a running request is prefilling (the choices of one
+prompt) waits until it is registered, rather than computing it again beside it; the requests
+queued after it go first.
 
 Fairness is per client (`Request.client`; the server's is the caller's address): every engine
 request counts, so one API call's choices and prompts count as many, and a request scoring its
@@ -21,7 +24,10 @@ them), and only requests of the head's own client or of clients running more tha
 therefore starts within one canvas of some running request, at most the engine's denoising-steps
 limit plus a commit step once the running requests have had `preempt_after` canvases each; a
 client's waiting request is behind the heads of the clients running fewer requests, not behind
-every request queued before it.
+every request queued before it. A request still prefilling its prompt (or scoring it, a piece a
+step) gives its slot to another client's head at once, under the same rule of shares, where
+prefix caching keeps what it computed for its readmission: a call of many long or scored prompts
+does not hold every slot for as many steps as its prompts take.
 """
 
 from __future__ import annotations
@@ -96,11 +102,15 @@ class Scheduler:
             running[req.client] += req.share
         return running
 
-    def _head(self, running: Counter) -> Request:
-        """The waiting request to admit next: the first of the client with the smallest running share."""
+    def _head(self, running: Counter, deferred: frozenset | set = frozenset()) -> Request | None:
+        """The waiting request to admit next: the first of the client with the smallest running share,
+        passing over the requests `deferred` this step."""
         firsts: dict[str | None, int] = {}
         for i, req in enumerate(self.waiting):
-            firsts.setdefault(req.client, i)
+            if req not in deferred:
+                firsts.setdefault(req.client, i)
+        if not firsts:
+            return None
         i = min(firsts.values(), key=lambda i: (running[self.waiting[i].client], i))
         return self.waiting[i]
 
@@ -115,14 +125,24 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: -running[r.client]):
             if self._fits(head):
                 break
-            if req.state != State.COMMIT or req.canvases_since_admitted < self.preempt_after:
-                continue
-            if req.client != head.client and running[req.client] <= running[head.client]:
+            if not self._yields(req, head, running):
                 continue
             running[req.client] -= req.share
             self._preempt(req)
             preempted.append(req)
         return preempted
+
+    def _yields(self, req: Request, head: Request, running: Counter) -> bool:
+        """Whether `req` gives its slot to `head` now: at a canvas boundary once it has had its
+        canvases (its own client's head, or one of a client running less); or while it prefills or
+        scores its prompt, to another client's head whose client runs less even once the swap is
+        made (so two clients never trade a slot back and forth): a long prompt, or a scoring
+        request's piece after piece, would otherwise hold it for as many steps. What it computed
+        stays in the prefix cache, which its readmission finds."""
+        if req.state == State.COMMIT and req.canvases_since_admitted >= self.preempt_after:
+            return req.client == head.client or running[req.client] > running[head.client]
+        return (req.state == State.PREFILL and req.client != head.client and self.kv.full.caching
+                and running[req.client] - req.share > running[head.client])
 
     def schedule(self) -> SchedulerOutput | None:
         """-> this step's requests, or None if nothing can run."""
@@ -164,10 +184,16 @@ class Scheduler:
                 budget -= n
             i += 1
         running = self._shares()
+        deferred = set()  # requests that wait for a prefix being prefilled
         while self.waiting and self.free_slots and not out_of_memory:
-            req = self._head(running)
+            req = self._head(running, deferred)
+            if req is None:
+                break
             if self.lora is not None and not self.lora.available(req):  # it waits for an adapter slot
                 break
+            if self.kv.computing(req, self.running):
+                deferred.add(req)
+                continue
             hit = self.kv.admit(req, budget)
             if hit is None:
                 break

@@ -33,10 +33,11 @@ from blockdiff.tokenizer import Tokenizer
 CL = 4
 
 
-def _request(rid: str, prompt: int = 3, max_tokens: int = 8, tokenizer=None, **params) -> Request:
+def _request(rid: str, prompt: int = 3, max_tokens: int = 8, tokenizer=None, first: int = 1, **params) -> Request:
+    """A request whose prompt is `prompt` tokens from `first` up (requests of the same `first` share a prefix)."""
     p = EntropyBound().resolve(SamplingParams(max_tokens=max_tokens, **params), REFERENCE_DEFAULTS)
     out = IncrementalDetokenizer(tokenizer, p.max_tokens, {0}, p.stop, False)
-    return Request(rid, None, list(range(1, prompt + 1)), p, CL, 0, out)
+    return Request(rid, None, list(range(first, first + prompt)), p, CL, 0, out)
 
 
 # ---- the request state machine ------------------------------------------------------------------
@@ -184,7 +185,7 @@ def test_exhausted_blocks_preempt_the_newest_request_which_is_recomputed_later()
 
 def test_the_newest_request_preempts_itself_when_older_ones_hold_every_block():
     s = _scheduler(2, 3)
-    a, b = _request("a", prompt=8, max_tokens=12), _request("b", prompt=4, max_tokens=12)
+    a, b = _request("a", prompt=8, max_tokens=12), _request("b", prompt=4, max_tokens=12, first=20)
     s.add(a)
     s.add(b)
     out = s.schedule()
@@ -198,7 +199,7 @@ def test_the_newest_request_preempts_itself_when_older_ones_hold_every_block():
 
 def test_chunked_prefill_shares_the_token_budget():
     s = _scheduler(3, 10, max_prefill_tokens=5)
-    a, b = _request("a", prompt=4), _request("b", prompt=4)
+    a, b = _request("a", prompt=4), _request("b", prompt=4, first=20)
     s.add(a)
     s.add(b)
     out = s.schedule()
@@ -288,6 +289,57 @@ def test_a_waiting_request_takes_the_slot_of_one_that_had_its_share():
     out = s.schedule()
     # Readmitted: the prompt and both canvases are recomputed in one prefill row.
     assert [(r, n) for r, n in out.encoder] == [(hog, 11)]
+
+
+def test_a_prefilling_request_gives_its_slot_to_another_clients_request_and_keeps_its_work():
+    """Long prompts (or scored ones, a piece a step) would hold their slots for as many steps as
+    they take: another client's request takes one at once, their own client's waits. Readmitted,
+    the request finds what it prefilled in the prefix cache."""
+    s = _scheduler(2, 30, max_prefill_tokens=8, preempt_after=4)
+    done, long = _request("done", prompt=12), _request("long", prompt=40, first=30)
+    for r in (done, long):
+        r.client = "a"
+        s.add(r)
+    mine = _request("mine", first=80)
+    mine.client = "a"
+    for step in range(3):  # done: 8 + 4 tokens; long: 4, then 8 (mine, of their own client, waits)
+        out = s.schedule()
+        assert not out.preempted
+        for r, n in out.encoder:
+            s.cached(r, n)
+        if step == 0:
+            s.add(mine)
+    assert done.state == State.DENOISE and long.state == State.PREFILL and long.num_cached == 12
+    other = _request("other", first=90)
+    other.client = "b"
+    s.add(other)
+    out = s.schedule()
+    assert out.preempted == [long] and _ids(out) == ["other"] and long.state == State.WAITING
+    s.cached(other, 3)
+    other.finish("abort")
+    s.release(other)
+    done.finish("abort")
+    s.release(done)
+    out = s.schedule()
+    # Back of the queue, it finds its three blocks in the cache.
+    assert _ids(out) == ["mine", "long"] and long.num_cached == 12
+
+
+def test_a_request_waits_for_the_prefix_another_one_is_prefilling():
+    """Choices of one prompt: the second would compute the same blocks beside the first; it waits
+    a step and finds them cached. A request scoring its prompt cannot use them (it needs the
+    prompt before each piece only), so it does not wait; nor does another prompt."""
+    s = _scheduler(4, 20)
+    a, b = _request("a", prompt=9), _request("b", prompt=9)
+    scoring, other = _request("scoring", prompt=9, prompt_logprobs=0), _request("other", first=50)
+    for r in (a, b, scoring, other):
+        s.add(r)
+    out = s.schedule()
+    assert _ids(out) == ["a", "scoring", "other"] and list(s.waiting) == [b]
+    for r, n in out.encoder:
+        s.cached(r, n)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.encoder if r is b] == [("b", 1)] and b.num_cached_prompt_tokens == 8
 
 
 def test_no_preemption_without_a_waiting_request_or_when_disabled():

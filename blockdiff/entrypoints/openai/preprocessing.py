@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import fields, replace
 
 from blockdiff.chat_parts import PART_MODALITY, template_content
@@ -19,13 +20,12 @@ from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_js
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
 from blockdiff.entrypoints.openai.media import ChatMedia
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
+from blockdiff.entrypoints.openai.response_size import ENVELOPE, TOKEN_ID_TEXT, Pricing
 from blockdiff.entrypoints.openai.structured import constraint_field
 from blockdiff.multimodal import MediaError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
-# The least a returned token takes: its text, or one logprob entry (token text, logprob, offset) in JSON.
-TEXT_BYTES, LOGPROB_ENTRY_BYTES = 1, 24
 REQUEST_FIELDS = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields) | {
     f.name for f in fields(SamplingParams)
 } | {f.name for sampler in SAMPLERS.values() for f in sampler.fields}
@@ -75,14 +75,6 @@ def _decode_arguments(messages: list[dict]) -> None:
 # Names the server gives the chat template itself; chat_template_kwargs may not set them.
 _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
                                         "eos_token", "unk_token"})
-
-
-def response_bytes(params: ResolvedParams) -> int:
-    """A low estimate of what one choice's response takes: its tokens (the prompt's too when it is
-    scored for echo), each with its logprob entry and its alternatives' when logprobs are asked for."""
-    tokens = params.max_tokens + (params.prompt_len if params.prompt_logprobs is not None else 0)
-    per_token = TEXT_BYTES if params.logprobs is None else LOGPROB_ENTRY_BYTES * (1 + params.logprobs)
-    return tokens * per_token
 
 
 def generation_prompt(req: p.ChatCompletionRequest | p.TokenizeRequest) -> bool:
@@ -143,6 +135,8 @@ class Preprocessor:
         # Longer text cannot fit in the context, whatever it encodes to; it is refused before the
         # tokenizer (which holds the GIL, stalling every other request) sees it.
         self.max_prompt_chars = None if self.tokenizer is None else self.limits.max_model_len * self.tokenizer.max_token_chars
+        # What a token's text takes in a response, for its size estimate (response_size.py)
+        self.token_bytes = TOKEN_ID_TEXT if self.tokenizer is None else self.tokenizer.mean_token_bytes
         self.default_template_kwargs = {}
         if default_chat_template_kwargs:
             if self.tokenizer is None:
@@ -269,12 +263,16 @@ class Preprocessor:
 
     # ---- sampling parameters: resolved once, priced ----------------------------------------------
     def engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
-                        max_tokens: int | None, logprobs: int | None, skip_special_tokens: bool = True,
-                        prompt_logprobs: int | None = None, structured_outputs=None) -> list:
+                        max_tokens: int | None, logprobs: int | None, size: Pricing, skip_special_tokens: bool = True,
+                        prompt_logprobs: int | None = None, structured_outputs=None, score_once: bool = False) -> list:
         """n engine requests per prompt, checked against the limits first, their parameters resolved
         once per prompt (for its length) and taken by the engine as they are. The choices of a prompt
         share its ResolvedParams but their seeds (and so its draft and stop lists); prompt-major.
-        skip_special_tokens: the endpoint's default, under the request's own (vLLM's field)."""
+        size: how the endpoint's response spells what it returns (response_size.py).
+        skip_special_tokens: the endpoint's default, under the request's own (vLLM's field).
+        score_once: only a prompt's first choice scores it (prompt_logprobs), and the response gives
+        its scores to every choice of the prompt: they are the same prompt's, whatever the seed
+        (unless the choices generate nothing, max_tokens 0, and so are their scorings)."""
         limits.check_token_lists(n, [len(ids) for ids in lengths], req.draft, req.stop_token_ids, self.limits.max_model_len)
         names = (*p.SAMPLER_EXTENSIONS, *p.VLLM_SAMPLING, *self.sampler_extensions)
         values = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
@@ -289,38 +287,45 @@ class Preprocessor:
             resolved = [self.engine.resolve(params, prompt_length(prompt)) for prompt in prompts]
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, request_names(req)) from None
-        self._check_cost(resolved, n)
-        return [(prompt, params if n == 1 else self._with_seed(params, i))
-                for prompt, params in zip(prompts, resolved) for i in range(n)]
+        # A choice of max_tokens 0 is its scoring, nothing else: each scores the prompt.
+        choices = [[params if i == 0 else self._choice(params, i, not score_once or params.max_tokens == 0)
+                    for i in range(n)] for params in resolved]
+        self._check_cost(choices, size, req.return_tokens_as_token_ids)
+        return [(prompt, params) for prompt, of_prompt in zip(prompts, choices) for params in of_prompt]
 
     @staticmethod
-    def _with_seed(params: ResolvedParams, choice: int) -> ResolvedParams:
-        """Choice i of a request seeded s draws from s + i; a shallow copy shares the checked lists."""
-        if params.seed is None:
+    def _choice(params: ResolvedParams, choice: int, scored: bool) -> ResolvedParams:
+        """Choice i > 0 of a prompt: seeded s, it draws from s + i; unless `scored`, it does not score
+        the prompt. A shallow copy shares the checked lists."""
+        if params.seed is None and (scored or params.prompt_logprobs is None):
             return params
         out = copy.copy(params)
-        out.seed = params.seed + choice
+        if params.seed is not None:
+            out.seed = params.seed + choice
+        if not scored:
+            out.prompt_logprobs = None
         return out
 
-    def _check_cost(self, resolved: list[ResolvedParams], n: int) -> None:
-        """Refuse an API request that would hold the decoder longer than the limit allows. The choices
-        of a prompt differ only in their seeds, so they cost the same."""
-        cost = 0
-        for params in resolved:
-            # Lengths beyond the context are the engine's to refuse, with its own message.
-            room = max(1, self.limits.max_model_len - params.prompt_len)
-            cost += n * self.engine.cost(replace(params, max_tokens=min(params.max_tokens, room)))
+    def _check_cost(self, choices: list[list[ResolvedParams]], size: Pricing, tokens_as_ids: bool | None) -> None:
+        """Refuse an API request that would hold the decoder longer than the limit allows, or answer
+        more than --max-response-bytes. A prompt's choices differ in their seeds, and whether they score it."""
+        # Lengths beyond the context are the engine's to refuse, with its own message.
+        within = [[replace(c, max_tokens=min(c.max_tokens, max(1, self.limits.max_model_len - c.prompt_len)))
+                   for c in of_prompt] for of_prompt in choices]
+        cost = sum(self.engine.cost(c) for of_prompt in within for c in of_prompt)
         if cost > self.max_request_cost:
             raise APIError(400, f"this request asks for up to {cost} canvas positions of denoising (choices x canvases x "
                                 f"max_denoising_steps x canvas length, and prompt positions scored), more than this "
                                 f"server's limit of {self.max_request_cost} per request: lower n, max_tokens or "
                                 "max_denoising_steps", param="max_tokens", code="request_too_costly")
-        # Lengths beyond the context are the engine's to refuse, as above.
-        size = sum(n * response_bytes(replace(params, max_tokens=min(params.max_tokens, max(1, self.limits.max_model_len
-                                                                                             - params.prompt_len))))
-                   for params in resolved)
-        if size > self.max_response_bytes:
-            raise APIError(400, f"this request's response could take about {size} bytes (choices x tokens returned x "
-                                f"(1 + logprobs) entries), more than this server's limit of {self.max_response_bytes} "
-                                "(--max-response-bytes): lower n, logprobs or max_tokens, or leave out echo",
-                           param="logprobs" if resolved[0].logprobs else "max_tokens", code="response_too_large")
+        text = max(self.token_bytes, TOKEN_ID_TEXT if tokens_as_ids else 0)
+        first = choices[0][0]
+        # A prompt's choices return as much as its first (the one that scores it, if any), which the size prices.
+        total = ENVELOPE + math.ceil(sum(size(of_prompt[0], len(of_prompt), text) for of_prompt in within))
+        if total > self.max_response_bytes:
+            raise APIError(400, f"this request's response could take about {total} bytes (choices x tokens returned, with "
+                                f"their logprobs and alternatives, the prompt's too where they are returned), more than "
+                                f"this server's limit of {self.max_response_bytes} (--max-response-bytes): lower n, "
+                                "logprobs, prompt_logprobs or max_tokens, or leave out echo",
+                           param="logprobs" if first.logprobs is not None or first.prompt_logprobs is not None
+                           else "max_tokens", code="response_too_large")

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import pydantic_core
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -129,17 +130,43 @@ class ResponseFormat:
         self.serving, self.id, self.model, self.created = serving, request_id, model, p.now()
         self.return_token_ids = return_token_ids
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
+        self._texts: dict[int, str] = {}  # token_text's, once per token: logprobs name the same tokens again and again
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs spell it: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids,
         for tokens whose text is not valid UTF-8 alone)."""
-        return f"token_id:{token_id}" if self.tokens_as_ids else self.serving.token_text(token_id)
+        text = self._texts.get(token_id)
+        if text is None:
+            text = f"token_id:{token_id}" if self.tokens_as_ids else self.serving.token_text(token_id)
+            self._texts[token_id] = text
+        return text
 
     def _ids(self, piece: Piece) -> list[int] | None:
         return piece.token_ids if self.return_token_ids else None
 
     def begin(self, count: int) -> list[BaseModel]:
         return []
+
+    def body(self, pieces: dict[int, Piece], u: p.Usage) -> str:
+        """The whole response's JSON (the subclass's `response`)."""
+        return json_body(self.response(pieces, u))
+
+
+def json_body(response: BaseModel, written: dict[str, list[str]] | None = None) -> str:
+    """`response.model_dump_json()`, its top-level lists (choices, prompt_logprobs) written an item
+    at a time: one call over a large body holds the GIL, so the event loop, until it is done.
+    written: lists whose items the caller wrote already (the response holds them empty)."""
+    lists = {name: [pydantic_core.to_json(item).decode() for item in value] for name in type(response).model_fields
+             if isinstance(value := getattr(response, name), list) and value}
+    lists.update(written or {})
+    envelope = response.model_copy(update={name: [] for name in lists}).model_dump_json()
+    parts, at = [], 0
+    for name in type(response).model_fields:
+        if name in lists:
+            marker = envelope.index(f'"{name}":[]', at) + len(f'"{name}":[')
+            parts += [envelope[at:marker], ",".join(lists[name])]
+            at = marker
+    return "".join(parts) + envelope[at:]
 
 
 def sse(model: BaseModel | dict, event: str | None = None) -> str:
@@ -267,8 +294,11 @@ class OpenAIServing:
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         pieces = {i: states[i].advance(out) for i, out in finals.items()}
-        body = fmt.response(pieces, usage(prompts, finals, len(states)))
-        return Response(body.model_dump_json(), media_type="application/json")
+        # Off the event loop, to its bytes: a large body (echo with logprobs: every choice a prompt's
+        # tokens with their alternatives) takes seconds to build.
+        u = usage(prompts, finals, len(states))
+        body = await asyncio.to_thread(lambda: fmt.body(pieces, u).encode())
+        return Response(body, media_type="application/json")
 
     async def _events(self, stream: RequestStream, states: list[ChoiceState], prompts, fmt: ResponseFormat,
                       include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:

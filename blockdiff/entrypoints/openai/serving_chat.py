@@ -18,6 +18,7 @@ from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
 from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS, Preprocessor, check_common, generation_prompt
+from blockdiff.entrypoints.openai.response_size import chat_size
 from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat
 from blockdiff.entrypoints.openai.structured import request_constraint, tool_call_constraint
 from blockdiff.engine.async_engine import RequestStream
@@ -194,9 +195,11 @@ class OpenAIServingChat(OpenAIServing):
         constraint = self.chat_constraint(req, rules)
         prompt, prompts = self.chat_prompt(req, images, request_id)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
-        return prompts, self.preprocess.engine_requests(req, [prompt], prompts, n, max_tokens, logprobs,
+        # The response holds the prompt's scores once (prompt_logprobs, never streamed): one choice scores it.
+        return prompts, self.preprocess.engine_requests(req, [prompt], prompts, n, max_tokens, logprobs, chat_size,
                                                         skip_special_tokens=not rules.parses,
-                                                        prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
+                                                        prompt_logprobs=prompt_logprobs, structured_outputs=constraint,
+                                                        score_once=True)
 
     def chat_prompt(self, req: p.ChatCompletionRequest, images: list, request_id: str):
         """(In the pool) -> (the engine's prompt, images expanded; the prompt ids usage counts)."""

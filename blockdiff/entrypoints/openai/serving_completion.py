@@ -12,7 +12,8 @@ from blockdiff.entrypoints.openai import vllm_fields
 from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.entrypoints.openai.preprocessing import check_choices, check_common
-from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat
+from blockdiff.entrypoints.openai.response_size import CompletionSize
+from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat, json_body
 from blockdiff.entrypoints.openai.structured import request_constraint
 from blockdiff.outputs import TokenLogprob
 
@@ -27,23 +28,41 @@ class CompletionFormat(ResponseFormat):
         # text_offset runs over the token strings sent so far, per choice; it is not the text sent,
         # which lags behind the tokens while a stop string may still cut it.
         self._offsets: dict[int, int] = {}
+        # Each prompt's part of its choices' logprobs, built once: the first of its choices to arrive
+        # with the prompt's scores brings them (with score_once, the only one that has them).
+        self._heads: dict[int, p.CompletionLogprobs] = {}
 
-    def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
+    def _parts(self, index: int, piece: Piece) -> tuple[p.CompletionChoice, p.CompletionLogprobs | None]:
+        """A choice, its logprobs those of its tokens only; and, in its first piece with echo and
+        logprobs, the prompt's part of its logprobs, which they follow (text offsets count it)."""
         first = index not in self._offsets
         offset = self._offsets.setdefault(index, 0)
         echo = self.echo[index // self.n] if self.echo is not None and first else None  # in a choice's first piece
         text = piece.text if echo is None else echo[0] + piece.text
-        lp = None
+        lp = head = None
         if self.logprobs is not None:
             top = self.logprobs > 0
-            head = None if echo is None else vllm_fields.echo_logprobs(echo[1], piece.prompt_logprobs,
-                                                                        self.token_text, top)
+            head = None if echo is None else self._head(index // self.n, echo[1], piece.prompt_logprobs, top)
             start = offset + (0 if head is None else sum(map(len, head.tokens)))
             lp = self._logprobs(piece.logprobs or [], start, top)
             self._offsets[index] = start + sum(map(len, lp.tokens))
-            lp = lp if head is None else vllm_fields.joined(head, lp)
-        return p.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=piece.finish_reason,
-                                  token_ids=self._ids(piece))
+        choice = p.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=piece.finish_reason,
+                                    token_ids=self._ids(piece))
+        return choice, head
+
+    def _choice(self, index: int, piece: Piece) -> p.CompletionChoice:
+        choice, head = self._parts(index, piece)
+        if head is not None:
+            choice.logprobs = vllm_fields.joined(head, choice.logprobs)
+        return choice
+
+    def _head(self, prompt: int, ids: list[int], scores: list[TokenLogprob] | None, top: bool) -> p.CompletionLogprobs:
+        head = self._heads.get(prompt)
+        if head is None:
+            head = vllm_fields.echo_logprobs(ids, scores, self.token_text, top)
+            if scores is not None:
+                self._heads[prompt] = head
+        return head
 
     def _logprobs(self, lps: list[TokenLogprob], offset: int, top: bool) -> p.CompletionLogprobs:
         tokens = [self.token_text(lp.token_id) for lp in lps]
@@ -67,6 +86,21 @@ class CompletionFormat(ResponseFormat):
     def response(self, pieces: dict[int, Piece], u: p.Usage) -> BaseModel:
         choices = [self._choice(i, pieces[i]) for i in sorted(pieces)]
         return p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+
+    def body(self, pieces: dict[int, Piece], u: p.Usage) -> str:
+        """The response's JSON, each prompt's part of its choices' logprobs written once and copied
+        into each of them: n choices echoing a long scored prompt hold it n times."""
+        written, heads = [], {}
+        for i in sorted(pieces):
+            choice, head = self._parts(i, pieces[i])
+            text = choice.model_dump_json()
+            if head is not None:
+                if id(head) not in heads:
+                    heads[id(head)] = vllm_fields.written(head)
+                text = vllm_fields.spliced(text, heads[id(head)])
+            written.append(text)
+        return json_body(p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u),
+                         {"choices": written})
 
 
 def _prompt_list(prompt: str | list) -> list:
@@ -104,7 +138,10 @@ class OpenAIServingCompletion(OpenAIServing):
         pre = self.preprocess
         prompts = pre.truncated(pre.completion_prompts(req.prompt, request_id, req.add_special_tokens is not False),
                                 req.truncate_prompt_tokens)
+        # A stream sends each choice's echo in its first chunk, which cannot wait for another choice's
+        # scores: there every choice scores the prompt.
         requests = pre.engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs,
-                                       prompt_logprobs=vllm_fields.prompt_logprobs(req), structured_outputs=constraint)
+                                       CompletionSize(bool(req.echo)), prompt_logprobs=vllm_fields.prompt_logprobs(req),
+                                       structured_outputs=constraint, score_once=not req.stream)
         echo = [(pre.prompt_text(x, ids), ids) for x, ids in zip(_prompt_list(req.prompt), prompts)] if req.echo else None
         return prompts, requests, echo

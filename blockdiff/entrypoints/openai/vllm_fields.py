@@ -5,6 +5,8 @@ prompt before the completion, and with `logprobs` the prompt's scores: docs/arch
 
 from __future__ import annotations
 
+import pydantic_core
+
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.outputs import TokenLogprob
@@ -55,9 +57,29 @@ def echo_logprobs(ids: list[int], scores: list[TokenLogprob] | None, token_text,
 
 
 def joined(a: p.CompletionLogprobs, b: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    """a then b, not validated again: both were (a prompt's part, shared by its choices, is long)."""
     top = None if a.top_logprobs is None else a.top_logprobs + (b.top_logprobs or [])
-    return p.CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
-                                top_logprobs=top, text_offset=a.text_offset + b.text_offset)
+    return p.CompletionLogprobs.model_construct(tokens=a.tokens + b.tokens,
+                                                token_logprobs=a.token_logprobs + b.token_logprobs,
+                                                top_logprobs=top, text_offset=a.text_offset + b.text_offset)
+
+
+def written(logprobs: p.CompletionLogprobs) -> dict[str, str]:
+    """Each list of `logprobs` (those it has, not empty) as JSON, its items without the brackets:
+    the prompt's part of every choice's logprobs, written once for `spliced`."""
+    lists = {name: getattr(logprobs, name) for name in p.CompletionLogprobs.model_fields}
+    return {name: pydantic_core.to_json(items).decode()[1:-1] for name, items in lists.items() if items}
+
+
+def spliced(choice: str, head: dict[str, str]) -> str:
+    """`joined` on a choice's JSON: the items of each of its logprobs lists that `head` has (written)
+    put before its own. The lists' names are found as keys: in a string, a quote is escaped."""
+    parts, at = [], 0
+    for name, items in head.items():
+        cut = choice.index(f'"{name}":[', at) + len(name) + 4
+        parts += [choice[at:cut], items, "" if choice[cut] == "]" else ","]
+        at = cut
+    return "".join(parts) + choice[at:]
 
 
 def completion_max_tokens(req: p.CompletionRequest) -> None:
