@@ -2,22 +2,20 @@
 the adapter and the base model, chat and completions, Anthropic's Messages API with a tool, structured
 output, and streams that the client drops after their first chunk. Every finished request is seeded
 and must equal the same request run alone; nothing may be lost (every response is a 200 with a
-finish reason), and /health keeps answering. `pytest -s -m slow tests/server/test_server_mixed_load.py`
+finish reason), and /health keeps answering (HealthProbe). `pytest -s -m slow tests/server/test_server_mixed_load.py`
 prints what it measured."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 
 import anthropic
-import httpx
 import openai
 import pytest
 from helpers import import_test_file
-from server_process import ServerProcess
+from server_process import HealthProbe, ServerProcess
 
 from blockdiff.demo.tasks import WEATHER_TOOL
 from blockdiff.hub import DEMO_CHECKPOINT
@@ -88,7 +86,7 @@ def test_64_clients_mixing_lora_messages_tools_structured_and_dropped_streams(tm
             async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600) as oa, \
                     anthropic.AsyncAnthropic(base_url=server.url, api_key="none", max_retries=0, timeout=600) as an:
                 solo = [await _run(oa, an, case) for case in CASES]
-                results, health, stop = [], [], time.monotonic() + SECONDS
+                results, stop = [], time.monotonic() + SECONDS
 
                 async def one_client(k: int):
                     i = k
@@ -97,25 +95,19 @@ def test_64_clients_mixing_lora_messages_tools_structured_and_dropped_streams(tm
                         results.append((case, await _run(oa, an, CASES[case])))
                         i += CLIENTS
 
-                async def probe():
-                    async with httpx.AsyncClient(timeout=60) as h:
-                        while time.monotonic() < stop:
-                            t0 = time.perf_counter()
-                            assert (await h.get(server.url + "/health")).status_code == 200
-                            health.append(time.perf_counter() - t0)
-                            await asyncio.sleep(0.05)
+                await asyncio.gather(*(one_client(k) for k in range(CLIENTS)))
+                return solo, results
 
-                await asyncio.gather(probe(), *(one_client(k) for k in range(CLIENTS)))
-                return solo, results, health
-
-        solo, results, health = asyncio.run(main())
+        with HealthProbe(server) as health:
+            solo, results = asyncio.run(main())
         m = server.wait_idle(60)
         differ = [(CASES[case]["kind"], case, got, solo[case]) for case, got in results if got != solo[case]]
         kinds = {kind: sum(CASES[c]["kind"] == kind for c, _ in results) for kind in KINDS}
         print(f"{len(results)} requests from {CLIENTS} clients ({kinds}); {len(differ)} differ from their solo run "
               f"({ {kind: sum(d[0] == kind for d in differ) for kind in KINDS} }); "
-              f"/health p50 {statistics.median(health) * 1e3:.1f} ms, max {max(health) * 1e3:.0f} ms")
+              f"/health idle {health.idle * 1e3:.1f} ms, worst {health.worst * 1e3:.0f} ms")
         assert all(kinds.values()), kinds
+        health.check()
         assert not differ, [(d[0], CASES[d[1]], d[2], d[3]) for d in differ[:8]]
         assert not [k for k in m if k.startswith("blockdiff:http_responses_total") and not k.endswith('"200"}')], m
     finally:
