@@ -17,6 +17,7 @@ def _blockdiff(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "blockdiff", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # two CLI processes, one of them generating: 16 s on a quiet 2-core AVX2 machine
 def test_make_tiny_model_then_generate(tmp_path):
     path = str(tmp_path / "tiny")
     made = _blockdiff("make-tiny-model", path, "--vocab-size", "211", "--canvas-length", "8", "--num-layers", "2")
@@ -133,6 +134,7 @@ def test_checkpoint_files_get_the_umask_mode(tmp_path):
     assert stat.S_IMODE(os.stat(os.path.join(path, "model.safetensors")).st_mode) == 0o644
 
 
+@pytest.mark.slow  # a training run: 13 s on a quiet 2-core AVX2 machine
 def test_train_demo_tasks_flag(tmp_path):
     """--tasks reaches the training record, a repeated name weights its task, an unknown one is an error."""
     out = tmp_path / "ckpt"

@@ -441,6 +441,7 @@ def test_lora_flags_and_misuse(tiny, adapters):
             llm.generate([[5, 6]], lora_request=LoRARequest("a", 1, adapters[0]), use_tqdm=False)
 
 
+@pytest.mark.slow  # transformers and PEFT make an adapter of a second checkpoint: 13 s on a quiet 2-core AVX2 machine
 def test_an_adapter_of_another_model_is_refused_when_named(tiny, checkpoints, tmp_path):
     """Checked against the model when a request names it: no step ever meets it."""
     from blockdiff import LLM, LoRARequest

@@ -100,6 +100,7 @@ def test_greedy_generation_equals_one_rank_and_transformers(tp_ckpt, one_rank, t
             assert all(-50 < v <= 0 for v in a.top.values())
 
 
+@pytest.mark.slow  # torch.compile on two ranks: 13 s on a quiet 2-core AVX2 machine
 def test_compiled_steps_under_tensor_parallelism_equal_one_rank(tp_ckpt, one_rank):
     """torch.compile(fullgraph=True) traces the step at two ranks: its all-reduces and all-gathers
     are functional collectives inside the graph (the backend's own calls are opaque to dynamo), and

@@ -19,7 +19,8 @@ from blockdiff.engine.engine import LLMEngine
 from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.entrypoints.openai.server import ServerConfig, build_app
 
-@pytest.mark.parametrize("tp", [1, 2])
+# two ranks: 12 s on a quiet 2-core AVX2 machine
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigterm_stops_the_server(tiny, tmp_path, tp):
     server = ServerProcess(tiny, "--tensor-parallel-size", str(tp), "--max-model-len", "2048",
                            log_path=str(tmp_path / "server.log"))
