@@ -208,7 +208,7 @@ class SamplingParams:
     # i drawing from seed + i (the engine itself takes one completion per request).
     n: int | None = None
     # vLLM's penalties and OpenAI's logit_bias, applied to every canvas position's logits at every
-    # denoising step (diffusion/penalties.py): repetition_penalty (> 0, 1: none) scales the logits of
+    # denoising step (worker/penalties.py): repetition_penalty (> 0, 1: none) scales the logits of
     # the tokens in the prompt or the committed output; frequency_penalty and presence_penalty (in
     # [-2, 2], 0: none) subtract per committed occurrence / once per token committed; logit_bias
     # adds to the logits of its token ids (at most 300, values in [-100, 100]).

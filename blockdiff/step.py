@@ -218,7 +218,7 @@ class StepRow:
 @dataclass
 class Penalties:
     """vLLM's penalties and OpenAI's logit_bias of one request (SamplingParams), sent with its
-    admission: what each rank keeps of them per slot (diffusion/penalties.py). The output committed
+    admission: what each rank keeps of them per slot (worker/penalties.py). The output committed
     after the admission reaches the ranks as encoder rows past `prompt` + `output`."""
 
     repetition: float
