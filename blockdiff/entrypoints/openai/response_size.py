@@ -2,7 +2,7 @@
 it returns as its endpoint's serializer spells it (its text, and with logprobs its entry and every
 alternative's), the prompt's scores as often as the response repeats them. Token texts count as
 the tokenizer's average entry; every number at its longest. An estimate that a response of ordinary
-text stays under, by a margin that is mostly the numbers' room (tests/server/test_response_size.py)."""
+text stays under, by a margin that is mostly the numbers' room (tests/server/test_large_responses.py)."""
 
 from __future__ import annotations
 
