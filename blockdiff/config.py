@@ -165,7 +165,7 @@ COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
 # the CPU the K measured best (docs/benchmarks.md, "The host's share of a denoising step"); on CUDA one until a
 # device measures K (scripts/device_check.py's steps_per_launch part).
 STEPS_PER_LAUNCH = {"cpu": 4, "cuda": 1}
-# Async scheduling per device (docs/benchmarks.md, issue 28): on a CPU the model computes on the
+# Async scheduling per device (docs/benchmarks.md, "Scheduling overlapped with execution"): on a CPU the model computes on the
 # host, so the overlap buys nothing there and the two thread wake-ups a step cost more; a GPU
 # computes while the host makes and streams the outputs.
 ASYNC_SCHEDULING = {"cpu": False, "cuda": True}

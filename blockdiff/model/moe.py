@@ -3,7 +3,7 @@
 Under tensor parallelism both are split along their intermediate dimension (every rank holds every
 expert, with 1/N of each expert's width), so routing stays replicated, no tokens move between
 ranks, and one all-reduce ends each block. At DiffusionGemma's size this keeps all ranks equally
-loaded whatever the router does; docs/architecture.md has the measurements.
+loaded whatever the router does; docs/tp.md has the measurements.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ captured as a CUDA graph:
   product instead: few tokens spread over many experts. On a Xeon with AMX one layer's experts at 64
   tokens took 3.62 ms batched against 5.32 ms grouped; on an AMD EPYC with AVX512-BF16 but no AMX
   the batched products were no faster (0.90-1.10x per layer, 0.92-0.95x per generate), so there
-  bfloat16 experts stay grouped (docs/benchmarks.md, issue 41).
+  bfloat16 experts stay grouped (docs/benchmarks.md, "MoE: grouped against per-expert products").
 - "per_expert": two products per busy expert, which reads the group sizes on the host: everything
   else. Such a step has a host sync in every layer, so it is neither compiled nor captured.
 
@@ -161,7 +161,7 @@ def transposed_experts(device: torch.device, dtype: torch.dtype, shape: ExpertSh
     [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies by such a
     weight up to a quarter faster than by the checkpoint's layout read through a transposed view,
     with the same bits (docs/benchmarks.md); CUDA's grouped kernels and the CPU's batched products
-    (torch.bmm, whose oneDNN kernel read that layout faster: docs/benchmarks.md, issue 41) take the
+    (torch.bmm, whose oneDNN kernel read that layout faster: docs/benchmarks.md, "MoE: grouped against per-expert products") take the
     checkpoint's layout."""
     return device.type == "cpu" and expert_kernel(target(device), dtype, shape)[0] == GROUPED
 

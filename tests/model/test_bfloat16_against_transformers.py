@@ -6,7 +6,7 @@ through each CPU experts' kernel (grouped, and the batched one forced, so that i
 - greedy generation against transformers' bfloat16 generate: the first differing position, if any,
   is printed beside where transformers' own bfloat16 parts from its float32. On these random models
   the logits of many tokens lie within a bfloat16 rounding of each other, so both part at the first
-  canvas (measured: docs/benchmarks.md, issue 41); the test asserts only that generation runs, and
+  canvas (measured: docs/benchmarks.md, "Batch invariance in bfloat16"); the test asserts only that generation runs, and
   the logits' bound above carries the numerical check. Greedy parity in float32 is tests/model/test_generation.py's."""
 
 from __future__ import annotations
