@@ -161,8 +161,8 @@ def transposed_experts(device: torch.device, dtype: torch.dtype, shape: ExpertSh
     [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies by such a
     weight up to a quarter faster than by the checkpoint's layout read through a transposed view,
     with the same bits (docs/benchmarks.md); CUDA's grouped kernels and the CPU's batched products
-    (torch.bmm, whose oneDNN kernel read that layout faster: docs/benchmarks.md, "MoE: grouped against per-expert products") take the
-    checkpoint's layout."""
+    (torch.bmm, whose oneDNN kernel read that layout faster: docs/benchmarks.md, "MoE: grouped
+    against per-expert products") take the checkpoint's layout."""
     return device.type == "cpu" and expert_kernel(target(device), dtype, shape)[0] == GROUPED
 
 
