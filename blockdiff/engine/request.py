@@ -211,6 +211,11 @@ class Request:
         it scores its prompt, the canvas-sized piece it scores beside it."""
         return 1 if self.next_score_start is None else 2
 
+    @property
+    def canvas_steps_done(self) -> int:
+        """The denoising steps its canvas has run: what a preemption now would throw away."""
+        return self.params.max_denoising_steps - self.steps_left if self.state == State.DENOISE else 0
+
     def piece_to_score(self) -> tuple[int, int] | None:
         """The piece [start, end) to score now: the cache holds exactly the prompt before it."""
         start = self.next_score_start

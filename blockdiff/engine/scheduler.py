@@ -24,10 +24,17 @@ them), and only requests of the head's own client or of clients running more tha
 therefore starts within one canvas of some running request, at most the engine's denoising-steps
 limit plus a commit step once the running requests have had `preempt_after` canvases each; a
 client's waiting request is behind the heads of the clients running fewer requests, not behind
-every request queued before it. A request still prefilling its prompt (or scoring it, a piece a
-step) gives its slot to another client's head at once, under the same rule of shares, where
-prefix caching keeps what it computed for its readmission: a call of many long or scored prompts
-does not hold every slot for as many steps as its prompts take.
+every request queued before it. Before its canvas boundary, in any state, a running request gives
+its slot at once to another client's head whose client runs less even once the swap is made (so two
+clients never trade a slot back and forth), where prefix caching keeps what it prefilled for its
+readmission: a call of many long or scored prompts does not hold every slot for as many steps as
+its prompts take, nor do a call's choices, admitted together and so committing at the same step,
+hold every slot for a whole canvas (up to the steps limit). Those that lose nothing give first (a
+prompt being prefilled or scored, a canvas boundary), then canvases being denoised, the fewest
+steps run first: such a canvas starts again from the same random numbers. So while a client runs
+more requests than another by more than one (share), the other's head starts at the next step. Every running request
+still has its row in every step, whoever's it is: the step's size is set by the slots
+(`max_num_seqs`), not by a client, and a step of more rows costs less per row.
 """
 
 from __future__ import annotations
@@ -122,7 +129,10 @@ class Scheduler:
         running = self._shares()
         head = self._head(running)
         # The busiest clients give first; a client running no more than the head's keeps its slots.
-        for req in sorted(self.running, key=lambda r: -running[r.client]):
+        # Within a client, those that lose nothing (at a canvas boundary, or prefilling into the
+        # prefix cache) before those that lose the denoising steps of their canvas, fewest first.
+        for req in sorted(self.running, key=lambda r: (-running[r.client], r.state == State.DENOISE,
+                                                       r.canvas_steps_done)):
             if self._fits(head):
                 break
             if not self._yields(req, head, running):
@@ -134,14 +144,16 @@ class Scheduler:
 
     def _yields(self, req: Request, head: Request, running: Counter) -> bool:
         """Whether `req` gives its slot to `head` now: at a canvas boundary once it has had its
-        canvases (its own client's head, or one of a client running less); or while it prefills or
-        scores its prompt, to another client's head whose client runs less even once the swap is
-        made (so two clients never trade a slot back and forth): a long prompt, or a scoring
-        request's piece after piece, would otherwise hold it for as many steps. What it computed
-        stays in the prefix cache, which its readmission finds."""
+        canvases (its own client's head, or one of a client running less); or, in any other state,
+        to another client's head whose client runs less even once the swap is made (so two clients
+        never trade a slot back and forth): a long prompt, a scoring request's piece after piece,
+        or a canvas at the steps limit would otherwise hold it for as many steps, and one client's
+        choices, admitted together, hold every slot until they all commit at once. What it
+        prefilled stays in the prefix cache, which its readmission finds; a canvas being denoised
+        starts again from the same random numbers, which costs the steps it had run."""
         if req.state == State.COMMIT and req.canvases_since_admitted >= self.preempt_after:
             return req.client == head.client or running[req.client] > running[head.client]
-        return (req.state == State.PREFILL and req.client != head.client and self.kv.full.caching
+        return (req.client != head.client and self.kv.full.caching
                 and running[req.client] - req.share > running[head.client])
 
     def schedule(self) -> SchedulerOutput | None:
