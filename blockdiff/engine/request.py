@@ -106,6 +106,7 @@ class Request:
     num_cached: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     canvases_since_admitted: int = 0
+    denoised_at: int = -1  # the scheduler's step in which its canvas last ran (engine/scheduler.py)
     steps_left: int = 0  # n of the canvas being denoised
     # A canvas started and not yet sent to the workers: its draft tokens [CL] (-1 where it starts
     # from the noise the workers draw).

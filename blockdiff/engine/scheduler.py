@@ -32,9 +32,16 @@ its prompts take, nor do a call's choices, admitted together and so committing a
 hold every slot for a whole canvas (up to the steps limit). Those that lose nothing give first (a
 prompt being prefilled or scored, a canvas boundary), then canvases being denoised, the fewest
 steps run first: such a canvas starts again from the same random numbers. So while a client runs
-more requests than another by more than one (share), the other's head starts at the next step. Every running request
-still has its row in every step, whoever's it is: the step's size is set by the slots
-(`max_num_seqs`), not by a client, and a step of more rows costs less per row.
+more requests than another by more than one (share), the other's head starts at the next step.
+
+A step's rows are a share too: while more than one client has requests running, each
+client's canvases denoised in a step are at most its even part of the slots (`num_slots` / the
+clients, rounded up), those that ran longest ago first (`Request.denoised_at`), the others waiting
+their turn with their slot and canvas kept; prompt chunks, commits and scored pieces are not held
+back. A step's time grows with its rows (16 canvases on a 1,000-token context took 2-5 x one), so
+one client's many canvases would otherwise set the length of every step of another client's
+request. A canvas's random numbers are counted by its own steps, so turns change no output; alone,
+a client's canvases all run every step.
 """
 
 from __future__ import annotations
@@ -59,12 +66,14 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, num_slots: int, kv: KVCacheManager, max_prefill_tokens: int, preempt_after: int | None):
         self.kv = kv
+        self.num_slots = num_slots
         self.max_prefill_tokens = max_prefill_tokens
         self.preempt_after = preempt_after
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in order of admission
         self.num_preemptions = 0
+        self.num_steps = 0  # steps scheduled: when each canvas last ran (Request.denoised_at)
         self.lora = None  # --enable-lora: the adapters' device slots (engine/lora_slots.py LoRASlots), a resource like the slots
 
     def add(self, request: Request) -> None:
@@ -226,6 +235,29 @@ class Scheduler:
                 if n > 0:
                     encoder.append((req, n))
                     budget -= n
+        decoder = self._canvases(decoder)
         if not encoder and not decoder and not score:
             return None
+        self.num_steps += 1
         return SchedulerOutput(encoder, decoder, preempted, score)
+
+    def _canvases(self, decoder: list[Request]) -> list[Request]:
+        """The canvases denoised this step: while more than one client has requests running, each
+        client's at most its even part of the slots, those that ran longest ago first. A client's
+        many canvases would otherwise make every step, and so every step of another client's
+        request, as long as theirs. (A client whose requests only wait has no step to speed up:
+        holding back the others' canvases would make it wait longer for their slots.)"""
+        clients = {r.client for r in self.running}
+        if len(clients) < 2:
+            return decoder
+        cap = -(-self.num_slots // len(clients))
+        by_client: dict[str | None, list[Request]] = {}
+        for req in decoder:
+            by_client.setdefault(req.client, []).append(req)
+        skipped = set()
+        for reqs in by_client.values():
+            skipped.update(sorted(reqs, key=lambda r: r.denoised_at)[cap:])  # stable: oldest admission first
+        decoder = [r for r in decoder if r not in skipped]
+        for req in decoder:
+            req.denoised_at = self.num_steps
+        return decoder

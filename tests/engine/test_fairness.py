@@ -69,6 +69,41 @@ def test_another_clients_request_takes_a_slot_from_a_canvas_being_denoised(tiny)
         assert all(h.finish_reason == "length" for h in hogs)
 
 
+def test_while_two_clients_run_each_denoises_at_most_its_part_of_the_slots_per_step(tiny):
+    """Client a's canvases fill the slots but one, client b's small request the last: each step
+    denoises at most two of a's (half the four slots), those that ran longest ago first, so b's
+    steps are small; a's canvases take turns, and their output is as alone. Alone, a client's
+    canvases all run every step."""
+    steps, canvas = 40, 8
+    with LLM(tiny, max_num_seqs=4, num_scheduler_steps=1) as llm:  # a step at a time, to be watched
+        [alone] = llm.generate([5, 6, 7], _hog(steps, 2 * canvas), use_tqdm=False)
+        engine = llm.engine
+        hogs = [engine.add_request([5, 6, 7], _hog(steps, 2 * canvas)) for _ in range(4)]
+        for hog in hogs:
+            hog.client = "a"
+        for _ in range(3):
+            engine.step()
+        done = [h.metrics.denoising_steps for h in hogs]
+        engine.step()
+        assert [h.metrics.denoising_steps for h in hogs] == [d + 1 for d in done]  # one client: no cap
+        small = engine.add_request([8, 9], SamplingParams(max_tokens=4 * canvas, max_denoising_steps=steps, **GREEDY))
+        small.client = "b"
+        engine.step()
+        assert small.slot is not None  # it took a slot from one of a's
+        runs = []
+        for _ in range(6):
+            before = [h.metrics.denoising_steps for h in hogs]
+            engine.step()
+            runs.append([h for h, b in zip(hogs, before) if h.metrics.denoising_steps > b])
+        assert not small.finished
+        assert all(len(ran) <= 2 for ran in runs) and max(map(len, runs)) == 2
+        running = [h for h in hogs if h.slot is not None]
+        assert all(sum(h in ran for ran in runs) >= 3 for h in running)  # turns: none waits for the others
+        while engine.has_unfinished():
+            engine.step()
+        assert [h.output.token_ids for h in hogs] == [alone.token_ids] * 4
+
+
 server = serve(fixture_value("tiny"), "--max-num-seqs", "2", "--preempt-after-canvases", "2", "--max-model-len", "256",
                "--max-request-cost", str(10**8))
 
