@@ -106,6 +106,7 @@ class Request:
     num_cached: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     canvases_since_admitted: int = 0
+    denoised_at: int = -1  # the scheduler's step in which its canvas last ran (engine/scheduler.py)
     steps_left: int = 0  # n of the canvas being denoised
     # A canvas started and not yet sent to the workers: its draft tokens [CL] (-1 where it starts
     # from the noise the workers draw).
@@ -210,6 +211,11 @@ class Request:
         """What the request takes of each step, for fairness (engine/scheduler.py): its row, and while
         it scores its prompt, the canvas-sized piece it scores beside it."""
         return 1 if self.next_score_start is None else 2
+
+    @property
+    def canvas_steps_done(self) -> int:
+        """The denoising steps its canvas has run: what a preemption now would throw away."""
+        return self.params.max_denoising_steps - self.steps_left if self.state == State.DENOISE else 0
 
     def piece_to_score(self) -> tuple[int, int] | None:
         """The piece [start, end) to score now: the cache holds exactly the prompt before it."""

@@ -24,10 +24,24 @@ them), and only requests of the head's own client or of clients running more tha
 therefore starts within one canvas of some running request, at most the engine's denoising-steps
 limit plus a commit step once the running requests have had `preempt_after` canvases each; a
 client's waiting request is behind the heads of the clients running fewer requests, not behind
-every request queued before it. A request still prefilling its prompt (or scoring it, a piece a
-step) gives its slot to another client's head at once, under the same rule of shares, where
-prefix caching keeps what it computed for its readmission: a call of many long or scored prompts
-does not hold every slot for as many steps as its prompts take.
+every request queued before it. Before its canvas boundary, in any state, a running request gives
+its slot at once to another client's head whose client runs less even once the swap is made (so two
+clients never trade a slot back and forth), where prefix caching keeps what it prefilled for its
+readmission: a call of many long or scored prompts does not hold every slot for as many steps as
+its prompts take, nor do a call's choices, admitted together and so committing at the same step,
+hold every slot for a whole canvas (up to the steps limit). Those that lose nothing give first (a
+prompt being prefilled or scored, a canvas boundary), then canvases being denoised, the fewest
+steps run first: such a canvas starts again from the same random numbers. So while a client runs
+more requests than another by more than one (share), the other's head starts at the next step.
+
+A step's rows are a share too: while more than one client has requests running, each
+client's canvases denoised in a step are at most its even part of the slots (`num_slots` / the
+clients, rounded up), those that ran longest ago first (`Request.denoised_at`), the others waiting
+their turn with their slot and canvas kept; prompt chunks, commits and scored pieces are not held
+back. A step's time grows with its rows (16 canvases on a 1,000-token context took 2-5 x one), so
+one client's many canvases would otherwise set the length of every step of another client's
+request. A canvas's random numbers are counted by its own steps, so turns change no output; alone,
+a client's canvases all run every step.
 """
 
 from __future__ import annotations
@@ -52,12 +66,14 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, num_slots: int, kv: KVCacheManager, max_prefill_tokens: int, preempt_after: int | None):
         self.kv = kv
+        self.num_slots = num_slots
         self.max_prefill_tokens = max_prefill_tokens
         self.preempt_after = preempt_after
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in order of admission
         self.num_preemptions = 0
+        self.num_steps = 0  # steps scheduled: when each canvas last ran (Request.denoised_at)
         self.lora = None  # --enable-lora: the adapters' device slots (engine/lora_slots.py LoRASlots), a resource like the slots
 
     def add(self, request: Request) -> None:
@@ -122,7 +138,10 @@ class Scheduler:
         running = self._shares()
         head = self._head(running)
         # The busiest clients give first; a client running no more than the head's keeps its slots.
-        for req in sorted(self.running, key=lambda r: -running[r.client]):
+        # Within a client, those that lose nothing (at a canvas boundary, or prefilling into the
+        # prefix cache) before those that lose the denoising steps of their canvas, fewest first.
+        for req in sorted(self.running, key=lambda r: (-running[r.client], r.state == State.DENOISE,
+                                                       r.canvas_steps_done)):
             if self._fits(head):
                 break
             if not self._yields(req, head, running):
@@ -134,14 +153,16 @@ class Scheduler:
 
     def _yields(self, req: Request, head: Request, running: Counter) -> bool:
         """Whether `req` gives its slot to `head` now: at a canvas boundary once it has had its
-        canvases (its own client's head, or one of a client running less); or while it prefills or
-        scores its prompt, to another client's head whose client runs less even once the swap is
-        made (so two clients never trade a slot back and forth): a long prompt, or a scoring
-        request's piece after piece, would otherwise hold it for as many steps. What it computed
-        stays in the prefix cache, which its readmission finds."""
+        canvases (its own client's head, or one of a client running less); or, in any other state,
+        to another client's head whose client runs less even once the swap is made (so two clients
+        never trade a slot back and forth): a long prompt, a scoring request's piece after piece,
+        or a canvas at the steps limit would otherwise hold it for as many steps, and one client's
+        choices, admitted together, hold every slot until they all commit at once. What it
+        prefilled stays in the prefix cache, which its readmission finds; a canvas being denoised
+        starts again from the same random numbers, which costs the steps it had run."""
         if req.state == State.COMMIT and req.canvases_since_admitted >= self.preempt_after:
             return req.client == head.client or running[req.client] > running[head.client]
-        return (req.state == State.PREFILL and req.client != head.client and self.kv.full.caching
+        return (req.client != head.client and self.kv.full.caching
                 and running[req.client] - req.share > running[head.client])
 
     def schedule(self) -> SchedulerOutput | None:
@@ -214,6 +235,29 @@ class Scheduler:
                 if n > 0:
                     encoder.append((req, n))
                     budget -= n
+        decoder = self._canvases(decoder)
         if not encoder and not decoder and not score:
             return None
+        self.num_steps += 1
         return SchedulerOutput(encoder, decoder, preempted, score)
+
+    def _canvases(self, decoder: list[Request]) -> list[Request]:
+        """The canvases denoised this step: while more than one client has requests running, each
+        client's at most its even part of the slots, those that ran longest ago first. A client's
+        many canvases would otherwise make every step, and so every step of another client's
+        request, as long as theirs. (A client whose requests only wait has no step to speed up:
+        holding back the others' canvases would make it wait longer for their slots.)"""
+        clients = {r.client for r in self.running}
+        if len(clients) < 2:
+            return decoder
+        cap = -(-self.num_slots // len(clients))
+        by_client: dict[str | None, list[Request]] = {}
+        for req in decoder:
+            by_client.setdefault(req.client, []).append(req)
+        skipped = set()
+        for reqs in by_client.values():
+            skipped.update(sorted(reqs, key=lambda r: r.denoised_at)[cap:])  # stable: oldest admission first
+        decoder = [r for r in decoder if r not in skipped]
+        for req in decoder:
+            req.denoised_at = self.num_steps
+        return decoder

@@ -9,6 +9,7 @@ import httpx
 import openai
 
 from blockdiff import LLM, SamplingParams
+from blockdiff.engine.request import State
 from server_process import ServerProcess, fixture_value, serve
 
 GREEDY = dict(t_min=1e-6, t_max=2e-6)
@@ -40,6 +41,67 @@ def test_preemption_lets_a_waiting_request_in_and_changes_no_output(tiny):
         while engine.has_unfinished():
             engine.step()
         assert hog.output.token_ids == alone.token_ids and hog.finish_reason == "length"
+
+
+def test_another_clients_request_takes_a_slot_from_a_canvas_being_denoised(tiny):
+    """Client a's two requests hold both slots, denoising canvases at the steps limit: client b's
+    request starts at the next step, not when a canvas commits (every choice of one call, admitted
+    together, commits at the same step: a newcomer waited for the whole canvas). The request that
+    gave its slot denoises its canvas again from the same random numbers: its output is as alone."""
+    steps, canvas = 12, 8
+    with LLM(tiny, max_num_seqs=2) as llm:
+        [alone] = llm.generate([5, 6, 7], _hog(steps, 2 * canvas), use_tqdm=False)
+        engine = llm.engine
+        hogs = [engine.add_request([5, 6, 7], _hog(steps, 2 * canvas)) for _ in range(2)]
+        for hog in hogs:
+            hog.client = "a"
+        for _ in range(3):  # admitted and prefilled, then into their first canvas
+            engine.step()
+        assert all(h.state == State.DENOISE and h.steps_left < steps for h in hogs)
+        small = engine.add_request([8, 9], SamplingParams(max_tokens=canvas, max_denoising_steps=steps, **GREEDY))
+        small.client = "b"
+        engine.step()
+        assert small.slot is not None
+        assert sum(h.metrics.preemptions for h in hogs) == 1
+        while engine.has_unfinished():
+            engine.step()
+        assert [h.output.token_ids for h in hogs] == [alone.token_ids] * 2
+        assert all(h.finish_reason == "length" for h in hogs)
+
+
+def test_while_two_clients_run_each_denoises_at_most_its_part_of_the_slots_per_step(tiny):
+    """Client a's canvases fill the slots but one, client b's small request the last: each step
+    denoises at most two of a's (half the four slots), those that ran longest ago first, so b's
+    steps are small; a's canvases take turns, and their output is as alone. Alone, a client's
+    canvases all run every step."""
+    steps, canvas = 40, 8
+    with LLM(tiny, max_num_seqs=4, num_scheduler_steps=1) as llm:  # a step at a time, to be watched
+        [alone] = llm.generate([5, 6, 7], _hog(steps, 2 * canvas), use_tqdm=False)
+        engine = llm.engine
+        hogs = [engine.add_request([5, 6, 7], _hog(steps, 2 * canvas)) for _ in range(4)]
+        for hog in hogs:
+            hog.client = "a"
+        for _ in range(3):
+            engine.step()
+        done = [h.metrics.denoising_steps for h in hogs]
+        engine.step()
+        assert [h.metrics.denoising_steps for h in hogs] == [d + 1 for d in done]  # one client: no cap
+        small = engine.add_request([8, 9], SamplingParams(max_tokens=4 * canvas, max_denoising_steps=steps, **GREEDY))
+        small.client = "b"
+        engine.step()
+        assert small.slot is not None  # it took a slot from one of a's
+        runs = []
+        for _ in range(6):
+            before = [h.metrics.denoising_steps for h in hogs]
+            engine.step()
+            runs.append([h for h, b in zip(hogs, before) if h.metrics.denoising_steps > b])
+        assert not small.finished
+        assert all(len(ran) <= 2 for ran in runs) and max(map(len, runs)) == 2
+        running = [h for h in hogs if h.slot is not None]
+        assert all(sum(h in ran for ran in runs) >= 3 for h in running)  # turns: none waits for the others
+        while engine.has_unfinished():
+            engine.step()
+        assert [h.output.token_ids for h in hogs] == [alone.token_ids] * 4
 
 
 server = serve(fixture_value("tiny"), "--max-num-seqs", "2", "--preempt-after-canvases", "2", "--max-model-len", "256",

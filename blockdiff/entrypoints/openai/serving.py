@@ -15,6 +15,7 @@ import pydantic_core
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from blockdiff.engine.async_engine import EngineUnavailable, RequestFailed, RequestStream
 from blockdiff.engine.client import EngineClient, structured_specs
@@ -147,16 +148,18 @@ class ResponseFormat:
     def begin(self, count: int) -> list[BaseModel]:
         return []
 
-    def body(self, pieces: dict[int, Piece], u: p.Usage) -> str:
-        """The whole response's JSON (the subclass's `response`)."""
+    def body(self, pieces: dict[int, Piece], u: p.Usage) -> list[bytes]:
+        """The whole response's JSON (the subclass's `response`), in json_body's parts."""
         return json_body(self.response(pieces, u))
 
 
-def json_body(response: BaseModel, written: dict[str, list[str]] | None = None) -> str:
-    """`response.model_dump_json()`, its top-level lists (choices, prompt_logprobs) written an item
-    at a time: one call over a large body holds the GIL, so the event loop, until it is done.
-    written: lists whose items the caller wrote already (the response holds them empty)."""
-    lists = {name: [pydantic_core.to_json(item).decode() for item in value] for name in type(response).model_fields
+def json_body(response: BaseModel, written: dict[str, list[bytes]] | None = None) -> list[bytes]:
+    """`response.model_dump_json()` in parts that are sent one after the other (JSONParts), its
+    top-level lists (choices, prompt_logprobs) written an item at a time: one call over a large
+    body, or one join of its parts, holds the GIL, so the event loop and the engine's step thread,
+    for as long as it takes to write or copy all of it (tenths of a second for tens of MB on a
+    busy core). written: lists whose items the caller wrote already (the response holds them empty)."""
+    lists = {name: [pydantic_core.to_json(item) for item in value] for name in type(response).model_fields
              if isinstance(value := getattr(response, name), list) and value}
     lists.update(written or {})
     envelope = response.model_copy(update={name: [] for name in lists}).model_dump_json()
@@ -164,9 +167,26 @@ def json_body(response: BaseModel, written: dict[str, list[str]] | None = None) 
     for name in type(response).model_fields:
         if name in lists:
             marker = envelope.index(f'"{name}":[]', at) + len(f'"{name}":[')
-            parts += [envelope[at:marker], ",".join(lists[name])]
+            parts.append(envelope[at:marker].encode())
+            parts += [item if i == 0 else b"," + item for i, item in enumerate(lists[name])]
             at = marker
-    return "".join(parts) + envelope[at:]
+    parts.append(envelope[at:].encode())
+    return parts
+
+
+class JSONParts(Response):
+    """A JSON body sent a part at a time (json_body's), with its Content-Length."""
+
+    media_type = "application/json"
+
+    def __init__(self, parts: list[bytes]):
+        self.parts = parts
+        super().__init__(headers={"content-length": str(sum(map(len, parts)))})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for i, part in enumerate(self.parts, 1):
+            await send({"type": "http.response.body", "body": part, "more_body": i < len(self.parts)})
 
 
 def sse(model: BaseModel | dict, event: str | None = None) -> str:
@@ -184,7 +204,7 @@ class EventStream(StreamingResponse):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._stream, self._on_close = stream, on_close
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = asyncio.ensure_future(super().__call__(scope, receive, send))
         overflowed = asyncio.ensure_future(self._stream.overflowed.wait())
         try:
@@ -297,8 +317,7 @@ class OpenAIServing:
         # Off the event loop, to its bytes: a large body (echo with logprobs: every choice a prompt's
         # tokens with their alternatives) takes seconds to build.
         u = usage(prompts, finals, len(states))
-        body = await asyncio.to_thread(lambda: fmt.body(pieces, u).encode())
-        return Response(body, media_type="application/json")
+        return JSONParts(await asyncio.to_thread(fmt.body, pieces, u))
 
     async def _events(self, stream: RequestStream, states: list[ChoiceState], prompts, fmt: ResponseFormat,
                       include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:

@@ -87,7 +87,7 @@ class CompletionFormat(ResponseFormat):
         choices = [self._choice(i, pieces[i]) for i in sorted(pieces)]
         return p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
 
-    def body(self, pieces: dict[int, Piece], u: p.Usage) -> str:
+    def body(self, pieces: dict[int, Piece], u: p.Usage) -> list[bytes]:
         """The response's JSON, each prompt's part of its choices' logprobs written once and copied
         into each of them: n choices echoing a long scored prompt hold it n times."""
         written, heads = [], {}
@@ -98,7 +98,7 @@ class CompletionFormat(ResponseFormat):
                 if id(head) not in heads:
                     heads[id(head)] = vllm_fields.written(head)
                 text = vllm_fields.spliced(text, heads[id(head)])
-            written.append(text)
+            written.append(text.encode())
         return json_body(p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u),
                          {"choices": written})
 
