@@ -124,7 +124,7 @@ def test_a_one_token_prompt_has_nothing_to_score_and_ends_at_once(llm):
 
 def test_a_scoring_request_whose_response_is_too_large_is_refused_before_any_work(server):
     """--max-response-bytes, at this server's 8 MiB: 128 choices echoing a 250-token prompt with 20
-    alternatives each would answer about 16 MB. It is a 400 before any work (issue 37's finding 6:
+    alternatives each would answer about 16 MB. It is a 400 before any work (a scoring amplification attack:
     /health within its bound meanwhile, the server's memory flat); a smaller one is served
     (tests/server/test_large_responses.py compares the estimate with real responses)."""
     ids = httpx.post(server.url + "/tokenize", json={"prompt": "reverse: " + "stone " * 120}).json()["tokens"][:250]
