@@ -26,7 +26,7 @@ import torch.nn.functional as F
 # exp(-87) = 1.6e-38 is still normal: every weight kept is exp(y) to the last bit.
 EXP_FLOOR = -87.0
 # The float32 just below the floor, which every y under it is clamped to, and a cut halfway between
-# its exp and the floor's (each ~45 units in the last place away): a weight at or below the cut is
+# its exp and the floor's (~44 units in the last place from each): a weight at or below the cut is
 # one that was clamped. No mask is kept, and no temporary of the weights' size is made.
 _BELOW_FLOOR = float(torch.tensor(EXP_FLOOR).nextafter(torch.tensor(-math.inf)))
 _CUT = math.exp((EXP_FLOOR + _BELOW_FLOOR) / 2)
@@ -34,6 +34,6 @@ _CUT = math.exp((EXP_FLOOR + _BELOW_FLOOR) / 2)
 
 def weights_exp(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """exp(y) of float32 y, 0 where y < EXP_FLOOR; into `out` where given (`out` may be y itself)."""
-    # A compare-and-select after exp: no [y's size] temporary (a bool mask of y, and float32 a copy of
-    # it cast for a multiply, took 5 bytes per weight beside the sampler's tile), 2-3x faster here.
+    # One compare-and-select after exp, and no temporary of y's size: a kept-mask multiplied in took 5
+    # bytes per weight beside the sampler's tile (the bool mask and its float32 cast), and 2-3x the time.
     return F.threshold_(torch.clamp(y, min=_BELOW_FLOOR, out=out).exp_(), _CUT, 0.0)
