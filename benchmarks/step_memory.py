@@ -1,4 +1,4 @@
-"""The memory of whole generate steps at the real vocabulary: the peak resident set over one float32 logits tensor.
+"""A whole generate's peak memory at the real vocabulary, over one float32 logits tensor of the batch.
 
 A random checkpoint (model/tiny.py) of vocabulary --vocab (262,144), canvas 256, hidden size 64, 2 layers and 4
 experts, run by the real engine (`LLM.generate`) in --dtype on one thread: one warm-up generate of one prompt, then
@@ -16,13 +16,15 @@ results) and the whole step (`ModelRunner.execute`, which may run several denois
 
 The process keeps freed memory in its heap as the `blockdiff` commands do (tune_cpu_heap,
 blockdiff/worker/cpu_heap.py); with --plain-heap it keeps glibc's defaults, which map and unmap blocks this large at
-every allocation, so the resident set follows the live tensors.
+every allocation, so the resident set follows the live tensors: the stages' peaks say most there (in a heap that
+keeps freed memory, the blocks of earlier steps are resident already).
 
     OMP_NUM_THREADS=1 python benchmarks/step_memory.py [--vocab 262144] [--batch 8] [--dtype float32|bfloat16]
         [--compile] [--plain-heap] [--logprobs K] [--sampler-memory-gb G] [--workdir DIR]
 
---vocab below the real one scales the sampler's default workspace with it (`scaled_workspace_gb`), so
-that the figures keep their ratios; --sampler-memory-gb sets it. --logprobs K asks every request for K top logprobs (the logprob path; one denoising step per launch then).
+--vocab below the real one scales the sampler's default workspace with it (`scaled_workspace_gb`), so that the
+figures keep their ratios; --sampler-memory-gb sets it. --logprobs K asks every request for K top logprobs (the
+logprob path; one denoising step per launch then).
 --compile compiles the step of canvases (EngineConfig.compile): minutes of compiling per shape on this CPU.
 """
 
