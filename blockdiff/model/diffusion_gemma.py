@@ -14,7 +14,7 @@ from torch import nn
 from blockdiff.config import ModelConfig
 from blockdiff.parallel.self_conditioning import soft_embedding
 from blockdiff.ops.kernels import expert_kernel, static_kernel, target
-from blockdiff.model.attention import Attention, AttentionMetadata
+from blockdiff.model.attention import ROW_ALIGN, Attention, AttentionMetadata
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.interface import LayerCacheSpec
 from blockdiff.model.layers import RMSNorm, Rotary, unit_rms
@@ -29,6 +29,10 @@ from blockdiff.step import ImageInputs
 
 # The checkpoint's name of the modules that the quantization_config's patterns match.
 PREFIX = "model.decoder"
+# Rows of the LM head per product where its output is widened to the float32 logits (a model in
+# bfloat16): that output exists for these rows only, not beside the whole logits. A multiple of
+# ROW_ALIGN, so each row is computed as in one product of all of them.
+HEAD_ROWS = 32 * ROW_ALIGN
 
 NORMS = (
     "input_layernorm",
@@ -195,8 +199,13 @@ class DiffusionGemma(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.embed.logits(hidden)
-        logits = logits.float() if out is None else out.copy_(logits)
+        if hidden.dtype == torch.float32:  # the product's output is the logits (or is copied into `out` whole)
+            logits = self.embed.logits(hidden)
+            logits = logits if out is None else out.copy_(logits)
+        else:
+            logits = hidden.new_empty(hidden.shape[0], self.shard.local_rows, dtype=torch.float32) if out is None else out
+            for a in range(0, hidden.shape[0], HEAD_ROWS):
+                logits[a : a + HEAD_ROWS].copy_(self.embed.logits(hidden[a : a + HEAD_ROWS]))
         if self.softcap:
             # softcap·tanh(x/softcap) = softcap - 2·softcap / (exp(2x/softcap) + 1), in place: the
             # same function (to 6e-6 absolute at softcap 30) at a third of the cost of PyTorch's CPU

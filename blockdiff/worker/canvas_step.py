@@ -100,20 +100,29 @@ def canvas_step(
     out = None
     for i in range(steps):
         params = first if i == 0 else first.later(i)
-        now = forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits, lora=lora,
-                           lora_experts=lora_experts, penalties=penalties, penalty_slots=inputs.slots)[1]
-        if out is None:
-            out = now
-        else:
-            done = out.finished  # before this step: they keep what they had
-            out = CanvasOutputs({k: _where(done, out.updates[k], v) for k, v in now.updates.items()},
-                                *(_where(done, getattr(out, k), getattr(now, k)) for k in _RESULTS),
-                                now.dist, out.steps + (~done).to(torch.int32))
+        if out is not None:
+            # Nothing reads the previous step's distribution again: dropped before this step's
+            # forward, its logits [canvases, CL, local vocab] are freed before this step's are made,
+            # and a launch holds one step's logits at a time, not two.
+            out.dist = None
+        out = _then(out, forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits, lora=lora,
+                                      lora_experts=lora_experts, penalties=penalties, penalty_slots=inputs.slots)[1])
         work.put(here, out.updates)
     return out
 
 
 _RESULTS = ("tokens", "finished", "logprob", "entropy", "accepted")
+
+
+def _then(out: CanvasOutputs | None, now: CanvasOutputs) -> CanvasOutputs:
+    """The outputs of the steps so far (`out`, None before the first) followed by those of the step
+    just run: a canvas that had finished keeps what it had, the distribution is the new step's."""
+    if out is None:
+        return now
+    done = out.finished  # before this step: they keep what they had
+    return CanvasOutputs({k: _where(done, out.updates[k], v) for k, v in now.updates.items()},
+                         *(_where(done, getattr(out, k), getattr(now, k)) for k in _RESULTS),
+                         now.dist, out.steps + (~done).to(torch.int32))
 
 
 def _where(keep: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
