@@ -181,6 +181,14 @@ def test_a_thinking_budget_out_of_anthropics_bounds_is_a_400(client, budget, say
     assert error.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": says}}
 
 
+def test_thinking_enabled_without_a_budget_is_a_400(client):
+    """Anthropic requires budget_tokens with type "enabled" (adaptive thinking takes none)."""
+    with pytest.raises(anthropic.BadRequestError) as error:
+        create(client, SORT, thinking={"type": "enabled"})
+    assert error.value.body["error"]["message"].startswith("thinking.budget_tokens: Field required")
+    assert client.messages.count_tokens(model="demo", messages=SORT, thinking={"type": "adaptive"}).input_tokens > 0
+
+
 def test_stop_sequences_and_max_tokens(client):
     r = create(client, SORT, stop_sequences=[" 3", " 2"])
     assert [b.text for b in r.content] == ["1"]

@@ -73,9 +73,12 @@ def chat_request(req: a.CountTokensRequest, chat_type: type[p.ChatCompletionRequ
 
 
 def _check_budget(req: a.CountTokensRequest) -> None:
-    """Anthropic's bound beside the protocol's: the thinking budget is less than max_tokens (which
-    count_tokens has not)."""
+    """Anthropic's bounds beside the protocol's: thinking of type "enabled" has a budget, and it is
+    less than max_tokens (which count_tokens has not)."""
     budget = req.thinking.budget_tokens if req.thinking is not None else None
+    if budget is None and req.thinking is not None and req.thinking.type == "enabled":
+        raise APIError(400, 'thinking.budget_tokens: Field required (thinking of type "enabled" takes a budget)',
+                       param="thinking")
     max_tokens = getattr(req, "max_tokens", None)
     if budget is not None and max_tokens is not None and budget >= max_tokens:
         raise APIError(400, f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
