@@ -8,9 +8,9 @@ The peak is measured in the same run, just before each dtype's timings: the best
 `linear` and torch.mm on a 2048 x 2048 x 2048 product (blockdiff/bench/roofline.py measure_peak),
 printed with the copy bandwidth of a 64 MB tensor. Each row gives the bound of the batch's generate
 and which resource binds it (below), then per side the median of the timed runs, its fraction of
-peak and its fraction of the bound, each with that of the fastest run in brackets: on a shared machine other tenants' memory traffic
-slows the batch-1 bfloat16 generate (which streams every expert's weights each step) by up to a
-third from one minute to the next, on both sides alike.
+peak and its fraction of the bound, each with that of the fastest run in brackets: on a shared
+machine other tenants' memory traffic slows the batch-1 bfloat16 generate (which streams every
+expert's weights each step) by up to a third from one minute to the next, on both sides alike.
 
 The useful FLOPs of one sequence (the same count for both sides; roofline.sequence_flops):
 
@@ -30,9 +30,9 @@ can take: the batch in lockstep, one prefill step, each canvas's denoising steps
 canvas but the last; each step takes at least the longer of its FLOPs at the matmul peak and its
 compulsory bytes at the copy bandwidth, those bytes being the weights it touches (once per step,
 the experts its tokens route to), the KV cache it reads and writes, and its float32 logits (canvas
-tokens x vocabulary x 4 bytes, written and read back). At batch 1 the bytes of the weights bind;
-the fraction of the bound is the bound over the measured time. transformers' runs are set against
-the same bound.
+tokens x vocabulary x 4 bytes, written and read back). The bytes bind where a step's weights are
+large against the rows it multiplies them by (a large model at batch 1); the fraction of the bound
+is the bound over the measured time. transformers' runs are set against the same bound.
 
 Configs: "319m" (hidden 1024, 8 layers, 7 sliding + 1 full, 8 heads of 128, global head_dim 256,
 32 experts top-4 of width 256, dense width 2048, vocabulary 32,768) and "15m" (the 15.8M bench
