@@ -6,10 +6,11 @@ alternating with transformers' and 5.8-6.1 s alone, with no page faults either w
 
 The peak is measured in the same run, just before each dtype's timings: the best of blockdiff's
 `linear` and torch.mm on a 2048 x 2048 x 2048 product (blockdiff/bench/roofline.py measure_peak),
-printed with the copy bandwidth of a 64 MB tensor. Each row gives the median of the timed runs and,
-in brackets, the fraction of peak of the fastest: on a shared machine other tenants' memory traffic
-slows the batch-1 bfloat16 generate (which streams every expert's weights each step) by up to a
-third from one minute to the next, on both sides alike.
+printed with the copy bandwidth of a 64 MB tensor. Each row gives the bound of the batch's generate
+and which resource binds it (below), then per side the median of the timed runs, its fraction of
+peak and its fraction of the bound, each with that of the fastest run in brackets: on a shared
+machine other tenants' memory traffic slows the batch-1 bfloat16 generate (which streams every
+expert's weights each step) by up to a third from one minute to the next, on both sides alike.
 
 The useful FLOPs of one sequence (the same count for both sides; roofline.sequence_flops):
 
@@ -23,6 +24,15 @@ The useful FLOPs of one sequence (the same count for both sides; roofline.sequen
                                          self-conditioning MLP (2 x 3 x hidden x dense width per
                                          canvas token of each step after the first)
   + attention                            4 x heads x head_dim per query-key pair a query may see
+
+The bound (roofline.bound over roofline.generate_costs) is the least time blockdiff's engine steps
+can take: the batch in lockstep, one prefill step, each canvas's denoising steps, one commit per
+canvas but the last; each step takes at least the longer of its FLOPs at the matmul peak and its
+compulsory bytes at the copy bandwidth, those bytes being the weights it touches (once per step,
+the experts its tokens route to), the KV cache it reads and writes, and its float32 logits (canvas
+tokens x vocabulary x 4 bytes, written and read back). The bytes bind where a step's weights are
+large against the rows it multiplies them by (a large model at batch 1); the fraction of the bound
+is the bound over the measured time. transformers' runs are set against the same bound.
 
 Configs: "319m" (hidden 1024, 8 layers, 7 sliding + 1 full, 8 heads of 128, global head_dim 256,
 32 experts top-4 of width 256, dense width 2048, vocabulary 32,768) and "15m" (the 15.8M bench
@@ -47,7 +57,7 @@ import time
 import torch
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
-from blockdiff.bench.roofline import measure_peak, parameter_count, sequence_flops
+from blockdiff.bench.roofline import bound, generate_costs, measure_peak, parameter_count, sequence_flops
 from blockdiff.model.registry import load_config
 from blockdiff.model.tiny import TinySpec, make_tiny_model
 
@@ -159,14 +169,19 @@ def main() -> None:
                         times[side].append(run(side, batch))
                 med = {k: statistics.median(v) for k, v in times.items()}
                 gen_s[dtype_name, batch] = med["blockdiff"]
+                costs = generate_costs(config, batch, args.input_len, args.output_len, args.steps,
+                                       torch.tensor([], dtype=getattr(torch, dtype_name)).element_size())
+                limit = bound(costs, peak.bandwidth_gbs, peak.gflops)
                 parts = []
                 for k, s in med.items():
                     rate = flops * batch / s / 1e9
                     best = flops * batch / min(times[k]) / 1e9
                     parts.append(f"{k} {s:7.2f} s {rate:6.1f} GFLOP/s {rate / peak.gflops:6.1%} of peak "
-                                 f"(best run {best / peak.gflops:.1%})")
+                                 f"(best run {best / peak.gflops:.1%}) {limit.fraction(s):6.1%} of bound "
+                                 f"(best run {limit.fraction(min(times[k])):.1%})")
                 speed = f", speedup {med['transformers'] / med['blockdiff']:.2f}x" if "transformers" in med else ""
-                line = f"{name} {dtype_name:8} batch {batch}: " + " | ".join(parts) + speed + f" (load {loadavg()})"
+                line = (f"{name} {dtype_name:8} batch {batch}: bound {limit.seconds:.3f} s ({limit.limit}) | "
+                        + " | ".join(parts) + speed + f" (load {loadavg()})")
                 print("  " + line, flush=True)
                 summary.append(line)
             for conn, proc in sides.values():

@@ -16,11 +16,13 @@ from tqdm import tqdm
 
 from blockdiff.bench.datasets import random_token_prompts, special_token_ids
 from blockdiff.config import parse_dtype
-from blockdiff.bench.roofline import Cost, measure_peak, parameter_count, plan_cost, sequence_flops
+from blockdiff.bench.roofline import Cost, Peak, bound, measure_peak, parameter_count, plan_cost, sequence_flops
 from blockdiff.engine.request import State
 from blockdiff.model.attention import Row
 from blockdiff.arg_utils import add_engine_args, at_least, engine_config
 from blockdiff.sampling_params import SamplingParams
+
+WIDTH = 96  # the report's, that of its widest table (the roofline)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,29 +50,39 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 @dataclasses.dataclass
 class PhaseTiming:
-    """Measured engine steps of one kind (denoise / commit / prefill) and the work they did."""
+    """Measured engine steps of one kind (denoise / commit / prefill) and the work each did."""
 
-    steps: int = 0
     seconds: float = 0.0
-    cost: Cost = dataclasses.field(default_factory=Cost)
+    costs: list[Cost] = dataclasses.field(default_factory=list)  # one per step
 
     def add(self, seconds: float, cost: Cost, steps: int = 1) -> None:
         """One launch of `steps` steps that each cost `cost`."""
-        self.steps += steps
         self.seconds += seconds
-        self.cost = self.cost + Cost(cost.flops * steps, cost.bytes * steps)
+        self.costs += [cost] * steps
 
-    def as_dict(self, peak_gflops: float) -> dict:
-        per_step = self.seconds / max(1, self.steps)
-        gflops = self.cost.flops / self.seconds / 1e9 if self.seconds else 0.0
+    @property
+    def steps(self) -> int:
+        return len(self.costs)
+
+    @property
+    def cost(self) -> Cost:
+        return sum(self.costs, Cost())
+
+    def as_dict(self, peak: Peak) -> dict:
+        steps, cost = max(1, self.steps), self.cost
+        gflops = cost.flops / self.seconds / 1e9 if self.seconds else 0.0
+        limit = bound(self.costs, peak.bandwidth_gbs, peak.gflops)
         return {
             "steps": self.steps,
-            "ms_per_step": per_step * 1e3,
-            "gflop_per_step": self.cost.flops / max(1, self.steps) / 1e9,
-            "mb_per_step": self.cost.bytes / max(1, self.steps) / 1e6,
-            "flop_per_byte": self.cost.intensity,
+            "ms_per_step": self.seconds / steps * 1e3,
+            "gflop_per_step": cost.flops / steps / 1e9,
+            "mb_per_step": cost.bytes / steps / 1e6,
+            "flop_per_byte": cost.intensity,
             "gflops": gflops,
-            "fraction_of_peak": gflops / peak_gflops if peak_gflops else 0.0,
+            "fraction_of_peak": gflops / peak.gflops if peak.gflops else 0.0,
+            "bound_ms_per_step": limit.seconds / steps * 1e3,
+            "bound_by": limit.limit,
+            "fraction_of_bound": limit.fraction(self.seconds),
         }
 
 
@@ -240,7 +252,7 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
             row["transformers_tok_s"] = batch * args.output_len / row["transformers_s"]
             row["speedup"] = row["transformers_s"] / row["blockdiff_s"]
             row["transformers_of_peak"] = useful / row["transformers_s"] / 1e9 / peak.gflops
-        row["phases"] = {k: v.as_dict(peak.gflops) for k, v in sorted(phases.items())}
+        row["phases"] = {k: v.as_dict(peak) for k, v in sorted(phases.items())}
         rows.append(row)
         _print_row(row, reference is not None, first=batch == batch_sizes[0])
 
@@ -252,7 +264,7 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
 
 
 def _print_header(h: dict) -> None:
-    print("{s:{c}^{n}}".format(s=" Offline Benchmark ", n=78, c="="))
+    print("{s:{c}^{n}}".format(s=" Offline Benchmark ", n=WIDTH, c="="))
     tp = f", tensor parallel {h['tensor_parallel_size']}" if h["tensor_parallel_size"] > 1 else ""
     print(f"model: {h['model']} ({h['parameters'] / 1e6:.1f}M parameters, {h['dtype']}, {h['device']}{tp}, "
           f"{h['threads']} threads, torch {h['torch']})")
@@ -262,7 +274,7 @@ def _print_header(h: dict) -> None:
           + (f", alternating with transformers {h['transformers']}" if h["compare"] else ""))
     print(f"measured peak: {h['peak_gflops']:.1f} GFLOP/s matmul ({h['peak_kernel']}), "
           f"{h['bandwidth_gbs']:.1f} GB/s copy")
-    print("-" * 78)
+    print("-" * WIDTH)
 
 
 def _print_row(row: dict, compare: bool, first: bool) -> None:
@@ -279,11 +291,13 @@ def _print_row(row: dict, compare: bool, first: bool) -> None:
 
 
 def _print_roofline(rows: list[dict]) -> None:
-    print("{s:{c}^{n}}".format(s=" Roofline (median of the profiled runs) ", n=78, c="-"))
+    print("{s:{c}^{n}}".format(s=" Roofline (median of the profiled runs) ", n=WIDTH, c="-"))
     print(f"{'batch':>5} {'phase':>8} {'steps':>6} {'ms/step':>9} {'GFLOP/step':>11} {'MB/step':>9} "
-          f"{'FLOP/B':>7} {'GFLOP/s':>8} {'of peak':>8}")
+          f"{'FLOP/B':>7} {'GFLOP/s':>8} {'of peak':>8} {'bound ms':>9} {'by':>5} {'of bound':>8}")
     for row in rows:
         for phase, p in row["phases"].items():
             print(f"{row['batch']:>5} {phase:>8} {p['steps']:>6} {p['ms_per_step']:>9.2f} {p['gflop_per_step']:>11.3f} "
-                  f"{p['mb_per_step']:>9.1f} {p['flop_per_byte']:>7.1f} {p['gflops']:>8.1f} {p['fraction_of_peak']:>7.1%}")
-    print("=" * 78)
+                  f"{p['mb_per_step']:>9.1f} {p['flop_per_byte']:>7.1f} {p['gflops']:>8.1f} {p['fraction_of_peak']:>7.1%} "
+                  f"{p['bound_ms_per_step']:>9.3f} {p['bound_by']:>5} {p['fraction_of_bound']:>7.1%}")
+    print("bound: Σ over the steps of max(FLOPs / matmul peak, bytes of weights, KV and logits / copy bandwidth)")
+    print("=" * WIDTH)

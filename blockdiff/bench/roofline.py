@@ -2,17 +2,30 @@
 
 `plan_cost` counts what one engine step must do for the rows it runs (a denoising step, a commit, a
 prompt chunk): FLOPs of every matmul and of attention over the keys each query may see (masked-out
-keys are not counted), and the bytes that must cross the memory bus at least once — the weights
-the step touches, the KV cache it reads and writes, and the float32 logits written by the LM head
-and read back by the sampler and the self-conditioning product. Elementwise work (norms, softmax,
-rotary) is left out: it is small in FLOPs, and its traffic depends on how well a kernel keeps
-activations in cache. `measure_peak` times the matmul kernels the engine uses on a large
-square product; achieved GFLOP/s divided by it is the fraction of peak.
+keys are not counted), and the bytes that must cross the memory bus at least once:
+
+- weights, each read once per step however many rows use it: every layer's attention projections,
+  dense MLP and router, the experts the step's tokens route to (the expected number under uniform
+  routing), the embedding as the LM head (and again for the soft embedding), and the
+  self-conditioning MLP;
+- KV cache: K and V of the cached positions each row attends to, per layer (the last window - 1 on
+  sliding layers), and those a prompt or commit row writes;
+- logits: canvas tokens x vocabulary x 4 bytes of float32 written by the LM head and read back by
+  the sampler, and read once more by the soft embedding of a canvas with a step left.
+
+Elementwise work (norms, softmax, rotary) is left out: it is small in FLOPs, and its traffic depends
+on how well a kernel keeps activations in cache. `measure_peak` times the matmul kernels the engine
+uses on a large square product, and the copy bandwidth of a tensor far larger than the caches.
+`bound` turns costs into the least time the steps can take, max(FLOPs / matmul peak, bytes / copy
+bandwidth) per step, and names the resource that binds; measured time over it is the fraction of the
+bound reached. Achieved GFLOP/s over the matmul peak alone (the fraction of peak) understates a
+batch-1 step, which is bound by the bytes of its weights.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +133,26 @@ def plan_cost(config: ModelConfig, rows: list[Row], steps: list[int], new_canvas
     return cost
 
 
+def generate_costs(config: ModelConfig, batch: int, prompt: int, new: int, steps: int, dtype_bytes: int,
+                   weight_bytes: float | None = None) -> list[Cost]:
+    """`plan_cost` of each engine step of a generate of `batch` sequences of `prompt` tokens and
+    `new` generated ones in canvases of `config.canvas_length`, each denoised `steps` times (none
+    stopping early), the sequences in lockstep as `bench offline` runs them: one prefill step of
+    every prompt, then per canvas its `steps` denoising steps and (all but the last canvas, which is
+    never read back) one commit step."""
+    canvas = config.canvas_length
+    costs = [plan_cost(config, [Row(i, 0, prompt, False) for i in range(batch)], [], 0, dtype_bytes, weight_bytes)]
+    for c in range(-(-new // canvas)):
+        start = prompt + c * canvas
+        for n in range(steps, 0, -1):
+            costs.append(plan_cost(config, [Row(i, start, canvas, True) for i in range(batch)], [n] * batch,
+                                   batch if n == steps else 0, dtype_bytes, weight_bytes))
+        if start + canvas < prompt + new:
+            costs.append(plan_cost(config, [Row(i, start, canvas, False) for i in range(batch)], [], 0, dtype_bytes,
+                                   weight_bytes))
+    return costs
+
+
 def sequence_flops(config: ModelConfig, prompt: int, new: int, steps: int) -> float:
     """The useful FLOPs of one sequence of `prompt` tokens and `new` generated ones in canvases of
     `config.canvas_length`, each denoised `steps` times (none stopping early), by `plan_cost`:
@@ -127,37 +160,36 @@ def sequence_flops(config: ModelConfig, prompt: int, new: int, steps: int) -> fl
     canvas but the last once more), the LM head per canvas token and step, the self-conditioning
     product (the soft embedding of each step with a next one, and the self-conditioning MLP of each
     step after the first) and attention over the keys each query sees."""
-    canvas = config.canvas_length
-    total = plan_cost(config, [Row(0, 0, prompt, False)], [], 0, 2).flops
-    for c in range(-(-new // canvas)):
-        start = prompt + c * canvas
-        for n in range(steps, 0, -1):
-            total += plan_cost(config, [Row(0, start, canvas, True)], [n], int(n == steps), 2).flops
-        if start + canvas < prompt + new:  # the last canvas is never read back
-            total += plan_cost(config, [Row(0, start, canvas, False)], [], 0, 2).flops
-    return total
+    return sum(c.flops for c in generate_costs(config, 1, prompt, new, steps, 2))
 
 
 @dataclass
 class Bound:
-    """The least time a step can take: its compulsory bytes at the memory bandwidth, or its FLOPs at
-    the matmul rate, whichever is longer. At batch 1 DiffusionGemma-26B-A4B's step is bound by its
-    ~50 GB of weights; at batch 16 by its ~37 TFLOP."""
+    """The least time some engine steps can take: each step takes at least its compulsory bytes at
+    the memory bandwidth or its FLOPs at the matmul rate, whichever is longer. At batch 1
+    DiffusionGemma-26B-A4B's step is bound by its ~50 GB of weights; at batch 16 by its ~37 TFLOP."""
 
-    memory_s: float
-    compute_s: float
-
-    @property
-    def seconds(self) -> float:
-        return max(self.memory_s, self.compute_s)
+    seconds: float  # Σ over the steps of the longer of the two
+    memory_s: float  # Σ bytes / bandwidth
+    compute_s: float  # Σ FLOPs / matmul rate
 
     @property
     def limit(self) -> str:
-        return "memory" if self.memory_s >= self.compute_s else "compute"
+        """The resource that binds the steps taken together: "bytes" or "FLOPs"."""
+        return "bytes" if self.memory_s >= self.compute_s else "FLOPs"
+
+    def fraction(self, seconds: float) -> float:
+        """The fraction of the bound that steps measured to take `seconds` reach."""
+        return self.seconds / seconds if seconds else 0.0
 
 
-def bound(cost: Cost, bandwidth_gbs: float, gflops: float) -> Bound:
-    return Bound(cost.bytes / (bandwidth_gbs * 1e9), cost.flops / (gflops * 1e9))
+def bound(steps: Cost | Iterable[Cost], bandwidth_gbs: float, gflops: float) -> Bound:
+    """The byte-aware bound of one step's cost, or of the costs of a run's steps (bandwidth and
+    matmul rate as `measure_peak` measures them)."""
+    costs = [steps] if isinstance(steps, Cost) else list(steps)
+    memory = [c.bytes / (bandwidth_gbs * 1e9) for c in costs]
+    compute = [c.flops / (gflops * 1e9) for c in costs]
+    return Bound(sum(map(max, memory, compute)), sum(memory), sum(compute))
 
 
 @dataclass

@@ -3,6 +3,7 @@ beside it, the roofline's counting, and `bench serve` against a real `blockdiff 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from blockdiff.bench.offline import parse_batch_sizes
-from blockdiff.bench.roofline import _keys_seen, bound, parameter_count, plan_cost
+from blockdiff.bench.roofline import Cost, _keys_seen, bound, generate_costs, parameter_count, plan_cost
 from blockdiff.model.registry import load_config
 from blockdiff.entrypoints.cli import main
 from blockdiff.model.attention import Row
@@ -49,6 +50,19 @@ def test_bench_offline(tiny, tmp_path, capsys):
         assert row["blockdiff_of_peak"] == pytest.approx(total / row["blockdiff_s"] / saved["config"]["peak_gflops"], rel=0.03)
     one, two = (r["phases"]["denoise"]["gflop_per_step"] for r in saved["results"])
     assert two == pytest.approx(2 * one)  # same work per canvas, twice the canvases
+    # Beside the fraction of the FLOP peak, each phase's byte-aware bound, what binds it and the
+    # fraction of it reached, printed and saved.
+    assert "bound ms" in printed and "of bound" in printed and "bytes of weights, KV and logits" in printed
+    peak, bandwidth = saved["config"]["peak_gflops"], saved["config"]["bandwidth_gbs"]
+    for row in saved["results"]:
+        for p in row["phases"].values():
+            # per step the longer of the two: at least the longer of the totals, at most their sum
+            flops_ms, bytes_ms = p["gflop_per_step"] / peak * 1e3, p["mb_per_step"] / bandwidth
+            assert max(flops_ms, bytes_ms) * (1 - 1e-9) <= p["bound_ms_per_step"] <= (flops_ms + bytes_ms) * (1 + 1e-9)
+            assert p["bound_by"] == ("bytes" if bytes_ms >= flops_ms else "FLOPs")
+            assert p["fraction_of_bound"] == pytest.approx(p["bound_ms_per_step"] / p["ms_per_step"])
+            line = (f"{p['bound_ms_per_step']:>9.3f} {p['bound_by']:>5} {p['fraction_of_bound']:>7.1%}")
+            assert line in printed
 
 
 def test_bench_offline_against_transformers(tiny, tmp_path, capsys):
@@ -113,10 +127,51 @@ def test_the_26b_step_is_memory_bound_alone_and_compute_bound_at_batch_16():
         return plan_cost(config, [Row(i, 128 + cl, cl, True) for i in range(rows)], [8] * rows, 0, 2, weight_bytes)
 
     one, sixteen = bound(cost(1), 4800, 790e3), bound(cost(16), 4800, 790e3)
-    assert one.limit == "memory" and 9.5e-3 < one.seconds < 11.5e-3, one
-    assert sixteen.limit == "compute" and 44e-3 < sixteen.seconds < 50e-3 and sixteen.memory_s < sixteen.seconds / 3, sixteen
+    assert one.limit == "bytes" and 9.5e-3 < one.seconds < 11.5e-3, one
+    assert sixteen.limit == "FLOPs" and 44e-3 < sixteen.seconds < 50e-3 and sixteen.memory_s < sixteen.seconds / 3, sixteen
     fp8 = bound(cost(1, weight_bytes=1), 4800, 2 * 790e3)
-    assert fp8.limit == "memory" and 5e-3 < fp8.seconds < 6.5e-3, fp8  # the LM head and KV cache stay bfloat16
+    assert fp8.limit == "bytes" and 5e-3 < fp8.seconds < 6.5e-3, fp8  # the LM head and KV cache stay bfloat16
+
+
+def test_bound_is_the_longer_of_flops_at_the_peak_and_bytes_at_the_bandwidth(tiny):
+    config = load_config(tiny)
+    cost = plan_cost(config, [Row(0, 12, CANVAS, True)], [2], 0, 4)
+    starved = bound(cost, bandwidth_gbs=1e-6, gflops=1e6)  # a tiny bandwidth: the bytes bind
+    assert starved.limit == "bytes" and starved.seconds == pytest.approx(cost.bytes / 1e3)
+    slow = bound(cost, bandwidth_gbs=1e6, gflops=1e-6)  # a tiny matmul peak: the FLOPs bind
+    assert slow.limit == "FLOPs" and slow.seconds == pytest.approx(cost.flops / 1e3)
+    assert slow.fraction(2 * slow.seconds) == pytest.approx(0.5)
+    # Over a run, each step is bound by its own resource: a byte-bound step and a FLOP-bound one
+    # take 1 s each, where the totals alone would say 1 s in all.
+    run = bound([Cost(flops=0, bytes=1e9), Cost(flops=1e9, bytes=0)], bandwidth_gbs=1, gflops=1)
+    assert run.seconds == pytest.approx(2) and run.memory_s == pytest.approx(1) and run.compute_s == pytest.approx(1)
+
+
+def test_step_bytes_count_the_logits_and_the_kv_read(tiny):
+    """The bytes of a denoising step grow by the float32 logits (canvas tokens x vocabulary x 4,
+    written and read back, read again by the soft embedding) and the bfloat16 LM head with the
+    vocabulary, and by K and V of every cached position a layer attends to with the cached length."""
+    config = load_config(tiny)
+    g = config.arch
+
+    def denoise(config, start: int):
+        return plan_cost(config, [Row(0, start, CANVAS, True)], [2], 0, 2).bytes
+
+    wider = dataclasses.replace(config, vocab_size=config.vocab_size + 1000)
+    assert denoise(wider, 3) - denoise(config, 3) == pytest.approx(1000 * (3 * 4 * CANVAS + 2 * 2 * g.hidden_size))
+    kv = [2 * 2 * s.num_kv_heads * s.head_dim for s in g.layers]  # K and V bytes of a position, per layer
+    assert denoise(config, 3) - denoise(config, 1) == pytest.approx(2 * sum(kv))  # within every window
+    full = [b for b, s in zip(kv, g.layers) if not s.sliding]
+    assert 0 < len(full) < len(kv)
+    assert denoise(config, 30) - denoise(config, 20) == pytest.approx(10 * sum(full))  # past the sliding window
+
+
+def test_generate_costs_share_the_weights_across_the_batch(tiny):
+    config = load_config(tiny)
+    one, two = generate_costs(config, 1, 5, 2 * CANVAS, 3, 2), generate_costs(config, 2, 5, 2 * CANVAS, 3, 2)
+    assert len(one) == len(two) == 1 + 2 * 3 + 1  # a prefill, 3 steps per canvas, one commit
+    for a, b in zip(one, two):
+        assert b.flops == pytest.approx(2 * a.flops) and a.bytes < b.bytes < 2 * a.bytes
 
 
 server = serve(fixture_value("tiny"), "--max-num-seqs", "4")

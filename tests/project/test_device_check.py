@@ -93,7 +93,7 @@ def test_the_device_check_runs_every_part_on_the_cpu_at_small_shapes(tmp_path, f
         assert set(measured) == batches
         for m in measured.values():
             assert m["two_canvases_s"] > m["one_canvas_s"] > 0 and m["ms_per_step"] > 0
-            assert m["bound_ms"] == max(m["memory_ms"], m["compute_ms"]) > 0 and m["bound_limit"] in ("memory", "compute")
+            assert m["bound_ms"] == max(m["memory_ms"], m["compute_ms"]) > 0 and m["bound_limit"] in ("bytes", "FLOPs")
             assert set(m["steps_per_canvas"]) == {2}  # no early stop: every canvas took every step
     kernels = parts["kernels"]["result"]
     assert len(kernels["attention"]) == 2 * 2 * 2 and len(kernels["sampler"]) == 2  # kinds x contexts x batches
