@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 
 from blockdiff.model.interface import layer_kinds
 from blockdiff.step import CacheConfig
+from blockdiff.worker.cpu_heap import status_bytes
 from blockdiff.worker.kv_cache import allocate, geometry
 from blockdiff.model.attention import Row, build_metadata
 from blockdiff.model.diffusion_gemma import DiffusionGemma
@@ -97,22 +98,13 @@ def projected_bytes(model: DiffusionGemma, parts: dict[str, int]) -> int:
     return total_bytes(parts) - layers + sum(n * per_kind[k] for k, n in REAL_LAYERS.items())
 
 
-def rss_anon() -> int:
-    """Anonymous resident memory of this process, bytes (file pages of mapped checkpoints excluded)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
 def measured_load(path: str, dtype: torch.dtype = torch.bfloat16) -> tuple[DiffusionGemma, int]:
     """-> (the model loaded in `dtype`, growth of RssAnon across the load)."""
     gc.collect()
-    before = rss_anon()
+    before = status_bytes("RssAnon")  # file pages of mapped checkpoints excluded
     model = load_model(path, dtype=dtype)
     gc.collect()
-    return model, rss_anon() - before
+    return model, status_bytes("RssAnon") - before
 
 
 def write_layerwise(out_dir: str, spec: TinySpec) -> str:

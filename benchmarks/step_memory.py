@@ -42,20 +42,11 @@ from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.tiny import TinySpec, make_tiny_model
 from blockdiff.diffusion.vocab_parallel import VocabParallel, workspace_bytes
 from blockdiff.parallel.layers import VocabParallelEmbedding
-from blockdiff.worker.cpu_heap import resident_bytes
+from blockdiff.worker.cpu_heap import resident_bytes, status_bytes
 from blockdiff.worker.model_runner import ModelRunner
 from sampler_memory import CANVAS, VOCAB
 
 PROMPT = 16
-
-
-def high_water() -> int:
-    """The process's peak resident set since the last reset (Linux's VmHWM), bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 class Peaks:
@@ -68,7 +59,7 @@ class Peaks:
         self.base = 0
 
     def read(self) -> int:
-        self.readings.append(high_water())
+        self.readings.append(status_bytes("VmHWM"))  # the peak since the last reset
         return self.readings[-1]
 
     def reset(self) -> None:

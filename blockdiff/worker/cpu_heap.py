@@ -55,6 +55,15 @@ def release_freed_memory() -> None:
         trim(0)
 
 
+def status_bytes(field: str) -> int:
+    """A size field of Linux's /proc/self/status (`VmHWM`, `RssAnon`, ...), bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def resident_bytes() -> int:
     """The process's resident memory now (Linux; 0 elsewhere)."""
     try:
