@@ -21,7 +21,9 @@ captured as a CUDA graph:
   the batched products were no faster (0.90-1.10x per layer, 0.92-0.95x per generate), so there
   bfloat16 experts stay grouped (docs/benchmarks.md, "MoE: grouped against per-expert products").
 - "per_expert": two products per busy expert, which reads the group sizes on the host: everything
-  else. Such a step has a host sync in every layer, so it is neither compiled nor captured.
+  else, and bfloat16 on a CPU without bfloat16 kernels, where each product runs in float32 over
+  the one expert's widened weight (ops/matmul.py `widens`; the grouped kernel would widen none of
+  them and run torch's generic bfloat16 loops, 5x slower). Such a step has a host sync in every layer, so it is neither compiled nor captured.
 
 Every grouped product reads its matrices with leading strides of 16 bytes (and FP8 dimensions
 divisible by 16); model/moe.py pads each expert's widths at load time to `padded(n, dtype)`, which
@@ -37,11 +39,13 @@ from dataclasses import dataclass
 import torch
 
 from blockdiff.config import COMPILE_BY_DEFAULT, cpu_features
+from blockdiff.ops.matmul import bf16_products_widen
 
 ALIGN_BYTES = 16  # torch's grouped products: leading strides (and FP8 dimensions) of 16 bytes
 FP8 = torch.float8_e4m3fn
 
 GROUPED, SCALED_GROUPED, PER_EXPERT, BATCHED = "grouped", "scaled_grouped", "per_expert", "batched"
+BF16_WIDENED = "bf16_widened"  # a CPU feature of Target: bfloat16 products run in float32 (ops/matmul.py)
 BATCH_TILE = 16  # rows per expert in a batched product are a multiple of this (AMX tiles are 16 rows)
 BATCH_MAX_PADDING = 2.0  # a batched call may run at most this many rows per routed pair, else grouped
 
@@ -61,13 +65,14 @@ class Target:
 
     type: str
     capability: tuple[int, int] | None = None
-    features: frozenset[str] = frozenset()  # on the CPU: its config.BF16_CPU_FEATURES (tests inject them)
+    features: frozenset[str] = frozenset()  # on the CPU: its config.BF16_CPU_FEATURES and BF16_WIDENED (tests inject them)
 
 
 def target(device: torch.device | str) -> Target:
     device = torch.device(device)
     if device.type == "cpu":
-        return Target("cpu", features=frozenset(cpu_features()))
+        widened = (BF16_WIDENED,) if bf16_products_widen("cpu") else ()
+        return Target("cpu", features=frozenset(cpu_features() + widened))
     if device.type != "cuda":
         return Target(device.type)
     return Target("cuda", tuple(torch.cuda.get_device_capability(device)))
@@ -143,6 +148,8 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
                 and dtype in ops.cpu_grouped_mm):
             return BATCHED, (f"one torch.bmm per projection over all experts' rows padded to {BATCH_TILE}-row tiles "
                              f"(AMX; grouped where that padding exceeds {BATCH_MAX_PADDING:g}x)")
+        if dtype == torch.bfloat16 and BF16_WIDENED in where.features:
+            return PER_EXPERT, "this CPU has no bfloat16 kernels: each busy expert's products run in float32"
         if dtype in ops.cpu_grouped_mm:
             return GROUPED, "torch._grouped_mm's CPU kernel, offsets on the device"
         return PER_EXPERT, f"this torch has no CPU grouped_mm for {dtype}"
