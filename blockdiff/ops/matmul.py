@@ -50,7 +50,7 @@ _ONEDNN_BF16 = (_ONEDNN_AVAILABLE and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16
 
 # x86 without oneDNN's bfloat16 kernels: bfloat16 products there run in torch's generic loops.
 _BF16_BY_LOOPS = platform.machine().lower() in ("x86_64", "amd64") and not _ONEDNN_BF16
-WIDEN_ELEMENTS = 1 << 21  # weight elements widened to float32 at a time (8 MiB: one cache-sized tile)
+WIDEN_ELEMENTS = 1 << 20  # weight elements widened to float32 at a time (4 MiB: a cache-sized tile)
 
 
 def bf16_products_widen(device_type: str) -> bool:
