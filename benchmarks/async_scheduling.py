@@ -1,4 +1,4 @@
-"""What async scheduling buys the server (issue 28, item 5): `blockdiff serve` on the demo model with
+"""What async scheduling buys the server: `blockdiff serve` on the demo model with
 --async-scheduling and with --no-async-scheduling, both up at once (an idle one takes no CPU to
 speak of), each engine on one thread.
 

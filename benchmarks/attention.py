@@ -1,7 +1,7 @@
 """Attention of canvases over a cached prefix on the CPU: blockdiff's paged attention in fixed key
-blocks (the reference backend, model/attention_backends/reference.py, what the CPU runs since
-issue 28) against PyTorch's SDPA over the same keys gathered by position (what the eager path ran
-before), side by side, alternating, at the 15.8M bench checkpoint's attention shapes
+blocks (the reference backend, model/attention_backends/reference.py, what the CPU runs) against
+PyTorch's SDPA over the same keys gathered by position (what the eager path ran before), side by
+side, alternating, at the 15.8M bench checkpoint's attention shapes
 (docs/benchmarks.md, *Commands*): full layers one KV head of 128, sliding layers two of 64 (window 512), four query heads, canvas 64.
 
     OMP_NUM_THREADS=1 python benchmarks/attention.py [CANVASES ...]

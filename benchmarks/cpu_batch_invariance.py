@@ -1,4 +1,4 @@
-"""Same seed, same tokens alone and in a batch (issue 41): 8 seeded requests (prompts of 9-128 tokens,
+"""Same seed, same tokens alone and in a batch: 8 seeded requests (prompts of 9-128 tokens,
 128 new tokens) generated one by one and then as one batch, in float32 with the grouped experts and
 in bfloat16 with the grouped and the batched experts (forced through `moe.kernel_on`, whatever this
 CPU would choose), on a cpu_roofline.py config. Prints how many requests got the same tokens.

@@ -1,4 +1,4 @@
-"""The CPU kernel choices behind issue 28's step costs, each against the alternative it replaced,
+"""The CPU kernel choices behind the CPU step's costs, each against the alternative it replaced,
 side by side in one process (CPU time of this thread, median of 7 rounds), with the bit equality
 that lets the choice keep every seeded output:
 

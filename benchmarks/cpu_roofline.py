@@ -1,4 +1,4 @@
-"""blockdiff and transformers on the CPU as fractions of the machine's matmul peak (issue 41), in
+"""blockdiff and transformers on the CPU as fractions of the machine's matmul peak, in
 float32 and bfloat16, at batch 1 and 4, side by side: each side in a process of its own with 2
 threads (the same torch), runs alternating so that load on the machine hits both sides alike.
 In one process the two sides slowed each other: blockdiff's bfloat16 batch-4 generate took 6.5-7.1 s

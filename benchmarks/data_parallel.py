@@ -1,4 +1,4 @@
-"""Data-parallel replicas on this machine (issue 30): throughput at 1 and 2 replicas, and the prefix
+"""Data-parallel replicas on this machine: throughput at 1 and 2 replicas, and the prefix
 cache's hit rate with the front end's affinity routing against round robin.
 
     .venv/bin/python benchmarks/data_parallel.py

@@ -1,4 +1,4 @@
-"""How much of a denoising step is the host's (issue 28), measured on the engine as it runs.
+"""How much of a denoising step is the host's, measured on the engine as it runs.
 
     OMP_NUM_THREADS=1 python benchmarks/host_loop.py share MODEL [--batches 1,8] [--num-scheduler-steps 1,4,8] [--async-scheduling off,on]
     OMP_NUM_THREADS=1 python benchmarks/host_loop.py long-output TINY_MODEL [--tokens 16384]

@@ -2,7 +2,7 @@
 offsets on the device), two oneDNN/BLAS products per busy expert (the row counts read on the host)
 and, in bfloat16, one torch.bmm per projection over every expert's rows padded to the busiest
 expert's 16-row tiles (kernels.BATCHED, where the padding allows it; else grouped). Shapes: the
-15.8M bench checkpoint's (16 experts top-4, hidden 256, width 128) and, with --big, issue 41's 319M
+15.8M bench checkpoint's (16 experts top-4, hidden 256, width 128) and, with --big, cpu_roofline.py's 319M
 config's (32 experts top-4, hidden 1024, width 256). Each call's tokens are routed at random. All
 paths alternate in this one process; medians of 7 timings of 10 calls each.
 
@@ -24,7 +24,7 @@ from blockdiff.parallel.group import TPGroup
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--big", action="store_true", help="the 319M config's experts (issue 41)")
+    p.add_argument("--big", action="store_true", help="the 319M config's experts (cpu_roofline.py's)")
     p.add_argument("--tokens", default="64,512")
     p.add_argument("--dtypes", default="float32,bfloat16")
     args = p.parse_args()

@@ -1,5 +1,6 @@
-"""Issue 25's and issue 37's attacks on a real server, one at a time: how long /health stalls while each is
-processed, what the attack gets back, and the server's RSS before, at its peak and after.
+"""Attacks on a real server (oversized, deeply nested and amplifying requests), one at a time: how
+long /health stalls while each is processed, what the attack gets back, and the server's RSS
+before, at its peak and after.
 
     .venv/bin/python benchmarks/server_abuse.py [--only NAME ...] [--scale S]
 
@@ -7,7 +8,7 @@ Each attack runs against a fresh `blockdiff serve` of the demo checkpoint (the i
 tiny vision checkpoint built here). A thread of this process probes /health every 10 ms
 (tests/server_process.HealthProbe); the report gives the median /health latency of the idle
 server (30 probes just before) beside the worst one while the attack ran, and their ratio. `--scale` shrinks the attacks (1 = the sizes
-of the issue, where they fit under the default 16 MiB body limit). Run it from a checkout of the
+as first reported, where they fit under the default 16 MiB body limit). Run it from a checkout of the
 code to measure; the server is started from `blockdiff` as this interpreter imports it.
 """
 
@@ -154,26 +155,26 @@ def _chat_body(**fields) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, **fields}).encode()
 
 
-def exploding_schema(server, scale):  # issue 37, finding 1: 6 optional properties x 5 levels, 275 KB
+def exploding_schema(server, scale):  # 6 optional properties x 5 levels, 275 KB
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(6, 5)}}
     return post(server, "/v1/chat/completions", _chat_body(response_format=fmt))
 
 
-def exploding_regex(server, scale):  # finding 1: the 27-byte regex that reached 6 GB
+def exploding_regex(server, scale):  # the 27-byte regex that reached 6 GB
     return post(server, "/v1/chat/completions", _chat_body(structured_outputs={"regex": r"(\p{L}{1,1000}){1,1000}"}))
 
 
-def schema_text(server, scale):  # finding 1: a schema as JSON text escapes the body's JSON limits
+def schema_text(server, scale):  # a schema as JSON text escapes the body's JSON limits
     text = json.dumps(_nested(7, 5))
     return post(server, "/v1/chat/completions", _chat_body(structured_outputs={"json": text}))
 
 
-def forced_tool(server, scale):  # finding 2: 7 x 5 (572 KB) parameters under a forced tool_choice
+def forced_tool(server, scale):  # 7 x 5 (572 KB) parameters under a forced tool_choice
     tool = {"type": "function", "function": {"name": "f", "parameters": _nested(7, 5)}}
     return post(server, "/v1/chat/completions", _chat_body(tools=[tool], tool_choice="required"))
 
 
-def abandoned_builds(server, scale):  # finding 3: 8 slow distinct regexes whose clients hang up after 2 s
+def abandoned_builds(server, scale):  # 8 slow distinct regexes whose clients hang up after 2 s
     def abandon(i: int) -> None:
         try:
             httpx.post(server.url + "/v1/chat/completions", content=_chat_body(
@@ -192,33 +193,33 @@ def abandoned_builds(server, scale):  # finding 3: 8 slow distinct regexes whose
     return f"a new schema after them: {got} in {time.perf_counter() - t0:.1f} s"
 
 
-def deep_constraint_text(server, scale):  # finding 7: constraint JSON text nested 2,000 deep
+def deep_constraint_text(server, scale):  # constraint JSON text nested 2,000 deep
     return post(server, "/v1/chat/completions", _chat_body(structured_outputs={"json": '{"items":' * 2000 + "{}"
                                                                                        + "}" * 2000}))
 
 
-def deep_responses_arguments(server, scale):  # finding 7: Responses function_call.arguments "[" * 100000
+def deep_responses_arguments(server, scale):  # Responses function_call.arguments "[" * 100000
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "[" * int(100_000 * max(scale, 0.01))}
     return post(server, "/v1/responses", json.dumps({"input": [{"role": "user", "content": "hi"}, call]}).encode())
 
 
-def empty_enum(server, scale):  # finding 9
+def empty_enum(server, scale):  # a JSON schema whose enum allows nothing
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}}
     return post(server, "/v1/chat/completions", _chat_body(response_format=fmt))
 
 
-def models_path(server, scale):  # finding 9: /v1/models named the checkpoint's absolute path
+def models_path(server, scale):  # /v1/models named the checkpoint's absolute path
     models = httpx.get(server.url + "/v1/models", timeout=60).json()["data"]
     shown = [value for m in models for value in (m["id"], m.get("root")) if isinstance(value, str)]
     return "absolute path shown" if any(os.path.isabs(v) for v in shown) else f"no path: {shown}"
 
 
-def nan_arguments(server, scale):  # finding 9: Responses tool-call arguments of NaN
+def nan_arguments(server, scale):  # Responses tool-call arguments of NaN
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": NaN}'}
     return post(server, "/v1/responses", json.dumps({"input": [{"role": "user", "content": "hi"}, call]}).encode())
 
 
-def long_choice(server, scale):  # finding 9: a choice of 2,048 strings of 120 characters
+def long_choice(server, scale):  # a choice of 2,048 strings of 120 characters
     import random
     import string
 
@@ -228,7 +229,7 @@ def long_choice(server, scale):  # finding 9: a choice of 2,048 strings of 120 c
                                                            max_denoising_steps=2))
 
 
-def kv_events_from_outside(server, scale):  # finding 4: another host subscribes to every client's prompts
+def kv_events_from_outside(server, scale):  # another host subscribes to every client's prompts
     import psutil
     import zmq
 
@@ -249,7 +250,7 @@ def kv_events_from_outside(server, scale):  # finding 4: another host subscribes
     return f"{got} event batches read from {outside[0]}"
 
 
-def chained_responses(server, scale):  # finding 5: 45 chained turns of 15 MiB (a reasoning summary, never tokenized)
+def chained_responses(server, scale):  # 45 chained turns of 15 MiB (a reasoning summary, never tokenized)
     summary = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "z" * int(15 * 2**20 * scale)}]}
     previous, codes = None, []
     for _ in range(45):
@@ -261,7 +262,7 @@ def chained_responses(server, scale):  # finding 5: 45 chained turns of 15 MiB (
     return " ".join(f"{c}x{codes.count(c)}" for c in sorted(set(codes))) + f"; RSS now {rss_mib(server.proc.pid):.0f} MiB"
 
 
-def scoring_amplified(server, scale):  # finding 6: 4.25 KB asking for ~70 MB (echo, logprobs 20, n 128)
+def scoring_amplified(server, scale):  # 4.25 KB asking for ~70 MB (echo, logprobs 20, n 128)
     ids = [10 + i % 90 for i in range(int(1023 * scale))]
     body = json.dumps({"prompt": ids, "echo": True, "logprobs": 20, "max_tokens": 1, "n": 128}).encode()
     t0 = time.perf_counter()
@@ -269,7 +270,7 @@ def scoring_amplified(server, scale):  # finding 6: 4.25 KB asking for ~70 MB (e
     return f"{r.status_code}, {len(r.content) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s"
 
 
-def prefix_cache_oracle(server, scale):  # finding 8: another client guesses a PIN through cached_tokens
+def prefix_cache_oracle(server, scale):  # another client guesses a PIN through cached_tokens
     secret = "the vault code is 4821 and it opens the door under the old oak tree by the river " * 2
 
     def cached(source: str, prompt: str) -> int:

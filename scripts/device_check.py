@@ -21,7 +21,7 @@ and records its own results; a part that fails records the tail of its traceback
    after every shape (--small: tiny shapes, the Triton kernels under Triton's interpreter).
 5. steps_per_launch: the same model at batches 1 and 16, one denoising step per launch against
    the CPU's chosen number (blockdiff/config.py STEPS_PER_LAUNCH, or --steps-per-launch), their
-   runs alternating in one engine: ms per denoising step each, and the ratio (issue 28); and one
+   runs alternating in one engine: ms per denoising step each, and the ratio; and one
    step per launch without async scheduling, against it with.
 6. transformers: `generate` on the same config, batch 1, timed the same way, for the ratio.
 7. tests: the parity and generation tests against transformers, the CUDA-graph replay test and the

@@ -1,4 +1,4 @@
-"""bfloat16 against transformers' bfloat16 on random configs with odd and unaligned widths (issue 41),
+"""bfloat16 against transformers' bfloat16 on random configs with odd and unaligned widths,
 through each CPU experts' kernel (grouped, and the batched one forced, so that it runs on any CPU):
 
 - logits of a prefill then a denoising step: our bfloat16 error against transformers' float32 is
