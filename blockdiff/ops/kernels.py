@@ -21,9 +21,7 @@ captured as a CUDA graph:
   the batched products were no faster (0.90-1.10x per layer, 0.92-0.95x per generate), so there
   bfloat16 experts stay grouped (docs/benchmarks.md, "MoE: grouped against per-expert products").
 - "per_expert": two products per busy expert, which reads the group sizes on the host: everything
-  else, and bfloat16 on a CPU without bfloat16 kernels, where each product runs in float32 over
-  the one expert's widened weight (ops/matmul.py `widens`; the grouped kernel would widen none of
-  them and run torch's generic bfloat16 loops, 5x slower). Such a step has a host sync in every layer, so it is neither compiled nor captured.
+  else. Such a step has a host sync in every layer, so it is neither compiled nor captured.
 
 Every grouped product reads its matrices with leading strides of 16 bytes (and FP8 dimensions
 divisible by 16); model/moe.py pads each expert's widths at load time to `padded(n, dtype)`, which
@@ -45,7 +43,7 @@ ALIGN_BYTES = 16  # torch's grouped products: leading strides (and FP8 dimension
 FP8 = torch.float8_e4m3fn
 
 GROUPED, SCALED_GROUPED, PER_EXPERT, BATCHED = "grouped", "scaled_grouped", "per_expert", "batched"
-BF16_WIDENED = "bf16_widened"  # a CPU feature of Target: bfloat16 products run in float32 (ops/matmul.py)
+BF16_WIDENED = "bf16_widened"  # a CPU feature of Target: no bfloat16 kernels (ops/matmul.py `widens`)
 BATCH_TILE = 16  # rows per expert in a batched product are a multiple of this (AMX tiles are 16 rows)
 BATCH_MAX_PADDING = 2.0  # a batched call may run at most this many rows per routed pair, else grouped
 
@@ -148,8 +146,6 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
                 and dtype in ops.cpu_grouped_mm):
             return BATCHED, (f"one torch.bmm per projection over all experts' rows padded to {BATCH_TILE}-row tiles "
                              f"(AMX; grouped where that padding exceeds {BATCH_MAX_PADDING:g}x)")
-        if dtype == torch.bfloat16 and BF16_WIDENED in where.features:
-            return PER_EXPERT, "this CPU has no bfloat16 kernels: each busy expert's products run in float32"
         if dtype in ops.cpu_grouped_mm:
             return GROUPED, "torch._grouped_mm's CPU kernel, offsets on the device"
         return PER_EXPERT, f"this torch has no CPU grouped_mm for {dtype}"
@@ -163,14 +159,23 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
     return PER_EXPERT, f"no grouped kernel on {where.type}"
 
 
+def transposed_layout(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Ops | None = None) -> bool:
+    """Whether experts of `shape` on `where` keep each expert's [out, in] weight in memory as
+    [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies float32, and
+    bfloat16 on oneDNN, by such a weight up to a quarter faster than by the checkpoint's layout read
+    through a transposed view, with the same bits (docs/benchmarks.md). Where the CPU has no
+    bfloat16 kernels (BF16_WIDENED) torch's generic loops read that layout 6x slower (24 x 256 x 256:
+    2.36 against 0.37 ms, EPYC Zen 3), so bfloat16 experts keep the checkpoint's. CUDA's grouped
+    kernels and the CPU's batched products (torch.bmm, whose oneDNN kernel read that layout faster:
+    docs/benchmarks.md, "MoE: grouped against per-expert products") take the checkpoint's layout."""
+    if where.type != "cpu" or expert_kernel(where, dtype, shape, ops)[0] != GROUPED:
+        return False
+    return not (dtype == torch.bfloat16 and BF16_WIDENED in where.features)
+
+
 def transposed_experts(device: torch.device, dtype: torch.dtype, shape: ExpertShape) -> bool:
-    """Whether experts of `shape` on `device` keep each expert's [out, in] weight in memory as
-    [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies by such a
-    weight up to a quarter faster than by the checkpoint's layout read through a transposed view,
-    with the same bits (docs/benchmarks.md); CUDA's grouped kernels and the CPU's batched products
-    (torch.bmm, whose oneDNN kernel read that layout faster: docs/benchmarks.md, "MoE: grouped
-    against per-expert products") take the checkpoint's layout."""
-    return device.type == "cpu" and expert_kernel(target(device), dtype, shape)[0] == GROUPED
+    """`transposed_layout` on `device`."""
+    return transposed_layout(target(device), dtype, shape)
 
 
 @torch.compiler.assume_constant_result  # traced code takes the answer as a constant

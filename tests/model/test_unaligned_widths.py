@@ -21,7 +21,6 @@ from blockdiff.model.loader import load_model
 from blockdiff.model.moe import Experts
 from blockdiff.model.saver import checkpoint_tensors
 from blockdiff.parallel.group import TPGroup
-from blockdiff.ops.matmul import bf16_products_widen
 
 BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 GREEDY = dict(t_min=1e-6, t_max=2e-6)
@@ -79,8 +78,8 @@ def test_greedy_generation_equals_transformers(reference, name, tp):
 @pytest.mark.parametrize("inter,ranks", [(20, 1), (20, 2), (20, 3), (24, 2), (36, 2), (704, 8)])
 def test_every_rank_runs_grouped_products_whose_sum_is_one_rank(inter, ranks, dtype):
     """Each rank's experts hold ceil(I / ranks) columns (the last rank fewer where I does not
-    divide), padded to 16 bytes, and run the grouped products (bfloat16 on a CPU without bfloat16
-    kernels: per-expert float32 products); the ranks' outputs add up to one rank's. Where the unpadded width misses 16 bytes, the grouped op itself refuses it."""
+    divide), padded to 16 bytes, and run the grouped products; the ranks' outputs add up to one
+    rank's. Where the unpadded width misses 16 bytes, the grouped op itself refuses it."""
     config = replace(load_config(BIG).arch, hidden_size=48, num_experts=4, top_k_experts=2,
                      moe_intermediate_size=inter)
     g = torch.Generator().manual_seed(0)
@@ -100,8 +99,7 @@ def test_every_rank_runs_grouped_products_whose_sum_is_one_rank(inter, ranks, dt
     with torch.inference_mode():
         want = experts(0, 1)(x, weights, index)
         parts = [experts(r, ranks) for r in range(ranks)]
-        grouped = not (dtype == torch.bfloat16 and bf16_products_widen("cpu"))
-        assert all(p.grouped(x) == grouped and p.local * dtype.itemsize % 16 == 0 for p in parts)
+        assert all(p.grouped(x) and p.local * dtype.itemsize % 16 == 0 for p in parts)
         assert sum(p.owned for p in parts) == inter
         got = sum(p(x, weights, index).float() for p in parts)
     # bfloat16: each rank's output is rounded before the sum, one rank's once

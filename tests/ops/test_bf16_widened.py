@@ -1,5 +1,5 @@
 """bfloat16 products where the CPU has no bfloat16 kernels: float32 products over weights widened a
-tile at a time (ops/matmul.py `_float32_linear`), and the experts' kernel that follows from it."""
+tile at a time (ops/matmul.py `_float32_linear`), and the experts' layout on such a CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from blockdiff.ops.kernels import BF16_WIDENED, GROUPED, PER_EXPERT, ExpertShape, Target, expert_kernel
+from blockdiff.ops.kernels import BF16_WIDENED, GROUPED, ExpertShape, Target, expert_kernel, transposed_layout
 from blockdiff.ops.matmul import WIDEN_ELEMENTS, _float32_linear
 
 BF16_STEP = 2**-7  # bfloat16's relative rounding step
@@ -32,9 +32,13 @@ def test_a_widened_product_is_the_float32_product_rounded_once_without_a_whole_f
     assert largest < n_out * n_in * 4 / 2, largest  # tiles of WIDEN_ELEMENTS, never the whole widened weight
 
 
-def test_bfloat16_experts_on_a_cpu_without_bfloat16_kernels_take_per_expert_float32_products():
-    """The features are injected: no test depends on this machine's CPU."""
-    shape = ExpertShape(2816, 704, torch.bfloat16)
-    assert expert_kernel(Target("cpu", features=frozenset({BF16_WIDENED})), torch.bfloat16, shape)[0] == PER_EXPERT
-    assert expert_kernel(Target("cpu", features=frozenset({BF16_WIDENED})), torch.float32,
-                         ExpertShape(2816, 704, torch.float32))[0] == GROUPED
+def test_bfloat16_experts_keep_the_checkpoint_layout_on_a_cpu_without_bfloat16_kernels():
+    """Where torch's generic bfloat16 loops read the [in, out] layout slower, bfloat16 experts keep
+    the checkpoint's; float32 and bfloat16 on oneDNN take [in, out]. The features are injected: no
+    test depends on this machine's CPU."""
+    widened = Target("cpu", features=frozenset({BF16_WIDENED}))
+    bf16, f32 = ExpertShape(2816, 704, torch.bfloat16), ExpertShape(2816, 704, torch.float32)
+    assert expert_kernel(widened, torch.bfloat16, bf16)[0] == GROUPED  # a static step all the same
+    assert not transposed_layout(widened, torch.bfloat16, bf16)
+    assert transposed_layout(widened, torch.float32, f32)
+    assert transposed_layout(Target("cpu", features=frozenset({"avx512_bf16"})), torch.bfloat16, bf16)
