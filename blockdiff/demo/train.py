@@ -191,8 +191,8 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
 
 def _logits(model: DiffusionGemma, hidden: torch.Tensor) -> torch.Tensor:
     """The model's logits with autograd: the final norm, the tied LM head and the soft-cap as
-    `softcap * tanh(x / softcap)` (the inference model computes the cap in place, which autograd
-    cannot go through)."""
+    `softcap * tanh(x / softcap)` (the inference model computes the cap in place, ops/softcap.py,
+    which autograd cannot go through)."""
     logits = model.embed.logits(model.norm(hidden)).float()
     c = model.softcap
     return c * torch.tanh(logits / c) if c else logits
