@@ -5,7 +5,7 @@ masks, so that a token's result never depends on its batch; under autograd most 
 went to filling those masks and copying those blocks. Training needs none of it. Here each
 sequence's encoder tokens attend causally to each other, and each canvas attends to its sequence's
 tokens before it and to itself both ways, which is what the inference path computes
-(tests/demo/test_demo_train.py compares the logits of the two).
+(tests/demo/test_demo_train.py compares the hidden states of the two).
 
 The "cache" of a layer is a pair of dense [encoder tokens, KV heads, dim] tensors: the encoder pass
 copies its K/V there (autograd keeps the link), and the decoder passes of the same step read it.
