@@ -1,8 +1,17 @@
 """blockdiff: an inference and serving engine for block-diffusion language models."""
 
-from blockdiff.llm import LLM
 from blockdiff.outputs import CompletionOutput, Logprob, RequestOutput
 from blockdiff.sampling_params import LoRARequest, SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "LoRARequest", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM on first use: a process that imports only light modules of blockdiff (a structured-output
+    # build, structured/index.py) does not import torch.
+    if name == "LLM":
+        from blockdiff.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'blockdiff' has no attribute {name!r}")

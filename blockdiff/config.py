@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from blockdiff.ops.cpu import BF16_CPU_FEATURES, cpu_features
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -116,20 +118,6 @@ def read_json(path: str) -> dict:
         raise ConfigError(f"{path} is {e}") from None
 
 
-# CPU features under which oneDNN multiplies bfloat16 at a multiple of float32's rate (AMX tiles, or
-# AVX-512's bfloat16 dot products); elsewhere the CPU converts bfloat16 to float32 for every product.
-BF16_CPU_FEATURES = ("amx_bf16", "avx512_bf16")
-
-
-def cpu_features() -> tuple[str, ...]:
-    """Those of BF16_CPU_FEATURES this CPU has (torch.cpu.get_capabilities, torch >= 2.7)."""
-    try:
-        caps = torch.cpu.get_capabilities()
-    except (AttributeError, RuntimeError):
-        return ()
-    return tuple(f for f in BF16_CPU_FEATURES if caps.get(f))
-
-
 def choose_dtype(name: str | torch.dtype, config: ModelConfig, device: str = "cpu",
                  features: tuple[str, ...] | None = None) -> tuple[torch.dtype, str]:
     """(the dtype the model runs, why) from the user's choice. "auto" takes the checkpoint's, except
@@ -154,12 +142,6 @@ def parse_dtype(name: str | torch.dtype, config: ModelConfig, device: str = "cpu
     """Resolve a user's dtype choice on `device` (`choose_dtype`)."""
     return choose_dtype(name, config, device)[0]
 
-
-# Whether static steps are compiled unless the user says, per device type: the faster of compiled
-# and eager as measured (docs/benchmarks.md, "Compiled steps"). On CUDA the static steps are CUDA
-# graphs either way; compiling adds one inductor compile per shape the server meets, and what it
-# buys there has not been measured yet (scripts/device_check.sh's "compiled" part measures it).
-COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
 
 # Denoising steps a steady-state step runs back to back unless the user says, per device type: on
 # the CPU the K measured best (docs/benchmarks.md, "The host's share of a denoising step"); on CUDA one until a
@@ -357,7 +339,7 @@ class EngineConfig:
                                    choices=PREFIX_CACHE_SCOPES)
     tune_cpu_heap: bool = False  # see worker/cpu_heap.py: a process-wide glibc setting
     # Steps whose rows are all canvases being denoised run as one static step compiled with
-    # torch.compile(fullgraph=True) (worker/canvas_step.py); None: COMPILE_BY_DEFAULT of the device.
+    # torch.compile(fullgraph=True) (worker/canvas_step.py); None: ops/kernels.COMPILE_BY_DEFAULT of the device.
     compile: bool | None = flag(None, "run steps of canvases only as one static step compiled with torch.compile "
                                       "(default: off; on CUDA the static steps are CUDA graphs without compile, "
                                       "until a device measures what compiling buys)")

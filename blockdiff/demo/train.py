@@ -1,8 +1,9 @@
 """Train the demo model with the DiffusionGemma objective, through blockdiff's own model code.
 
 One training step on a batch of (prompt, answer) pairs:
-  1. the encoder runs over each clean sequence (prompt + answer + EOS), writing K/V into fresh cache
-     tensors; its last hidden states give the autoregressive loss (next-token cross-entropy);
+  1. the encoder runs over each clean sequence (prompt + answer + EOS), keeping its K/V (the
+     trainer's own attention, demo/dense_attention.py); its last hidden states give the
+     autoregressive loss (next-token cross-entropy);
   2. each canvas of each answer (canvas k starts CL*k tokens into the answer; the positions after
      EOS hold <pad>) is corrupted: a level t ~ U(eps, 1) per canvas, and each position replaced by
      a uniformly random token with probability t (no mask token);
@@ -10,8 +11,8 @@ One training step on a batch of (prompt, answer) pairs:
      softmax of its logits -> soft embeddings, kept for a canvas with probability 0.5 (zeros
      otherwise) as the self-conditioning input of
   4. the second decoder pass, whose cross-entropy against the clean canvas is the diffusion loss.
-Decoder rows read only cache positions before their canvas, which the encoder wrote in step 1 (the
-sliding window is larger than any training sequence, so the ring never wraps). The loss is the
+Decoder rows read only the encoder's K/V of positions before their canvas (the sliding window is
+larger than any training sequence, so it never cuts). The loss is the
 diffusion loss plus `ar_weight` (1 by default) times the autoregressive loss. Every draw comes from
 generators seeded by `TrainConfig.seed`: the same seed gives the same model on the same machine
 and thread count.
@@ -29,13 +30,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from blockdiff.demo.dense_attention import decoder_metadata, encoder_metadata
 from blockdiff.demo.tasks import AGENT_TASKS, TASKS, Problem, training_problems
 from blockdiff.demo.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_DEMO, VOCAB, build_char_tokenizer, save_char_tokenizer
 from blockdiff.parallel.self_conditioning import soft_embedding
-from blockdiff.step import CacheConfig
-from blockdiff.worker.kv_cache import allocate, geometry
-from blockdiff.model.attention import Row, build_metadata
-from blockdiff.model.interface import layer_kinds
 from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.loader import load_model
 from blockdiff.model.registry import parse_config
@@ -45,7 +43,6 @@ from blockdiff.tokenizer import Tokenizer
 
 
 IGNORE = -100
-BLOCK_SIZE = 16
 
 # Sampler defaults written to the checkpoint's generation_config.json.
 GENERATION_DEFAULTS = {
@@ -150,28 +147,24 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
     window = config.sliding_window
     if window is not None and length > window - 1:
         raise ValueError(f"training sequences of {length} tokens need a sliding window above {length}, got {window}")
-    blocks = -(-length // BLOCK_SIZE)
-    n = len(examples)
-    cache_cfg = CacheConfig(num_slots=n, num_blocks=n * blocks, block_size=BLOCK_SIZE, max_model_len=length)
-    geo = geometry(model, cache_cfg)
-    kv = allocate(model, cache_cfg, "cpu")
 
     # 1. encoder over the clean sequences
-    enc_rows, enc_ids, ar_targets = [], [], []
-    dec_rows, canvas_targets = [], []
-    for i, e in enumerate(examples):
+    enc_ids, ar_targets, lengths = [], [], []
+    canvases, canvas_targets = [], []
+    for e in examples:
         seq = e.prompt + e.answer
-        own = tuple(range(i * blocks, (i + 1) * blocks))
-        enc_rows.append(Row(i, 0, len(seq), False, own))
+        start = len(enc_ids)
         enc_ids += seq
+        lengths.append(len(seq))
         ar_targets += seq[1:] + [IGNORE]
         for k in range(0, len(e.answer), cl):
-            dec_rows.append(Row(i, len(e.prompt) + k, cl, True, own))
+            canvases.append((start, len(e.prompt) + k))
             chunk = e.answer[k : k + cl]
             canvas_targets += chunk + [PAD] * (cl - len(chunk))
-    enc_meta = build_metadata(enc_rows, geo, layer_kinds(model), "cpu")
-    hidden = model.backbone(_padded(enc_ids, enc_meta.num_tokens), enc_meta, kv)
-    ar_logits = _logits(model, hidden[: len(ar_targets)])
+    kv = [(torch.zeros(len(enc_ids), s.kv_heads, s.head_dim), torch.zeros(len(enc_ids), s.kv_heads, s.head_dim))
+          for s in model.kv_cache_spec()]
+    hidden = model.backbone(torch.tensor(enc_ids), encoder_metadata(lengths), kv)
+    ar_logits = _logits(model, hidden)
     ar_loss = F.cross_entropy(ar_logits, torch.tensor(ar_targets), ignore_index=IGNORE)
 
     # 2. corruption
@@ -179,9 +172,8 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
     rows = target.shape[0]
     t = cfg.t_eps + (1 - cfg.t_eps) * torch.rand(rows, 1, generator=gen)
     noise = torch.randint(0, vocab, target.shape, generator=gen)
-    noisy = torch.where(torch.rand(target.shape, generator=gen) < t, noise, target).view(-1)
-    dec_meta = build_metadata(dec_rows, geo, layer_kinds(model), "cpu")
-    dec_ids = _padded(noisy.tolist(), dec_meta.num_tokens)
+    dec_ids = torch.where(torch.rand(target.shape, generator=gen) < t, noise, target).view(-1)
+    dec_meta = decoder_metadata(canvases, cl)
 
     # 3. self-conditioning input from a first pass without gradients
     with torch.no_grad():
@@ -191,7 +183,7 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
         soft = soft * keep.repeat_interleave(cl).to(soft.dtype)[:, None]
 
     # 4. the second pass, with gradients
-    logits = _logits(model, model.backbone(dec_ids, dec_meta, kv, soft)[: dec_meta.num_decoder_tokens])
+    logits = _logits(model, model.backbone(dec_ids, dec_meta, kv, soft))
     canvas_loss = F.cross_entropy(logits, target.view(-1))
     loss = canvas_loss + cfg.ar_weight * ar_loss
     return loss, {"loss": loss.item(), "canvas": canvas_loss.item(), "ar": ar_loss.item()}
@@ -199,15 +191,11 @@ def training_loss(model: DiffusionGemma, examples: list[Example], cfg: TrainConf
 
 def _logits(model: DiffusionGemma, hidden: torch.Tensor) -> torch.Tensor:
     """The model's logits with autograd: the final norm, the tied LM head and the soft-cap as
-    `softcap * tanh(x / softcap)` (the inference model computes the cap in place, which autograd
-    cannot go through)."""
+    `softcap * tanh(x / softcap)` (the inference model computes the cap in place, ops/softcap.py,
+    which autograd cannot go through)."""
     logits = model.embed.logits(model.norm(hidden)).float()
     c = model.softcap
     return c * torch.tanh(logits / c) if c else logits
-
-
-def _padded(ids: list[int], num_tokens: int) -> torch.Tensor:
-    return torch.tensor(ids + [PAD] * (num_tokens - len(ids)))
 
 
 def _lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -10,14 +10,16 @@ from blockdiff.model.loader import load_model
 from blockdiff.parallel.group import TPGroup
 from blockdiff.step import CacheConfig, LoRAConfig, StepOutput, StepPlan
 from blockdiff.worker.kv_cache import size_cache
-from blockdiff.worker.model_runner import ModelRunner
+from blockdiff.worker.model_runner import ModelRunner, RunnerSettings
 
 
-def lora_config(cfg: EngineConfig) -> LoRAConfig | None:
-    """The workers' LoRA pool of --enable-lora; None without it."""
-    if not cfg.enable_lora:
-        return None
-    return LoRAConfig(cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras)
+def runner_settings(cfg: EngineConfig, device: str) -> RunnerSettings:
+    """What the workers' ModelRunner takes of the engine's configuration on `device`."""
+    compile, cuda_graphs = cfg.step_modes(device)
+    lora = LoRAConfig(cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras) if cfg.enable_lora else None
+    return RunnerSettings(tune_cpu_heap=cfg.tune_cpu_heap, sampler_memory_gb=cfg.sampler_memory_gb, compile=compile,
+                          cuda_graphs=cuda_graphs, steps_per_launch=cfg.steps_per_launch(device),
+                          attention_backend=cfg.attention_backend, logprobs_mode=cfg.logprobs_mode, lora=lora)
 
 
 class LocalExecutor:
@@ -25,9 +27,7 @@ class LocalExecutor:
                  sampler: str):
         model = load_model(cfg.model, dtype=dtype, device=device, group=TPGroup(), config=config, load_format=cfg.load_format)
         self.cache_config: CacheConfig = size_cache(model, cfg, max_model_len)
-        self.runner = ModelRunner(model, self.cache_config, device, make_sampler(sampler), cfg.tune_cpu_heap,
-                                  cfg.sampler_memory_gb, *cfg.step_modes(device), cfg.steps_per_launch(device),
-                                  cfg.attention_backend, cfg.logprobs_mode, lora_config(cfg))
+        self.runner = ModelRunner(model, self.cache_config, device, make_sampler(sampler), runner_settings(cfg, device))
         self.steps_per_launch = self.runner.steps_per_launch  # 1 where the model's step is not static
 
     def execute(self, plan: StepPlan) -> StepOutput | None:

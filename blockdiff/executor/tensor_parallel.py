@@ -22,10 +22,10 @@ from blockdiff.model.loader import load_model
 from blockdiff.model.registry import model_class
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.ranks import RankContext, RankProcesses, WorkerError, WorkerLost
-from blockdiff.executor.local import lora_config
-from blockdiff.step import CacheConfig, LoRAConfig, StepOutput, StepPlan
+from blockdiff.executor.local import runner_settings
+from blockdiff.step import CacheConfig, StepOutput, StepPlan
 from blockdiff.worker.kv_cache import size_cache
-from blockdiff.worker.model_runner import ModelRunner
+from blockdiff.worker.model_runner import ModelRunner, RunnerSettings
 
 
 class TPExecutor:
@@ -34,6 +34,7 @@ class TPExecutor:
         check_splittable(config, cfg.tensor_parallel_size)
         self._cfg, self._config, self._dtype, self._device, self._max_model_len = cfg, config, dtype, device, max_model_len
         self._sampler = sampler
+        self._settings = runner_settings(cfg, device)
         self.worker_timeout: float = cfg.worker_timeout
         self.cache_config: CacheConfig | None = None
         self._shut = False
@@ -51,9 +52,7 @@ class TPExecutor:
             if self.cache_config is None:
                 # Sized once on rank 0 and sent to all: every rank holds the same number of KV heads.
                 self.cache_config = size_cache(ranks.context.state["model"], cfg, self._max_model_len)
-            ranks.run(_start_runner, self.cache_config, self._sampler, cfg.tune_cpu_heap, cfg.sampler_memory_gb,
-                      cfg.step_modes(self._device), cfg.steps_per_launch(self._device), cfg.attention_backend, cfg.logprobs_mode,
-                      lora_config(cfg), gather=True)
+            ranks.run(_start_runner, self.cache_config, self._sampler, self._settings, gather=True)
             # Every rank builds the same runner: rank 0's (this process) says what the steps can do.
             self.steps_per_launch = ranks.context.state["runner"].steps_per_launch
         except BaseException:
@@ -117,12 +116,8 @@ def _load(ctx: RankContext, path: str, config: ModelConfig, dtype: torch.dtype, 
                                     load_format=load_format)
 
 
-def _start_runner(ctx: RankContext, cache: CacheConfig, sampler: str, tune_cpu_heap: bool, sampler_memory_gb: float | None,
-                  step_modes: tuple[bool | None, bool], steps_per_launch: int, attention_backend: str,
-                  logprobs_mode: str, lora: LoRAConfig | None = None) -> None:
-    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, make_sampler(sampler), tune_cpu_heap,
-                                      sampler_memory_gb, *step_modes, steps_per_launch, attention_backend, logprobs_mode,
-                                      lora)
+def _start_runner(ctx: RankContext, cache: CacheConfig, sampler: str, settings: RunnerSettings) -> None:
+    ctx.state["runner"] = ModelRunner(ctx.state["model"], cache, ctx.device, make_sampler(sampler), settings)
 
 
 def _execute(ctx: RankContext, plan: StepPlan) -> StepOutput | None:

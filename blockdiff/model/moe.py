@@ -158,10 +158,7 @@ class Experts(nn.Module):
     def kernel(self, x: torch.Tensor) -> str:
         """The products' kernel for x (blockdiff/ops/kernels.py): grouped wherever torch runs them
         without a host sync; on this CPU they measured faster than per-expert oneDNN products in
-        float32 as well (docs/benchmarks.md, "MoE: grouped against per-expert products"). Training
-        (the demo's) takes the per-expert products: the grouped ops have no backward."""
-        if torch.is_grad_enabled() and self.gate_up.requires_grad:
-            return PER_EXPERT
+        float32 as well (docs/benchmarks.md, "MoE: grouped against per-expert products")."""
         return kernel_on(x.device, x.dtype, self.shape)
 
     def grouped(self, x: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdiff.config import COMPILE_BY_DEFAULT, cpu_features
+from blockdiff.ops.cpu import cpu_features
 from blockdiff.ops.matmul import bf16_products_widen
 
 ALIGN_BYTES = 16  # torch's grouped products: leading strides (and FP8 dimensions) of 16 bytes
@@ -46,6 +46,12 @@ GROUPED, SCALED_GROUPED, PER_EXPERT, BATCHED = "grouped", "scaled_grouped", "per
 BF16_WIDENED = "bf16_widened"  # a CPU feature of Target: no bfloat16 kernels (ops/matmul.py `widens`)
 BATCH_TILE = 16  # rows per expert in a batched product are a multiple of this (AMX tiles are 16 rows)
 BATCH_MAX_PADDING = 2.0  # a batched call may run at most this many rows per routed pair, else grouped
+
+# Whether static steps are compiled unless the user says, per device type: the faster of compiled
+# and eager as measured (docs/benchmarks.md, "Compiled steps"). On CUDA the static steps are CUDA
+# graphs either way; compiling adds one inductor compile per shape the server meets, and what it
+# buys there has not been measured yet (scripts/device_check.sh's "compiled" part measures it).
+COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
 
 # torch's grouped kernels without a host sync: compute capability 9.x (Hopper) and 10.x (Blackwell).
 _GROUPED_MAJORS = (9, 10)
@@ -63,7 +69,7 @@ class Target:
 
     type: str
     capability: tuple[int, int] | None = None
-    features: frozenset[str] = frozenset()  # on the CPU: its config.BF16_CPU_FEATURES and BF16_WIDENED (tests inject them)
+    features: frozenset[str] = frozenset()  # on the CPU: its ops/cpu.BF16_CPU_FEATURES and BF16_WIDENED (tests inject them)
 
 
 def target(device: torch.device | str) -> Target:

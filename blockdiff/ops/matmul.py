@@ -152,6 +152,24 @@ def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
+def _grouped_mm_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """The gradients as grouped products too: rows past ends[-1] get none (their outputs are
+    undefined, so nothing reads them), a group without rows a zero weight gradient."""
+    x, weight, ends = ctx.saved_tensors
+    grad_x = torch._grouped_mm(grad, weight, offs=ends)
+    grad_x.masked_fill_((torch.arange(x.shape[0], device=x.device) >= ends[-1])[:, None], 0)
+    grad_weight = torch._grouped_mm(grad.t(), x, offs=ends)
+    return grad_x, grad_weight, None
+
+
+# The demo trainer differentiates the experts' products.
+_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows ends[g-1]:ends[g] of x [rows, in] times weight[g] [out, in].T, in one call; `ends`
     int32 on x's device. Rows past ends[-1] are left undefined."""

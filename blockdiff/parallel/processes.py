@@ -21,8 +21,8 @@ A child ends when its parent's process does (`exit_with_parent`, run before the 
 `grace` gets SIGTERM (with SIGCONT, so that a stopped process acts on it), and whatever outlives
 that SIGKILL.
 
-This module imports nothing of blockdiff: structured/index.py must not import the package (it would
-import torch) and loads this file by its path.
+This module imports nothing of blockdiff and nothing that imports torch: a structured-output build
+(structured/index.py) imports it without torch.
 """
 
 from __future__ import annotations

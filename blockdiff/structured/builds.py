@@ -29,7 +29,6 @@ from blockdiff.fairness import RoundRobin
 from blockdiff.sampling_params import InvalidParam
 
 log = logging.getLogger(__name__)
-_INDEX_SCRIPT = os.path.join(os.path.dirname(__file__), "index.py")
 # A build is one thread of numpy: BLAS and OpenMP pools would only reserve address space and cores.
 _CHILD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -127,9 +126,10 @@ class BuildPool:
         with self._cond:
             if build.cancelled:
                 raise BuildCancelled()
-            build.proc = subprocess.Popen([sys.executable, _INDEX_SCRIPT, str(self.memory), str(os.getpid())],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          env={**os.environ, **_CHILD_ENV})
+            build.proc = subprocess.Popen([sys.executable, "-m", "blockdiff.structured.index", str(self.memory),
+                                           str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE,
+                                          env={**os.environ, **_CHILD_ENV, "PYTHONPATH": os.pathsep.join(sys.path)})
         proc = build.proc
         t0 = time.monotonic()
         try:

@@ -1,9 +1,9 @@
 """A regular expression and a vocabulary -> the arrays of a token automaton.
 
-Runs as a script in a child process (`python index.py MEMORY PARENT`, a pickled job on stdin, the
-pickled arrays on stdout; builds.py), so that a build can be stopped at its time bound by ending
-the process, and its memory bounded (RLIMIT_AS) apart from the server's; it imports nothing of
-blockdiff (whose package would import torch) and only numpy and outlines-core. A JSON schema's
+Runs in a child process (`python -m blockdiff.structured.index MEMORY PARENT`, a pickled job on
+stdin, the pickled arrays on stdout; builds.py), so that a build can be stopped at its time bound
+by ending the process, and its memory bounded (RLIMIT_AS) apart from the server's; it imports
+numpy, outlines-core and parallel/processes.py, none of which imports torch. A JSON schema's
 regex is made here too (`regex_of`), and a regex longer than the job's bound, or a DFA of more
 states, is refused (`Refused`).
 
@@ -31,13 +31,13 @@ states, is refused (`Refused`).
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import pickle
 import resource
 import sys
 
 import numpy as np
+
+from blockdiff.parallel.processes import exit_with_parent
 
 UNREACHABLE = np.iinfo(np.int64).max // 2
 SENTINEL = "\U0010FFFD"  # a private-use character of the last plane
@@ -271,19 +271,8 @@ def _bound_process(memory: int, parent: int) -> None:
     """This process's address space at most `memory` bytes (numpy's and outlines-core's
     allocations fail past it), and its end when the thread that started it ends (Linux): a build
     thread lives as long as the server, so PR_SET_PDEATHSIG alone covers a server killed outright."""
-    _processes().exit_with_parent(parent, pdeathsig=True, poll=False)
+    exit_with_parent(parent, pdeathsig=True, poll=False)
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
-
-def _processes():
-    """parallel/processes.py, loaded by its path: importing it as blockdiff.parallel.processes would
-    import the blockdiff package, and torch with it."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel", "processes.py")
-    spec = importlib.util.spec_from_file_location("_blockdiff_processes", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:

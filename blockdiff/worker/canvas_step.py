@@ -134,23 +134,9 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
                  images=None, logits_out: torch.Tensor | None = None,
                  lora: torch.Tensor | None = None, lora_experts: bool = False, penalties: SlotPenalties | None = None,
                  penalty_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, CanvasOutputs | None]:
-    """The one step function, of the eager and the static step alike: a forward over the tokens
-    [prefix | the canvases of `slots`] and, where there are canvases, the sampler's step and the
-    self-conditioning product of every one of them.
-
-    prefix: the encoder tokens (prompt chunks, committed canvases) and then `scored` tokens of
-    scored pieces, which are decoder tokens ahead of the canvases (`meta` packs them so). Returns the
-    scored tokens' logits [scored, local vocab] and the canvases' outputs (None without canvases).
-    One rule for self-conditioning wherever the step runs: every canvas reads its slot's soft
-    embeddings, which a starting canvas's slot holds as zeros (the self-conditioning MLP of zeros is
-    exactly zero, so that is the reference's step without a previous one), and every canvas's new
-    ones are computed, a finished canvas's too (its slot is reset when the next canvas starts).
-    lora: each token's LoRA adapter slot ([tokens] of prefix and canvases, -1: none; padding gets
-    none), or None without --enable-lora; `lora_experts`: whether one of the adapters targets the experts.
-    penalties: the slots' penalties and logit biases (worker/penalties.py), applied to the canvases'
-    logits before the sampler, where a canvas of the step has some (None: the logits as they are);
-    `penalty_slots`: the canvases' slots in that table (default `slots`: the static step reads
-    `state` through a working copy of its canvases' rows)."""
+    """The one step function, eager and static alike: a forward over [prefix: encoder tokens, then
+    `scored` decoder tokens | the canvases of `slots`], then the sampler. -> (the scored tokens' logits,
+    the canvases' outputs or None). A starting canvas's soft embeddings are zeros: the reference's first step."""
     rows, cl = slots.shape[0], state.canvas.shape[1]
     ids = state.canvas.index_select(0, slots).reshape(-1)
     soft = state.soft.index_select(0, slots).flatten(0, 1) if sampler.self_conditioning else None

@@ -16,7 +16,7 @@ and rank 0 returns the results.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,48 +39,53 @@ from blockdiff.worker.penalties import SlotPenalties
 from blockdiff.worker.request_slots import RequestSlots
 
 
+@dataclass(frozen=True)
+class RunnerSettings:
+    """How a ModelRunner runs its steps: the executor makes it once from the EngineConfig."""
+
+    tune_cpu_heap: bool = False  # keep freed memory in the heap (worker/cpu_heap.py), on the CPU
+    sampler_memory_gb: float | None = None  # the sampler's workspace
+    # All-canvas steps as the static step, compiled / replayed as CUDA graphs (the model needs
+    # static shapes, `model.static_shapes`); compile None: the device's default.
+    compile: bool | None = False
+    cuda_graphs: bool = False
+    steps_per_launch: int = 1  # denoising steps a steady-state step may run back to back (static step)
+    attention_backend: str | None = None  # a name of model/attention_backends; None / "auto": the device's
+    logprobs_mode: str = LOGPROBS_MODES[0]  # what committed tokens' logprobs report (VocabParallel.reported)
+    lora: LoRAConfig | None = None  # --enable-lora's pool of adapter slots (model/lora.py); None: no LoRA
+
+
 class ModelRunner:
     def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str,
-                 sampler: DiffusionSampler, tune_cpu_heap: bool = False, sampler_memory_gb: float | None = None,
-                 compile: bool | None = False, cuda_graphs: bool = False, steps_per_launch: int = 1,
-                 attention_backend: str | None = None, logprobs_mode: str = LOGPROBS_MODES[0],
-                 lora: LoRAConfig | None = None):
-        """sampler: how canvases are denoised (the engine's, `diffusion/registry.py`).
-        sampler_memory_gb: the sampler's workspace (EngineConfig). compile / cuda_graphs
-        (EngineConfig.step_modes): run all-canvas steps as the static step, compiled / replayed as
-        CUDA graphs. Both need a model with static shapes (`model.static_shapes`); compile None:
-        the device's default where the model has them. steps_per_launch (EngineConfig): denoising
-        steps a steady-state step may run back to back, through the static step (eager unless
-        compiled or graphed); 1 for a model without static shapes. attention_backend
-        (EngineConfig): a name of model/attention_backends, or None / "auto" for the device's.
-        logprobs_mode (EngineConfig): what committed tokens' logprobs report (VocabParallel.reported).
-        lora (--enable-lora): the model gets a pool of LoRA adapter slots (model/lora.py) that plans
-        fill (StepPlan.lora_loads) and requests name (NewRequests.adapters); None: no LoRA."""
+                 sampler: DiffusionSampler, settings: RunnerSettings = RunnerSettings()):
+        """sampler: how canvases are denoised (diffusion/registry.py). LoRA slots are filled by
+        plans (StepPlan.lora_loads) and named by requests (NewRequests.adapters)."""
         self.model = model
         self.sampler = sampler
         self.device = torch.device(device)
         if sampler.self_conditioning and not hasattr(model, "soft_embed"):
             raise ValueError(f"the {sampler.name} sampler self-conditions, which {type(model).__name__} cannot")
-        if logprobs_mode not in sampler.logprobs_modes:
-            raise ValueError(f"--logprobs-mode {logprobs_mode}: the {sampler.name} sampler reports "
+        if settings.logprobs_mode not in sampler.logprobs_modes:
+            raise ValueError(f"--logprobs-mode {settings.logprobs_mode}: the {sampler.name} sampler reports "
                              f"{' or '.join(sampler.logprobs_modes)} only")
-        if tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
+        if settings.tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
             keep_freed_memory()
         self.cache_config = cache
         self.lora = None
+        lora = settings.lora
         if lora is not None:
             enable_lora(model, lora.max_loras, lora.max_lora_rank)
             self.lora = AdapterCache(lora.max_cpu_loras, lora.max_lora_rank)
         self.kv = allocate(model, cache, self.device)
         if cache.calculate_kv_scales and cache.kv_cache_dtype != "auto":
             calculate_kv_scales(model)
-        backend = choose_attention_backend(self.device, model.dtype, attention_backend, cache.kv_cache_dtype != "auto")
+        backend = choose_attention_backend(self.device, model.dtype, settings.attention_backend, cache.kv_cache_dtype != "auto")
         self.geometry = replace(geometry(model, cache), backend=backend)
         self.kinds = layer_kinds(model)
         self.tables = BlockTables(cache, self.kinds, self.device)
         kernels = sampler_kernels(choose_sampler_backend(self.device))
-        self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(sampler_memory_gb, self.device),
-                                   kernels, logprobs_mode)
+        self.vocab = VocabParallel(model.shard, model.group, self.device, workspace_bytes(settings.sampler_memory_gb, self.device),
+                                   kernels, settings.logprobs_mode)
         self.canvas_length = model.config.canvas_length
         self.state = sampler.new_state(cache.num_slots + 1, self.canvas_length, model.config.hidden_size, model.dtype,
                                        self.device)
@@ -90,8 +95,8 @@ class ModelRunner:
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
         static = model.static_shapes(self.device)
-        modes = step_modes(target(self.device), static, compile, cuda_graphs)
-        self.steps_per_launch = steps_per_launch if static else 1
+        modes = step_modes(target(self.device), static, settings.compile, settings.cuda_graphs)
+        self.steps_per_launch = settings.steps_per_launch if static else 1
         if modes.compile or modes.cuda_graphs or self.steps_per_launch > 1:
             self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, self.tables.tables,
                                             self.state, self.requests, self.device, modes.compile, modes.cuda_graphs,

@@ -298,7 +298,7 @@ def test_the_static_step_over_an_fp8_cache_on_a_fake_h200():
     from blockdiff.parallel.group import TPGroup
     from blockdiff.sampling_params import REFERENCE_DEFAULTS
     from blockdiff.worker.canvas_step import CanvasSteps
-    from blockdiff.worker.model_runner import ModelRunner
+    from blockdiff.worker.model_runner import ModelRunner, RunnerSettings
 
     config = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "diffusiongemma-26b-a4b.json"))
     keep = (0, next(i for i, spec in enumerate(config.arch.layers) if not spec.sliding))
@@ -315,7 +315,7 @@ def test_the_static_step_over_an_fp8_cache_on_a_fake_h200():
     with fake_cuda((9, 0)), pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_paged, "paged_attention", counted)
         model = fake_module(lambda: DiffusionGemma(config, TPGroup(), torch.bfloat16)).eval()
-        runner = ModelRunner(model, cache, "cuda", EntropyBound(), sampler_memory_gb=1.0)
+        runner = ModelRunner(model, cache, "cuda", EntropyBound(), RunnerSettings(sampler_memory_gb=1.0))
         assert all(t.dtype == torch.float8_e4m3fn and t.is_cuda for kv in runner.kv for t in kv)
         steps = CanvasSteps(runner.model, runner.sampler, runner.vocab, runner.kv, runner.geometry,
                             runner.tables.tables, runner.state, runner.requests, runner.device, compile=False,

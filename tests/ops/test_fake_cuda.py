@@ -47,7 +47,7 @@ from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
 from blockdiff.step import CacheConfig, StepPlan
 from blockdiff.worker import canvas_step as canvas_step_module
 from blockdiff.worker.canvas_step import CanvasSteps
-from blockdiff.worker.model_runner import ModelRunner
+from blockdiff.worker.model_runner import ModelRunner, RunnerSettings
 
 BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 BLOCK = 16
@@ -68,8 +68,8 @@ def _runner(tp: int, quantized: bool = False, attention_backend: str | None = No
     config = _config(quantized)
     group = fake_group(tp) if tp > 1 else TPGroup()
     model = fake_module(lambda: DiffusionGemma(config, group, torch.bfloat16)).eval()
-    return ModelRunner(model, CACHE, "cuda", EntropyBound(), sampler_memory_gb=1.0, compile=False, cuda_graphs=False,
-                       attention_backend=attention_backend)
+    return ModelRunner(model, CACHE, "cuda", EntropyBound(),
+                       RunnerSettings(sampler_memory_gb=1.0, attention_backend=attention_backend))
 
 
 def _blocks(slot: int, n: int) -> tuple[int, ...]:

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdiff.ops import matmul
-from blockdiff.ops.matmul import dense_kernel, linear, onednn_packed
+from blockdiff.ops import kernels, matmul
+from blockdiff.ops.matmul import dense_kernel, grouped_linear, linear, onednn_packed
 
 
 def _packs(dtype: torch.dtype) -> bool:
@@ -65,3 +65,23 @@ def test_the_dense_kernel_is_named_as_linear_chooses_it():
         want = "oneDNN, weights packed once" if _packs(dtype) else "F.linear"
         assert dense_kernel("cpu", dtype) == want
     assert dense_kernel("meta", torch.bfloat16) == "F.linear"
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_products_have_the_gradients_of_per_group_products(transposed):
+    """The demo trainer differentiates the experts' grouped products (model/moe.py): an empty group
+    gets a zero weight gradient, rows past the last group none."""
+    if torch.float32 not in kernels.INSTALLED.cpu_grouped_mm:
+        pytest.skip("this torch has no CPU grouped_mm")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 12, 8, generator=g)
+    weight = nn.Parameter(w.transpose(1, 2).contiguous().transpose(1, 2) if transposed else w)
+    x = torch.randn(40, 8, generator=g, requires_grad=True)
+    ends = torch.tensor([8, 8, 32], dtype=torch.int32)
+    up = torch.randn(32, 12, generator=g)
+    (grouped_linear(x, weight, ends)[:32] * up).sum().backward()
+    xr, wr = x.detach().clone().requires_grad_(True), w.clone().requires_grad_(True)
+    (torch.cat([xr[:8] @ wr[0].T, xr[8:32] @ wr[2].T]) * up).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(weight.grad, wr.grad)
+    assert not x.grad[32:].any() and not weight.grad[1].any()

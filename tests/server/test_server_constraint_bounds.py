@@ -39,7 +39,7 @@ server = serve(None, *ARGS)
 
 
 def build_processes(server: ServerProcess) -> list[int]:
-    """The server's build processes (blockdiff/structured/index.py) alive now, orphans included: by
+    """The server's build processes (blockdiff.structured.index) alive now, orphans included: by
     the process group the server leads."""
     pids = []
     for entry in os.listdir("/proc"):
@@ -48,7 +48,7 @@ def build_processes(server: ServerProcess) -> list[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
-            if b"structured/index.py" in cmdline and os.getpgid(int(entry)) == server.proc.pid:
+            if b"blockdiff.structured.index" in cmdline and os.getpgid(int(entry)) == server.proc.pid:
                 pids.append(int(entry))
         except (OSError, ProcessLookupError):
             continue

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from blockdiff.config import choose_dtype, cpu_features, parse_dtype
+from blockdiff.config import choose_dtype, parse_dtype
+from blockdiff.ops.cpu import cpu_features
 from blockdiff.engine.startup import kernels_line
 from blockdiff.ops.matmul import dense_kernel, onednn_packed, widens
 from blockdiff.model.registry import load_config

@@ -136,18 +136,14 @@ def _fold(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _exp_minus(x: torch.Tensor, m: torch.Tensor, seen: torch.Tensor | None = None, group: int = 1) -> torch.Tensor:
-    """exp(x - m): in place when nothing differentiates through x (the max taken of x keeps x for
-    its gradient, so training, the demo trainer's, needs a new tensor). With `seen` (1 or 0 per
-    key, broadcasting against x [kv, rows, blocks, group * M, keys] viewed as [kv, rows, blocks,
-    group, M, keys]) x holds -inf at the unseen keys: those are exponentiated as 0 and multiplied
-    by 0 instead, the same bits, as the CPU's exp takes a path ~2x slower for inputs below
-    float32's range."""
-    y = x - m if x.requires_grad else x.sub_(m)
+    """exp(x - m), in place. With `seen` (1 or 0 per key, broadcasting against x [kv, rows, blocks,
+    group * M, keys] viewed as [kv, rows, blocks, group, M, keys]) x holds -inf at the unseen keys:
+    those are exponentiated as 0 and multiplied by 0 instead, the same bits, as the CPU's exp takes
+    a path ~2x slower for inputs below float32's range."""
+    y = x.sub_(m)
     if seen is None:
-        return y.exp() if x.requires_grad else y.exp_()
+        return y.exp_()
     shape = (*x.shape[:3], group, -1, x.shape[-1])
-    if x.requires_grad:
-        return (y.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=0.0).exp().view(shape) * seen).view(x.shape)
     y.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0).exp_().view(shape).mul_(seen)
     return y
 
