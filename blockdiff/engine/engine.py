@@ -25,7 +25,7 @@ from blockdiff.config import EngineConfig, parse_dtype
 from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.block_allocator import BlockPool
 from blockdiff.engine.client import EngineLimits, EngineStats
-from blockdiff.engine.multimodal import MultiModalIntake, split_prompt
+from blockdiff.engine.multimodal import MultiModalIntake
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.kv_events import KVEvent, make_publisher
@@ -35,10 +35,11 @@ from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
 from blockdiff.engine.worker_record import WorkerRecord
 from blockdiff.executor import make_executor
+from blockdiff.inputs import EngineRequest
 from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
-from blockdiff.sampling_params import LoRARequest, ResolvedParams, SamplingParams, generation_defaults
+from blockdiff.sampling_params import LoRARequest, SamplingParams, generation_defaults
 from blockdiff.step import ImageInputs, MinTokens, ScorePlan, StepPlan, StepRow
 from blockdiff.structured.compiler import StructuredOutputs
 from blockdiff.tokenizer import Tokenizer
@@ -119,23 +120,23 @@ class LLMEngine:
             self.kv_event_sinks.append(self.kv_publisher.publish)
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | ResolvedParams | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     request_id: str | None = None, lora_request: LoRARequest | None = None) -> Request:
-        """`prompt`: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data":
-        {"image": ..., "video": ...}} with PIL images, encoded bytes or file paths, one per placeholder.
-        `params`: as the user gave them, or resolved for this prompt (`self.inputs.resolve`).
-        `lora_request`: the LoRA adapter it runs with (--enable-lora); a LoRAError where it cannot be served."""
-        if lora_request is not None:
+        """vLLM's call: `prompt` as `InputProcessor.request` takes it, `params` as the user gave them,
+        `lora_request` the LoRA adapter it runs with; made into an EngineRequest here, and added."""
+        return self.add(self.inputs.request(prompt, params, lora_request), request_id)
+
+    def add(self, request: EngineRequest, request_id: str | None = None) -> Request:
+        """Queue an engine request made at the edge; a LoRAError where its adapter cannot be served."""
+        if request.lora is not None:
             if self.lora is None:
-                raise ValueError(f"request names the LoRA adapter {lora_request.lora_name!r}, but LoRA is not "
+                raise ValueError(f"request names the LoRA adapter {request.lora.lora_name!r}, but LoRA is not "
                                  "enabled (--enable-lora)")
-            self.lora.check(lora_request)
-        prompt, media = split_prompt(prompt)
+            self.lora.check(request.lora)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        req = self.inputs.process(request_id, prompt, params, media)
-        req.lora = lora_request
+        req = self.inputs.process(request_id, request)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req

@@ -14,7 +14,6 @@ from dataclasses import fields, replace
 from blockdiff.chat_parts import PART_MODALITY, template_content
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.engine.client import EngineClient
-from blockdiff.engine.multimodal import PromptInputs
 from blockdiff.entrypoints.openai import limits, protocol as p
 from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
@@ -22,6 +21,7 @@ from blockdiff.entrypoints.openai.media import ChatMedia
 from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
 from blockdiff.entrypoints.openai.response_size import ENVELOPE, TOKEN_ID_TEXT, Pricing
 from blockdiff.entrypoints.openai.structured import constraint_field
+from blockdiff.inputs import EngineRequest, PromptInputs
 from blockdiff.multimodal import MediaError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams
 
@@ -43,11 +43,6 @@ def request_names(req: p._GenerationRequest) -> dict[str, str]:
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     return names
-
-
-def prompt_length(prompt: list[int] | PromptInputs) -> int:
-    """Tokens of an engine prompt, each image counting its expanded placeholder."""
-    return len(prompt.token_ids if isinstance(prompt, PromptInputs) else prompt)
 
 
 def check_choices(prompts: int, n: int) -> None:
@@ -121,6 +116,7 @@ class Preprocessor:
                  max_response_bytes: int, default_chat_template_kwargs: dict | None = None):
         """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
         self.engine = engine
+        self.loras: dict = {}  # the LoRA adapters served, by name (LoRARequest; the server shares one dict)
         self.max_response_bytes = max_response_bytes
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
         # (preprocess.py), its images and videos in `media` (media.py).
@@ -262,12 +258,14 @@ class Preprocessor:
         return await self.media.load([m.model_dump(exclude_none=True) for m in messages], client)
 
     # ---- sampling parameters: resolved once, priced ----------------------------------------------
-    def engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
-                        max_tokens: int | None, logprobs: int | None, size: Pricing, skip_special_tokens: bool = True,
-                        prompt_logprobs: int | None = None, structured_outputs=None, score_once: bool = False) -> list:
-        """n engine requests per prompt, checked against the limits first, their parameters resolved
-        once per prompt (for its length) and taken by the engine as they are. The choices of a prompt
-        share its ResolvedParams but their seeds (and so its draft and stop lists); prompt-major.
+    def engine_requests(self, req: p._GenerationRequest, client: str, prompts: list[list[int] | PromptInputs],
+                        lengths: list[list[int]], n: int, max_tokens: int | None, logprobs: int | None, size: Pricing,
+                        skip_special_tokens: bool = True, prompt_logprobs: int | None = None, structured_outputs=None,
+                        score_once: bool = False) -> list[EngineRequest]:
+        """n engine requests per prompt, of `client`, with the adapter `req.model` names, checked
+        against the limits first, their parameters resolved once per prompt (for its length) and
+        taken by the engine as they are. The choices of a prompt share its ResolvedParams but their
+        seeds (and so its draft and stop lists); prompt-major.
         size: how the endpoint's response spells what it returns (response_size.py).
         skip_special_tokens: the endpoint's default, under the request's own (vLLM's field).
         score_once: only a prompt's first choice scores it (prompt_logprobs), and the response gives
@@ -284,14 +282,17 @@ class Preprocessor:
                                        min_tokens=req.min_tokens or 0, prompt_logprobs=prompt_logprobs,
                                        output_kind="delta" if req.stream else "final_only", skip_special_tokens=skip,
                                        structured_outputs=structured_outputs)
-            resolved = [self.engine.resolve(params, prompt_length(prompt)) for prompt in prompts]
+            inputs = [prompt if isinstance(prompt, PromptInputs) else PromptInputs(prompt) for prompt in prompts]
+            resolved = [self.engine.resolve(params, len(prompt.token_ids)) for prompt in inputs]
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, request_names(req)) from None
         # A choice of max_tokens 0 is its scoring, nothing else: each scores the prompt.
         choices = [[params if i == 0 else self._choice(params, i, not score_once or params.max_tokens == 0)
                     for i in range(n)] for params in resolved]
         self._check_cost(choices, size, req.return_tokens_as_token_ids)
-        return [(prompt, params) for prompt, of_prompt in zip(prompts, choices) for params in of_prompt]
+        lora = self.loras.get(req.model) if req.model is not None else None
+        return [EngineRequest(prompt, params, lora=lora, client=client, priority=req.priority or 0)
+                for prompt, of_prompt in zip(inputs, choices) for params in of_prompt]
 
     @staticmethod
     def _choice(params: ResolvedParams, choice: int, scored: bool) -> ResolvedParams:

@@ -143,7 +143,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     # The LoRA adapters served by name, one dict that every endpoint reads (docs/lora.md).
     adapters = LoRAAdapters(cfg.lora_modules, cfg.served_model_names, cfg.lora_modules_dir, cfg.max_runtime_loras,
                             cfg.max_lora_rank)
-    loras = completion.loras = chat_serving.loras = adapters.by_name
+    loras = preprocess.loras = adapters.by_name
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}
 

@@ -145,8 +145,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt_logprobs = self.prompt_logprobs(req)
         rules = self.output_rules(req)
         request_id = p.new_id("chatcmpl", req.request_id)
-        images = await self.preprocess.chat_images(req.messages, client_of(raw))
-        prompts, requests = await self.preprocess.pool.run(client_of(raw), self.chat_requests, req, images, n, max_tokens,
+        client = client_of(raw)
+        images = await self.preprocess.chat_images(req.messages, client)
+        prompts, requests = await self.preprocess.pool.run(client, self.chat_requests, req, client, images, n, max_tokens,
                                                            logprobs, rules, request_id, prompt_logprobs)
         last = req.messages[-1]
         echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
@@ -167,9 +168,9 @@ class OpenAIServingChat(OpenAIServing):
             with renamed:
                 rules = self.output_rules(req)
                 images = await self.preprocess.chat_images(req.messages, client)
-                prompts, requests = await self.preprocess.pool.run(client, self.chat_requests, req, images, 1,
+                prompts, requests = await self.preprocess.pool.run(client, self.chat_requests, req, client, images, 1,
                                                                    req.max_tokens, None, rules, request_id)
-                stream, release = await self.add(requests, client, raw, req.model)  # the share is held until the response ends
+                stream, release = await self.add(requests, raw)  # the share is held until the response ends
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, value_names) from None
         return rules, prompts, stream, release
@@ -189,14 +190,14 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return k
 
-    def chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
+    def chat_requests(self, req: p.ChatCompletionRequest, client: str, images: list, n: int, max_tokens: int | None,
                       logprobs: int | None, rules: OutputRules, request_id: str, prompt_logprobs: int | None = None):
-        """(In the pool) -> (the prompt ids usage counts, the engine requests)."""
+        """(In the pool) -> (the prompt ids usage counts, `client`'s engine requests)."""
         constraint = self.chat_constraint(req, rules)
         prompt, prompts = self.chat_prompt(req, images, request_id)
         # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
         # The response holds the prompt's scores once (prompt_logprobs, never streamed): one choice scores it.
-        return prompts, self.preprocess.engine_requests(req, [prompt], prompts, n, max_tokens, logprobs, chat_size,
+        return prompts, self.preprocess.engine_requests(req, client, [prompt], prompts, n, max_tokens, logprobs, chat_size,
                                                         skip_special_tokens=not rules.parses,
                                                         prompt_logprobs=prompt_logprobs, structured_outputs=constraint,
                                                         score_once=True)
