@@ -1,5 +1,5 @@
 """What the generation endpoints (serving_completion.py, serving_chat.py, responses.py) share once a
-request is preprocessed (preprocessing.py): its engine requests added against its client's share,
+request is built (request_builder.py): its engine requests added against its client's share,
 and their outputs streamed as server-sent events (one chunk per committed canvas, drafts between)
 or collected into one response, in the endpoint's format; usage and token texts."""
 
@@ -23,7 +23,7 @@ from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
-from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS, Preprocessor, request_names
+from blockdiff.entrypoints.openai.request_builder import REQUEST_FIELDS, RequestBuilder, request_names
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
 from blockdiff.inputs import EngineRequest
 from blockdiff.outputs import RequestOutput, TokenLogprob
@@ -239,7 +239,7 @@ async def _disconnected(request: Request) -> None:
 class OpenAIServing:
     """An endpoint's engine, preprocessing and served names, and its outputs' way back."""
 
-    def __init__(self, engine: EngineClient, served_model_names: list[str], preprocess: Preprocessor,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], preprocess: RequestBuilder,
                  clients: ClientLimit, max_stream_buffer: int):
         """clients: counts each client's engine requests; max_stream_buffer: bytes a stream's client may
         leave unread."""

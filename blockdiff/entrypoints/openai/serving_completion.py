@@ -11,7 +11,7 @@ from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai import vllm_fields
 from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import APIError
-from blockdiff.entrypoints.openai.preprocessing import check_choices, check_common
+from blockdiff.entrypoints.openai.request_builder import check_choices, check_common
 from blockdiff.entrypoints.openai.response_size import CompletionSize
 from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat, json_body
 from blockdiff.entrypoints.openai.structured import request_constraint
