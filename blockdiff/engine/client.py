@@ -23,12 +23,8 @@ from blockdiff.engine.multimodal import MultiModalIntake
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.inputs import EngineRequest
 from blockdiff.outputs import RequestOutput
-from blockdiff.sampling_params import LoRARequest, ResolvedParams, SamplingParams, StructuredOutputsParams
+from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
-
-# A prompt as a user gives it (`InputProcessor.request` makes an EngineRequest of it): text, token ids,
-# or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data": {"image": [...], "video": [...]}}.
-Prompt = str | list[int] | dict
 
 
 @dataclass(frozen=True)
@@ -119,11 +115,6 @@ class EngineClient(abc.ABC):
         """`params` with every default merged and every bound checked, for a prompt of
         `prompt_len` tokens (images expanded): once, at the edge; the engine takes the result as it is."""
         return self.inputs.resolve(params, prompt_len)
-
-    def request(self, prompt: Prompt, params: SamplingParams | None = None, lora: LoRARequest | None = None,
-                client: str | None = None) -> EngineRequest:
-        """A user's prompt and parameters as one EngineRequest (`InputProcessor.request`)."""
-        return self.inputs.request(prompt, params, lora, client)
 
     def cost(self, params: ResolvedParams) -> int:
         """Canvas positions the decoder evaluates for a request at most."""

@@ -58,7 +58,7 @@ def test_resolved_once_and_taken_as_they_are(client, monkeypatch):
         assert client.engine.requests[rid].params is resolved
         once = await _finals(stream)
         assert len(calls) == 1
-        again = await _finals(await client.add([client.request(PROMPT, PARAMS)]))
+        again = await _finals(await client.add([client.inputs.request(PROMPT, PARAMS)]))
         assert len(calls) == 2
         assert once[0].token_ids == again[0].token_ids and len(once[0].token_ids) == 12
         await client.stop()
@@ -81,13 +81,13 @@ def test_bad_parameters_raise_a_typed_error_naming_the_field(client):
     async def main():
         client.start()
         with pytest.raises(InvalidParam) as e:
-            await client.add([client.request(PROMPT, SamplingParams(max_tokens=10**6))])
+            await client.add([client.inputs.request(PROMPT, SamplingParams(max_tokens=10**6))])
         assert e.value.field == "max_tokens" and str(e.value).startswith("max_tokens (1000000) + prompt")
         with pytest.raises(InvalidParam) as e:
             client.resolve(SamplingParams(max_denoising_steps=10**6), len(PROMPT))
         assert e.value.field == "max_denoising_steps"
         with pytest.raises(InvalidParam) as e:
-            await client.add([client.request([1, 2, 999], PARAMS)])
+            await client.add([client.inputs.request([1, 2, 999], PARAMS)])
         assert e.value.field == "prompt"
         assert client.stats().num_waiting == 0 and not client.engine.requests  # nothing was added
         await client.stop()
@@ -103,7 +103,7 @@ def test_stats_while_requests_run_and_abort(client):
         assert (idle.num_running, idle.num_waiting, idle.num_free_slots, idle.kv_cache_usage) == (0, 0, 2, 0)
         assert idle.kv_cache_blocks == client.engine.kv.full.num_blocks and idle.num_preemptions == 0
         long = SamplingParams(max_tokens=64 - len(PROMPT), max_denoising_steps=8, ignore_eos=True)
-        streams = [await client.add([client.request(PROMPT, long)]) for _ in range(3)]
+        streams = [await client.add([client.inputs.request(PROMPT, long)]) for _ in range(3)]
         await anext(streams[0])  # the first committed canvas: two run, one waits
         busy = client.stats()
         assert (busy.num_running, busy.num_waiting, busy.num_free_slots) == (2, 1, 0) and busy.kv_cache_usage > 0
