@@ -40,7 +40,7 @@ from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
 from blockdiff.sampling_params import LoRARequest, SamplingParams, generation_defaults
-from blockdiff.step import ImageInputs, MinTokens, ScorePlan, StepPlan, StepRow
+from blockdiff.step import ImageInputs, MinTokens, ScorePlan, StepPlan, StepRow, step_options
 from blockdiff.structured.compiler import StructuredOutputs
 from blockdiff.tokenizer import Tokenizer
 
@@ -257,9 +257,8 @@ class LLMEngine:
                 req.new_canvas = None
         min_tokens = _min_tokens(sched.decoder, cl)
         steps = self._steps_per_launch(sched, min_tokens is not None)
-        denoise = self.sampler.step_options([r.params for r in sched.decoder]) if sched.decoder else None
-        new_requests, tables = self.sent.slots([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder,
-                                               self._step_params)
+        denoise = step_options([r.params.options for r in sched.decoder]) if sched.decoder else None
+        new_requests, tables = self.sent.slots([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder)
         constraints = [req.constraint.canvas(i, req.params.max_tokens - len(req.output.token_ids))
                        for i, req in enumerate(sched.decoder) if req.constraint is not None]
         automata, forget = self.sent.automata([r.constraint.automaton for r in sched.decoder if r.constraint])
@@ -284,11 +283,6 @@ class LLMEngine:
             forget_automata=forget,
             lora_loads=self.lora.take_loads() if self.lora is not None else {},
         )
-
-    def _step_params(self, taken: list[Request]):
-        """The sampler's per-request inputs of the requests that took their slots (sent once per admission)."""
-        return self.sampler.step_params([r.steps_left for r in taken], [r.params for r in taken],
-                                        [r.seed for r in taken], [r.metrics.canvases for r in taken])
 
     def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:
         """K steps back to back in the steady state (every row a canvas, nobody reading a step's own

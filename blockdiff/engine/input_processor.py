@@ -178,8 +178,9 @@ class InputProcessor:
             room = max(1, self.max_model_len - prompt_len)
             given = defaults["max_tokens"]
             defaults = {**defaults, "max_tokens": room if given is None else max(1, min(given, room))}
-        resolved = ResolvedParams.of(self.sampler.resolve(params, defaults, self.max_steps), prompt_len,
-                                     self.sampler.name)
+        sampled = self.sampler.resolve(params, defaults, self.max_steps)
+        resolved = ResolvedParams.of(sampled, prompt_len, self.sampler.name, self.sampler.canvas_values(sampled),
+                                     self.sampler.request_options(sampled))
         if resolved.structured_outputs is not None and self.tokenizer is not None:
             # Before any build: a constraint no output within max_tokens meets would hold a build worker for nothing.
             check_room(resolved.structured_outputs, resolved.max_tokens, self._token_chars)
