@@ -16,12 +16,11 @@ from blockdiff.model.gemma_config import GemmaConfig
 from blockdiff.ops.kernels import (
     BATCH_TILE, BATCHED, PER_EXPERT, ExpertRows, ExpertShape, batched_rows, expert_linear, kernel_on, padded,
 )
-from blockdiff.ops.matmul import linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.model.lora import LoRABatch
 from blockdiff.parallel.group import TPGroup
-from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_shape, copy_into
+from blockdiff.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_shape, copy_into
 from blockdiff.parallel.quantization.base import (
     UNQUANTIZED_EXPERTS, ExpertsMethod, QuantConfig, QuantizationError, experts_method, linear_method,
 )
@@ -64,7 +63,7 @@ class Router(nn.Module):
         self.top_k = config.top_k_experts
         self.norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
         self.root = h**-0.5
-        self.proj = nn.Linear(h, e, bias=False, dtype=dtype).requires_grad_(False)
+        self.proj = ReplicatedLinear(h, e, dtype)
         self.scale = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.per_expert_scale = nn.Parameter(torch.ones(e, dtype=dtype), requires_grad=False)
 
@@ -74,7 +73,7 @@ class Router(nn.Module):
 
     def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """forward from the router's norm of x (`normed`, in x's dtype)."""
-        scores = linear(normed * self.scale * self.root, self.proj.weight)
+        scores = self.proj(normed * self.scale * self.root)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)

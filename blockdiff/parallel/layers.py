@@ -46,6 +46,29 @@ def replicated_loader(param: torch.Tensor, source, name: str) -> None:
     copy_into(param.data, source[:])
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x @ W.T with the whole of W on every rank (the routers)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None,
+                 method: LinearMethod = UNQUANTIZED_LINEAR):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.num_parts = 1
+        self.method = method
+        method.create_weights(self, out_features, in_features, dtype)
+
+    def output_rows(self, part: int = 0) -> tuple[int, int, int, int]:
+        """As ColumnParallelLinear's: every rank holds all output rows."""
+        return self.out_features, self.out_features, 0, 0
+
+    def load_weight(self, param: torch.Tensor, source, name: str, part: int = 0) -> None:
+        replicated_loader(param, source, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x @ W.T where W stacks several parts ("q", "k", ... or "gate", "up"), each split by rows.
 
