@@ -14,6 +14,7 @@ from helpers import Harness, rel_err
 from test_parity import _tokens
 
 from blockdiff import LLM
+from blockdiff.model.gemma_checkpoint import map_name
 from blockdiff.model.loader import load_model
 from blockdiff.ops.kernels import ExpertRows, expert_linear
 from blockdiff.ops.matmul import linear
@@ -99,3 +100,13 @@ def test_a_registered_format_runs_the_model(half):
     with LLM(dst) as llm:
         out = llm.generate([_tokens(5, VOCAB, 2)], params, use_tqdm=False)
     assert 0 < len(out[0].token_ids) <= 16
+
+
+def test_a_formats_companion_tensors_map_beside_their_weight():
+    """Whatever a format stores beside a weight (FP8's weight_scale, another's zero points) loads into
+    the parameter its method names alike: no table of suffixes to extend."""
+    layer = "model.decoder.layers.0"
+    assert map_name(f"{layer}.self_attn.k_proj.weight_zero_point") == ("layers.0.attn.qkv_proj.weight_zero_point", 1)
+    assert map_name(f"{layer}.experts.3.up_proj.weight_zero_point") == ("layers.0.experts.gate_up_zero_point", 7)
+    assert map_name(f"{layer}.experts.3.down_proj.input_scale") == ("layers.0.experts.down_input_scale", 3)
+    assert map_name(f"{layer}.router.per_expert_scale") == ("layers.0.router.per_expert_scale", None)
