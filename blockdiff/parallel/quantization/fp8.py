@@ -32,9 +32,7 @@ from blockdiff.parallel.quantization.base import (
     ExpertsMethod, LinearMethod, QuantConfig, QuantizationError, expert_weights,
 )
 
-FORMAT = "float-quantized"
-WEIGHT_STRATEGIES = ("channel", "tensor")
-
+QUANT_METHOD = "compressed-tensors"  # the quantization_config's quant_method (registry.py)
 FORMAT = "float-quantized"
 WEIGHT_STRATEGIES = ("channel", "tensor")
 
@@ -84,7 +82,7 @@ class Fp8Config(QuantConfig):
         elif self.activations == "static":
             group["input_activations"] = {**fp8, "strategy": "tensor", "dynamic": False}
         return {
-            "quant_method": "compressed-tensors",
+            "quant_method": QUANT_METHOD,
             "format": FORMAT,
             "quantization_status": "compressed",
             "config_groups": {"group_0": group},

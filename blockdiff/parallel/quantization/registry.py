@@ -9,7 +9,7 @@ from blockdiff.parallel.quantization import fp8
 from blockdiff.parallel.quantization.base import QuantConfig, QuantizationError
 
 FORMATS: dict[str, Callable[[dict[str, Any]], QuantConfig]] = {
-    "compressed-tensors": fp8.parse,
+    fp8.QUANT_METHOD: fp8.parse,
 }
 
 
