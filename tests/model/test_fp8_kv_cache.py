@@ -26,7 +26,8 @@ from blockdiff.engine.startup import summary
 from blockdiff.model.attention import Attention, CacheGeometry, Row, build_metadata
 from blockdiff.model.interface import layer_kinds
 from blockdiff.model.loader import load_model
-from blockdiff.quantization import QuantizationError, parse_quantization
+from blockdiff.parallel.quantization.base import QuantizationError
+from blockdiff.parallel.quantization.registry import parse_quantization
 from blockdiff.step import CacheConfig
 from blockdiff.worker.kv_cache import allocate, geometry
 
