@@ -10,6 +10,7 @@ from blockdiff.config import EngineConfig
 from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_media
 from blockdiff.engine.sync_client import SyncClient
 from blockdiff.hub import resolve_model, resolve_tokenizer
+from blockdiff.inputs import EngineRequest
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import LoRARequest, SamplingParams
 from blockdiff.engine.startup import start_client, start_engine
@@ -51,9 +52,11 @@ class LLM:
         if cfg.data_parallel_size > 1 and cfg.data_parallel_rank is None:
             self.replicas = SyncClient(start_client(cfg))
             self.tokenizer, self._mm = self.replicas.client.tokenizer, self.replicas.client.mm
+            self._inputs = self.replicas.client.inputs
         else:
             self.engine = start_engine(cfg)
             self.tokenizer, self._mm = self.engine.tokenizer, self.engine.inputs.mm
+            self._inputs = self.engine.inputs  # makes each engine request, once, here at the edge
         self._media = MediaPolicy.of(cfg)  # where LLM.chat's image and video URLs may point
 
     @property
@@ -87,12 +90,13 @@ class LLM:
         # Only the final outputs are read: the engine builds nothing before them.
         choices = [(i, prompt, c) for i, (prompt, p) in enumerate(zip(prompts, params))
                    for c in _choices(replace(p or SamplingParams(), output_kind="final_only"))]
+        made = [self._inputs.request(prompt, c, loras[i]) for i, prompt, c in choices]
         if self.replicas is not None:
-            return _merged(self._run_replicas([(prompt, c, loras[i]) for i, prompt, c in choices], use_tqdm), choices)
+            return _merged(self._run_replicas(made, use_tqdm), choices)
         requests, warned = [], set()
         try:
-            for i, prompt, c in choices:
-                requests.append(self.engine.add_request(prompt, c, lora_request=loras[i]))
+            for (i, prompt, _), request in zip(choices, made):
+                requests.append(self.engine.add(request))
                 if isinstance(prompt, str) and i not in warned:
                     warned.add(i)
                     self.tokenizer.warn_unknown(f"request {requests[-1].request_id}", prompt, requests[-1].prompt_token_ids)
@@ -147,10 +151,11 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding what each committed canvas adds (output_kind "delta");
         the last output has finished=True. Closing the iterator early aborts the request."""
+        request = self._inputs.request(prompt, replace(sampling_params or SamplingParams(), output_kind="delta"))
         if self.replicas is not None:
-            yield from self.replicas.stream(prompt, replace(sampling_params or SamplingParams(), output_kind="delta"))
+            yield from self.replicas.stream(request)
             return
-        req = self.engine.add_request(prompt, replace(sampling_params or SamplingParams(), output_kind="delta"))
+        req = self.engine.add(request)
         try:
             while True:
                 for out in self.engine.step():
@@ -197,7 +202,7 @@ class LLM:
                 bar.close()
         return [results[r.request_id] for r in requests]
 
-    def _run_replicas(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run_replicas(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:
         bar = None
         if use_tqdm and len(requests) > 1:
             from tqdm import tqdm

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
@@ -340,11 +340,17 @@ class ResolvedParams(SamplingParams):
 
     prompt_len: int = 0
     sampler: str = ""  # the name of the sampler that resolved them
+    # What the sampler's step reads of the request, as plain values that the engine carries to the
+    # ranks untouched (DiffusionSampler.step_inputs): its per-canvas field values by name, and the
+    # step options it raises (a step's option is set when any of its canvases raises it).
+    per_canvas: dict[str, int | float] = field(default_factory=dict)
+    options: dict[str, bool] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, params: SamplingParams, prompt_len: int, sampler: str) -> "ResolvedParams":
+    def of(cls, params: SamplingParams, prompt_len: int, sampler: str, per_canvas: dict[str, int | float],
+           options: dict[str, bool]) -> "ResolvedParams":
         return cls(**{f.name: getattr(params, f.name) for f in fields(SamplingParams)}, prompt_len=prompt_len,
-                   sampler=sampler)
+                   sampler=sampler, per_canvas=per_canvas, options=options)
 
 
 def field_value(params: SamplingParams, name: str):

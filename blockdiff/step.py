@@ -19,7 +19,7 @@ class StepParams:
     graph for each distinct set of them). Every sampler's start with the step count and the
     counters of the step's random numbers. Each rank keeps the tensors per slot, a row for each
     (worker/request_slots.py: `DiffusionSampler.params_table`), and a step selects its canvases' rows;
-    a plan carries only the options."""
+    a plan carries only the options (`step_options`)."""
 
     step: torch.Tensor  # [canvases] int32, steps remaining including this one (n)
     seed: torch.Tensor  # [canvases, 2] int64: the request's seed as two 32-bit words (randoms.seed_words)
@@ -51,6 +51,12 @@ class StepParams:
 
     def _map(self, fn) -> "StepParams":
         return type(self)(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
+
+
+def step_options(requests: list[dict[str, bool]]) -> dict[str, bool]:
+    """A step's options from the options its canvases' requests raise (ResolvedParams.options, the
+    sampler's `request_options`): each is set when any of them raises it."""
+    return {name: any(r[name] for r in requests) for name in requests[0]} if requests else {}
 
 
 @dataclass
@@ -239,7 +245,13 @@ class NewRequests:
 
     slots: list[int]
     positions: list[int]  # tokens of each one already in the cache (a prefix-cache hit: more than 0)
-    params: StepParams  # [len(slots)] the sampler's per-request parameters: seed, per-canvas fields
+    # The sampler's per-request parameters, which each rank makes its StepParams rows of
+    # (`DiffusionSampler.step_params`): each one's seed, the steps n and index of its canvas, and its
+    # per-canvas field values as the edge resolved them (ResolvedParams.per_canvas).
+    seeds: list[int]
+    steps: list[int]
+    canvases: list[int]
+    per_canvas: list[dict[str, int | float]]
     # With --enable-lora: each one's adapter slot in the LoRA pool (-1: none); None: none has one
     adapters: list[int] | None = None
     # Each one's penalties and logit bias (None: it has none); None: none of them has any

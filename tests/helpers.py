@@ -134,11 +134,15 @@ def step_row(row) -> StepRow:
     return StepRow(row.slot, row.length, row.decoder, row.bidirectional)
 
 
-def new_requests(rows, params) -> NewRequests:
+def new_requests(rows, steps: list[int], params: list, seeds: list[int]) -> NewRequests:
     """The requests of `rows` (one per slot, in order of first appearance) from their rows' starts,
-    with `params` of one row per slot."""
+    their first canvases at steps `steps`, with entropy-bound SamplingParams `params` (resolved) and
+    `seeds`, one per slot."""
+    from blockdiff.diffusion.entropy_bound import EntropyBound
+
     starts = {r.slot: r.start for r in rows}
-    return NewRequests(list(starts), list(starts.values()), params)
+    return NewRequests(list(starts), list(starts.values()), seeds, steps, [0] * len(starts),
+                       [EntropyBound().canvas_values(p) for p in params])
 
 
 def import_test_file(path: str):

@@ -25,6 +25,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams
 from blockdiff.diffusion.vocab_parallel import Distribution, ReferenceKernels, VocabParallel
 from blockdiff.sampling_params import (FIELDS_BY_NAME, MAX_TEMPERATURE, MIN_TEMPERATURE, SAMPLER_FIELDS, InvalidParam,
                                        SamplingParams, within)
+from blockdiff.step import step_options
 
 # Request temperature 0 asks for greedy decoding: the schedule is scaled by this instead, since the
 # sampler divides by the temperature.
@@ -59,9 +60,11 @@ class EntropyBoundState(SlotState):
 
 
 def denoise_params(step: list[int], params: list, seeds: list[int], canvases: list[int] | None = None) -> DenoiseParams:
-    """The sampler's inputs for canvases at steps `step` of requests with SamplingParams `params`
-    and `seeds`, at canvas indices `canvases` (default: their first)."""
-    return EntropyBound().step_params(step, params, seeds, canvases or [0] * len(step))
+    """The sampler's inputs for canvases at steps `step` of requests with resolved SamplingParams
+    `params` and `seeds`, at canvas indices `canvases` (default: their first), with their step's options."""
+    sampler = EntropyBound()
+    out = sampler.step_params(step, [sampler.canvas_values(p) for p in params], seeds, canvases or [0] * len(step))
+    return out.with_options(step_options([sampler.request_options(p) for p in params]))
 
 
 @dataclass
@@ -150,9 +153,9 @@ class EntropyBound(DiffusionSampler):
                                     f"stay >= {MIN_TEMPERATURE}")
         return out
 
-    def step_options(self, params: list[SamplingParams]) -> dict:
-        """Whether any canvas restricts its draw (top_k, top_p, min_p)."""
-        return {"restrict": any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)}
+    def request_options(self, params: SamplingParams) -> dict[str, bool]:
+        """Whether the request restricts its draw (top_k, top_p, min_p)."""
+        return {"restrict": params.top_k > 0 or params.top_p < 1 or params.min_p > 0}
 
     def new_state(self, rows: int, canvas_length: int, hidden_size: int, dtype: torch.dtype,
                   device: torch.device) -> EntropyBoundState:

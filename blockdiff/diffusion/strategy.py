@@ -9,9 +9,11 @@ dLLMs their `DllmAlgorithm`. A sampler owns:
 - how a canvas starts (`start_canvas`) and which random numbers a step draws: counter-based ones
   (diffusion/randoms.py), keyed by the request's seed and counted by (canvas, step, position), made
   inside the step on the device, so nothing is drawn on the host;
-- its per-canvas inputs (`StepParams`: built by `step_params` when a request takes a slot and kept
-  per slot on every rank, `params_table`; a step's Python options, `step_options`, travel with
-  each plan) and its per-slot device state (`SlotState`, made by `new_state` on every rank);
+- its per-canvas inputs: resolved once at the edge into plain values (`canvas_values`, and the step
+  options a request raises, `request_options`) that the engine carries untouched; each rank makes
+  them `StepParams` (`step_params`) when a request takes a slot and keeps them per slot
+  (`params_table`); a step's options travel with each plan. And its per-slot device state
+  (`SlotState`, made by `new_state` on every rank);
 - `step()`: one denoising step of a batch of canvases on one rank, from their logits over this
   rank's vocabulary rows, through `VocabParallel` (collectives under tensor parallelism, none on one
   rank); and `commit()`, what a finished canvas commits (structured outputs constrain it after the
@@ -93,7 +95,7 @@ class StepResult:
 
 class DiffusionSampler:
     """The base of every sampler: the field table's generic parts (resolving a request's values,
-    building per-canvas tensors), and the interface the engine and the workers call."""
+    building per-canvas tensors), and the interface the edge and the workers call."""
 
     name: ClassVar[str]
     fields: ClassVar[tuple[SamplerField, ...]]  # the request fields this sampler reads (its table)
@@ -102,7 +104,7 @@ class DiffusionSampler:
     # finishes the canvas converts them from that step's distribution (VocabParallel.reported).
     logprobs_modes: ClassVar[tuple[str, ...]] = LOGPROBS_MODES
 
-    # ---- one request, on the host (engine) -------------------------------------------------------
+    # ---- one request, on the host (the edge) ----------------------------------------------------
     def resolve(self, params: SamplingParams, defaults: dict, max_steps: int = INT32_MAX) -> SamplingParams:
         """`params` with every field of this sampler's table set (the request's value, else
         `defaults`), checked against the steps limit `max_steps`. A field of another sampler that is
@@ -133,18 +135,28 @@ class DiffusionSampler:
         """What the sampler does beyond filling its fields (`given`: the request's own values)."""
         return resolved
 
+    def canvas_values(self, params: SamplingParams) -> dict[str, int | float]:
+        """A resolved request's value of each per-canvas field of the table: what its canvases'
+        StepParams rows hold (resolved once, at the edge, into `ResolvedParams.per_canvas`)."""
+        return {f.name: field_value(params, f.name) for f in self.fields if f.per_canvas}
+
+    def request_options(self, params: SamplingParams) -> dict[str, bool]:
+        """The step options a resolved request raises (`ResolvedParams.options`): a step's option is
+        set when any of its canvases raises it (step.step_options)."""
+        return {}
+
     params_type: ClassVar[type[StepParams]]  # what `step` takes
 
-    def step_params(self, steps: list[int], params: list[SamplingParams], seeds: list[int],
+    # ---- one rank (worker) --------------------------------------------------------------------
+    def step_params(self, steps: list[int], values: list[dict[str, int | float]], seeds: list[int],
                     canvases: list[int]) -> StepParams:
         """The inputs of canvases at steps `steps` (n, counting down), canvas indices `canvases` of
-        requests with resolved `params` and `seeds`: one tensor per per-canvas field of the
-        sampler's table, and the Python values of `step_options`. The engine sends them once per
-        admission (`step.NewRequests`); the ranks keep them per slot."""
+        requests with per-canvas field values `values` (`canvas_values`) and `seeds`: one tensor per
+        per-canvas field of the sampler's table. Each rank builds them when requests take their slots
+        (`step.NewRequests`) and keeps them per slot."""
         return self.params_type(step=torch.tensor(steps, dtype=torch.int32),
                                 seed=torch.tensor([randoms.seed_words(s) for s in seeds], dtype=torch.long),
-                                canvas=torch.tensor(canvases, dtype=torch.long), **per_canvas(self.fields, params),
-                                **self.step_options(params))
+                                canvas=torch.tensor(canvases, dtype=torch.long), **per_canvas(self.fields, values))
 
     def params_table(self, rows: int, device: torch.device) -> StepParams:
         """Each rank's per-slot parameters, `rows` rows on `device`: every field at its reference
@@ -153,13 +165,8 @@ class DiffusionSampler:
             fields = {f.name: torch.full((rows,), f.default, dtype=getattr(torch, f.dtype))
                       for f in self.fields if f.per_canvas}
             return self.params_type(step=torch.ones(rows, dtype=torch.int32), seed=torch.zeros(rows, 2, dtype=torch.long),
-                                    canvas=torch.zeros(rows, dtype=torch.long), **fields, **self.step_options([]))
+                                    canvas=torch.zeros(rows, dtype=torch.long), **fields)
 
-    def step_options(self, params: list[SamplingParams]) -> dict:
-        """The Python values of a step's StepParams (they choose a code path) for its requests' `params`."""
-        return {}
-
-    # ---- one rank (worker) --------------------------------------------------------------------
     def start_canvas(self, seed: torch.Tensor, canvas: torch.Tensor, canvas_length: int, vocab_size: int) -> torch.Tensor:
         """The first input [canvases, CL] int64 of canvases `canvas` [canvases] of requests with
         `seed` [canvases, 2]: uniform random tokens (a uniform-noise diffusion model), counted
@@ -184,7 +191,7 @@ class DiffusionSampler:
         return result.tokens
 
 
-def per_canvas(fields: tuple[SamplerField, ...], params: list[SamplingParams]) -> dict[str, torch.Tensor]:
+def per_canvas(fields: tuple[SamplerField, ...], values: list[dict[str, int | float]]) -> dict[str, torch.Tensor]:
     """One tensor [canvases] per per-canvas field of `fields`, in the field's dtype."""
-    return {f.name: torch.tensor([field_value(p, f.name) for p in params], dtype=getattr(torch, f.dtype))
+    return {f.name: torch.tensor([v[f.name] for v in values], dtype=getattr(torch, f.dtype))
             for f in fields if f.per_canvas}

@@ -19,11 +19,12 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from blockdiff.engine.client import EngineClient, EngineStats, EngineStream, Prompt
+from blockdiff.engine.client import EngineClient, EngineStats, EngineStream
 from blockdiff.engine.engine import LLMEngine
+from blockdiff.inputs import EngineRequest
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerLost
-from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
+from blockdiff.sampling_params import StructuredOutputsParams
 from blockdiff.structured.builds import BuildCancelled
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,9 @@ class RequestStream(EngineStream):
     """The engine requests of one API call. Iterate for (index, RequestOutput) in the order the
     engine produces them; iteration ends once every request has finished."""
 
-    def __init__(self, engine: EngineClient, request_ids: list[str], client: str | None = None):
+    def __init__(self, engine: EngineClient, request_ids: list[str]):
         self._engine = engine
         self.request_ids = request_ids
-        self.client = client  # whose share of the engine its requests count against
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._queue: asyncio.Queue[tuple[RequestOutput | BaseException, int]] = asyncio.Queue()
         self._unfinished = set(request_ids)
@@ -130,7 +130,7 @@ class AsyncEngine(EngineClient):
         self.on_step = on_step or (lambda seconds, engine="0": None)
         self.on_finish = on_finish or (lambda finish_reason, prompt_tokens, generated_tokens, metrics, engine="0": None)
         self._streams: dict[str, RequestStream] = {}
-        self._adds: list[tuple[RequestStream, list[tuple[Prompt, SamplingParams]], asyncio.Future]] = []
+        self._adds: list[tuple[RequestStream, list[EngineRequest], asyncio.Future]] = []
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-engine")
@@ -205,12 +205,10 @@ class AsyncEngine(EngineClient):
         except BuildCancelled:  # the engine is stopping: its builds were killed
             raise EngineUnavailable(self.unavailable_reason()) from None
 
-    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
-                  client: str | None = None) -> RequestStream:
-        """Queue the requests of one API call, of `client` (the scheduler shares the slots fairly
-        among clients, each request counting); -> their stream. Raises ValueError (bad input,
-        nothing is queued then), QueueFull or EngineUnavailable. Resolved parameters are taken as
-        they are."""
+    async def add(self, requests: list[EngineRequest]) -> RequestStream:
+        """Queue the requests of one API call (the scheduler shares the slots fairly among their
+        clients, each request counting); -> their stream. Raises ValueError (bad input, nothing is
+        queued then), QueueFull or EngineUnavailable."""
         if not self.available:
             raise EngineUnavailable(self.unavailable_reason())
         if self.max_queued_requests is not None:
@@ -221,7 +219,7 @@ class AsyncEngine(EngineClient):
                 raise QueueFull(
                     f"{queued} requests would be waiting, more than --max-queued-requests={self.max_queued_requests}; retry later"
                 )
-        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests], client)
+        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests])
         future = asyncio.get_running_loop().create_future()
         self._adds.append((stream, requests, future))
         self._wake.set()
@@ -387,9 +385,8 @@ class AsyncEngine(EngineClient):
         for stream, requests, _ in adds:
             added = []
             try:
-                for rid, (prompt, params, *lora) in zip(stream.request_ids, requests):
-                    # Before the next step, which is the first to schedule it. A third item: its LoRARequest.
-                    self.engine.add_request(prompt, params, rid, *lora).client = stream.client
+                for rid, request in zip(stream.request_ids, requests):
+                    self.engine.add(request, rid)  # before the next step, which is the first to schedule it
                     added.append(rid)
                 errors.append(None)
             except Exception as e:

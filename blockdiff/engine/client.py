@@ -6,10 +6,10 @@ API call. Losing a tensor-parallel worker and restarting it happen behind it. `A
 (engine/async_engine.py) is the client of one local engine; a data-parallel router over several
 engines is one more class implementing it.
 
-Parameters are resolved once: `resolve` turns a request's SamplingParams into `ResolvedParams` for
-its prompt length (what a server needs anyway to check a request's cost), and `add` takes those as
-they are: the engine resolves only what comes unresolved. Images and videos are expanded once the
-same way: `mm.expand` gives the prompt (a PromptInputs) that `add` takes as it is.
+A request is made once, at the edge, as an `EngineRequest` (blockdiff/inputs.py): its prompt
+tokenized and its images and videos expanded (`mm.expand`), its SamplingParams resolved for its
+length (`resolve`: what a server needs anyway to check a request's cost), its adapter and client
+named. `add` takes it as it is; no engine resolves it again.
 """
 
 from __future__ import annotations
@@ -19,16 +19,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from blockdiff.diffusion.strategy import DiffusionSampler
-from blockdiff.engine.multimodal import MultiModalIntake, PromptInputs
+from blockdiff.engine.multimodal import MultiModalIntake
 from blockdiff.engine.input_processor import InputProcessor
+from blockdiff.inputs import EngineRequest
 from blockdiff.outputs import RequestOutput
 from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
-
-# A prompt: text, token ids, vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data": {"image": [...],
-# "video": [...]}}, or token ids with their inputs preprocessed and placeholders expanded (`mm.expand`),
-# taken as they are.
-Prompt = str | list[int] | dict | PromptInputs
 
 
 @dataclass(frozen=True)
@@ -89,10 +85,10 @@ class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):
 
 
 
-def structured_specs(requests: list[tuple[Prompt, SamplingParams]]) -> list[StructuredOutputsParams]:
+def structured_specs(requests: list[EngineRequest]) -> list[StructuredOutputsParams]:
     """The distinct structured outputs of one call's requests: what `EngineClient.prepare` builds."""
-    return list({params.structured_outputs.key(): params.structured_outputs for _, params, *_ in requests
-                 if params.structured_outputs is not None}.values())
+    return list({r.params.structured_outputs.key(): r.params.structured_outputs for r in requests
+                 if r.params.structured_outputs is not None}.values())
 
 class EngineClient(abc.ABC):
     """What a server uses of the engine(s) behind it. `add` raises ValueError (InvalidParam naming
@@ -139,10 +135,9 @@ class EngineClient(abc.ABC):
         when it cannot be served. Cancelling it stops the build unless another request waits for it."""
 
     @abc.abstractmethod
-    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
-                  client: str | None = None) -> EngineStream:
-        """Queue the requests of one API call, of `client` (a client address: the engine shares its
-        slots fairly among clients, each engine request counting); -> their stream."""
+    async def add(self, requests: list[EngineRequest]) -> EngineStream:
+        """Queue the requests of one API call, all of one client (`EngineRequest.client`: the engine
+        shares its slots fairly among clients, each engine request counting); -> their stream."""
 
     @abc.abstractmethod
     def abort(self, request_ids: list[str]) -> None:

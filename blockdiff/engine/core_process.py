@@ -13,7 +13,7 @@ Messages are pickled tuples in frames (a 4-byte big-endian length, then the byte
 carries nothing else, between processes of the same user on one machine.
 
     front end -> replica
-      ("add", call, requests, client)  queue an API call's requests (AsyncEngine.add)
+      ("add", call, requests)          queue an API call's requests (EngineRequests, AsyncEngine.add)
       ("abort", call)                  end what is left of a call; nothing more is sent of it
       ("drain", grace)                 take no more requests; those in flight get `grace` seconds
       ("stop",)                        abort everything, shut the engine down and exit
@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from blockdiff.config import EngineConfig
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestFailed, StreamOverflow
 from blockdiff.engine.client import EngineLimits, EngineStats, structured_specs
+from blockdiff.inputs import EngineRequest
 from blockdiff.multimodal import MediaError
 from blockdiff.multimodal.image import ImageError
 from blockdiff.multimodal.video import VideoError
@@ -204,14 +205,14 @@ class _Replica:
             await asyncio.sleep(STATE_S)
         log.error("the engine of this replica could not be restarted; the replica exits")
 
-    async def _serve_call(self, call: int, requests: list, client: str | None) -> None:
+    async def _serve_call(self, call: int, requests: list[EngineRequest]) -> None:
         stream = None
         try:
             try:
                 # A new structured output's automaton is built off this replica's loop first.
                 for spec in structured_specs(requests):
-                    await self.client.prepare(spec, client)
-                stream = await self.client.add(requests, client)
+                    await self.client.prepare(spec, requests[0].client)
+                stream = await self.client.add(requests)
             except Exception as e:
                 self.send(("refused", call, wire_error(e)))
                 return

@@ -31,16 +31,16 @@ from blockdiff.config import EngineConfig
 from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.async_engine import RESTART_TRIES, EngineUnavailable, RequestStream
 from blockdiff.engine.block_allocator import block_keys, key_root
-from blockdiff.engine.client import EngineClient, EngineStats, Prompt
+from blockdiff.engine.client import EngineClient, EngineStats
 from blockdiff.engine.core_process import ENTRY, Bootstrap, Handshake, encode_frame, error_of, read_frame, recv_frame, send_frame
-from blockdiff.engine.multimodal import MultiModalIntake, PromptInputs, split_prompt
+from blockdiff.engine.multimodal import MultiModalIntake
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
-from blockdiff.multimodal import MultiModalItem
+from blockdiff.inputs import EngineRequest
 from blockdiff.model.registry import load_config
 from blockdiff.parallel import processes
-from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
+from blockdiff.sampling_params import StructuredOutputsParams
 from blockdiff.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,27 +69,11 @@ class FrontEnd:
         self.prefix_cache_scope = hs.stats.prefix_cache_scope
 
 
-def prompt_block_keys(prompt: Prompt, tokenizer: Tokenizer | None, mm: MultiModalIntake | None, block_size: int,
-                      root: bytes = b"") -> tuple:
-    """The keys of the prompt's full blocks, as the engine will key them (under `root`, the request's
-    block_allocator.key_root); for a prompt with images or videos not yet preprocessed, those of the
-    blocks before the first placeholder."""
-    if isinstance(prompt, PromptInputs):  # expanded at the edge
-        return tuple(block_keys(mm.keyed(prompt), block_size, root))
-    text, given = split_prompt(prompt)
-    if isinstance(text, str):
-        if tokenizer is None:
-            return ()
-        ids: list = tokenizer.encode(text)
-    else:
-        ids = list(text)
-    if given:
-        items = [s for sources in given.values() for s in sources]
-        if all(isinstance(s, MultiModalItem) for s in items):
-            ids = mm.keyed(mm.expand(ids, items))
-        else:
-            ids = ids[:min((ids.index(t) for t in mm.placeholders.values() if t in ids), default=len(ids))]
-    return tuple(block_keys(ids, block_size, root))
+def prompt_block_keys(request: EngineRequest, block_size: int, scope: str) -> tuple:
+    """The keys of the request's full prompt blocks, as the engine will key them (under its
+    block_allocator.key_root, which `scope` chooses)."""
+    root = key_root(request.params.cache_salt, request.client, scope)
+    return tuple(block_keys(request.prompt.keyed(), block_size, root))
 
 
 def replica_device(cfg: EngineConfig, rank: int) -> str:
@@ -264,15 +248,15 @@ class DPClient(EngineClient):
         it queues the request (core_process), and a spec it cannot serve comes back as the call's
         InvalidParam."""
 
-    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
-                  client: str | None = None) -> RequestStream:
+    async def add(self, requests: list[EngineRequest]) -> RequestStream:
         if not self.available:
             raise EngineUnavailable(self.unavailable_reason())
-        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests], client)
+        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests])
         groups: dict[_Replica, list[int]] = {}
         keys = []
-        for i, (prompt, params, *_) in enumerate(requests):  # a third item: the request's LoRARequest
-            keys.append(self._keys(prompt, params, client))
+        for i, request in enumerate(requests):
+            keys.append(prompt_block_keys(request, self.block_size, self.prefix_cache_scope)
+                        if self.prefix_caching else ())
             rep = self._route(keys[-1])
             groups.setdefault(rep, []).append(i)
         calls = []
@@ -284,7 +268,7 @@ class DPClient(EngineClient):
                 self._where[rid] = (rep, call_id)
             calls.append(call)
             try:
-                rep.send(("add", call_id, [requests[i] for i in indices], client))
+                rep.send(("add", call_id, [requests[i] for i in indices]))
             except EngineUnavailable as e:
                 call.added.set_exception(e)
         try:
@@ -343,12 +327,6 @@ class DPClient(EngineClient):
             self._end_process(rep)
 
     # ---- routing -----------------------------------------------------------------------------------
-    def _keys(self, prompt: Prompt, params: SamplingParams | None, client: str | None) -> tuple:
-        if not self.prefix_caching:
-            return ()
-        root = key_root(params.cache_salt if params is not None else None, client, self.prefix_cache_scope)
-        return prompt_block_keys(prompt, self.tokenizer, self.mm, self.block_size, root)
-
     def _route(self, keys: Sequence) -> _Replica:
         up = [rep for rep in self.replicas if rep.up]
         if not up:

@@ -25,7 +25,7 @@ from blockdiff.config import EngineConfig, parse_dtype
 from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.block_allocator import BlockPool
 from blockdiff.engine.client import EngineLimits, EngineStats
-from blockdiff.engine.multimodal import MultiModalIntake, split_prompt
+from blockdiff.engine.multimodal import MultiModalIntake
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.kv_events import KVEvent, make_publisher
@@ -35,11 +35,12 @@ from blockdiff.engine.request import Request
 from blockdiff.engine.scheduler import Scheduler, SchedulerOutput
 from blockdiff.engine.worker_record import WorkerRecord
 from blockdiff.executor import make_executor
+from blockdiff.inputs import EngineRequest
 from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
-from blockdiff.sampling_params import LoRARequest, ResolvedParams, SamplingParams, generation_defaults
-from blockdiff.step import ImageInputs, MinTokens, ScorePlan, StepPlan, StepRow
+from blockdiff.sampling_params import LoRARequest, SamplingParams, generation_defaults
+from blockdiff.step import ImageInputs, MinTokens, ScorePlan, StepPlan, StepRow, step_options
 from blockdiff.structured.compiler import StructuredOutputs
 from blockdiff.tokenizer import Tokenizer
 
@@ -119,23 +120,23 @@ class LLMEngine:
             self.kv_event_sinks.append(self.kv_publisher.publish)
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | ResolvedParams | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     request_id: str | None = None, lora_request: LoRARequest | None = None) -> Request:
-        """`prompt`: text, token ids, or vLLM's {"prompt" / "prompt_token_ids", "multi_modal_data":
-        {"image": ..., "video": ...}} with PIL images, encoded bytes or file paths, one per placeholder.
-        `params`: as the user gave them, or resolved for this prompt (`self.inputs.resolve`).
-        `lora_request`: the LoRA adapter it runs with (--enable-lora); a LoRAError where it cannot be served."""
-        if lora_request is not None:
+        """vLLM's call: `prompt` as `InputProcessor.request` takes it, `params` as the user gave them,
+        `lora_request` the LoRA adapter it runs with; made into an EngineRequest here, and added."""
+        return self.add(self.inputs.request(prompt, params, lora_request), request_id)
+
+    def add(self, request: EngineRequest, request_id: str | None = None) -> Request:
+        """Queue an engine request made at the edge; a LoRAError where its adapter cannot be served."""
+        if request.lora is not None:
             if self.lora is None:
-                raise ValueError(f"request names the LoRA adapter {lora_request.lora_name!r}, but LoRA is not "
+                raise ValueError(f"request names the LoRA adapter {request.lora.lora_name!r}, but LoRA is not "
                                  "enabled (--enable-lora)")
-            self.lora.check(lora_request)
-        prompt, media = split_prompt(prompt)
+            self.lora.check(request.lora)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        req = self.inputs.process(request_id, prompt, params, media)
-        req.lora = lora_request
+        req = self.inputs.process(request_id, request)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -256,9 +257,8 @@ class LLMEngine:
                 req.new_canvas = None
         min_tokens = _min_tokens(sched.decoder, cl)
         steps = self._steps_per_launch(sched, min_tokens is not None)
-        denoise = self.sampler.step_options([r.params for r in sched.decoder]) if sched.decoder else None
-        new_requests, tables = self.sent.slots([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder,
-                                               self._step_params)
+        denoise = step_options([r.params.options for r in sched.decoder]) if sched.decoder else None
+        new_requests, tables = self.sent.slots([r for r, _ in sched.encoder] + [r for r, _ in sched.score] + sched.decoder)
         constraints = [req.constraint.canvas(i, req.params.max_tokens - len(req.output.token_ids))
                        for i, req in enumerate(sched.decoder) if req.constraint is not None]
         automata, forget = self.sent.automata([r.constraint.automaton for r in sched.decoder if r.constraint])
@@ -283,11 +283,6 @@ class LLMEngine:
             forget_automata=forget,
             lora_loads=self.lora.take_loads() if self.lora is not None else {},
         )
-
-    def _step_params(self, taken: list[Request]):
-        """The sampler's per-request inputs of the requests that took their slots (sent once per admission)."""
-        return self.sampler.step_params([r.steps_left for r in taken], [r.params for r in taken],
-                                        [r.seed for r in taken], [r.metrics.canvases for r in taken])
 
     def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:
         """K steps back to back in the steady state (every row a canvas, nobody reading a step's own

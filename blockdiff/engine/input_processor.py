@@ -1,5 +1,7 @@
-"""A prompt and its SamplingParams become a validated Request: tokenized, defaults merged, bounds
-checked against this engine, seeded. Nothing invalid reaches the scheduler."""
+"""A prompt and its SamplingParams become an EngineRequest at the edge (`request`: tokenized,
+images and videos expanded, defaults merged once), and an EngineRequest becomes a validated Request
+in the engine (`process`: bounds checked against this engine, seeded). Nothing invalid reaches the
+scheduler."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import random
 
 from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
-from blockdiff.engine.multimodal import MultiModalIntake, PromptInputs
+from blockdiff.engine.multimodal import MultiModalIntake, split_prompt
 from blockdiff.engine.request import Request
-from blockdiff.sampling_params import InvalidParam, ResolvedParams, SamplingParams
+from blockdiff.inputs import EngineRequest, PromptInputs
+from blockdiff.sampling_params import InvalidParam, LoRARequest, ResolvedParams, SamplingParams
 from blockdiff.structured.compiler import OutputConstraint, StructuredOutputs, check_ends, tokens_needed
 from blockdiff.structured.lengths import check_room
 from blockdiff.structured.restrictions import VocabularyRules
@@ -50,24 +53,40 @@ class InputProcessor:
         except ValueError as e:
             raise ValueError(f"invalid sampler flags (over the checkpoint's generation_config.json): {e}") from None
 
-    def process(self, request_id: str, prompt: str | list[int] | PromptInputs,
-                params: SamplingParams | ResolvedParams | None, media: dict[str, list] | None = None) -> Request:
-        """`media`: per modality ("image", "video") its inputs as its processor takes them (PIL
-        images, encoded bytes, file paths), one per placeholder of the prompt; or `prompt` is a
-        PromptInputs, its inputs preprocessed and its placeholders expanded already (`self.mm.expand`),
-        taken as it is. `params` already resolved (`resolve`, for this prompt's
-        length) are taken as they are."""
-        text, ids, mm = self._prompt(prompt, media)
+    def request(self, prompt: str | list[int] | dict | PromptInputs, params: SamplingParams | None = None,
+                lora: LoRARequest | None = None, client: str | None = None) -> EngineRequest:
+        """The engine request of a prompt as vLLM takes it (text, token ids, or {"prompt" /
+        "prompt_token_ids", "multi_modal_data": {"image": ..., "video": ...}} with PIL images, encoded
+        bytes or file paths, one per placeholder; or PromptInputs, expanded already) and the user's
+        `params`: tokenized, its images and videos loaded and their placeholders expanded, its
+        parameters resolved for its length."""
+        if isinstance(prompt, PromptInputs):
+            text, inputs = None, prompt
+        else:
+            text, inputs = self._prompt(*split_prompt(prompt))
+        return EngineRequest(inputs, self.resolve(params, len(inputs.token_ids)), text, lora, client)
+
+    def process(self, request_id: str, request: EngineRequest) -> Request:
+        """`request`, made at the edge, checked against this engine, seeded, and its Request built;
+        its parameters are taken as they were resolved."""
+        prompt, params = request.prompt, request.params
+        ids = list(prompt.token_ids)
+        if not ids:
+            raise InvalidParam("prompt", "prompt is empty")
+        if prompt.items:
+            if self.mm is None:
+                raise ValueError("this engine takes no images or videos")
+            counts: dict[str, int] = {}
+            for item in prompt.items:
+                counts[item.modality] = counts.get(item.modality, 0) + 1
+            self.mm.check_counts(counts)
         if len(ids) >= self.max_model_len:
             raise InvalidParam("prompt", f"prompt of {len(ids)} tokens leaves no room for output in "
                                          f"max_model_len={self.max_model_len}")
-        if isinstance(params, ResolvedParams):
-            if (params.prompt_len, params.sampler) != (len(ids), self.sampler.name):
-                raise ValueError(f"the parameters were resolved for a prompt of {params.prompt_len} tokens by the "
-                                 f"{params.sampler!r} sampler; this prompt has {len(ids)} and this engine runs "
-                                 f"{self.sampler.name!r}")
-        else:
-            params = self.resolve(params, len(ids))
+        if (params.prompt_len, params.sampler) != (len(ids), self.sampler.name):
+            raise ValueError(f"the parameters were resolved for a prompt of {params.prompt_len} tokens by the "
+                             f"{params.sampler!r} sampler; this prompt has {len(ids)} and this engine runs "
+                             f"{self.sampler.name!r}")
         need = len(ids) + params.max_tokens
         if need > self.max_model_len:  # before the per-token checks, which a huge list would make slow
             raise InvalidParam(
@@ -86,35 +105,23 @@ class InputProcessor:
         if params.min_tokens > params.max_tokens:
             raise InvalidParam("min_tokens", f"min_tokens ({params.min_tokens}) must be at most max_tokens "
                                              f"({params.max_tokens})")
-        if params.prompt_logprobs is not None and mm is not None and mm.items:
+        if params.prompt_logprobs is not None and prompt.items:
             raise InvalidParam("prompt_logprobs",
-                               f"prompt_logprobs: a prompt with {mm.items[0].modality}s cannot be scored")
+                               f"prompt_logprobs: a prompt with {prompt.items[0].modality}s cannot be scored")
         output = IncrementalDetokenizer(self.tokenizer, params.max_tokens, stops, params.stop, params.logprobs is not None,
                                         params.skip_special_tokens, params.min_tokens, params.include_stop_str_in_output)
         constraint = self._constraint(params, stops)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, text, ids, params, self.canvas_length, seed, output, constraint=constraint)
-        if mm is not None:
-            req.placeholders = mm.placeholders
+        req = Request(request_id, request.text, ids, params, self.canvas_length, seed, output, lora=request.lora,
+                      placeholders=list(prompt.placeholders), client=request.client, constraint=constraint)
         if req.max_cached_tokens > self.cache_tokens:
             raise ValueError(f"request needs {req.max_cached_tokens} cached tokens, more than the whole KV cache "
                              f"({self.cache_tokens})")
         return req
 
-    def _prompt(self, prompt: str | list[int] | PromptInputs,
-                media: dict[str, list] | None) -> tuple[str | None, list[int], PromptInputs | None]:
-        """-> (the prompt's text, if it came as text; its token ids, placeholders expanded; its
-        images and videos, None for an engine that takes none)."""
+    def _prompt(self, prompt: str | list[int], media: dict[str, list] | None) -> tuple[str | None, PromptInputs]:
+        """-> (the prompt's text, if it came as text; its tokens and media, placeholders expanded)."""
         media = {m: s for m, s in (media or {}).items() if s}
-        if isinstance(prompt, PromptInputs):  # expanded at the edge: taken as it is
-            if media or self.mm is None:
-                raise ValueError("a prompt with its images and videos expanded takes no others, and only an engine "
-                                 "that takes them takes it")
-            counts: dict[str, int] = {}
-            for item in prompt.items:
-                counts[item.modality] = counts.get(item.modality, 0) + 1
-            self.mm.check_counts(counts)
-            return None, list(prompt.token_ids), prompt
         if media and self.mm is None:
             raise ValueError("this engine takes no images or videos")
         if self.mm is not None:
@@ -127,17 +134,13 @@ class InputProcessor:
             text, ids = None, list(prompt)
         else:
             raise InvalidParam("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidParam("prompt", "prompt is empty")
         if self.mm is None:
-            return text, ids, None
+            return text, PromptInputs(ids)
         items = self.mm.load(media)
         # a text prompt is expanded as text (a video's timestamps tokenize with the text around them)
         if text is not None and items:
-            mm = self.mm.expand_text(text, items, self.tokenizer.encode)
-        else:
-            mm = self.mm.expand(ids, items)
-        return text, mm.token_ids, mm
+            return text, self.mm.expand_text(text, items, self.tokenizer.encode)
+        return text, self.mm.expand(ids, items)
 
     def _constraint(self, params: SamplingParams, stops: set[int]) -> OutputConstraint | None:
         """What the request's committed output must be (its automaton built now unless cached): its
@@ -175,8 +178,9 @@ class InputProcessor:
             room = max(1, self.max_model_len - prompt_len)
             given = defaults["max_tokens"]
             defaults = {**defaults, "max_tokens": room if given is None else max(1, min(given, room))}
-        resolved = ResolvedParams.of(self.sampler.resolve(params, defaults, self.max_steps), prompt_len,
-                                     self.sampler.name)
+        sampled = self.sampler.resolve(params, defaults, self.max_steps)
+        resolved = ResolvedParams.of(sampled, prompt_len, self.sampler.name, self.sampler.canvas_values(sampled),
+                                     self.sampler.request_options(sampled))
         if resolved.structured_outputs is not None and self.tokenizer is not None:
             # Before any build: a constraint no output within max_tokens meets would hold a build worker for nothing.
             check_room(resolved.structured_outputs, resolved.max_tokens, self._token_chars)

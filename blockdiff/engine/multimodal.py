@@ -6,20 +6,12 @@ file paths); URLs and chat messages' content parts are the edge's (blockdiff/cha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from blockdiff.config import EngineConfig, ModelConfig
+from blockdiff.inputs import PromptInputs
 from blockdiff.model.registry import architecture_of
-from blockdiff.multimodal import MediaError, MultiModalItem, Placeholder, Processor, expand_placeholders, expand_text
+from blockdiff.multimodal import MediaError, MultiModalItem, Processor, expand_placeholders, expand_text
 
 MODALITIES = ("image", "video")  # what vLLM's multi_modal_data and --limit-mm-per-prompt name
-
-
-@dataclass
-class PromptInputs:
-    token_ids: list[int]  # the prompt with each placeholder expanded
-    items: list[MultiModalItem]
-    placeholders: list[Placeholder]  # each run of soft tokens, in prompt order
 
 
 class MultiModalIntake:
@@ -71,13 +63,6 @@ class MultiModalIntake:
         placeholders = {m: (self.token_text(t), t) for m, t in self.placeholders.items()}
         ids, runs = expand_text(text, items, placeholders, encode)
         return PromptInputs(ids, items, runs)
-
-    def keyed(self, prompt: PromptInputs) -> list:
-        """The prompt's ids with each item's soft tokens keyed by its digest, as the engine keys them."""
-        ids: list = list(prompt.token_ids)
-        for p in prompt.placeholders:
-            ids[p.start:p.end] = [p.item.digest] * (p.end - p.start)
-        return ids
 
 
 def split_prompt(prompt) -> tuple[str | list[int], dict[str, list] | None]:

@@ -44,7 +44,7 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
             continue
         req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None, steps[i])
         if req.params.draft_details:
-            req.draft_entropy, req.draft_accepted = out.entropy[i].tolist(), out.accepted[i].tolist()
+            req.draft.entropy, req.draft.accepted = out.entropy[i].tolist(), out.accepted[i].tolist()
         if not finished[i]:
             if req.params.stream_drafts:
                 news.append(req)
@@ -117,9 +117,9 @@ def make_output(req: Request) -> RequestOutput | None:
         finished=done,
         metrics=req.metrics.as_dict(),
         prompt_token_logprobs=_prompt_scores(req, kind),
-        draft_token_ids=req.draft_token_ids,
-        draft_entropy=req.draft_entropy,
-        draft_accepted=req.draft_accepted,
+        draft_token_ids=req.draft.token_ids,
+        draft_entropy=req.draft.entropy,
+        draft_accepted=req.draft.accepted,
         error=req.error,
         num_cached_tokens=req.num_cached_prompt_tokens,
     )

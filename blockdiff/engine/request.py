@@ -83,6 +83,16 @@ class RequestMetrics:
         }
 
 
+@dataclass
+class Draft:
+    """The latest draft of a request's canvas being denoised: its argmax canvas (params.stream_drafts)
+    and, with params.draft_details, that step's entropy and accepted positions."""
+
+    token_ids: list[int] | None = None
+    entropy: list[float] | None = None
+    accepted: list[bool] | None = None
+
+
 @dataclass(eq=False)  # identity: the scheduler's queues look requests up, and no two are the same request
 class Request:
     request_id: str
@@ -111,9 +121,7 @@ class Request:
     # A canvas started and not yet sent to the workers: its draft tokens [CL] (-1 where it starts
     # from the noise the workers draw).
     new_canvas: torch.Tensor | None = None
-    draft_token_ids: list[int] | None = None
-    draft_entropy: list[float] | None = None  # of the step that made the draft (params.draft_details)
-    draft_accepted: list[bool] | None = None
+    draft: Draft = field(default_factory=Draft)  # its canvas's latest draft (stream_drafts, draft_details)
     finish_reason: str | None = None
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -298,7 +306,7 @@ class Request:
         self.metrics.denoising_steps += steps
         self.metrics.canvas_positions_evaluated += steps * self.canvas_length
         if argmax is not None:
-            self.draft_token_ids = argmax
+            self.draft.token_ids = argmax
 
     def commit(self, canvas: list[int], logprobs: list | None) -> str | None:
         """The canvas converged: add it to the output; -> the finish reason, or None (it goes to

@@ -10,9 +10,9 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 
 from blockdiff.engine.async_engine import RequestFailed
-from blockdiff.engine.client import EngineClient, Prompt
+from blockdiff.engine.client import EngineClient
+from blockdiff.inputs import EngineRequest
 from blockdiff.outputs import RequestOutput
-from blockdiff.sampling_params import SamplingParams
 
 _POLL_S = 0.2  # how often a waiting call wakes up (to report progress, and to be interruptible)
 
@@ -41,7 +41,7 @@ class SyncClient:
             future.cancel()
             raise
 
-    def generate(self, requests: list[tuple[Prompt, SamplingParams]],
+    def generate(self, requests: list[EngineRequest],
                  on_finished: Callable[[int], None] = lambda done: None) -> list[RequestOutput]:
         """The final outputs of `requests` (in their order); `on_finished(done)` is called from this
         thread as they finish."""
@@ -71,7 +71,7 @@ class SyncClient:
         progress()
         return finished
 
-    def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
+    def stream(self, request: EngineRequest) -> Iterator[RequestOutput]:
         """What each committed canvas of one request adds; closing the iterator early aborts it."""
         outputs: queue.Queue = queue.Queue()
         end = object()
@@ -79,7 +79,7 @@ class SyncClient:
         async def run() -> None:
             stream = None
             try:
-                stream = await self.client.add([(prompt, params)])
+                stream = await self.client.add([request])
                 async for _, out in stream:
                     outputs.put(out)
             except Exception as e:

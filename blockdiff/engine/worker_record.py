@@ -38,10 +38,10 @@ class WorkerRecord:
         self._slots: dict[int, tuple[Request, int, int, int]] = {}  # slot -> (request, admission, full, sliding)
         self._automata: OrderedDict[str, None] = OrderedDict()  # keys the workers hold, least recent first
 
-    def slots(self, requests: list[Request], step_params) -> tuple[NewRequests | None, TableDelta | None]:
+    def slots(self, requests: list[Request]) -> tuple[NewRequests | None, TableDelta | None]:
         """What brings the workers' slots of `requests` (the rows of one step) up to date: the requests
-        that took their slot since the workers last heard (None: none), with their sampler inputs from
-        `step_params(taken)` (the sampler's), and the tables' changes (None: none)."""
+        that took their slot since the workers last heard (None: none), with their sampler inputs as
+        the edge resolved them, and the tables' changes (None: none)."""
         taken, full, sliding = [], [], []
         for req in dict.fromkeys(requests):
             admission = req.metrics.preemptions
@@ -56,8 +56,9 @@ class WorkerRecord:
             self._slots[req.slot] = (req, admission, len(req.blocks), len(req.sliding_blocks))
         adapters = [r.lora_slot for r in taken]
         penalties = [r.penalties() for r in taken]
-        new = NewRequests([r.slot for r in taken], [r.num_cached for r in taken], step_params(taken),
-                          adapters if any(a >= 0 for a in adapters) else None,
+        new = NewRequests([r.slot for r in taken], [r.num_cached for r in taken], [r.seed for r in taken],
+                          [r.steps_left for r in taken], [r.metrics.canvases for r in taken],
+                          [r.params.per_canvas for r in taken], adapters if any(a >= 0 for a in adapters) else None,
                           penalties if any(p is not None for p in penalties) else None) if taken else None
         if not (taken or full or sliding):
             return new, None

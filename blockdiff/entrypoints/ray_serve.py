@@ -40,16 +40,16 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from blockdiff.chat_parts import MediaPolicy
 from blockdiff.config import EngineConfig
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from blockdiff.engine.client import EngineClient, EngineStats, Prompt, structured_specs
+from blockdiff.engine.client import EngineClient, EngineStats, structured_specs
 from blockdiff.engine.core_process import Handshake, error_of, wire_error
-from blockdiff.engine.block_allocator import key_root
 from blockdiff.engine.dp_client import FrontEnd, prompt_block_keys
 from blockdiff.engine.kv_events import decode_batch, external_hash
 from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.server import build_app
 from blockdiff.hub import resolve_model
-from blockdiff.sampling_params import ResolvedParams, SamplingParams, StructuredOutputsParams
+from blockdiff.inputs import EngineRequest
+from blockdiff.sampling_params import StructuredOutputsParams
 from blockdiff.engine.startup import start_engine
 
 log = logging.getLogger(__name__)
@@ -89,12 +89,12 @@ class EngineReplica:
     def handshake(self) -> Handshake:
         return Handshake.of(self.engine)
 
-    async def generate(self, requests: list, client: str | None):
+    async def generate(self, requests: list[EngineRequest]):
         try:
             # A new structured output's automaton is built off this replica's loop first.
             for spec in structured_specs(requests):
-                await self.client.prepare(spec, client)
-            stream = await self.client.add(requests, client)
+                await self.client.prepare(spec, requests[0].client)
+            stream = await self.client.add(requests)
         except Exception as e:
             yield ("refused", wire_error(e))
             return
@@ -152,14 +152,10 @@ class PrefixAffinityRouter(RequestRouter):
     def _keys(self, pending: PendingRequest | None, block_size: int | None, scope: str) -> tuple:
         if pending is None or not pending.args or not block_size:
             return ()
-        requests, client = pending.args[0], pending.args[1] if len(pending.args) > 1 else None
+        requests = pending.args[0]
         if not requests:
             return ()
-        prompt, params = requests[0]
-        if isinstance(prompt, dict):  # images: the blocks before the first one would need the model's vision config
-            return ()
-        root = key_root(params.cache_salt if params is not None else None, client, scope)
-        return tuple(external_hash(k) for k in prompt_block_keys(prompt, None, None, block_size, root))
+        return tuple(external_hash(k) for k in prompt_block_keys(requests[0], block_size, scope))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -316,12 +312,11 @@ class RayEngineClient(EngineClient):
         """Nothing here: the replica a call goes to builds its automaton before it adds the call
         (EngineReplica.generate), and a spec it cannot serve comes back as the call's InvalidParam."""
 
-    async def add(self, requests: list[tuple[Prompt, SamplingParams | ResolvedParams]],
-                  client: str | None = None) -> RequestStream:
+    async def add(self, requests: list[EngineRequest]) -> RequestStream:
         if not self._open:
             raise EngineUnavailable(self.unavailable_reason())
-        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests], client)
-        generator = self._handle.generate.remote(requests, client)
+        stream = RequestStream(self, [f"req-{next(self._ids)}" for _ in requests])
+        generator = self._handle.generate.remote(requests)
         try:
             first = await generator.__anext__()
         except asyncio.CancelledError:

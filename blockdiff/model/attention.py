@@ -18,8 +18,8 @@ from blockdiff.model.attention_layout import (FP8_KV_DTYPE, KEY_BLOCK, QUERY_TIL
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.layers import RMSNorm, apply_rotary, unit_rms
 from blockdiff.parallel.group import TPGroup
-from blockdiff.parallel.layers import column_parallel, row_parallel
-from blockdiff.quantization import covering
+from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from blockdiff.parallel.quantization.base import linear_method
 
 __all__ = ["FP8_KV_DTYPE", "KEY_BLOCK", "QUERY_TILE", "ROW_ALIGN", "Attention", "AttentionMetadata", "CacheGeometry",
            "Row", "align", "build_metadata", "calculate_kv_scales", "canvas_metadata", "qkv_parts"]
@@ -77,10 +77,9 @@ class Attention(nn.Module):
         self.local_heads = parts[0][1] // spec.head_dim
         self.local_kv_heads = parts[1][1] // spec.head_dim
         qkv = [f"{prefix}.{n}_proj" for n in "qkv"[: len(parts)]]
-        self.qkv_proj = column_parallel(config.hidden_size, parts, dtype, covering(config.quantization, *qkv))
-        self.o_proj = row_parallel(
-            config.num_heads * spec.head_dim, config.hidden_size, group, dtype, covering(config.quantization, f"{prefix}.o_proj")
-        )
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, dtype, linear_method(config.quantization, *qkv))
+        self.o_proj = RowParallelLinear(config.num_heads * spec.head_dim, config.hidden_size, group, dtype,
+                                        linear_method(config.quantization, f"{prefix}.o_proj"))
         self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, dtype=dtype)
         self.v_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, with_scale=False)

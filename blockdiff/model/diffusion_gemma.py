@@ -25,7 +25,7 @@ from blockdiff.model.vision import VisionEncoder
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import VocabParallelEmbedding
 from blockdiff.parallel.vocab import VocabShard
-from blockdiff.quantization import QuantizationError, covering
+from blockdiff.parallel.quantization.base import QuantizationError
 from blockdiff.step import ImageInputs
 
 # The checkpoint's name of the modules that the quantization_config's patterns match.
@@ -118,7 +118,7 @@ class DiffusionGemma(nn.Module):
         # The reference rounds sqrt(hidden) to the weight dtype before scaling.
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, device="cpu").to(dtype))
         self.embed = VocabParallelEmbedding(self.shard, config.hidden_size, group, self.embed_scale, dtype=dtype)
-        if covering(gemma.quantization, "lm_head"):
+        if gemma.quantization is not None and gemma.quantization.linear_method("lm_head") is not None:
             raise QuantizationError("quantization_config quantizes lm_head; blockdiff runs the (tied) LM head unquantized")
         self.layers = nn.ModuleList(
             Block(gemma, spec, group, dtype, f"{PREFIX}.layers.{i}") for i, spec in enumerate(gemma.layers)

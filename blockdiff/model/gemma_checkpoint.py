@@ -45,8 +45,6 @@ _SC_RULES = [
 ]
 
 
-# FP8 companions of a weight "X.weight" (compressed-tensors): "X.weight_scale", "X.input_scale".
-_FP8_SUFFIXES = ("weight_scale", "input_scale")
 # compressed-tensors checkpoints store expert e as Linears; our gate_up part 2e+i holds its gate (i=0)
 # or up (i=1), down part e its down.
 _PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -57,16 +55,17 @@ def map_name(name: str) -> tuple[str, int | None] | None:
     vision = map_vision_name(name)
     if vision is not None:
         return vision
-    for suffix in _FP8_SUFFIXES:
-        if name.endswith("." + suffix):
-            mapped = map_name(name[: -len(suffix)] + "weight")
-            if mapped is None:
-                return None
+    # A quantized weight's companions "X.weight_scale", "X.input_scale", ... (whatever its format
+    # stores) go with X.weight: to the parameters its quantization method names alike.
+    base, _, suffix = name.rpartition(".")
+    if suffix != "weight":
+        mapped = map_name(f"{base}.weight")
+        if mapped is not None:
             target, part = mapped
             if target.endswith(".weight"):  # "qkv_proj.weight" -> "qkv_proj.weight_scale"
                 return target[: -len("weight")] + suffix, part
             # the experts' 3-D weights: "experts.down" -> "experts.down_scale" / "experts.down_input_scale"
-            return f"{target}_{'scale' if suffix == 'weight_scale' else suffix}", part
+            return f"{target}_{suffix.removeprefix('weight_')}", part
     m = _PER_EXPERT.fullmatch(name)
     if m:
         fused = map_name(f"{m.group(1)}.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}")

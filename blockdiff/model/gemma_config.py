@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from blockdiff.config import ConfigError, ModelConfig, dtype_of
-from blockdiff.quantization import Fp8Config, parse_quantization
+from blockdiff.parallel.quantization.base import QuantConfig
+from blockdiff.parallel.quantization.registry import parse_quantization
 
 ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
 
@@ -66,7 +67,7 @@ class GemmaConfig:
     rms_norm_eps: float
     final_logit_softcapping: float | None
     hidden_activation: str
-    quantization: Fp8Config | None = None  # FP8 weights (quantization_config), None: plain weights
+    quantization: QuantConfig | None = None  # quantization_config (parallel/quantization/), None: plain weights
 
     def first_layers(self, n: int) -> "GemmaConfig":
         return replace(self, layers=self.layers[:n])

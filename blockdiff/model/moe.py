@@ -13,26 +13,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdiff.model.gemma_config import GemmaConfig
-from blockdiff.ops.fp8 import FP8, fp8_linear, scaled_grouped_linear, sharded_token_scales
 from blockdiff.ops.kernels import (
-    BATCH_TILE, BATCHED, PER_EXPERT, ExpertShape, batched_rows, kernel_on, padded, transposed_experts,
+    BATCH_TILE, BATCHED, PER_EXPERT, ExpertRows, ExpertShape, batched_rows, expert_linear, kernel_on, padded,
 )
-from blockdiff.ops.matmul import batched_linear, grouped_linear, linear
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
 from blockdiff.model.lora import LoRABatch
 from blockdiff.parallel.group import TPGroup
-from blockdiff.parallel.layers import (
-    ColumnParallelLinear,
-    check_fp8,
-    check_shape,
-    column_parallel,
-    copy_into,
-    load_input_scale,
-    load_scale,
-    row_parallel,
+from blockdiff.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_shape, copy_into
+from blockdiff.parallel.quantization.base import (
+    UNQUANTIZED_EXPERTS, ExpertsMethod, QuantConfig, QuantizationError, experts_method, linear_method,
 )
-from blockdiff.quantization import Fp8Config, QuantizationError, covering
 
 
 class GatedMLP(nn.Module):
@@ -45,16 +36,16 @@ class GatedMLP(nn.Module):
         act: str,
         group: TPGroup,
         dtype: torch.dtype,
-        quant: Fp8Config | None = None,
+        quant: QuantConfig | None = None,
         prefix: str = "",
     ):
-        """`quant` and `prefix` (the checkpoint's name of this module) decide which products are FP8."""
+        """`quant` and `prefix` (the checkpoint's name of this module) decide which products are quantized."""
         super().__init__()
         part = ColumnParallelLinear.even_part(intermediate, group)
         self.local = part[1]
-        gate_up = covering(quant, f"{prefix}.gate_proj", f"{prefix}.up_proj")
-        self.gate_up_proj = column_parallel(hidden, [part, part], dtype, gate_up)
-        self.down_proj = row_parallel(intermediate, hidden, group, dtype, covering(quant, f"{prefix}.down_proj"))
+        gate_up = linear_method(quant, f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        self.gate_up_proj = ColumnParallelLinear(hidden, [part, part], dtype, gate_up)
+        self.down_proj = RowParallelLinear(intermediate, hidden, group, dtype, linear_method(quant, f"{prefix}.down_proj"))
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
@@ -66,13 +57,13 @@ class GatedMLP(nn.Module):
 class Router(nn.Module):
     def __init__(self, config: GemmaConfig, dtype: torch.dtype, prefix: str):
         super().__init__()
-        if covering(config.quantization, f"{prefix}.proj"):
+        if config.quantization is not None and config.quantization.linear_method(f"{prefix}.proj") is not None:
             raise QuantizationError(f"quantization_config quantizes the router {prefix}.proj; blockdiff runs routers unquantized")
         h, e = config.hidden_size, config.num_experts
         self.top_k = config.top_k_experts
         self.norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
         self.root = h**-0.5
-        self.proj = nn.Linear(h, e, bias=False, dtype=dtype).requires_grad_(False)
+        self.proj = ReplicatedLinear(h, e, dtype)
         self.scale = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.per_expert_scale = nn.Parameter(torch.ones(e, dtype=dtype), requires_grad=False)
 
@@ -82,7 +73,7 @@ class Router(nn.Module):
 
     def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """forward from the router's norm of x (`normed`, in x's dtype)."""
-        scores = linear(normed * self.scale * self.root, self.proj.weight)
+        scores = self.proj(normed * self.scale * self.root)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -96,42 +87,36 @@ class Experts(nn.Module):
     last ranks may own fewer), stored in a width W padded to what the grouped kernels accept
     (blockdiff/ops/kernels.py), and H' is the hidden size padded the same way. The padding is zeros:
     zero rows of gate/up give activations gelu(0) * 0 = 0, zero columns of down add nothing, and the
-    input's padded columns are zero, so every product equals the unpadded one."""
+    input's padded columns are zero, so every product equals the unpadded one. The weights, their
+    loaders and products are the quantization method's (blockdiff/parallel/quantization/)."""
 
-    def __init__(self, config: GemmaConfig, group: TPGroup, dtype: torch.dtype):
+    def __init__(self, config: GemmaConfig, group: TPGroup, dtype: torch.dtype, method: ExpertsMethod = UNQUANTIZED_EXPERTS):
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts, self.hidden, self.inter = e, h, i
         share = -(-i // group.size)
         self.lo = min(group.rank * share, i)  # this rank's first column of every expert's intermediate dimension
         self.owned = min(self.lo + share, i) - self.lo
-        self.local = padded(share, dtype)
-        self.hidden_in = padded(h, dtype)
+        weights = method.weight_dtype(dtype)
+        self.local = padded(share, weights)
+        self.hidden_in = padded(h, weights)
         self.rank = group.rank
         self.group = group
         self.reduce = group.size > 1
         self.act = activation(config.hidden_activation)
-        self.shape = ExpertShape(self.hidden_in, self.local, dtype)  # what blockdiff/ops/kernels.py decides on
-        # [E, out, in] like the checkpoint: each expert's slice is a plain linear weight (in memory
-        # [E, in, out] where the grouped kernel reads that faster: kernels.transposed_experts).
-        transposed = transposed_experts(torch.get_default_device(), dtype, self.shape)
+        # what blockdiff/ops/kernels.py decides on
+        self.shape = ExpertShape(self.hidden_in, self.local, weights, method.activations)
+        self.method = method
+        method.create_weights(self, dtype)
 
-        def weight(out: int, inner: int) -> nn.Parameter:
-            w = torch.zeros(e, inner, out, dtype=dtype).transpose(1, 2) if transposed else torch.zeros(e, out, inner, dtype=dtype)
-            return nn.Parameter(w, requires_grad=False)
-
-        self.gate_up, self.down = weight(2 * self.local, self.hidden_in), weight(self.hidden_in, self.local)
-        self.gate_up.weight_loader = self.load_gate_up
-        self.down.weight_loader = self.load_down
-
-    def _halves(self) -> tuple[slice, slice]:
+    def halves(self) -> tuple[slice, slice]:
         """The rows of gate_up that hold this rank's gate and up columns."""
         return slice(0, self.owned), slice(self.local, self.local + self.owned)
 
     def load_gate_up(self, param: torch.Tensor, source, name: str) -> None:
         check_shape(name, source, (self.num_experts, 2 * self.inter, self.hidden))
         lo, n, h = self.lo, self.owned, self.hidden
-        gate, up = self._halves()
+        gate, up = self.halves()
         copy_into(param.data[:, gate, :h], source[:, lo : lo + n])
         copy_into(param.data[:, up, :h], source[:, self.inter + lo : self.inter + lo + n])
 
@@ -152,7 +137,7 @@ class Experts(nn.Module):
         h, n = self.hidden, self.owned
         if name == "down":
             return self.down.data[:, :h, :n]
-        gate, up = self._halves()
+        gate, up = self.halves()
         return torch.cat((self.gate_up.data[:, gate, :h], self.gate_up.data[:, up, :h]), dim=1)
 
     def kernel(self, x: torch.Tensor) -> str:
@@ -224,124 +209,36 @@ class Experts(nn.Module):
                 return None
         dest = ranked * cap + torch.arange(pairs, device=x.device) - (counts.cumsum(0) - counts).index_select(0, ranked)
         source = torch.zeros(e * cap, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
-        xs = x.index_select(0, source).view(e, cap, self.hidden_in)
-        gate, up = batched_linear(xs, self.gate_up).split(self.local, dim=-1)
-        return batched_linear(self.act(gate) * up, self.down).view(e * cap, -1), dest
+        return self._mlp(x.index_select(0, source), ExpertRows(experts=e)), dest
 
     def _grouped(self, xs: torch.Tensor, ends: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Both products of every expert as one grouped call each (groups end at `ends`, int32),
-        with the LoRA pools' deltas where `mask` (the rows' adapter columns) is given."""
-        def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return grouped_linear(x, weight, ends)
+        """Both products of every expert as one grouped call each (groups end at `ends`, int32)."""
+        return self._mlp(xs, ExpertRows(ends=ends), mask)
 
-        hidden = product(xs, self.gate_up)
+    def _per_expert(self, xs: torch.Tensor, sizes: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Two products per busy expert over its own rows (the first sum(sizes) rows of xs)."""
+        total = sum(sizes)
+        return self._mlp(xs[:total], ExpertRows(sizes=sizes), None if mask is None else mask[:total])
+
+    def _mlp(self, xs: torch.Tensor, rows: ExpertRows, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """down(act(gate(xs)) * up(xs)) of the rows, laid out as `rows` says, by the quantization
+        method, with the LoRA pools' deltas where `mask` (the rows' adapter columns) is given (LoRA
+        pools exist on unquantized experts only: model/lora.py enable_lora)."""
+        def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return expert_linear(x, weight, rows)
+
+        hidden = self.method.apply(self, "gate_up", xs, rows)
         if mask is not None:
             hidden = hidden + self.lora_gate_up(xs, mask, product)
         gate, up = hidden.split(self.local, dim=-1)
         act = self.act(gate) * up
-        out = product(act, self.down)
+        out = self.method.apply(self, "down", act, rows)
         return out if mask is None else out + self.lora_down(act, mask, product)
-
-    def _per_expert(self, xs: torch.Tensor, sizes: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Two plain products per busy expert over its own rows (the first sum(sizes) rows of xs),
-        LoRA as in `_grouped`."""
-        busy = [e for e, s in enumerate(sizes) if s]
-        counts = [sizes[e] for e in busy]
-        total = sum(counts)
-        xs = xs[:total]
-
-        def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return torch.cat([linear(part, weight[e]) for part, e in zip(x.split(counts), busy)])
-
-        hidden = torch.cat([self.gate_up_product(part, e) for part, e in zip(xs.split(counts), busy)])
-        if mask is not None:
-            hidden = hidden + self.lora_gate_up(xs, mask[:total], product)
-        gate, up = hidden.split(self.local, dim=-1)
-        act = self.act(gate) * up
-        out = torch.cat([self.down_product(a, e) for a, e in zip(act.split(counts), busy)])
-        return out if mask is None else out + self.lora_down(act, mask[:total], product)
-
-    def gate_up_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return linear(x, self.gate_up[e])
-
-    def down_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return linear(x, self.down[e])
-
-
-class Fp8Experts(Experts):
-    """Experts with FP8 weights, loaded from the per-expert layout of compressed-tensors checkpoints
-    (`experts.{e}.gate_proj/up_proj/down_proj` Linears): part 2e / 2e+1 of gate_up is expert e's
-    gate / up, part e of down is its down. Each product dequantizes one expert's weight only, so no
-    full-precision copy of the layer's experts ever exists."""
-
-    def __init__(self, config: GemmaConfig, group: TPGroup, quant: Fp8Config):
-        super().__init__(config, group, FP8)
-        e = self.num_experts
-        self.activations = quant.activations
-        self.shape = ExpertShape(self.hidden_in, self.local, FP8, quant.activations)
-        # Padded rows get a scale of one: their weights are zero, and 0 * an uninitialised scale could be NaN.
-        self.gate_up_scale = nn.Parameter(torch.ones(e, 2 * self.local, 1), requires_grad=False)
-        self.down_scale = nn.Parameter(torch.ones(e, self.hidden_in, 1), requires_grad=False)
-        self.gate_up_scale.weight_loader = self.load_gate_up_scale
-        self.down_scale.weight_loader = self.load_down_scale
-        params = [self.gate_up, self.gate_up_scale, self.down, self.down_scale]
-        self.gate_up_input_scale = self.down_input_scale = None
-        if quant.activations == "static":
-            # One input scale per projection for all experts (the largest of theirs), as vLLM does.
-            self.gate_up_input_scale = nn.Parameter(torch.zeros(1), requires_grad=False)
-            self.down_input_scale = nn.Parameter(torch.zeros(1), requires_grad=False)
-            self.gate_up_input_scale.weight_loader = self.down_input_scale.weight_loader = load_input_scale
-            params += [self.gate_up_input_scale, self.down_input_scale]
-        for p, parts in zip(params, [2 * e, 2 * e, e, e, 2 * e, e]):
-            p.num_parts = parts
-
-    def _gate_up_rows(self, part: int) -> tuple[int, slice]:
-        """part -> (expert, the rows of its gate or up in the local gate_up)."""
-        expert, which = divmod(part, 2)
-        return expert, self._halves()[which]
-
-    def load_gate_up(self, param: torch.Tensor, source, name: str, part: int) -> None:
-        check_fp8(name, source)
-        check_shape(name, source, (self.inter, self.hidden))
-        expert, rows = self._gate_up_rows(part)
-        copy_into(param.data[expert, rows, : self.hidden], source[self.lo : self.lo + self.owned])
-
-    def load_gate_up_scale(self, param: torch.Tensor, source, name: str, part: int) -> None:
-        expert, rows = self._gate_up_rows(part)
-        load_scale(param.data[expert, rows], source, name, self.inter, self.lo, self.owned)
-
-    def load_down(self, param: torch.Tensor, source, name: str, part: int) -> None:
-        check_fp8(name, source)
-        check_shape(name, source, (self.hidden, self.inter))
-        copy_into(param.data[part, : self.hidden, : self.owned], source[:, self.lo : self.lo + self.owned])
-
-    def load_down_scale(self, param: torch.Tensor, source, name: str, part: int) -> None:
-        load_scale(param.data[part, : self.hidden], source, name, self.hidden, 0, self.hidden)
-
-    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """torch._scaled_grouped_mm twice (kernels.SCALED_GROUPED): the activations quantized to FP8
-        per row (or with the static input scale), the weights' row scales applied in the product.
-        `mask` is always None: FP8 experts have no LoRA pools (model/lora.py enable_lora)."""
-        hidden = scaled_grouped_linear(xs, self.gate_up, self.gate_up_scale, ends, self.activations, self.gate_up_input_scale)
-        gate, up = hidden.split(self.local, dim=-1)
-        act = self.act(gate) * up
-        # Under TP each rank holds a slice of every expert's width: one max-reduce of the row scales.
-        scales = sharded_token_scales(act, self.group) if self.reduce and self.activations == "dynamic" else None
-        return scaled_grouped_linear(act, self.down, self.down_scale, ends, self.activations, self.down_input_scale, scales)
-
-    def gate_up_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return fp8_linear(x, self.gate_up[e], self.gate_up_scale[e], self.activations, self.gate_up_input_scale)
-
-    def down_product(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        # Under TP each rank holds a slice of the expert's width: one small max-reduce per busy expert.
-        scales = sharded_token_scales(x, self.group) if self.reduce and self.activations == "dynamic" else None
-        return fp8_linear(x, self.down[e], self.down_scale[e], self.activations, self.down_input_scale, scales)
 
 
 def make_experts(config: GemmaConfig, group: TPGroup, dtype: torch.dtype, prefix: str) -> Experts:
     names = [f"{prefix}.{e}.{p}" for e in range(config.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
-    quant = covering(config.quantization, *names)
-    return Experts(config, group, dtype) if quant is None else Fp8Experts(config, group, quant)
+    return Experts(config, group, dtype, experts_method(config.quantization, *names))
 
 
 def combine_top_k(y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from blockdiff.ops.fp8 import quantize_rows
 from blockdiff.model.gemma_checkpoint import DECODER, ENCODER
 from blockdiff.model.loader import checkpoint_files
-from blockdiff.quantization import Fp8Config
+from blockdiff.parallel.quantization.fp8 import Fp8Config
 
 # The ignore list of the published DiffusionGemma FP8-dynamic checkpoint.
 DEFAULT_IGNORE = ("lm_head", "re:.*embed.*", "re:.*router.*", "re:.*vision.*", "re:.*self_conditioning.*")

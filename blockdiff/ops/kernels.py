@@ -27,17 +27,22 @@ Every grouped product reads its matrices with leading strides of 16 bytes (and F
 divisible by 16); model/moe.py pads each expert's widths at load time to `padded(n, dtype)`, which
 is exact (zero columns of gate/up, zero rows of down), so an unpadded width is a shape `expert_kernel` only
 meets when something skipped the padding, and it then takes the per-expert path.
+
+`expert_linear` runs one projection of every expert on rows laid out for the chosen kernel
+(`ExpertRows`); the quantization methods (blockdiff/parallel/quantization/) call it, or
+`per_expert` with their own product.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from blockdiff.ops.cpu import cpu_features
-from blockdiff.ops.matmul import bf16_products_widen
+from blockdiff.ops.matmul import batched_linear, bf16_products_widen, grouped_linear, linear
 
 ALIGN_BYTES = 16  # torch's grouped products: leading strides (and FP8 dimensions) of 16 bytes
 FP8 = torch.float8_e4m3fn
@@ -193,6 +198,31 @@ def kernel_on(device: torch.device, dtype: torch.dtype, shape: ExpertShape) -> s
 def static_kernel(kernel: str) -> bool:
     """Whether a step whose experts use `kernel` has static shapes and no host sync."""
     return kernel != PER_EXPERT
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """How the experts' rows are laid out for their kernel; exactly one field is set."""
+
+    ends: torch.Tensor | None = None  # grouped kernels: int32 ends of each expert's rows, on the device
+    sizes: list[int] | None = None  # per expert: each expert's row count, read on the host
+    experts: int | None = None  # batched: the rows are [experts, rows per expert]
+
+
+def per_expert(x: torch.Tensor, sizes: list[int], product: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """`product(rows, e)` over each busy expert's rows of x (the first sum(sizes) rows), concatenated."""
+    busy = [e for e, s in enumerate(sizes) if s]
+    counts = [sizes[e] for e in busy]
+    return torch.cat([product(part, e) for part, e in zip(x[: sum(counts)].split(counts), busy)])
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+    """Each expert's rows of x [rows, in] times its weight[e] [out, in].T, by the kernel `rows` is laid out for."""
+    if rows.ends is not None:
+        return grouped_linear(x, weight, rows.ends)
+    if rows.experts is not None:
+        return batched_linear(x.view(rows.experts, -1, x.shape[-1]), weight).view(x.shape[0], -1)
+    return per_expert(x, rows.sizes, lambda part, e: linear(part, weight[e]))
 
 
 @dataclass(frozen=True)

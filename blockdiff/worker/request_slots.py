@@ -1,7 +1,8 @@
 """What each rank keeps of the request in each slot: where its next row starts (its cached length)
 and its sampler parameters, on the device.
 
-The engine sends them once, when a request takes the slot (`step.NewRequests`); after that the rank
+The engine sends them once, when a request takes the slot (`step.NewRequests`: plain values as the
+edge resolved them, which the rank makes the sampler's StepParams rows of); after that the rank
 advances them itself from what every plan says anyway: an encoder row (a prompt chunk, a committed
 canvas) adds its length to its slot's position, a canvas that starts sets its steps n and canvas
 index (`StepPlan.new_canvas_steps`, `new_canvas_index`), and each denoising step run counts n down.
@@ -23,6 +24,7 @@ class RequestSlots:
         """`rows`: the slots and the scratch slot (padded canvases), which keeps position 0 and the
         fields' defaults."""
         self.device = device
+        self.sampler = sampler
         self.positions = [0] * rows  # host: the rows' starts
         self.starts = torch.zeros(rows, dtype=torch.long, device=device)  # the same on the device
         self.params = sampler.params_table(rows, device)
@@ -38,7 +40,7 @@ class RequestSlots:
         for slot, position in zip(new.slots, new.positions):
             self.positions[slot] = position
         self.starts.index_copy_(0, slots, torch.tensor(new.positions, dtype=torch.long, device=self.device))
-        self.params.put(slots, new.params)
+        self.params.put(slots, self.sampler.step_params(new.steps, new.per_canvas, new.seeds, new.canvases))
         adapters = new.adapters if new.adapters is not None else [-1] * len(new.slots)
         for slot, adapter in zip(new.slots, adapters):
             self.adapters_host[slot] = adapter

@@ -44,8 +44,9 @@ def _logits(top: list[list[float]]) -> torch.Tensor:
 
 def _step(state, logits, steps, threshold, seed=0):
     slots = torch.arange(logits.shape[0])
-    params = CT.step_params([steps] * len(slots), [CT.resolve(SamplingParams.of(threshold=threshold), CT_DEFAULTS)] * len(slots),
-                            [seed + i for i in range(len(slots))], [0] * len(slots))
+    values = CT.canvas_values(CT.resolve(SamplingParams.of(threshold=threshold), CT_DEFAULTS))
+    params = CT.step_params([steps] * len(slots), [values] * len(slots), [seed + i for i in range(len(slots))],
+                            [0] * len(slots))
     vocab = VocabParallel(VocabShard.make(0, 1, V), TPGroup())
     res = CT.step(logits.clone(), state, slots, params, vocab)
     state.put(slots, res.updates)
@@ -106,7 +107,7 @@ def test_every_sampler_builds_its_step_inputs_from_its_table():
         assert [f.name for f in sampler.fields[:2]] == ["max_tokens", "max_denoising_steps"]
         defaults = {f.name: f.default for f in sampler.fields} | {"max_tokens": 8}
         params = sampler.resolve(SamplingParams(), defaults)
-        step = sampler.step_params([3], [params], [0], [0])
+        step = sampler.step_params([3], [sampler.canvas_values(params)], [0], [0])
         for f in (f for f in sampler.fields if f.per_canvas):
             value = step.tensors()[f.name]
             assert value.dtype == getattr(torch, f.dtype) and value.item() == pytest.approx(f.default), (sampler.name, f.name)

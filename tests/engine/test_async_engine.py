@@ -45,9 +45,9 @@ def test_failed_step_fails_its_requests_and_serving_goes_on(engine, monkeypatch)
     async def main():
         async_engine = AsyncEngine(engine)
         async_engine.start()
-        stream = await async_engine.add([([5, 6, 7], PARAMS)])
+        stream = await async_engine.add([async_engine.inputs.request([5, 6, 7], PARAMS)])
         await asyncio.get_running_loop().run_in_executor(None, running.wait, 30)
-        late = asyncio.ensure_future(async_engine.add([([8, 9], PARAMS)]))
+        late = asyncio.ensure_future(async_engine.add([async_engine.inputs.request([8, 9], PARAMS)]))
         await asyncio.sleep(0.05)  # `late` is now queued behind the step
         release.set()
         with pytest.raises(RequestFailed, match="boom"):
@@ -56,7 +56,7 @@ def test_failed_step_fails_its_requests_and_serving_goes_on(engine, monkeypatch)
         finals = [out async for _, out in late_stream if out.finished]
         assert [o.finish_reason for o in finals] == ["length"] and len(finals[0].token_ids) == 8
         assert async_engine.available
-        again = await async_engine.add([([5, 6, 7], PARAMS)])
+        again = await async_engine.add([async_engine.inputs.request([5, 6, 7], PARAMS)])
         assert [out.finish_reason async for _, out in again if out.finished] == ["length"]
         await async_engine.stop()
         assert not engine.requests and engine.num_waiting == engine.num_running == 0
@@ -72,7 +72,7 @@ def test_abort_frees_running_and_waiting_requests(engine):
         async_engine = AsyncEngine(engine)
         async_engine.start()
         long = SamplingParams(max_tokens=48, max_denoising_steps=48, seed=0)  # the tiny model's steps limit
-        stream = await async_engine.add([([5, 6, 7 + i], long) for i in range(6)])
+        stream = await async_engine.add([async_engine.inputs.request([5, 6, 7 + i], long) for i in range(6)])
         while engine.num_running < 2:
             await asyncio.sleep(0.01)
         assert engine.num_waiting == 4 and engine.kv_cache_usage > 0

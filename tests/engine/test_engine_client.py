@@ -13,6 +13,7 @@ from blockdiff.engine.async_engine import AsyncEngine
 from blockdiff.engine.client import EngineClient, EngineStats
 from blockdiff.engine.engine import LLMEngine
 from blockdiff.engine.input_processor import InputProcessor
+from blockdiff.inputs import EngineRequest, PromptInputs
 from blockdiff.sampling_params import InvalidParam, ResolvedParams
 
 PROMPT = [5, 6, 7, 9]
@@ -40,8 +41,8 @@ def test_limits_tokenizer_and_sampler(client):
 
 def test_resolved_once_and_taken_as_they_are(client, monkeypatch):
     """A request added with the parameters the client resolved is not resolved again: the engine's
-    request holds that very object, and the resolver ran once; unresolved parameters are resolved
-    once by add. Both give the same tokens."""
+    request holds that very object, and the resolver ran once; an EngineRequest made from unresolved
+    parameters (`request`) resolves them once. Both give the same tokens."""
     calls = []
     real = InputProcessor.resolve
     monkeypatch.setattr(InputProcessor, "resolve", lambda self, *a: calls.append(a) or real(self, *a))
@@ -52,12 +53,12 @@ def test_resolved_once_and_taken_as_they_are(client, monkeypatch):
         assert isinstance(resolved, ResolvedParams) and resolved.prompt_len == len(PROMPT)
         assert resolved.max_tokens == 12 and resolved.entropy_bound == 0.1  # defaults merged
         assert client.cost(resolved) == 2 * 8 * 3  # canvases x canvas length x steps
-        stream = await client.add([(PROMPT, resolved)])
+        stream = await client.add([EngineRequest(PromptInputs(PROMPT), resolved)])
         (rid,) = stream.request_ids
         assert client.engine.requests[rid].params is resolved
         once = await _finals(stream)
         assert len(calls) == 1
-        again = await _finals(await client.add([(PROMPT, PARAMS)]))
+        again = await _finals(await client.add([client.inputs.request(PROMPT, PARAMS)]))
         assert len(calls) == 2
         assert once[0].token_ids == again[0].token_ids and len(once[0].token_ids) == 12
         await client.stop()
@@ -70,7 +71,7 @@ def test_resolved_for_another_prompt_is_refused(client):
         client.start()
         resolved = client.resolve(PARAMS, 3)
         with pytest.raises(ValueError, match="resolved for a prompt of 3 tokens"):
-            await client.add([(PROMPT, resolved)])
+            await client.add([EngineRequest(PromptInputs(PROMPT), resolved)])
         await client.stop()
 
     asyncio.run(main())
@@ -80,13 +81,13 @@ def test_bad_parameters_raise_a_typed_error_naming_the_field(client):
     async def main():
         client.start()
         with pytest.raises(InvalidParam) as e:
-            await client.add([(PROMPT, SamplingParams(max_tokens=10**6))])
+            await client.add([client.inputs.request(PROMPT, SamplingParams(max_tokens=10**6))])
         assert e.value.field == "max_tokens" and str(e.value).startswith("max_tokens (1000000) + prompt")
         with pytest.raises(InvalidParam) as e:
             client.resolve(SamplingParams(max_denoising_steps=10**6), len(PROMPT))
         assert e.value.field == "max_denoising_steps"
         with pytest.raises(InvalidParam) as e:
-            await client.add([([1, 2, 999], PARAMS)])
+            await client.add([client.inputs.request([1, 2, 999], PARAMS)])
         assert e.value.field == "prompt"
         assert client.stats().num_waiting == 0 and not client.engine.requests  # nothing was added
         await client.stop()
@@ -102,7 +103,7 @@ def test_stats_while_requests_run_and_abort(client):
         assert (idle.num_running, idle.num_waiting, idle.num_free_slots, idle.kv_cache_usage) == (0, 0, 2, 0)
         assert idle.kv_cache_blocks == client.engine.kv.full.num_blocks and idle.num_preemptions == 0
         long = SamplingParams(max_tokens=64 - len(PROMPT), max_denoising_steps=8, ignore_eos=True)
-        streams = [await client.add([(PROMPT, long)]) for _ in range(3)]
+        streams = [await client.add([client.inputs.request(PROMPT, long)]) for _ in range(3)]
         await anext(streams[0])  # the first committed canvas: two run, one waits
         busy = client.stats()
         assert (busy.num_running, busy.num_waiting, busy.num_free_slots) == (2, 1, 0) and busy.kv_cache_usage > 0

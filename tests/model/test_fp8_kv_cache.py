@@ -26,7 +26,8 @@ from blockdiff.engine.startup import summary
 from blockdiff.model.attention import Attention, CacheGeometry, Row, build_metadata
 from blockdiff.model.interface import layer_kinds
 from blockdiff.model.loader import load_model
-from blockdiff.quantization import QuantizationError, parse_quantization
+from blockdiff.parallel.quantization.base import QuantizationError
+from blockdiff.parallel.quantization.registry import parse_quantization
 from blockdiff.step import CacheConfig
 from blockdiff.worker.kv_cache import allocate, geometry
 
@@ -322,9 +323,10 @@ def test_the_static_step_over_an_fp8_cache_on_a_fake_h200():
                             cuda_graphs=False)
         cl = runner.canvas_length
         rows = [Row(s, start, cl, True, tuple(range(64 * s, 64 * s + -(-start // 16)))) for s, start in ((0, 700), (1, 17))]
-        params = denoise_params([16] * 2, [EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)] * 2, [0, 1])
+        resolved = [EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)] * 2
+        params = denoise_params([16] * 2, resolved, [0, 1])
         runner.tables.apply(whole_tables(rows))
-        runner.requests.admit(new_requests(rows, params))
+        runner.requests.admit(new_requests(rows, [16] * 2, resolved, [0, 1]))
         with NoHostReads():
             steps(rows, params.options())
     assert calls == [(torch.float8_e4m3fn, torch.device("cuda", 0), torch.float32)] * 2

@@ -44,7 +44,7 @@ from blockdiff.model.diffusion_gemma import DiffusionGemma
 from blockdiff.model.quantize import FP8_DYNAMIC
 from blockdiff.parallel.group import TPGroup
 from blockdiff.sampling_params import REFERENCE_DEFAULTS, SamplingParams
-from blockdiff.step import CacheConfig, StepPlan
+from blockdiff.step import CacheConfig, NewRequests, StepPlan
 from blockdiff.worker import canvas_step as canvas_step_module
 from blockdiff.worker.canvas_step import CanvasSteps
 from blockdiff.worker.model_runner import ModelRunner, RunnerSettings
@@ -82,6 +82,13 @@ def _params(n: int, cl: int):
     return denoise_params([16] * n, [p] * n, list(range(n)))
 
 
+def _admitted(rows) -> NewRequests:
+    """`rows`' requests as `_params` makes their parameters."""
+    p = EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)
+    n = len({r.slot for r in rows})
+    return new_requests(rows, [16] * n, [p] * n, list(range(n)))
+
+
 def _canvas_rows(cl: int) -> list[Row]:
     """Three canvases (bucket 4: one padded), one past the sliding window, one with a short prefix."""
     return [Row(slot, start, cl, True, _blocks(slot, -(-start // BLOCK))) for slot, start in ((0, 1500), (1, 300), (2, 17))]
@@ -93,7 +100,7 @@ def _static_step(runner: ModelRunner):
     rows = _canvas_rows(runner.canvas_length)
     params = _params(len(rows), runner.canvas_length)
     runner.tables.apply(whole_tables(rows))
-    runner.requests.admit(new_requests(rows, params))
+    runner.requests.admit(_admitted(rows))
     with NoHostReads():
         return steps(rows, params.options())
 
@@ -226,7 +233,7 @@ def test_mixed_step_on_a_fake_h200(tp):
         params = _params(len(rows), cl)
         plan = StepPlan([step_row(r) for r in rows], torch.randint(0, 262144, (300 + cl,)), [0],
                         torch.randint(0, 262144, (1, cl)), params.options(), top_logprobs=0, tables=whole_tables(rows),
-                        new_requests=new_requests(rows, params), new_canvas_steps=[16], new_canvas_index=[0])
+                        new_requests=_admitted(rows), new_canvas_steps=[16], new_canvas_index=[0])
         with reads, _no_reads_inside(runner.model):
             out = runner.execute(plan)
     assert out.finished.shape == (2,) and out.tokens.shape == (2, cl) and out.logprob.shape == (2, cl)

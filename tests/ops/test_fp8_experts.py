@@ -12,10 +12,11 @@ from helpers import DEVICE, rel_err
 
 from blockdiff.ops.fp8 import quantize_rows
 from blockdiff.ops.kernels import PER_EXPERT, SCALED_GROUPED, target
-from blockdiff.model.moe import Experts, Fp8Experts
+from blockdiff.model.moe import Experts
 from blockdiff.model.quantize import FP8_DYNAMIC
 from blockdiff.model.registry import load_config
 from blockdiff.parallel.group import TPGroup
+from blockdiff.parallel.quantization.fp8 import Fp8ExpertsMethod
 
 BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 
@@ -28,7 +29,7 @@ def test_fp8_experts_equal_the_dequantized_bfloat16_experts():
     tokens = 512 if DEVICE.type == "cuda" else 64  # the CPU's per-expert products: seconds, not minutes
     g = torch.Generator(DEVICE).manual_seed(0)
     with torch.device(DEVICE), torch.inference_mode():
-        fp8, ref = Fp8Experts(arch, TPGroup(), FP8_DYNAMIC), Experts(arch, TPGroup(), torch.bfloat16)
+        fp8, ref = Experts(arch, TPGroup(), torch.bfloat16, Fp8ExpertsMethod(FP8_DYNAMIC)), Experts(arch, TPGroup(), torch.bfloat16)
         for name in ("gate_up", "down"):
             w = torch.randn(getattr(ref, name).shape, generator=g, device=DEVICE) * 0.02
             q, scale = quantize_rows(w, "channel")

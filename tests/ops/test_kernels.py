@@ -18,8 +18,8 @@ from blockdiff.ops.kernels import (
     static_kernel, step_modes,
 )
 from blockdiff.parallel.group import TPGroup
-from blockdiff.model.moe import Experts, Fp8Experts, combine_top_k
-from blockdiff.quantization import Fp8Config
+from blockdiff.model.moe import Experts, combine_top_k
+from blockdiff.parallel.quantization.fp8 import Fp8Config, Fp8ExpertsMethod
 
 BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 CPU, H200, B200, A100, L40, RTX5090 = (Target("cpu"), Target("cuda", (9, 0)), Target("cuda", (10, 0)),
@@ -159,7 +159,7 @@ def test_fp8_experts_are_one_scaled_grouped_product_on_hopper(activations, ranks
     config = _config()
     quant = Fp8Config("channel", activations, ("Linear",), ())
     with fake_cuda((9, 0)), GroupedCalls().watch() as calls:
-        experts = fake_module(lambda: Fp8Experts(config, fake_group(ranks), quant))
+        experts = fake_module(lambda: Experts(config, fake_group(ranks), torch.bfloat16, Fp8ExpertsMethod(quant)))
         x = torch.randn(512, config.hidden_size, dtype=torch.bfloat16, device="cuda")
         out = experts(x, torch.rand(512, 8, device="cuda"), torch.randint(0, 128, (512, 8), device="cuda"))
         assert out.dtype == torch.bfloat16 and out.shape == x.shape and out.is_cuda

@@ -276,7 +276,7 @@ def _logged_static_step(top_k: int, penalties=None) -> tuple[OpLog, object, obje
         p = EntropyBound().resolve(SamplingParams(top_k=top_k), REFERENCE_DEFAULTS)
         params = denoise_params([16] * len(rows), [p] * len(rows), list(range(len(rows))))
         runner.tables.apply(whole_tables(rows))
-        admitted = new_requests(rows, params)
+        admitted = new_requests(rows, [16] * len(rows), [p] * len(rows), list(range(len(rows))))
         runner.requests.admit(admitted)
         if penalties is not None:
             admitted.penalties = [penalties] + [None] * (len(rows) - 1)
@@ -338,7 +338,7 @@ def test_the_whole_static_step_on_a_fake_h200_calls_no_op_cuda_runs_nondetermini
         p = EntropyBound().resolve(SamplingParams(top_k=40), REFERENCE_DEFAULTS)
         params = denoise_params([16] * len(rows), [p] * len(rows), list(range(len(rows))))
         runner.tables.apply(whole_tables(rows))
-        runner.requests.admit(new_requests(rows, params))
+        runner.requests.admit(new_requests(rows, [16] * len(rows), [p] * len(rows), list(range(len(rows)))))
         with NoHostReads(), log:
             steps(rows, params.options())
     assert runner.geometry.backend == "triton" and runner.vocab.kernels.name == "triton"

@@ -128,7 +128,8 @@ def test_a_steady_state_step_carries_no_per_canvas_sampler_parameters(tiny):
         same = _messages(llm, prompts, alike)
         different = _messages(llm, prompts, differ)
     assert _steady(one) and _steady(same) and _steady(different)
-    marks = [struct.pack("<q", s) for s in seeds] + [struct.pack("<f", b) for b in bounds]
+    # sent as plain values (NewRequests), as pickle writes them: an int of 4 bytes, a float of 8
+    marks = [b"J" + struct.pack("<i", s) for s in seeds] + [b"G" + struct.pack(">d", b) for b in bounds]
     assert all(mark in b"".join(m for _, m in different) for mark in marks)  # the check sees them where they are sent
     assert not any(mark in m for m in _steady(different) for mark in marks)
     # top-p in the second batch chooses the restricted draw, a step option: the same size either way

@@ -243,10 +243,10 @@ def test_a_compiled_step_goes_through_every_shape_the_engine_meets(checkpoints):
     with torch.inference_mode():
         for n, start, restrict in shapes:
             rows = [Row(slot, start, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(n)]
-            params = denoise_params([3] * n, [EntropyBound().resolve(SamplingParams(top_k=5 if restrict else -1), REFERENCE_DEFAULTS)] * n,
-                                    list(range(n)))
+            resolved = [EntropyBound().resolve(SamplingParams(top_k=5 if restrict else -1), REFERENCE_DEFAULTS)] * n
+            params = denoise_params([3] * n, resolved, list(range(n)))
             tables.apply(whole_tables(rows))
-            requests.admit(new_requests(rows, params))
+            requests.admit(new_requests(rows, [3] * n, resolved, list(range(n))))
             steps(rows, params.options())
     assert len(steps.shapes) == len(graphs) == 12 > torch._dynamo.config.recompile_limit
     for (size, context, options, _, _), (inputs, _, _) in steps.shapes.items():  # keys: (size, context, options, steps, penalized)
@@ -269,9 +269,10 @@ def test_steps_of_two_buckets_write_their_logits_into_one_buffer(checkpoints):
     buffer = torch.empty(2 * cl, steps.model.shard.local_rows)
     for n in (1, 2):
         rows = [Row(slot, 5, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(n)]
-        params = denoise_params([3] * n, [sampler.resolve(SamplingParams(), REFERENCE_DEFAULTS)] * n, list(range(n)))
+        resolved = [sampler.resolve(SamplingParams(), REFERENCE_DEFAULTS)] * n
+        params = denoise_params([3] * n, resolved, list(range(n)))
         tables.apply(whole_tables(rows))
-        requests.admit(new_requests(rows, params))
+        requests.admit(new_requests(rows, [3] * n, resolved, list(range(n))))
         inputs = CanvasInputs(torch.arange(n))
         with torch.inference_mode():
             steps.logits = None

@@ -37,7 +37,8 @@ def _penalties(rep=1.0, presence=0.0, frequency=0.0, prompt=(), output=(), bias=
 
 
 def _admit(pen: SlotPenalties, slots: list[int], penalties: list[Penalties | None]) -> None:
-    pen.admit(NewRequests(slots, [0] * len(slots), None, None, penalties))
+    n = len(slots)
+    pen.admit(NewRequests(slots, [0] * n, [0] * n, [1] * n, [0] * n, [{}] * n, penalties=penalties))
 
 
 REQUESTS = {
@@ -124,9 +125,10 @@ def test_the_compiled_step_penalizes_as_the_eager_step_does(checkpoints):
     steps.fn = torch.compile(canvas_step, backend=lambda gm, _: graphs.append(gm) or gm.forward, **COMPILE_OPTIONS)
     cl = steps.state.canvas.shape[1]
     rows = [Row(slot, 3, cl, True, tuple(range(16 * slot, 16 * slot + 16))) for slot in range(2)]
-    params = denoise_params([3, 3], [EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)] * 2, [0, 1])
+    resolved = [EntropyBound().resolve(SamplingParams(), REFERENCE_DEFAULTS)] * 2
+    params = denoise_params([3, 3], resolved, [0, 1])
     tables.apply(whole_tables(rows))
-    admitted = new_requests(rows, params)
+    admitted = new_requests(rows, [3, 3], resolved, [0, 1])
     requests.admit(admitted)
     admitted.penalties = [_penalties(1.5, 0.5, 1.0, prompt=[5, 6], output=[7, 7], bias={11: 100.0}), None]
     steps.penalties.admit(admitted)

@@ -118,7 +118,7 @@ class AnthropicServingMessages:
         with messages_names():
             self.serving.output_rules(chat)  # the tools and tool_choice a message request would refuse
             images = await pre.chat_images(chat.messages, client)
-            _, prompts = await pre.pool.run(client, self.serving.chat_prompt, chat, images, _id("count"))
+            _, prompts = await pre.pool.run(client, pre.chat_prompt, chat, images, _id("count"))
         return a.CountTokensResponse(input_tokens=len(prompts[0]))
 
     async def _chat(self, req: a.CountTokensRequest, raw: Request) -> p.ChatCompletionRequest:

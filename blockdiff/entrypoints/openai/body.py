@@ -1,7 +1,7 @@
 """JSON decoded and validated in bounded time and memory: request bodies, and the tool-call
 arguments that a chat request carries as JSON strings.
 
-Decoding runs in the preprocessing pool (preprocess.py), never on the event loop. json.loads and
+Decoding runs in the preprocessing pool (work_pool.py), never on the event loop. json.loads and
 pydantic run in C and hold the GIL for the whole call: on a 15 MB body of small objects that is
 0.4 s each, during which no other thread runs, the event loop included. So a large body (and every
 arguments string) is decoded by the pure-Python JSON scanner, whose bytecode gives the GIL back
@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from blockdiff.entrypoints.openai.errors import APIError
 from blockdiff.entrypoints.openai.protocol import ignored_fields
-from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
+from blockdiff.entrypoints.openai.work_pool import WorkPool, check_deadline
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ class ServerConfig:
     responses_store_bytes: int = 256 * 2**20  # JSON of the stored /v1/responses turns; the oldest go first
     max_response_bytes: int = 32 * 2**20  # a request whose response could be larger is refused before any work
     max_request_cost: int | None = None  # None: max_num_seqs requests of max_model_len tokens at the steps limit
-    preprocess_threads: int = 2  # threads that decode bodies, render chat templates and tokenize (preprocess.py)
+    preprocess_threads: int = 2  # threads that decode bodies, render chat templates and tokenize (work_pool.py)
     preprocess_timeout: float = 10.0  # seconds a request's preprocessing may run in all before a 413
     image_decode_threads: int = 1  # threads that decode images (media.py): each may hold one image's memory
     image_fetch_threads: int = 8  # image URLs fetched at once

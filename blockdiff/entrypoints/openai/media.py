@@ -16,7 +16,7 @@ from __future__ import annotations
 from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_media
 from blockdiff.engine.multimodal import MultiModalIntake
 from blockdiff.entrypoints.openai.errors import APIError
-from blockdiff.entrypoints.openai.preprocess import Deadline, WorkPool
+from blockdiff.entrypoints.openai.work_pool import Deadline, WorkPool
 from blockdiff.multimodal import MediaError
 from blockdiff.worker.cpu_heap import release_freed_memory, resident_bytes
 

@@ -35,8 +35,8 @@ from blockdiff.entrypoints.openai.metrics import ServingMetrics
 from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, DetokenizeRequest, DetokenizeResponse,
                                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now,
                                                    request_types)
-from blockdiff.entrypoints.openai.preprocess import WorkPool
-from blockdiff.entrypoints.openai.preprocessing import Preprocessor
+from blockdiff.entrypoints.openai.work_pool import WorkPool
+from blockdiff.entrypoints.openai.request_builder import RequestBuilder
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.responses import OpenAIServingResponses, ResponseStore
 from blockdiff.entrypoints.openai.responses_protocol import DeletedResponse, ResponseObject, responses_request_type
@@ -133,17 +133,17 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     media = ChatMedia(engine.mm, cfg.media,
                         WorkPool(cfg.image_decode_threads, cfg.preprocess_timeout, "blockdiff-decode"),
                         WorkPool(cfg.image_fetch_threads, cfg.preprocess_timeout, "blockdiff-fetch"))
-    preprocess = Preprocessor(engine, pool, media, cfg.max_request_cost, cfg.max_response_bytes,
-                              cfg.default_chat_template_kwargs)
+    preprocess = RequestBuilder(engine, pool, media, cfg.max_request_cost, cfg.max_response_bytes,
+                                cfg.default_chat_template_kwargs, cfg.trust_request_chat_template)
     clients = ClientLimit(cfg.max_client_concurrency)
     shared = (engine, cfg.served_model_names, preprocess, clients, cfg.max_stream_buffer)
     completion = OpenAIServingCompletion(*shared)
-    chat_serving = OpenAIServingChat(*shared, cfg.tool_call_parser, cfg.reasoning_parser, cfg.trust_request_chat_template)
+    chat_serving = OpenAIServingChat(*shared, cfg.tool_call_parser, cfg.reasoning_parser)
     tokenization = OpenAIServingTokenization(chat_serving)
     # The LoRA adapters served by name, one dict that every endpoint reads (docs/lora.md).
     adapters = LoRAAdapters(cfg.lora_modules, cfg.served_model_names, cfg.lora_modules_dir, cfg.max_runtime_loras,
                             cfg.max_lora_rank)
-    loras = completion.loras = chat_serving.loras = adapters.by_name
+    loras = preprocess.loras = adapters.by_name
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}
 

@@ -1,5 +1,5 @@
 """What the generation endpoints (serving_completion.py, serving_chat.py, responses.py) share once a
-request is preprocessed (preprocessing.py): its engine requests added against its client's share,
+request is built (request_builder.py): its engine requests added against its client's share,
 and their outputs streamed as server-sent events (one chunk per committed canvas, drafts between)
 or collected into one response, in the endpoint's format; usage and token texts."""
 
@@ -23,8 +23,9 @@ from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value, error_body
-from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS, Preprocessor, request_names
+from blockdiff.entrypoints.openai.request_builder import REQUEST_FIELDS, RequestBuilder, request_names
 from blockdiff.entrypoints.openai.tool_parsers import ToolCall
+from blockdiff.inputs import EngineRequest
 from blockdiff.outputs import RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ async def _disconnected(request: Request) -> None:
 class OpenAIServing:
     """An endpoint's engine, preprocessing and served names, and its outputs' way back."""
 
-    def __init__(self, engine: EngineClient, served_model_names: list[str], preprocess: Preprocessor,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], preprocess: RequestBuilder,
                  clients: ClientLimit, max_stream_buffer: int):
         """clients: counts each client's engine requests; max_stream_buffer: bytes a stream's client may
         leave unread."""
@@ -249,7 +250,11 @@ class OpenAIServing:
         self.limits = engine.limits
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
-        self.loras: dict = {}  # the LoRA adapters served, by name (LoRARequest; the server shares one dict)
+
+    @property
+    def loras(self) -> dict:
+        """The LoRA adapters served, by name (the preprocessor's, which names each request's adapter)."""
+        return self.preprocess.loras
 
     def model_name(self, requested: str | None) -> str:
         if requested is None:
@@ -262,22 +267,19 @@ class OpenAIServing:
         return requested
 
     # ---- engine outputs -> responses ----------------------------------------------------------
-    async def add(self, requests: list, client: str, raw: Request, model: str | None = None
-                  ) -> tuple[RequestStream, Callable[[], None]]:
-        """Queue one API call's engine requests against `client`'s share (held until `release()`,
+    async def add(self, requests: list[EngineRequest], raw: Request) -> tuple[RequestStream, Callable[[], None]]:
+        """Queue one API call's engine requests against their client's share (held until `release()`,
         which the response calls however it ends); a new structured output's automaton is built off
         the event loop first, within the engine's bounds, and given up if the client disconnects
         meanwhile (ClientGone). -> (their stream, release). Raises what the engine raises (ValueError
         for bad parameters), with the share released."""
-        lora = self.loras.get(model) if model is not None else None
-        if lora is not None:  # the request names a LoRA adapter: its engine requests run with it
-            requests = [(prompt, params, lora) for prompt, params in requests]
+        client = client_of(raw)
         release = self.clients.hold(client, len(requests))
         try:
             specs = structured_specs(requests)
             if specs:
                 await self._prepare(specs, client, raw)
-            return await self.engine.add(requests, client), release
+            return await self.engine.add(requests), release
         except BaseException:
             release()
             raise
@@ -300,7 +302,7 @@ class OpenAIServing:
 
     async def respond(self, req, prompts: list[list[int]], requests, fmt: ResponseFormat, raw: Request) -> Response:
         try:
-            stream, release = await self.add(requests, client_of(raw), raw, req.model)
+            stream, release = await self.add(requests, raw)
         except ClientGone:
             return Response(status_code=499)
         except ValueError as e:

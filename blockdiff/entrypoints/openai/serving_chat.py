@@ -13,14 +13,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from blockdiff.entrypoints.openai import protocol as p
-from blockdiff.entrypoints.openai import reasoning, tool_parsers, vllm_fields
+from blockdiff.entrypoints.openai import reasoning, tool_parsers
 from blockdiff.entrypoints.openai.chat_output import ChatOutput, OutputRules
 from blockdiff.entrypoints.openai.clients import ClientLimit, client_of
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
-from blockdiff.entrypoints.openai.preprocessing import REQUEST_FIELDS, Preprocessor, check_common, generation_prompt
-from blockdiff.entrypoints.openai.response_size import chat_size
+from blockdiff.entrypoints.openai.request_builder import REQUEST_FIELDS, RequestBuilder, check_common
 from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat
-from blockdiff.entrypoints.openai.structured import request_constraint, tool_call_constraint
 from blockdiff.engine.async_engine import RequestStream
 from blockdiff.engine.client import EngineClient
 from blockdiff.outputs import TokenLogprob, vllm_logprobs
@@ -107,11 +105,10 @@ class ChatFormat(ResponseFormat):
 class OpenAIServingChat(OpenAIServing):
     """POST /v1/chat/completions, and the chat steps that /v1/responses runs."""
 
-    def __init__(self, engine: EngineClient, served_model_names: list[str], preprocess: Preprocessor,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], preprocess: RequestBuilder,
                  clients: ClientLimit, max_stream_buffer: int, tool_call_parser: str | None,
-                 reasoning_parser: str | None, trust_request_chat_template: bool = False):
+                 reasoning_parser: str | None):
         super().__init__(engine, served_model_names, preprocess, clients, max_stream_buffer)
-        self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = self._parser("tool-call", tool_call_parser, tool_parsers.tool_call_parser,
                                         tool_parsers.Gemma4ToolParser)
         self.reasoning_parser = self._parser("reasoning", reasoning_parser, reasoning.reasoning_parser,
@@ -145,8 +142,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt_logprobs = self.prompt_logprobs(req)
         rules = self.output_rules(req)
         request_id = p.new_id("chatcmpl", req.request_id)
-        images = await self.preprocess.chat_images(req.messages, client_of(raw))
-        prompts, requests = await self.preprocess.pool.run(client_of(raw), self.chat_requests, req, images, n, max_tokens,
+        client = client_of(raw)
+        images = await self.preprocess.chat_images(req.messages, client)
+        prompts, requests = await self.preprocess.pool.run(client, self.preprocess.chat_requests, req, client, images, n, max_tokens,
                                                            logprobs, rules, request_id, prompt_logprobs)
         last = req.messages[-1]
         echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
@@ -167,9 +165,9 @@ class OpenAIServingChat(OpenAIServing):
             with renamed:
                 rules = self.output_rules(req)
                 images = await self.preprocess.chat_images(req.messages, client)
-                prompts, requests = await self.preprocess.pool.run(client, self.chat_requests, req, images, 1,
+                prompts, requests = await self.preprocess.pool.run(client, self.preprocess.chat_requests, req, client, images, 1,
                                                                    req.max_tokens, None, rules, request_id)
-                stream, release = await self.add(requests, client, raw, req.model)  # the share is held until the response ends
+                stream, release = await self.add(requests, raw)  # the share is held until the response ends
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, value_names) from None
         return rules, prompts, stream, release
@@ -188,55 +186,6 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs")
             return None
         return k
-
-    def chat_requests(self, req: p.ChatCompletionRequest, images: list, n: int, max_tokens: int | None,
-                      logprobs: int | None, rules: OutputRules, request_id: str, prompt_logprobs: int | None = None):
-        """(In the pool) -> (the prompt ids usage counts, the engine requests)."""
-        constraint = self.chat_constraint(req, rules)
-        prompt, prompts = self.chat_prompt(req, images, request_id)
-        # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
-        # The response holds the prompt's scores once (prompt_logprobs, never streamed): one choice scores it.
-        return prompts, self.preprocess.engine_requests(req, [prompt], prompts, n, max_tokens, logprobs, chat_size,
-                                                        skip_special_tokens=not rules.parses,
-                                                        prompt_logprobs=prompt_logprobs, structured_outputs=constraint,
-                                                        score_once=True)
-
-    def chat_prompt(self, req: p.ChatCompletionRequest, images: list, request_id: str):
-        """(In the pool) -> (the engine's prompt, images expanded; the prompt ids usage counts)."""
-        kwargs = req.chat_template_kwargs
-        if req.reasoning_effort is not None and self.tokenizer is not None:
-            kwargs = vllm_fields.reasoning_kwargs(req.reasoning_effort, self.tokenizer.template_variables, kwargs or {})
-        pre = self.preprocess
-        ids = pre.chat_prompt(req.messages, request_id, tools=req.tools, chat_template_kwargs=kwargs,
-                              add_generation_prompt=generation_prompt(req),
-                              continue_final_message=bool(req.continue_final_message), documents=req.documents,
-                              template=self.request_template(req), add_special_tokens=bool(req.add_special_tokens),
-                              items=images)
-        if req.truncate_prompt_tokens is not None:
-            if images:
-                raise APIError(400, "truncate_prompt_tokens: a chat with images or videos cannot be cut (their "
-                                    "tokens come whole)", param="truncate_prompt_tokens")
-            ids = pre.truncated([ids], req.truncate_prompt_tokens)[0]
-        return (ids, [ids.token_ids]) if images else (ids, [ids])
-
-    def request_template(self, req: p.ChatCompletionRequest) -> str | None:
-        """A request's own chat template, which only a server started to trust them renders (vLLM's rule)."""
-        if req.chat_template is not None and not self.trust_request_chat_template:
-            raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
-                                "--trust-request-chat-template to allow a request's)", param="chat_template")
-        return req.chat_template
-
-    @staticmethod
-    def chat_constraint(req: p.ChatCompletionRequest, rules: OutputRules):
-        """(In the pool) What the chat's output must be: its structured output, or with a forced
-        tool_choice the calls, their arguments as the tools' parameter schemas say; None: anything."""
-        constraint = request_constraint(req)
-        if rules.forced:
-            if constraint is not None:
-                raise APIError(400, "a forced tool_choice and a structured output both constrain the output: give one",
-                               param="tool_choice")
-            constraint = tool_call_constraint(req.tools, rules.allowed, rules.parallel)
-        return constraint
 
     def output_rules(self, req: p.ChatCompletionRequest) -> OutputRules:
         """Which parsers read this request's output, and what its tool_choice demands."""

@@ -11,7 +11,7 @@ from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai import vllm_fields
 from blockdiff.entrypoints.openai.clients import client_of
 from blockdiff.entrypoints.openai.errors import APIError
-from blockdiff.entrypoints.openai.preprocessing import check_choices, check_common
+from blockdiff.entrypoints.openai.request_builder import check_choices, check_common
 from blockdiff.entrypoints.openai.response_size import CompletionSize
 from blockdiff.entrypoints.openai.serving import OpenAIServing, Piece, ResponseFormat, json_body
 from blockdiff.entrypoints.openai.structured import request_constraint
@@ -126,21 +126,22 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, f"best_of must equal n ({n}): candidates are not ranked", param="best_of")
         check_choices(_prompt_count(req.prompt), n)
         request_id = p.new_id("cmpl", req.request_id)
-        prompts, requests, echo = await self.preprocess.pool.run(client_of(raw), self._completion_requests, req, n,
+        client = client_of(raw)
+        prompts, requests, echo = await self.preprocess.pool.run(client, self._completion_requests, req, client, n,
                                                                  request_id)
         fmt = CompletionFormat(self, request_id, model, bool(req.return_token_ids), req.logprobs, echo, n,
                                bool(req.return_tokens_as_token_ids))
         return await self.respond(req, prompts, requests, fmt, raw)
 
-    def _completion_requests(self, req: p.CompletionRequest, n: int, request_id: str):
-        """(In the pool) -> (the prompts' ids, the engine requests, with echo each prompt's text and ids)."""
+    def _completion_requests(self, req: p.CompletionRequest, client: str, n: int, request_id: str):
+        """(In the pool) -> (the prompts' ids, `client`'s engine requests, with echo each prompt's text and ids)."""
         constraint = request_constraint(req)
         pre = self.preprocess
         prompts = pre.truncated(pre.completion_prompts(req.prompt, request_id, req.add_special_tokens is not False),
                                 req.truncate_prompt_tokens)
         # A stream sends each choice's echo in its first chunk, which cannot wait for another choice's
         # scores: there every choice scores the prompt.
-        requests = pre.engine_requests(req, prompts, prompts, n, req.max_tokens, req.logprobs,
+        requests = pre.engine_requests(req, client, prompts, prompts, n, req.max_tokens, req.logprobs,
                                        CompletionSize(bool(req.echo)), prompt_logprobs=vllm_fields.prompt_logprobs(req),
                                        structured_outputs=constraint, score_once=not req.stream)
         echo = [(pre.prompt_text(x, ids), ids) for x, ids in zip(_prompt_list(req.prompt), prompts)] if req.echo else None

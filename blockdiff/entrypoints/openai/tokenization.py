@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from blockdiff.entrypoints.openai import protocol as p
 from blockdiff.entrypoints.openai.errors import APIError
-from blockdiff.entrypoints.openai.preprocessing import generation_prompt
+from blockdiff.entrypoints.openai.request_builder import generation_prompt
 from blockdiff.entrypoints.openai.serving import OpenAIServing
 
 _CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")
@@ -31,7 +31,7 @@ class OpenAIServingTokenization:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=add_special)
         else:
-            ids = self.serving.preprocess.chat_prompt(req.messages, "tokenize", add_generation_prompt=generation_prompt(req),
+            ids = self.serving.preprocess.render_chat(req.messages, "tokenize", add_generation_prompt=generation_prompt(req),
                                                        tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
                                                        continue_final_message=bool(req.continue_final_message),
                                                        add_special_tokens=bool(req.add_special_tokens))

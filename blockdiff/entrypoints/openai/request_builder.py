@@ -1,8 +1,10 @@
-"""An API request's preprocessing, shared by the generation endpoints (completions, chat, responses)
-and /tokenize: its prompts tokenized, or its chat rendered by the chat template; its images loaded
-and their placeholders expanded; its sampling parameters built, resolved once per prompt and
-priced; the result, engine requests that the engine takes as they are. The CPU work runs in the
-server's preprocessing pool (preprocess.py), images in theirs (media.py)."""
+"""The edge's `RequestBuilder`: an API request into engine requests, shared by the generation
+endpoints (completions, chat, responses, messages) and /tokenize: its prompts tokenized, or its chat
+rendered by the chat template; its images loaded and their placeholders expanded; its structured
+output or forced tool calls compiled into a constraint; its sampling parameters built, resolved once
+per prompt and priced; its adapter and client named. The result, EngineRequests (blockdiff/inputs.py),
+the engine takes as they are. The CPU work runs in the server's preprocessing pool (work_pool.py),
+images in theirs (media.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ from dataclasses import fields, replace
 from blockdiff.chat_parts import PART_MODALITY, template_content
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.engine.client import EngineClient
-from blockdiff.engine.multimodal import PromptInputs
-from blockdiff.entrypoints.openai import limits, protocol as p
+from blockdiff.entrypoints.openai import limits, protocol as p, vllm_fields
 from blockdiff.entrypoints.openai.body import MAX_JSON_VALUES, Budget, decode_json
+from blockdiff.entrypoints.openai.chat_output import OutputRules
 from blockdiff.entrypoints.openai.errors import APIError, bad_value
 from blockdiff.entrypoints.openai.media import ChatMedia
-from blockdiff.entrypoints.openai.preprocess import WorkPool, check_deadline
-from blockdiff.entrypoints.openai.response_size import ENVELOPE, TOKEN_ID_TEXT, Pricing
-from blockdiff.entrypoints.openai.structured import constraint_field
+from blockdiff.entrypoints.openai.response_size import ENVELOPE, TOKEN_ID_TEXT, Pricing, chat_size
+from blockdiff.entrypoints.openai.structured import constraint_field, request_constraint, tool_call_constraint
+from blockdiff.entrypoints.openai.work_pool import WorkPool, check_deadline
+from blockdiff.inputs import EngineRequest, PromptInputs
 from blockdiff.multimodal import MediaError
 from blockdiff.sampling_params import ResolvedParams, SamplingParams
 
@@ -43,11 +46,6 @@ def request_names(req: p._GenerationRequest) -> dict[str, str]:
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     return names
-
-
-def prompt_length(prompt: list[int] | PromptInputs) -> int:
-    """Tokens of an engine prompt, each image counting its expanded placeholder."""
-    return len(prompt.token_ids if isinstance(prompt, PromptInputs) else prompt)
 
 
 def check_choices(prompts: int, n: int) -> None:
@@ -114,16 +112,21 @@ def check_common(req: p._GenerationRequest) -> int:
     return n
 
 
-class Preprocessor:
-    """API requests -> engine requests, for every endpoint of one server."""
+class RequestBuilder:
+    """API requests -> engine requests (EngineRequest), for every endpoint of one server: the one
+    place where a request's prompt, constraint and parameters are built."""
 
     def __init__(self, engine: EngineClient, pool: WorkPool, media: ChatMedia, max_request_cost: int | None,
-                 max_response_bytes: int, default_chat_template_kwargs: dict | None = None):
-        """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own."""
+                 max_response_bytes: int, default_chat_template_kwargs: dict | None = None,
+                 trust_request_chat_template: bool = False):
+        """default_chat_template_kwargs: vLLM's --default-chat-template-kwargs, under each request's own.
+        trust_request_chat_template: whether a request's own chat template is rendered (vLLM's flag)."""
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
+        self.loras: dict = {}  # the LoRA adapters served, by name (LoRARequest; the server shares one dict)
         self.max_response_bytes = max_response_bytes
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
-        # (preprocess.py), its images and videos in `media` (media.py).
+        # (work_pool.py), its images and videos in `media` (media.py).
         self.pool = pool
         self.media = media
         self.limits = engine.limits
@@ -190,7 +193,7 @@ class Preprocessor:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # ---- chats -------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True,
+    def render_chat(self, messages: list[p.ChatMessage], request_id: str, add_generation_prompt: bool = True,
                     tools: list[p.Tool] | None = None, chat_template_kwargs: dict | None = None,
                     continue_final_message: bool = False, documents: list[dict] | None = None,
                     template: str | None = None, add_special_tokens: bool = False,
@@ -253,6 +256,54 @@ class Preprocessor:
                            param="chat_template_kwargs")
         return kwargs
 
+    # ---- chat requests -------------------------------------------------------------------------
+    def chat_requests(self, req: p.ChatCompletionRequest, client: str, images: list, n: int, max_tokens: int | None,
+                      logprobs: int | None, rules: OutputRules, request_id: str, prompt_logprobs: int | None = None):
+        """(In the pool) -> (the prompt ids usage counts, `client`'s engine requests)."""
+        constraint = self.chat_constraint(req, rules)
+        prompt, prompts = self.chat_prompt(req, images, request_id)
+        # The parsers read the format's markers, which are special tokens (vLLM's parsers do the same).
+        # The response holds the prompt's scores once (prompt_logprobs, never streamed): one choice scores it.
+        return prompts, self.engine_requests(req, client, [prompt], prompts, n, max_tokens, logprobs, chat_size,
+                                             skip_special_tokens=not rules.parses, prompt_logprobs=prompt_logprobs,
+                                             structured_outputs=constraint, score_once=True)
+
+    def chat_prompt(self, req: p.ChatCompletionRequest, images: list, request_id: str):
+        """(In the pool) -> (the engine's prompt, images expanded; the prompt ids usage counts)."""
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None and self.tokenizer is not None:
+            kwargs = vllm_fields.reasoning_kwargs(req.reasoning_effort, self.tokenizer.template_variables, kwargs or {})
+        ids = self.render_chat(req.messages, request_id, tools=req.tools, chat_template_kwargs=kwargs,
+                               add_generation_prompt=generation_prompt(req),
+                               continue_final_message=bool(req.continue_final_message), documents=req.documents,
+                               template=self.request_template(req), add_special_tokens=bool(req.add_special_tokens),
+                               items=images)
+        if req.truncate_prompt_tokens is not None:
+            if images:
+                raise APIError(400, "truncate_prompt_tokens: a chat with images or videos cannot be cut (their "
+                                    "tokens come whole)", param="truncate_prompt_tokens")
+            ids = self.truncated([ids], req.truncate_prompt_tokens)[0]
+        return (ids, [ids.token_ids]) if images else (ids, [ids])
+
+    def request_template(self, req: p.ChatCompletionRequest) -> str | None:
+        """A request's own chat template, which only a server started to trust them renders (vLLM's rule)."""
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
+                                "--trust-request-chat-template to allow a request's)", param="chat_template")
+        return req.chat_template
+
+    @staticmethod
+    def chat_constraint(req: p.ChatCompletionRequest, rules: OutputRules):
+        """(In the pool) What the chat's output must be: its structured output, or with a forced
+        tool_choice the calls, their arguments as the tools' parameter schemas say; None: anything."""
+        constraint = request_constraint(req)
+        if rules.forced:
+            if constraint is not None:
+                raise APIError(400, "a forced tool_choice and a structured output both constrain the output: give one",
+                               param="tool_choice")
+            constraint = tool_call_constraint(req.tools, rules.allowed, rules.parallel)
+        return constraint
+
     # ---- images and videos in chat messages (docs/images.md, docs/video.md) ---------------------
     async def chat_images(self, messages: list[p.ChatMessage], client: str) -> list:
         """The items of the messages' image_url and video_url parts, fetched, decoded and
@@ -262,12 +313,14 @@ class Preprocessor:
         return await self.media.load([m.model_dump(exclude_none=True) for m in messages], client)
 
     # ---- sampling parameters: resolved once, priced ----------------------------------------------
-    def engine_requests(self, req: p._GenerationRequest, prompts: list, lengths: list[list[int]], n: int,
-                        max_tokens: int | None, logprobs: int | None, size: Pricing, skip_special_tokens: bool = True,
-                        prompt_logprobs: int | None = None, structured_outputs=None, score_once: bool = False) -> list:
-        """n engine requests per prompt, checked against the limits first, their parameters resolved
-        once per prompt (for its length) and taken by the engine as they are. The choices of a prompt
-        share its ResolvedParams but their seeds (and so its draft and stop lists); prompt-major.
+    def engine_requests(self, req: p._GenerationRequest, client: str, prompts: list[list[int] | PromptInputs],
+                        lengths: list[list[int]], n: int, max_tokens: int | None, logprobs: int | None, size: Pricing,
+                        skip_special_tokens: bool = True, prompt_logprobs: int | None = None, structured_outputs=None,
+                        score_once: bool = False) -> list[EngineRequest]:
+        """n engine requests per prompt, of `client`, with the adapter `req.model` names, checked
+        against the limits first, their parameters resolved once per prompt (for its length) and
+        taken by the engine as they are. The choices of a prompt share its ResolvedParams but their
+        seeds (and so its draft and stop lists); prompt-major.
         size: how the endpoint's response spells what it returns (response_size.py).
         skip_special_tokens: the endpoint's default, under the request's own (vLLM's field).
         score_once: only a prompt's first choice scores it (prompt_logprobs), and the response gives
@@ -284,14 +337,17 @@ class Preprocessor:
                                        min_tokens=req.min_tokens or 0, prompt_logprobs=prompt_logprobs,
                                        output_kind="delta" if req.stream else "final_only", skip_special_tokens=skip,
                                        structured_outputs=structured_outputs)
-            resolved = [self.engine.resolve(params, prompt_length(prompt)) for prompt in prompts]
+            inputs = [prompt if isinstance(prompt, PromptInputs) else PromptInputs(prompt) for prompt in prompts]
+            resolved = [self.engine.resolve(params, len(prompt.token_ids)) for prompt in inputs]
         except ValueError as e:
             raise bad_value(e, REQUEST_FIELDS, request_names(req)) from None
         # A choice of max_tokens 0 is its scoring, nothing else: each scores the prompt.
         choices = [[params if i == 0 else self._choice(params, i, not score_once or params.max_tokens == 0)
                     for i in range(n)] for params in resolved]
         self._check_cost(choices, size, req.return_tokens_as_token_ids)
-        return [(prompt, params) for prompt, of_prompt in zip(prompts, choices) for params in of_prompt]
+        lora = self.loras.get(req.model) if req.model is not None else None
+        return [EngineRequest(prompt, params, lora=lora, client=client, priority=req.priority or 0)
+                for prompt, of_prompt in zip(inputs, choices) for params in of_prompt]
 
     @staticmethod
     def _choice(params: ResolvedParams, choice: int, scored: bool) -> ResolvedParams:

@@ -1,0 +1,2 @@
+"""Quantization methods: how a layer's weights are stored, loaded and multiplied (base.py), one
+module per checkpoint format (fp8.py), found by the format's name in registry.py."""
