@@ -42,12 +42,13 @@ from dataclasses import dataclass
 import torch
 
 from blockdiff.ops.cpu import cpu_features
-from blockdiff.ops.matmul import batched_linear, grouped_linear, linear
+from blockdiff.ops.matmul import batched_linear, bf16_products_widen, grouped_linear, linear
 
 ALIGN_BYTES = 16  # torch's grouped products: leading strides (and FP8 dimensions) of 16 bytes
 FP8 = torch.float8_e4m3fn
 
 GROUPED, SCALED_GROUPED, PER_EXPERT, BATCHED = "grouped", "scaled_grouped", "per_expert", "batched"
+BF16_WIDENED = "bf16_widened"  # a CPU feature of Target: no bfloat16 kernels (ops/matmul.py `widens`)
 BATCH_TILE = 16  # rows per expert in a batched product are a multiple of this (AMX tiles are 16 rows)
 BATCH_MAX_PADDING = 2.0  # a batched call may run at most this many rows per routed pair, else grouped
 
@@ -73,13 +74,14 @@ class Target:
 
     type: str
     capability: tuple[int, int] | None = None
-    features: frozenset[str] = frozenset()  # on the CPU: its ops/cpu.BF16_CPU_FEATURES (tests inject them)
+    features: frozenset[str] = frozenset()  # on the CPU: its ops/cpu.BF16_CPU_FEATURES and BF16_WIDENED (tests inject them)
 
 
 def target(device: torch.device | str) -> Target:
     device = torch.device(device)
     if device.type == "cpu":
-        return Target("cpu", features=frozenset(cpu_features()))
+        widened = (BF16_WIDENED,) if bf16_products_widen("cpu") else ()
+        return Target("cpu", features=frozenset(cpu_features() + widened))
     if device.type != "cuda":
         return Target(device.type)
     return Target("cuda", tuple(torch.cuda.get_device_capability(device)))
@@ -168,14 +170,23 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
     return PER_EXPERT, f"no grouped kernel on {where.type}"
 
 
+def transposed_layout(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Ops | None = None) -> bool:
+    """Whether experts of `shape` on `where` keep each expert's [out, in] weight in memory as
+    [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies float32, and
+    bfloat16 on oneDNN, by such a weight up to a quarter faster than by the checkpoint's layout read
+    through a transposed view, with the same bits (docs/benchmarks.md). Where the CPU has no
+    bfloat16 kernels (BF16_WIDENED) torch's generic loops read that layout 6x slower (24 x 256 x 256:
+    2.36 against 0.37 ms, EPYC Zen 3), so bfloat16 experts keep the checkpoint's. CUDA's grouped
+    kernels and the CPU's batched products (torch.bmm, whose oneDNN kernel read that layout faster:
+    docs/benchmarks.md, "MoE: grouped against per-expert products") take the checkpoint's layout."""
+    if where.type != "cpu" or expert_kernel(where, dtype, shape, ops)[0] != GROUPED:
+        return False
+    return not (dtype == torch.bfloat16 and BF16_WIDENED in where.features)
+
+
 def transposed_experts(device: torch.device, dtype: torch.dtype, shape: ExpertShape) -> bool:
-    """Whether experts of `shape` on `device` keep each expert's [out, in] weight in memory as
-    [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies by such a
-    weight up to a quarter faster than by the checkpoint's layout read through a transposed view,
-    with the same bits (docs/benchmarks.md); CUDA's grouped kernels and the CPU's batched products
-    (torch.bmm, whose oneDNN kernel read that layout faster: docs/benchmarks.md, "MoE: grouped
-    against per-expert products") take the checkpoint's layout."""
-    return device.type == "cpu" and expert_kernel(target(device), dtype, shape)[0] == GROUPED
+    """`transposed_layout` on `device`."""
+    return transposed_layout(target(device), dtype, shape)
 
 
 @torch.compiler.assume_constant_result  # traced code takes the answer as a constant

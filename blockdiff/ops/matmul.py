@@ -6,7 +6,11 @@ about twice as fast (docs/benchmarks.md), so it is used where the CPU has AVX-51
 float32 arithmetic, like sgemm. Like sgemm it computes a row the same way wherever it sits in a
 product whose row count is a multiple of 8, which keeps requests batch-invariant (see ROW_ALIGN in
 model/attention.py). bfloat16 `F.linear` already runs on oneDNN wherever torch has its bfloat16
-kernels (AVX512-BF16, AMX, or AVX-512 emulating them).
+kernels (AVX512-BF16, AMX, or AVX-512 emulating them). Elsewhere (an x86 CPU without AVX-512) torch
+has no bfloat16 kernel: its products convert every element in generic loops at 1-4 GFLOP/s, 8-90x
+slower than float32's on the same operands (docs/benchmarks.md, "bfloat16 without bfloat16
+products"). There `linear` multiplies in float32, widening the weight a tile at a time in memory
+order, and rounds the result to bfloat16 once (`widens`, `_float32_linear`).
 
 Given a plain weight, oneDNN reorders it into its blocked layout on every call; a parameter's
 weight is reordered once and kept (`_packed`), in both dtypes: the same bits as `F.linear`, 5-20%
@@ -44,6 +48,20 @@ _ONEDNN_FP32 = _ONEDNN_AVAILABLE and torch.backends.cpu.get_cpu_capability().sta
 _ONEDNN_BF16 = (_ONEDNN_AVAILABLE and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
+# x86 without oneDNN's bfloat16 kernels: bfloat16 products there run in torch's generic loops.
+_BF16_BY_LOOPS = platform.machine().lower() in ("x86_64", "amd64") and not _ONEDNN_BF16
+WIDEN_ELEMENTS = 1 << 20  # weight elements widened to float32 at a time (4 MiB: a cache-sized tile)
+
+
+def bf16_products_widen(device_type: str) -> bool:
+    """Whether bfloat16 products on `device_type` run in float32 (a CPU without bfloat16 kernels)."""
+    return device_type == "cpu" and _BF16_BY_LOOPS
+
+
+def widens(x: torch.Tensor) -> bool:
+    """Whether products of `x` run in float32 and round to its dtype once (`bf16_products_widen`)."""
+    return x.dtype == torch.bfloat16 and bf16_products_widen(x.device.type)
+
 
 def _onednn(device_type: str, dtype: torch.dtype) -> bool:
     # the flags are read at every call: benchmarks/onednn_products.py switches them
@@ -58,7 +76,12 @@ def onednn_packed(x: torch.Tensor) -> bool:
 
 def dense_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
     """What `linear` runs for activations of `dtype` on `device`, as the startup summary says it."""
-    return "oneDNN, weights packed once" if _onednn(torch.device(device).type, dtype) else "F.linear"
+    kind = torch.device(device).type
+    if _onednn(kind, dtype):
+        return "oneDNN, weights packed once"
+    if dtype == torch.bfloat16 and bf16_products_widen(kind):
+        return "float32, the bfloat16 weights widened a tile at a time"
+    return "F.linear"
 
 
 # Per parameter (by id, dropped with it): (data pointer, shape, strides) of a weight view of it ->
@@ -90,7 +113,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight [out, in].T; `weight` may be a transposed view."""
     if onednn_packed(x) and not weight.requires_grad and x.numel():
         return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), None, "none", [], "")
+    if widens(x):
+        return _float32_linear(x, weight)
     return F.linear(x, weight)
+
+
+def _float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in float32, rounded to x's dtype once. The weight is widened WIDEN_ELEMENTS at a
+    time along its memory order, so no float32 copy of it (or of a wide x) is ever whole: a plain
+    [out, in] weight by output rows; a transposed view (the soft embedding's [vocab, hidden] table
+    read as [hidden, vocab]) by input columns, the partial products summed in float32. The tiles
+    depend on the weight's shape alone, so a row's result does not depend on the batch."""
+    rows, (n_out, n_in) = x.shape[:-1], weight.shape
+    if weight.stride(0) == 1 and n_in > 1:
+        step = max(1, WIDEN_ELEMENTS // n_out)
+        acc = x.new_zeros(*rows, n_out, dtype=torch.float32)
+        for a in range(0, n_in, step):
+            acc += F.linear(x[..., a : a + step].float(), weight[:, a : a + step].float())
+        return acc.to(x.dtype)
+    step = max(1, WIDEN_ELEMENTS // max(n_in, 1))
+    xf, out = x.float(), x.new_empty(*rows, n_out)
+    for a in range(0, n_out, step):
+        out[..., a : a + step] = F.linear(xf, weight[a : a + step].float())
+    return out
 
 
 # torch._grouped_mm's fake-tensor rule only accepts bfloat16 (torch 2.13), although the CPU kernel

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdiff.ops import kernels, matmul
-from blockdiff.ops.matmul import dense_kernel, grouped_linear, linear, onednn_packed
+from blockdiff.ops.matmul import dense_kernel, grouped_linear, linear, onednn_packed, widens
 
 
 def _packs(dtype: torch.dtype) -> bool:
@@ -62,7 +62,9 @@ def test_what_is_not_packed_goes_to_f_linear():
 
 def test_the_dense_kernel_is_named_as_linear_chooses_it():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        want = "oneDNN, weights packed once" if _packs(dtype) else "F.linear"
+        x = torch.ones(8, 16, dtype=dtype)
+        widened = "float32, the bfloat16 weights widened a tile at a time"
+        want = "oneDNN, weights packed once" if _packs(dtype) else widened if widens(x) else "F.linear"
         assert dense_kernel("cpu", dtype) == want
     assert dense_kernel("meta", torch.bfloat16) == "F.linear"
 

@@ -97,10 +97,14 @@ def test_mixed_step_matches_the_reference(dtype, sliding, shape):
     else:
         # Both round the probabilities to bfloat16 before the product with V, at other points (the
         # reference after the global max, the kernel after each running max): each is held to the
-        # float32 result, the kernel no further from it than the reference's error allows.
+        # float32 result, the kernel no further from it than the reference's error allows, plus half
+        # a bfloat16 step of the largest output (the output's own rounding: where the CPU has no
+        # bfloat16 products the reference's run in float32, ops/matmul.py `widens`, and its error
+        # is smaller than a rounded product's).
         exact = _attend("reference", sliding, tuple(t.float() for t in inputs))
         torch.testing.assert_close(want, exact, **_tolerance(dtype))
-        assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + 1e-3
+        rounding = 2 ** -8 * exact.abs().max()
+        assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + rounding + 1e-3
 
 
 @pytest.mark.parametrize("sliding", [True, False], ids=["sliding", "full"])

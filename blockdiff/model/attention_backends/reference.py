@@ -30,6 +30,7 @@ import torch
 from blockdiff.model.attention_layout import (FP8_KV_DTYPE, AttentionMetadata, CacheGeometry, CacheWrite, KVScales,
                                               Piece, Row, WritesCache, align, canvas_positions, pieces, step_positions,
                                               step_tables, token_starts)
+from blockdiff.ops.matmul import widens
 
 NAME = "reference"
 
@@ -103,8 +104,11 @@ def _products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., m, k] @ b [..., k, n] as one batched product of contiguous [m, k] and [k, n] matrices.
     CPU BLAS computes an element of such a product the same way whatever the batch count, but a
     transposed or strided operand takes other kernels whose results change with it
-    (tests/model/test_attention.py)."""
+    (tests/model/test_attention.py). Where bfloat16 products run in float32 (ops/matmul.py
+    `widens`), so do these, and the result stays float32: every caller widens it anyway."""
     lead = a.shape[:-2]
+    if widens(a):
+        a, b = a.float(), b.float()
     out = torch.bmm(a.reshape(-1, *a.shape[-2:]).contiguous(), b.reshape(-1, *b.shape[-2:]).contiguous())
     return out.view(*lead, *out.shape[-2:])
 
