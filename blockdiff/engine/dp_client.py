@@ -30,13 +30,12 @@ import torch
 from blockdiff.config import EngineConfig
 from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.async_engine import RESTART_TRIES, EngineUnavailable, RequestStream
-from blockdiff.engine.block_allocator import block_keys, key_root
 from blockdiff.engine.client import EngineClient, EngineStats
 from blockdiff.engine.core_process import ENTRY, Bootstrap, Handshake, encode_frame, error_of, read_frame, recv_frame, send_frame
 from blockdiff.engine.multimodal import MultiModalIntake
 from blockdiff.engine.input_processor import InputProcessor
-from blockdiff.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
+from blockdiff.engine.kv_events import hashed
+from blockdiff.engine.prefix_router import ReplicaRouting, default_imbalance, prompt_block_keys
 from blockdiff.inputs import EngineRequest
 from blockdiff.model.registry import load_config
 from blockdiff.parallel import processes
@@ -67,13 +66,6 @@ class FrontEnd:
                                      self.mm)
         self.block_size, self.prefix_caching = hs.stats.block_size, hs.stats.prefix_caching
         self.prefix_cache_scope = hs.stats.prefix_cache_scope
-
-
-def prompt_block_keys(request: EngineRequest, block_size: int, scope: str) -> tuple:
-    """The keys of the request's full prompt blocks, as the engine will key them (under its
-    block_allocator.key_root, which `scope` chooses)."""
-    root = key_root(request.params.cache_salt, request.client, scope)
-    return tuple(block_keys(request.prompt.keyed(), block_size, root))
 
 
 def replica_device(cfg: EngineConfig, rank: int) -> str:
@@ -114,7 +106,6 @@ class _Replica:
         self.core_reason = ""
         self.stats: EngineStats | None = None
         self.calls: dict[int, _Call] = {}
-        self.index = PrefixIndex()
         self.in_flight = 0  # engine requests routed here that have not ended
 
     @property
@@ -170,7 +161,7 @@ class DPClient(EngineClient):
         self.inputs, self.block_size, self.prefix_caching = front.inputs, front.block_size, front.prefix_caching
         self.prefix_cache_scope = front.prefix_cache_scope
         lim = self.limits
-        self.router = PrefixRouter(default_imbalance(lim.max_num_seqs))
+        self.routing = ReplicaRouting(default_imbalance(lim.max_num_seqs))
         log.info("data parallel: %d replicas (pids %s), each %s", len(self.replicas),
                  ", ".join(str(hs.pid) for hs in handshakes),
                  f"on {self.replicas[0].device}" if cfg.tensor_parallel_size == 1 else
@@ -331,11 +322,10 @@ class DPClient(EngineClient):
         up = [rep for rep in self.replicas if rep.up]
         if not up:
             raise EngineUnavailable(self.unavailable_reason())
-        free = {rep: rep.stats.kv_cache_free_blocks if rep.stats else 0 for rep in up}
-        chosen, _ = self.router.choose([Candidate(rep, rep.in_flight, free[rep], rep.index) for rep in up], keys)
-        rep = chosen.name
+        rep = self.routing.choose([(rep, rep.in_flight, rep.stats.kv_cache_free_blocks if rep.stats else 0)
+                                   for rep in up], keys)
         rep.in_flight += 1
-        rep.index.expect(keys)
+        self.routing.routed(rep, keys)
         return rep
 
     # ---- messages from a replica ---------------------------------------------------------------------
@@ -361,13 +351,7 @@ class DPClient(EngineClient):
                 self._request_ended(rep, call.keys[index])
             call.stream._put(out)
         elif kind == "kv":
-            for event in args[0]:
-                if isinstance(event, BlockStored):
-                    rep.index.stored_blocks(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    rep.index.removed_blocks(event.block_hashes)
-                elif isinstance(event, AllBlocksCleared):
-                    rep.index.cleared()
+            self.routing.events(rep, hashed(args[0]))
         elif kind == "step":
             seconds, rep.stats = args
             self.on_step(seconds, rep.name)
@@ -395,7 +379,7 @@ class DPClient(EngineClient):
 
     def _request_ended(self, rep: _Replica, keys: tuple) -> None:
         rep.in_flight -= 1
-        rep.index.done(keys)
+        self.routing.ended(rep, keys)
 
     def _end_call(self, rep: _Replica, call_id: int) -> _Call:
         call = rep.calls.pop(call_id)
@@ -424,7 +408,7 @@ class DPClient(EngineClient):
         error = EngineUnavailable(f"engine replica {rep.rank} was lost while this request ran; it is restarting: retry")
         for call_id in list(rep.calls):
             self._fail_call(rep, call_id, error)
-        rep.index.reset()
+        self.routing.forget(rep)
         rep.in_flight = 0
         rep.stats = None
         self._end_process(rep)

@@ -161,6 +161,11 @@ def decode_batch(payload: bytes) -> list[tuple[str, list[int]]]:
     return out
 
 
+def hashed(events: list[KVEvent]) -> list[tuple[str, list[int]]]:
+    """Events as decode_batch reads them off the wire, without the wire: -> [(tag, block hashes)]."""
+    return [(type(e).__name__, [external_hash(k) for k in getattr(e, "block_hashes", ())]) for e in events]
+
+
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
     """vLLM's rule: replica r publishes on the endpoint's port + r (an inproc name gets "_dp{r}")."""
     if not endpoint or rank == 0:

@@ -42,9 +42,9 @@ from blockdiff.config import EngineConfig
 from blockdiff.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from blockdiff.engine.client import EngineClient, EngineStats, structured_specs
 from blockdiff.engine.core_process import Handshake, error_of, wire_error
-from blockdiff.engine.dp_client import FrontEnd, prompt_block_keys
-from blockdiff.engine.kv_events import decode_batch, external_hash
-from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
+from blockdiff.engine.dp_client import FrontEnd
+from blockdiff.engine.kv_events import decode_batch
+from blockdiff.engine.prefix_router import ReplicaRouting, default_imbalance, prompt_block_keys
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.server import build_app
 from blockdiff.hub import resolve_model
@@ -145,8 +145,8 @@ class PrefixAffinityRouter(RequestRouter):
     with a matching prefix may have and still be preferred."""
 
     def initialize_state(self, imbalance: int):
-        self._policy = PrefixRouter(imbalance)
-        self._events = _EventFollower()
+        self._routing = ReplicaRouting(imbalance)
+        self._events = _EventFollower(self._routing)
         self._expected: dict[str, tuple[str, tuple]] = {}  # internal request id -> (replica, block keys)
 
     def _keys(self, pending: PendingRequest | None, block_size: int | None, scope: str) -> tuple:
@@ -155,7 +155,7 @@ class PrefixAffinityRouter(RequestRouter):
         requests = pending.args[0]
         if not requests:
             return ()
-        return tuple(external_hash(k) for k in prompt_block_keys(requests[0], block_size, scope))
+        return prompt_block_keys(requests[0], block_size, scope)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -169,13 +169,14 @@ class PrefixAffinityRouter(RequestRouter):
             scope = stats.get("prefix_cache_scope", scope)
         keys = self._keys(pending_request, block_size, scope)
         lengths = self.replica_queue_len_cache
-        candidates = [Candidate(r, lengths.get(r.replica_id) or 0, (r.routing_stats or {}).get("free_blocks", 0),
-                                self._events.indexes.get(r.replica_id.unique_id)) for r in candidate_replicas]
-        chosen, _ = self._policy.choose(candidates, keys)
-        rest = [r for r in candidate_replicas if r is not chosen.name]
+        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        name = self._routing.choose([(n, lengths.get(r.replica_id) or 0, (r.routing_stats or {}).get("free_blocks", 0))
+                                     for n, r in by_name.items()], keys)
+        chosen = by_name[name]
+        rest = [r for r in candidate_replicas if r is not chosen]
         if pending_request is not None and keys:
-            self._expected[pending_request.metadata.internal_request_id] = (chosen.name.replica_id.unique_id, keys)
-        return [[chosen.name], rest] if rest else [[chosen.name]]
+            self._expected[pending_request.metadata.internal_request_id] = (name, keys)
+        return [[chosen], rest] if rest else [[chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         entry = self._expected.get(pending_request.metadata.internal_request_id)
@@ -183,12 +184,12 @@ class PrefixAffinityRouter(RequestRouter):
             return
         if entry[0] != replica_id.unique_id:  # Ray took another rank (the chosen one was full)
             entry = self._expected[pending_request.metadata.internal_request_id] = (replica_id.unique_id, entry[1])
-        self._events.index(entry[0]).expect(entry[1])
+        self._routing.routed(*entry)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         entry = self._expected.pop(internal_request_id, None)
         if entry is not None:
-            self._events.index(entry[0]).done(entry[1])
+            self._routing.ended(*entry)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -196,29 +197,25 @@ class PrefixAffinityRouter(RequestRouter):
 
 
 class _EventFollower:
-    """Keeps one PrefixIndex per replica from its KV events: a thread subscribes to each replica's
-    PUB socket, replays from sequence 0 what was published before it joined, and replays again
-    whenever a gap in the sequence numbers shows a batch was missed."""
+    """Feeds `routing` each replica's KV events: a thread subscribes to each replica's PUB socket,
+    replays from sequence 0 what was published before it joined, and replays again whenever a gap
+    in the sequence numbers shows a batch was missed."""
 
-    def __init__(self):
-        self.indexes: dict[str, PrefixIndex] = {}
+    def __init__(self, routing: ReplicaRouting):
+        self.routing = routing
         self._followed: set[str] = set()
         self._changes: queue.Queue = queue.Queue()
         threading.Thread(target=self._run, name="blockdiff-kv-follower", daemon=True).start()
-
-    def index(self, name: str) -> PrefixIndex:
-        return self.indexes.setdefault(name, PrefixIndex())
 
     def follow(self, name: str, stats: dict) -> None:
         if name in self._followed or "kv_events" not in stats:
             return
         self._followed.add(name)
-        self.index(name)
         self._changes.put(("follow", name, stats["kv_events"], stats.get("kv_replay"), stats.get("kv_topic", "")))
 
     def forget(self, name: str) -> None:
         self._followed.discard(name)
-        self.indexes.pop(name, None)
+        self.routing.forget(name)
         self._changes.put(("forget", name))
 
     def _run(self) -> None:
@@ -276,14 +273,7 @@ class _EventFollower:
             sock.close(linger=0)
 
     def _apply(self, state: list, payload: bytes) -> None:
-        index = self.index(state[0])
-        for kind, hashes in decode_batch(payload):
-            if kind == "BlockStored":
-                index.stored_blocks(hashes)
-            elif kind == "BlockRemoved":
-                index.removed_blocks(hashes)
-            elif kind == "AllBlocksCleared":
-                index.cleared()
+        self.routing.events(state[0], decode_batch(payload))
         state[1] += 1
 
 
