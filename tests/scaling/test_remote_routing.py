@@ -4,6 +4,8 @@ from a replica's process, and as Ray Serve's router reads them off a replica's Z
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import time
 
 import pytest
@@ -60,3 +62,18 @@ def test_a_prompt_goes_to_the_replica_whose_events_cached_it(served, transport):
     routing.events("home", TRANSPORTS[transport]([AllBlocksCleared()]))
     assert routing.index("home").match(keys) == 0
 
+
+def test_ray_serve_imports_nothing_of_the_engine_but_the_remote_clients_ray_transport():
+    """entrypoints/ray_serve.py declares the deployments; what they run lives in the engine behind
+    one module (read from its source: importing it needs Ray)."""
+    path = importlib.util.find_spec("blockdiff.entrypoints.ray_serve").origin
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    engine = {name for name in imported if name == "blockdiff.engine" or name.startswith("blockdiff.engine.")}
+    assert engine == {"blockdiff.engine.ray_transport"}
