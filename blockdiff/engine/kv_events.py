@@ -1,6 +1,7 @@
 """The KV cache's block events, and their publication on the wire that vLLM's KV-aware routers read
 (llm-d's precise prefix scorer, NVIDIA Dynamo, SGLang's router; Ray Serve here through
-entrypoints/ray_serve.py); the data-parallel front end (dp_client.py) routes by the same events.
+ray_transport.py); the data-parallel front end (dp_client.py) routes by the same events, which its
+replicas' processes hand it.
 
 The prefix cache (kv_cache_manager.py) records an event when a full block of committed tokens is
 registered under its key (`BlockStored`), when a cached block is evicted to hold something else
