@@ -1,13 +1,12 @@
-"""The front end of data parallelism: one `EngineClient` over `data_parallel_size` engine replicas,
-each a process of its own (core_process.py) with its own tensor-parallel group and devices, replica
-r on GPUs r x TP ... r x TP + TP - 1 (on the CPU, processes sharing the cores).
+"""The front end of data parallelism: the remote engine client (remote_client.py) over processes,
+`data_parallel_size` engine replicas each in a process of its own (core_process.py) with its own
+tensor-parallel group and devices, replica r on GPUs r x TP ... r x TP + TP - 1 (on the CPU,
+processes sharing the cores).
 
-The front end does what a server of one engine does before the engine: it resolves and prices
-requests (an InputProcessor built from the replicas' handshake, so that the server checks them as
-before) and keeps the tokenizer, the sampler and the image intake. Each engine request goes to the
-replica `PrefixRouter` chooses (prefix_router.py): the one whose KV events say it caches the longest
-prefix of the request's blocks, else the least loaded; the requests of one API call may go to
-several replicas, and their outputs come back as one stream.
+Each engine request goes to the replica `ReplicaRouting` chooses (prefix_router.py, the routing of
+Ray Serve's router too): the one whose KV events (sent by the replica's process before its step's
+outputs) say it caches the longest prefix of the request's blocks, else the least loaded; the
+requests of one API call may go to several replicas, and their outputs come back as one stream.
 
 A replica that dies (its socket closes) fails only the requests it was running, with
 EngineUnavailable ("retry"), and is started again, at most RESTART_TRIES times in a row, while the
@@ -28,52 +27,19 @@ from dataclasses import replace
 import torch
 
 from blockdiff.config import EngineConfig
-from blockdiff.diffusion.registry import make_sampler
 from blockdiff.engine.async_engine import RESTART_TRIES, EngineUnavailable, RequestStream
-from blockdiff.engine.block_allocator import block_keys, key_root
-from blockdiff.engine.client import EngineClient, EngineStats
+from blockdiff.engine.client import EngineStats
 from blockdiff.engine.core_process import ENTRY, Bootstrap, Handshake, encode_frame, error_of, read_frame, recv_frame, send_frame
-from blockdiff.engine.multimodal import MultiModalIntake
-from blockdiff.engine.input_processor import InputProcessor
-from blockdiff.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from blockdiff.engine.prefix_router import Candidate, PrefixIndex, PrefixRouter, default_imbalance
+from blockdiff.engine.kv_events import hashed
+from blockdiff.engine.prefix_router import ReplicaRouting, default_imbalance, prompt_block_keys
+from blockdiff.engine.remote_client import RemoteClient
 from blockdiff.inputs import EngineRequest
-from blockdiff.model.registry import load_config
 from blockdiff.parallel import processes
-from blockdiff.sampling_params import StructuredOutputsParams
-from blockdiff.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 10.0  # after ("stop",), how long a replica may take to exit before it is killed
 _KILL_WAIT_S = 5.0
-
-
-class FrontEnd:
-    """What a front end serves by without asking a replica (dp_client.DPClient; Ray Serve's ingress,
-    entrypoints/ray_serve.py): the replicas' limits and sampler defaults from their handshake, and
-    the tokenizer, sampler, image intake and parameter resolution built here from the engine config,
-    as the replicas built theirs."""
-
-    def __init__(self, cfg: EngineConfig, hs: Handshake, cache_tokens: int):
-        self.limits, self.defaults = hs.limits, hs.defaults
-        self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model, cfg.chat_template)
-        self.sampler = make_sampler(hs.sampler)
-        self.mm = MultiModalIntake.from_pretrained(cfg, load_config(cfg.model), self.tokenizer)
-        lim = self.limits
-        # Resolution and cost as the replicas do them; a replica checks the rest when it takes a request.
-        self.inputs = InputProcessor(self.tokenizer, self.sampler, self.defaults, hs.eos_token_ids, lim.vocab_size,
-                                     lim.canvas_length, lim.max_model_len, lim.max_denoising_steps, cache_tokens, cfg.seed,
-                                     self.mm)
-        self.block_size, self.prefix_caching = hs.stats.block_size, hs.stats.prefix_caching
-        self.prefix_cache_scope = hs.stats.prefix_cache_scope
-
-
-def prompt_block_keys(request: EngineRequest, block_size: int, scope: str) -> tuple:
-    """The keys of the request's full prompt blocks, as the engine will key them (under its
-    block_allocator.key_root, which `scope` chooses)."""
-    root = key_root(request.params.cache_salt, request.client, scope)
-    return tuple(block_keys(request.prompt.keyed(), block_size, root))
 
 
 def replica_device(cfg: EngineConfig, rank: int) -> str:
@@ -114,7 +80,6 @@ class _Replica:
         self.core_reason = ""
         self.stats: EngineStats | None = None
         self.calls: dict[int, _Call] = {}
-        self.index = PrefixIndex()
         self.in_flight = 0  # engine requests routed here that have not ended
 
     @property
@@ -127,8 +92,8 @@ class _Replica:
         self.writer.write(encode_frame(message))
 
 
-class DPClient(EngineClient):
-    """Starts the replicas (and waits until every one has built its engine) when constructed;
+class DPClient(RemoteClient):
+    """The process transport of the remote client: starts the replicas (and waits until every one has built its engine) when constructed;
     `start()` then serves on the running loop. `start_engine` builds a replica's engine in its own
     process (startup.start_engine, passed by reference); `env`: variables the replicas get on top of
     this process's environment."""
@@ -147,8 +112,6 @@ class DPClient(EngineClient):
         self._closed = False
         self._stopping = False
         self._tasks: set[asyncio.Task] = set()
-        self.on_step = lambda seconds, engine="0": None
-        self.on_finish = lambda finish_reason, prompt_tokens, generated_tokens, metrics, engine="0": None
         try:
             for rep in self.replicas:
                 self._spawn(rep)
@@ -164,13 +127,8 @@ class DPClient(EngineClient):
                 self.shutdown()
                 raise RuntimeError(f"replica {rep.rank} serves {hs.limits} with {hs.sampler}, replica 0 {first.limits} "
                                    f"with {first.sampler}: the replicas must be alike")
-        front = FrontEnd(cfg, first, min(hs.cache_tokens for hs in handshakes))
-        self.limits, self.defaults, self.tokenizer, self.sampler, self.mm = (
-            front.limits, front.defaults, front.tokenizer, front.sampler, front.mm)
-        self.inputs, self.block_size, self.prefix_caching = front.inputs, front.block_size, front.prefix_caching
-        self.prefix_cache_scope = front.prefix_cache_scope
-        lim = self.limits
-        self.router = PrefixRouter(default_imbalance(lim.max_num_seqs))
+        super().__init__(cfg, first, min(hs.cache_tokens for hs in handshakes))
+        self.routing = ReplicaRouting(default_imbalance(self.limits.max_num_seqs))
         log.info("data parallel: %d replicas (pids %s), each %s", len(self.replicas),
                  ", ".join(str(hs.pid) for hs in handshakes),
                  f"on {self.replicas[0].device}" if cfg.tensor_parallel_size == 1 else
@@ -242,11 +200,6 @@ class DPClient(EngineClient):
         rep.sock.setblocking(False)
         rep.reader, rep.writer = await asyncio.open_connection(sock=rep.sock)
         await self._read(rep)
-
-    async def prepare(self, spec: StructuredOutputsParams, client: str | None = None) -> None:
-        """Nothing here: the replica a request goes to builds its automaton, off its own loop, before
-        it queues the request (core_process), and a spec it cannot serve comes back as the call's
-        InvalidParam."""
 
     async def add(self, requests: list[EngineRequest]) -> RequestStream:
         if not self.available:
@@ -331,11 +284,10 @@ class DPClient(EngineClient):
         up = [rep for rep in self.replicas if rep.up]
         if not up:
             raise EngineUnavailable(self.unavailable_reason())
-        free = {rep: rep.stats.kv_cache_free_blocks if rep.stats else 0 for rep in up}
-        chosen, _ = self.router.choose([Candidate(rep, rep.in_flight, free[rep], rep.index) for rep in up], keys)
-        rep = chosen.name
+        rep = self.routing.choose([(rep, rep.in_flight, rep.stats.kv_cache_free_blocks if rep.stats else 0)
+                                   for rep in up], keys)
         rep.in_flight += 1
-        rep.index.expect(keys)
+        self.routing.routed(rep, keys)
         return rep
 
     # ---- messages from a replica ---------------------------------------------------------------------
@@ -361,13 +313,7 @@ class DPClient(EngineClient):
                 self._request_ended(rep, call.keys[index])
             call.stream._put(out)
         elif kind == "kv":
-            for event in args[0]:
-                if isinstance(event, BlockStored):
-                    rep.index.stored_blocks(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    rep.index.removed_blocks(event.block_hashes)
-                elif isinstance(event, AllBlocksCleared):
-                    rep.index.cleared()
+            self.routing.events(rep, hashed(args[0]))
         elif kind == "step":
             seconds, rep.stats = args
             self.on_step(seconds, rep.name)
@@ -395,7 +341,7 @@ class DPClient(EngineClient):
 
     def _request_ended(self, rep: _Replica, keys: tuple) -> None:
         rep.in_flight -= 1
-        rep.index.done(keys)
+        self.routing.ended(rep, keys)
 
     def _end_call(self, rep: _Replica, call_id: int) -> _Call:
         call = rep.calls.pop(call_id)
@@ -424,7 +370,7 @@ class DPClient(EngineClient):
         error = EngineUnavailable(f"engine replica {rep.rank} was lost while this request ran; it is restarting: retry")
         for call_id in list(rep.calls):
             self._fail_call(rep, call_id, error)
-        rep.index.reset()
+        self.routing.forget(rep)
         rep.in_flight = 0
         rep.stats = None
         self._end_process(rep)

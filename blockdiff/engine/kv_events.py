@@ -1,6 +1,7 @@
 """The KV cache's block events, and their publication on the wire that vLLM's KV-aware routers read
 (llm-d's precise prefix scorer, NVIDIA Dynamo, SGLang's router; Ray Serve here through
-entrypoints/ray_serve.py); the data-parallel front end (dp_client.py) routes by the same events.
+ray_transport.py); the data-parallel front end (dp_client.py) routes by the same events, which its
+replicas' processes hand it.
 
 The prefix cache (kv_cache_manager.py) records an event when a full block of committed tokens is
 registered under its key (`BlockStored`), when a cached block is evicted to hold something else
@@ -159,6 +160,11 @@ def decode_batch(payload: bytes) -> list[tuple[str, list[int]]]:
         else:
             out.append((event[0], event[1] if len(event) > 1 else []))
     return out
+
+
+def hashed(events: list[KVEvent]) -> list[tuple[str, list[int]]]:
+    """Events as decode_batch reads them off the wire, without the wire: -> [(tag, block hashes)]."""
+    return [(type(e).__name__, [external_hash(k) for k in getattr(e, "block_hashes", ())]) for e in events]
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:

@@ -1,6 +1,7 @@
 """Which replica a request goes to: the one that caches the longest prefix of it, else the least
-loaded. The data-parallel front end (dp_client.py) and the Ray Serve request router
-(entrypoints/ray_serve.py) route by it.
+loaded. `ReplicaRouting` is the routing of a remote engine client's replicas whatever carries the
+requests and the events (remote_client.py): the data-parallel front end over processes
+(dp_client.py) and the Ray Serve request router over Ray's handles route by it.
 
 Each replica's `PrefixIndex` holds the keys of the full blocks it reported stored and not removed
 since (its KV events, kv_events.py), plus the keys of the requests routed to it that have not ended:
@@ -21,8 +22,12 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+
+from blockdiff.engine.block_allocator import block_keys, key_root
+from blockdiff.engine.kv_events import external_hash
+from blockdiff.inputs import EngineRequest
 
 
 class PrefixIndex:
@@ -61,10 +66,6 @@ class PrefixIndex:
             n += 1
         return n
 
-    def reset(self) -> None:
-        self.stored.clear()
-        self.pending.clear()
-
 
 @dataclass
 class Candidate:
@@ -96,3 +97,51 @@ class PrefixRouter:
         chosen = min(pool, key=lambda c: (c.load, -c.free_blocks, self._last.get(c.name, 0)))
         self._last[chosen.name] = next(self._turns)
         return chosen, best
+
+
+def prompt_block_keys(request: EngineRequest, block_size: int, scope: str) -> tuple[int, ...]:
+    """The hashes of the request's full prompt blocks, as its replica publishes them in its KV events
+    (the engine's keys under its block_allocator.key_root, which `scope` chooses, read as
+    kv_events.external_hash)."""
+    root = key_root(request.params.cache_salt, request.client, scope)
+    return tuple(external_hash(k) for k in block_keys(request.prompt.keyed(), block_size, root))
+
+
+class ReplicaRouting:
+    """What a front end knows of its replicas' caches, and the policy that routes by it: one
+    PrefixIndex per replica, fed with the (tag, block hashes) of its KV events as they come (from
+    the replica's process, or off its ZMQ socket) and with the requests routed to it until they end."""
+
+    def __init__(self, imbalance: int):
+        self.policy = PrefixRouter(imbalance)
+        self.indexes: dict[Hashable, PrefixIndex] = {}
+
+    def index(self, name: Hashable) -> PrefixIndex:
+        return self.indexes.setdefault(name, PrefixIndex())
+
+    def events(self, name: Hashable, events: Iterable[tuple[str, Sequence[int]]]) -> None:
+        index = self.index(name)
+        for kind, hashes in events:
+            if kind == "BlockStored":
+                index.stored_blocks(hashes)
+            elif kind == "BlockRemoved":
+                index.removed_blocks(hashes)
+            elif kind == "AllBlocksCleared":
+                index.cleared()
+
+    def choose(self, replicas: Sequence[tuple[Hashable, int, int]], keys: Sequence[int]) -> Hashable:
+        """-> the replica for a request with these block hashes, of `replicas` as (name, requests in
+        progress, free KV blocks); a replica that reported no events yet counts as caching nothing."""
+        candidates = [Candidate(name, load, free, self.indexes.get(name)) for name, load, free in replicas]
+        return self.policy.choose(candidates, keys)[0].name
+
+    def routed(self, name: Hashable, keys: Sequence[int]) -> None:
+        """A request with these block hashes went to `name` (what Ray or the front end chose)."""
+        self.index(name).expect(keys)
+
+    def ended(self, name: Hashable, keys: Sequence[int]) -> None:
+        self.index(name).done(keys)
+
+    def forget(self, name: Hashable) -> None:
+        """`name` is gone (or restarts with an empty cache)."""
+        self.indexes.pop(name, None)
