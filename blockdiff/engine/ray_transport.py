@@ -177,8 +177,11 @@ class EventFollower:
         poller = zmq.Poller()
         followed: dict = {}  # SUB socket -> [name, next sequence, replay endpoint]
         while True:
+            # zmq's poll returns at once when it has no socket: with no replica followed, wait for one.
+            changes = [] if followed else [self._changes.get()]
             while not self._changes.empty():
-                change = self._changes.get()
+                changes.append(self._changes.get())
+            for change in changes:
                 if change[0] == "forget":
                     for sock in [s for s, f in followed.items() if f[0] == change[1]]:
                         poller.unregister(sock)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
+import os
+import threading
 import time
 
 import pytest
@@ -137,3 +139,25 @@ def test_ray_serve_imports_nothing_of_the_engine_but_the_remote_clients_ray_tran
             imported.update(alias.name for alias in node.names)
     engine = {name for name in imported if name == "blockdiff.engine" or name.startswith("blockdiff.engine.")}
     assert engine == {"blockdiff.engine.ray_transport"}
+
+
+def _follower_cpu_seconds() -> float:
+    """CPU time so far of this process's KV-event follower threads (Linux's per-thread counters)."""
+    ticks = 0
+    for t in threading.enumerate():
+        if t.name == "blockdiff-kv-follower" and t.native_id is not None:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="per-thread CPU time from Linux's /proc")
+def test_a_follower_without_replicas_waits_instead_of_spinning():
+    """Before it follows a replica (and after it forgot the last), the router's follower has no
+    socket to poll, and zmq's poll returns at once there: it waits for a replica instead."""
+    AffinityRanking(imbalance=2)
+    time.sleep(0.2)
+    before = _follower_cpu_seconds()
+    time.sleep(1.0)
+    assert _follower_cpu_seconds() - before < 0.2
