@@ -172,9 +172,10 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
 
 def transposed_layout(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Ops | None = None) -> bool:
     """Whether experts of `shape` on `where` keep each expert's [out, in] weight in memory as
-    [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies float32, and
-    bfloat16 on oneDNN, by such a weight up to a quarter faster than by the checkpoint's layout read
-    through a transposed view, with the same bits (docs/benchmarks.md). Where the CPU has no
+    [in, out] (the same tensor to every reader): torch's CPU grouped kernel multiplies float32 by such
+    a weight in 0.67-0.93x the time it takes through a transposed view of the checkpoint's layout,
+    with the same bits (docs/benchmarks.md, "CPU step costs"). bfloat16 on CPUs with bfloat16
+    kernels keeps this layout too, a choice made before and not measured for that dtype. Where the CPU has no
     bfloat16 kernels (BF16_WIDENED) torch's generic loops read that layout 6x slower (24 x 256 x 256:
     2.36 against 0.37 ms, EPYC Zen 3), so bfloat16 experts keep the checkpoint's. CUDA's grouped
     kernels and the CPU's batched products (torch.bmm, whose oneDNN kernel read that layout faster:

@@ -7,9 +7,9 @@ float32 arithmetic, like sgemm. Like sgemm it computes a row the same way wherev
 product whose row count is a multiple of 8, which keeps requests batch-invariant (see ROW_ALIGN in
 model/attention.py). bfloat16 `F.linear` already runs on oneDNN wherever torch has its bfloat16
 kernels (AVX512-BF16, AMX, or AVX-512 emulating them). Elsewhere (an x86 CPU without AVX-512) torch
-has no bfloat16 kernel: its products convert every element in generic loops at 1-4 GFLOP/s, 8-90x
-slower than float32's on the same operands (docs/benchmarks.md, "bfloat16 without bfloat16
-products"). There `linear` multiplies in float32, widening the weight a tile at a time in memory
+has no bfloat16 kernel: its products convert every element in generic loops at 1-4 GFLOP/s, 3-57x
+slower than multiplying the same operands in float32 (docs/benchmarks.md, "bfloat16 without
+bfloat16 products"). There `linear` multiplies in float32, widening the weight a tile at a time in memory
 order, and rounds the result to bfloat16 once (`widens`, `_float32_linear`).
 
 Given a plain weight, oneDNN reorders it into its blocked layout on every call; a parameter's
