@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from blockdiff.ops.cpu import BF16_CPU_FEATURES, cpu_features
+from blockdiff.step import AdapterPool
 
 _DTYPES = {
     "float32": torch.float32,
@@ -500,6 +501,12 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.num_layers_override is not None and self.load_format != "dummy":
             raise ValueError("num_layers_override needs load_format='dummy' (a checkpoint holds every layer's weights)")
+
+    def adapter_pool(self) -> AdapterPool | None:
+        """Each rank's pool of LoRA adapters (--enable-lora), or None."""
+        if not self.enable_lora:
+            return None
+        return AdapterPool(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
 
     def step_modes(self, device: str) -> tuple[bool | None, bool]:
         """(compile, cuda_graphs) on `device`; compile None: the device's default, where the model

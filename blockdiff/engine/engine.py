@@ -281,7 +281,7 @@ class LLMEngine:
             constraints=constraints,
             automata=automata,
             forget_automata=forget,
-            lora_loads=self.lora.take_loads() if self.lora is not None else {},
+            adapter_loads=self.lora.take_loads() if self.lora is not None else {},
         )
 
     def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:

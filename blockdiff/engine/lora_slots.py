@@ -5,7 +5,7 @@ A request naming an adapter is admitted only when its adapter holds a slot or a 
 an empty one, else the least recently used one that no running request uses; a request whose
 adapter finds no slot waits like one the cache cannot hold yet (engine/scheduler.py), it is not
 failed. A slot that takes a new adapter is written on every rank before the step that first uses it
-(`StepPlan.lora_loads`); each rank reads the adapter's files itself (its own shard of A and B) and
+(`StepPlan.adapter_loads`); each rank reads the adapter's files itself (its own shard of A and B) and
 keeps the `max_cpu_loras` most recently used read in host memory (model/lora.py AdapterCache). An
 adapter is its files as a request first found them (their fingerprint): files changed since are
 refused when a request names it, and a rank that reads them again checks them against it.

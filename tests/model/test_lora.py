@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import layer_kinds
 from blockdiff.model.loader import load_model
-from blockdiff.model.lora import AdapterCache, LoRABatch, LoRAError, enable_lora, lora_pools, put_adapter, read_adapter
+from blockdiff.model.lora import AdapterCache, LoRAError, lora_pools, put_adapter, read_adapter
+from blockdiff.model.lora_layers import LoRABatch, enable_lora
 from blockdiff.model.attention import Row
 
 peft = pytest.importorskip("peft")
@@ -82,30 +83,31 @@ def peft_model(base: str, adapter: str):
 
 
 class LoRAHarness(Harness):
-    """Harness whose tokens all use adapter slot `slot`."""
+    """Harness whose tokens all use adapter slot `slot`, set on the LoRA layers' mapping before each forward."""
 
     def __init__(self, model, slot: int):
         super().__init__(model)
         self.slot = slot
+        self.mapping = model.layers[0].attn.qkv_proj.mapping
 
     @torch.no_grad()
     def encode(self, ids):
         row = Row(0, self.length, len(ids), False, self.blocks)
         meta = build_metadata([row], self.geo, layer_kinds(self.model), DEVICE)
         ids_t = torch.tensor(ids + [0] * (meta.num_tokens - len(ids)), device=DEVICE)
-        self.model(ids_t, meta, self.kv, lora=self.batch(meta, len(ids)))
+        self.mapping.set(self.index(len(ids)), meta, experts=True)
+        self.model(ids_t, meta, self.kv)
         self.length += len(ids)
 
-    def batch(self, meta, n):
-        index = torch.full((meta.num_tokens,), -1, dtype=torch.long, device=DEVICE)
-        index[:n] = self.slot
-        return LoRABatch(index, meta.num_encoder_tokens, experts=True)
+    def index(self, n):
+        return torch.full((n,), self.slot, dtype=torch.long, device=DEVICE)
 
     @torch.no_grad()
     def decode(self, canvas, soft=None):
         meta = build_metadata([Row(0, self.length, len(canvas), True, self.blocks)], self.geo, layer_kinds(self.model), DEVICE)
         ids_t = torch.tensor(canvas + [0] * (meta.num_tokens - len(canvas)), device=DEVICE)
-        return self.model(ids_t, meta, self.kv, soft, lora=self.batch(meta, len(canvas)))
+        self.mapping.set(self.index(len(canvas)), meta, experts=True)
+        return self.model(ids_t, meta, self.kv, soft)
 
 
 def _tokens(n, vocab, seed):
@@ -203,7 +205,7 @@ def test_expert_deltas_alike_on_the_grouped_and_the_per_expert_products(tiny, tm
     mask = experts.lora_gate_up.mask(batch, source)
     assert mask.sum() == 8 * (batch.index[source] >= 0).sum()  # rank 8: each row with an adapter keeps 8 columns
     ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
-    grouped, per_expert = experts._grouped(xs, ends, mask), experts._per_expert(xs, sizes, mask)
+    grouped, per_expert = experts._grouped(xs, ends, experts.deltas(mask)), experts._per_expert(xs, sizes, experts.deltas(mask))
     assert torch.allclose(grouped, per_expert, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(grouped, experts._grouped(xs, ends), atol=1e-3)  # the deltas are there
 
@@ -409,7 +411,7 @@ def test_pool_holds_at_most_max_loras(tiny, adapters, tmp_path_factory):
                  for lo in reversed(loras)]
         batch = [o.outputs[0].token_ids for o in llm.generate([prompt] * 5, params, use_tqdm=False, lora_request=loras)]
         assert sum(b.numel() for m in pools for b in m.buffers()) == size
-        assert len(runner.lora.entries) <= 2
+        assert len(runner.lora.cache.entries) <= 2
         assert len(llm.engine.lora.held) == 2 and sum(llm.engine.lora.refs) == 0
     assert again[::-1] == first == batch
     assert len(set(map(tuple, first))) == len(first)
