@@ -421,7 +421,8 @@ def test_lora_flags_and_misuse(tiny, adapters):
     import argparse
 
     from blockdiff import LLM, LoRARequest
-    from blockdiff.arg_utils import add_engine_args, engine_config, lora_modules
+    from blockdiff.arg_utils import add_engine_args, engine_config
+    from blockdiff.engine.lora_request import lora_modules
 
     assert lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == [
         LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/y", "m")]
