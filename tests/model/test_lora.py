@@ -456,3 +456,36 @@ def test_an_adapter_of_another_model_is_refused_when_named(tiny, checkpoints, tm
         with pytest.raises(LoRAError, match="do not fit the model|layers"):
             llm.generate([[5, 6]], lora_request=LoRARequest("o", 1, path), use_tqdm=False)
         assert llm.generate([[5, 6]], use_tqdm=False)[0].outputs[0].token_ids  # the engine goes on
+
+
+def test_the_runner_swaps_in_the_lora_layers_only_with_lora(tiny, adapters):
+    """With --enable-lora the runner replaces every layer an adapter may target by its LoRA layer
+    (holding the base layer), and those are what runs: a step with an adapter runs every pool, a step
+    without runs none. Without --enable-lora the model keeps its plain layers."""
+    from blockdiff import LLM, SamplingParams
+    from blockdiff.model.lora_layers import LORA_LAYERS
+
+    twins = tuple(LORA_LAYERS.values())
+    params = SamplingParams(max_tokens=8, max_denoising_steps=STEPS, seed=2, ignore_eos=True)
+    prompt = _tokens(6, 301, 9)
+    with LLM(tiny, device="cpu") as llm:
+        model = llm.engine.executor.runner.model
+        assert not any(isinstance(m, twins) for m in model.modules())
+        plain = {name: type(m) for name, m in model.named_modules() if type(m) in LORA_LAYERS}
+    with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=8) as llm:
+        model = llm.engine.executor.runner.model
+        swapped = {name: m for name, m in model.named_modules() if isinstance(m, twins)}
+        targets = {f"layers.{i}.{p}" for i in range(len(model.layers))
+                   for p in ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "experts")}
+        assert set(swapped) == targets | {"self_conditioning.mlp.gate_up_proj", "self_conditioning.mlp.down_proj"}
+        for name, layer in swapped.items():
+            assert type(layer) is LORA_LAYERS[plain[name]] and type(layer.base_layer) is plain[name]
+        runs = []
+        pools = [p for m in swapped.values() for p in m.children() if not isinstance(p, tuple(LORA_LAYERS))]
+        for pool in pools:
+            pool.register_forward_hook(lambda module, args, out: runs.append(module))
+        llm.generate([prompt], params, use_tqdm=False, lora_request=_requests(adapters[:1])[0])
+        assert {id(p) for p in runs} == {id(p) for p in pools}  # adapters[0] targets the experts too
+        runs.clear()
+        llm.generate([prompt], params, use_tqdm=False)
+        assert not runs
