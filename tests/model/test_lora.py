@@ -345,7 +345,7 @@ def test_mixed_batch_is_each_request_alone(tiny, adapters):
         alone = [llm.generate([p], params, use_tqdm=False, lora_request=[lo])[0].outputs[0].token_ids
                  for p, lo in zip(prompts, loras)]
         assert len(set(map(tuple, alone))) == len(alone)  # every adapter gives other tokens
-        # the static step ran at every LoRA level (its shape key ends with RequestSlots.lora_level:
+        # the static step ran at every LoRA level (its shape key ends with StepAdapters.level:
         # 0 no adapter, 1 adapters, 2 one of them on the experts)
         levels = {key[-1] for key in llm.engine.executor.runner.canvas_steps.shapes}
         assert levels == {0, 1, 2}
