@@ -29,6 +29,7 @@ from blockdiff.engine.multimodal import MultiModalIntake
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.kv_events import KVEvent, make_publisher
+from blockdiff.engine.lora_request import LoRARequest
 from blockdiff.engine.lora_slots import LoRASlots
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
 from blockdiff.engine.request import Request
@@ -39,7 +40,6 @@ from blockdiff.inputs import EngineRequest
 from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
-from blockdiff.engine.lora_request import LoRARequest
 from blockdiff.sampling_params import SamplingParams, generation_defaults
 from blockdiff.step import ImageInputs, MinTokens, ScorePlan, StepPlan, StepRow, step_options
 from blockdiff.structured.compiler import StructuredOutputs

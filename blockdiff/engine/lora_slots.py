@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from blockdiff.engine.request import Request
-from blockdiff.model.lora import Fingerprint, LoRAError, check_fits, fingerprint, read_adapter
 from blockdiff.engine.lora_request import LoRARequest
+from blockdiff.model.lora import Fingerprint, LoRAError, check_fits, fingerprint, read_adapter
 
 
 class LoRASlots:
