@@ -489,3 +489,26 @@ def test_the_runner_swaps_in_the_lora_layers_only_with_lora(tiny, adapters):
         runs.clear()
         llm.generate([prompt], params, use_tqdm=False)
         assert not runs
+
+
+@pytest.mark.slow  # two engines and a dynamo trace of the static step: ~40 s on a 2-core machine
+def test_the_traced_step_runs_the_adapters_as_the_eager_one(tiny, adapters):
+    """The static step traced whole (fullgraph=True, dynamo's graph-only backend) sets the LoRA
+    layers' mapping inside the traced function: a batch of an adapter on the experts and the base
+    model gives the eager step's tokens."""
+    from blockdiff import LLM, SamplingParams
+    from blockdiff.worker.canvas_step import canvas_step
+
+    params = SamplingParams(max_tokens=16, max_denoising_steps=STEPS, seed=2, ignore_eos=True)
+    prompts, loras = [_tokens(7, 301, 5)] * 2, [_requests(adapters[:1])[0], None]
+    got, graphs = [], []
+    for traced in (False, True):
+        with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=8, compile=traced) as llm:
+            if traced:
+                def backend(gm, example_inputs):
+                    graphs.append(gm)
+                    return gm.forward
+
+                llm.engine.executor.runner.canvas_steps.fn = torch.compile(canvas_step, fullgraph=True, backend=backend)
+            got.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)])
+    assert graphs and got[0] == got[1] and got[0][0] != got[0][1]
