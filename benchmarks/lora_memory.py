@@ -51,7 +51,8 @@ def held(path: str) -> None:
     import torch
 
     from blockdiff.model.loader import load_model
-    from blockdiff.model.lora import enable_lora, lora_pools, read_adapter
+    from blockdiff.model.lora import lora_pools, read_adapter
+    from blockdiff.model.lora_layers import enable_lora
 
     model = load_model(DEMO, dtype=torch.float32, device="cpu")
     enable_lora(model, 1, 16)

@@ -1,7 +1,8 @@
 """blockdiff: an inference and serving engine for block-diffusion language models."""
 
 from blockdiff.outputs import CompletionOutput, Logprob, RequestOutput
-from blockdiff.sampling_params import LoRARequest, SamplingParams
+from blockdiff.engine.lora_request import LoRARequest
+from blockdiff.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "LoRARequest", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

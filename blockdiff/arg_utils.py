@@ -12,7 +12,7 @@ import os
 from blockdiff.config import EngineConfig, KVEventsConfig
 from blockdiff.diffusion.registry import SAMPLERS
 from blockdiff.hub import resolve_model, resolve_tokenizer
-from blockdiff.sampling_params import ENGINE_FIELDS, LoRARequest, SamplingParams
+from blockdiff.sampling_params import ENGINE_FIELDS, SamplingParams
 from blockdiff.vllm_options import ACCEPTED, REFUSED, diffusion_settings, warn_ignored
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
@@ -234,36 +234,13 @@ def _vllm_diffusion(args: argparse.Namespace) -> tuple[dict, dict]:
     return engine, sampler
 
 
-def lora_modules(values) -> list[LoRARequest]:
-    """vLLM's --lora-modules: each `name=path`, or JSON {"name", "path", "base_model_name"}; ids from 1."""
-    out = []
-    for i, text in enumerate(values or (), 1):
-        text = text.strip()
-        if text.startswith("{"):
-            try:
-                spec = json.loads(text)
-                name, path = spec["name"], spec["path"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"--lora-modules {text!r}: not a JSON object with name and path") from None
-            out.append(LoRARequest(name, i, path, spec.get("base_model_name")))
-        else:
-            name, eq, path = text.partition("=")
-            if not (name and eq and path):
-                raise ValueError(f"--lora-modules {text!r}: use name=path or JSON")
-            out.append(LoRARequest(name, i, path))
-    if len({lo.lora_name for lo in out}) != len(out):
-        raise ValueError("--lora-modules names an adapter twice")
-    return out
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     for name, _, _ in ACCEPTED:
         if getattr(args, name) not in (None, False):
             warn_ignored(name)
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata}
     flags.update(_vllm_diffusion(args)[0])
-    flags["allowed_media_domains"] = tuple(flags["allowed_media_domains"])
-    flags["lora_modules"] = tuple(flags["lora_modules"] or ())
+    flags.update({name: tuple(value) for name, value in flags.items() if isinstance(value, list)})  # nargs flags
     return EngineConfig(
         model=resolve_model(given_model(args), args.download_dir),
         tokenizer=None if args.tokenizer is None else resolve_tokenizer(args.tokenizer, args.download_dir),

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from blockdiff.ops.cpu import BF16_CPU_FEATURES, cpu_features
+from blockdiff.step import AdapterPool
 
 _DTYPES = {
     "float32": torch.float32,
@@ -430,6 +431,12 @@ class EngineConfig:
     max_lora_rank: int = flag(16, "largest LoRA rank served (each slot is sized for it)", minimum=1, group=_LORA)
     max_cpu_loras: int | None = flag(None, "LoRA adapters kept read in host memory (default: --max-loras)", minimum=1,
                                      group=_LORA)
+    # The server's runtime loading (POST /v1/load_lora_adapter)
+    lora_modules_dir: str | None = flag(None, "with --enable-lora: POST /v1/load_lora_adapter may load adapter "
+                                              "directories under DIR (and only there); without it runtime loading is "
+                                              "off", metavar="DIR", group=_LORA)
+    max_runtime_loras: int = flag(64, "LoRA adapters loaded at runtime at once; more are refused until one is "
+                                      "unloaded (each is listed in /v1/models)", minimum=1, group=_LORA)
     allowed_media_domains: tuple[str, ...] = flag(
         (), "hosts whose http(s) image URLs may be fetched (default: none; data: URLs always work)", metavar="DOMAIN",
         group=_IMAGES)
@@ -494,12 +501,20 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if self.lora_modules_dir is not None and not self.enable_lora:
+            raise ValueError("--lora-modules-dir needs --enable-lora")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {self.kv_cache_dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.num_layers_override is not None and self.load_format != "dummy":
             raise ValueError("num_layers_override needs load_format='dummy' (a checkpoint holds every layer's weights)")
+
+    def adapter_pool(self) -> AdapterPool | None:
+        """Each rank's pool of LoRA adapters (--enable-lora), or None."""
+        if not self.enable_lora:
+            return None
+        return AdapterPool(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
 
     def step_modes(self, device: str) -> tuple[bool | None, bool]:
         """(compile, cuda_graphs) on `device`; compile None: the device's default, where the model

@@ -9,9 +9,10 @@ It is plain data: it crosses to a data-parallel replica or a Ray Serve replica p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from blockdiff.multimodal import MultiModalItem, Placeholder
-from blockdiff.sampling_params import LoRARequest, ResolvedParams
+from blockdiff.sampling_params import ResolvedParams
 
 
 @dataclass
@@ -31,11 +32,23 @@ class PromptInputs:
         return ids
 
 
+class Adapter(Protocol):
+    """Weights a request runs with besides the base model's (the engine's adapter slots know the kind)."""
+
+    @property
+    def key(self) -> tuple:
+        """Who it is: its kind, then what tells it apart (requests of equal keys share cached prefixes)."""
+        ...
+
+    @property
+    def name(self) -> str: ...
+
+
 @dataclass
 class EngineRequest:
     prompt: PromptInputs
     params: ResolvedParams  # resolved for this prompt's length by the engine's sampler, at the edge
     text: str | None = None  # the prompt as text, when it came as text (what outputs report as `prompt`)
-    lora: LoRARequest | None = None  # its LoRA adapter (--enable-lora); None: the base model
+    adapter: Adapter | None = None  # the adapter it runs with; None: the base model
     client: str | None = None  # whose share of the slots it counts against (a client address); None: nobody's
     priority: int = 0  # requests are served first come, first served: the edge takes only 0

@@ -8,11 +8,12 @@ from functools import partial
 
 from blockdiff.config import EngineConfig
 from blockdiff.chat_parts import MediaPolicy, fetch_url, split_chat_media
+from blockdiff.engine.lora_request import LoRARequest
 from blockdiff.engine.sync_client import SyncClient
 from blockdiff.hub import resolve_model, resolve_tokenizer
 from blockdiff.inputs import EngineRequest
 from blockdiff.outputs import RequestOutput
-from blockdiff.sampling_params import LoRARequest, SamplingParams
+from blockdiff.sampling_params import SamplingParams
 from blockdiff.engine.startup import start_client, start_engine
 from blockdiff.vllm_options import engine_keywords
 

@@ -144,28 +144,6 @@ class StructuredOutputsParams:
         return json.dumps({k: v for k, v in self.__dict__.items() if v not in (None, (), False)}, sort_keys=True)
 
 
-@dataclass(frozen=True)
-class LoRARequest:
-    """vLLM's LoRARequest: a LoRA adapter in PEFT's format (a directory with adapter_config.json and
-    adapter_model.safetensors) that a request runs with (docs/lora.md)."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str = ""
-    base_model_name: str | None = None
-
-    def __post_init__(self):
-        if not self.lora_path:
-            raise ValueError("LoRARequest needs lora_path, the adapter's directory")
-        if self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be > 0, got {self.lora_int_id}")
-
-    @property
-    def key(self) -> tuple:
-        """Who the adapter is: requests of equal keys share a device slot and cached prefixes."""
-        return (self.lora_name, self.lora_int_id, self.lora_path)
-
-
 @dataclass
 class SamplingParams:
     """Sampling parameters of one request; the engine's sampler fills the unset fields of its table

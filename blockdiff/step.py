@@ -163,13 +163,14 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
-class LoRAConfig:
-    """--enable-lora's pool (docs/lora.md): `max_loras` adapter slots on each rank's device, adapters
-    of rank up to `max_lora_rank`, the `max_cpu_loras` most recently used kept read in host memory."""
+class AdapterPool:
+    """The per-request adapters' pool of each rank (EngineConfig.adapter_pool): `slots` adapter slots
+    on its device, adapters of rank up to `max_rank`, the `host_cache` most recently used kept read
+    in host memory."""
 
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 1
+    slots: int
+    max_rank: int
+    host_cache: int
 
 
 @dataclass
@@ -252,7 +253,7 @@ class NewRequests:
     steps: list[int]
     canvases: list[int]
     per_canvas: list[dict[str, int | float]]
-    # With --enable-lora: each one's adapter slot in the LoRA pool (-1: none); None: none has one
+    # With adapters enabled: each one's adapter slot in the pool (-1: none); None: none has one
     adapters: list[int] | None = None
     # Each one's penalties and logit bias (None: it has none); None: none of them has any
     penalties: list[Penalties | None] | None = None
@@ -283,10 +284,10 @@ class StepPlan:
     new_canvas_steps: list[int] = field(default_factory=list)
     new_canvas_index: list[int] = field(default_factory=list)
     steps: int = 1  # denoising steps run back to back (only where every row is a canvas: the static step)
-    # With --enable-lora: adapters to write into LoRA pool slots before the step (slot -> the
+    # With adapters enabled: adapters to write into pool slots before the step (slot -> the
     # adapter's directory and the fingerprint its files must have), sent once when the engine gives
     # the slot a new adapter.
-    lora_loads: dict[int, tuple] = field(default_factory=dict)
+    adapter_loads: dict[int, tuple] = field(default_factory=dict)
 
 
 @dataclass

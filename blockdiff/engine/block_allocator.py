@@ -44,14 +44,14 @@ def block_keys(tokens: list[int | bytes], block_size: int, parent: BlockKey = b"
     return out
 
 
-def key_root(cache_salt: str | None, client: str | None, scope: str, lora: tuple | None = None) -> BlockKey:
+def key_root(cache_salt: str | None, client: str | None, scope: str, adapter: tuple | None = None) -> BlockKey:
     """The key a request's first block chains from: the digest of its cache_salt, else of its
     client's identity when the cache is kept per client (scope "client"), else none. A prefix is
     found only under the same root, so cached_tokens tells one tenant nothing of another's prompts.
-    `lora`: the request's adapter (LoRARequest.key), whose K/V differ from the base model's: its
-    own root over the rest."""
-    if lora is not None:
-        return hashlib.sha256(b"lora\0" + "\0".join(map(str, lora)).encode() + b"\0"
+    `adapter`: the request's adapter's key (inputs.py Adapter: its kind first), whose K/V differ
+    from the base model's: its own root over the rest."""
+    if adapter is not None:
+        return hashlib.sha256("\0".join(map(str, adapter)).encode() + b"\0"
                               + key_root(cache_salt, client, scope)).digest()
     if cache_salt is not None:
         return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()

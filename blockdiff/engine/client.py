@@ -55,10 +55,10 @@ class EngineStats:
     prefix_caching: bool
     kv_cache_free_blocks: int  # full-attention blocks that can be handed out (cached ones among them)
     prefix_cache_scope: str  # whose requests share cached prefixes (block_allocator.key_root)
-    # --enable-lora: the adapters of running and of waiting requests, and the device's adapter slots (0: no LoRA)
-    running_loras: tuple[str, ...] = ()
-    waiting_loras: tuple[str, ...] = ()
-    max_loras: int = 0
+    # the adapters (their names) of running and of waiting requests, and the device's adapter slots (0: none)
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    adapter_slots: int = 0
 
     @staticmethod
     def total(stats: list[EngineStats]) -> EngineStats:
@@ -70,8 +70,8 @@ class EngineStats:
             used / max(1, blocks), blocks, sum(s.prefix_cache_queries for s in stats),
             sum(s.prefix_cache_hits for s in stats), sum(s.num_preemptions for s in stats),
             stats[0].block_size, stats[0].prefix_caching, sum(s.kv_cache_free_blocks for s in stats),
-            stats[0].prefix_cache_scope, tuple(sorted({n for s in stats for n in s.running_loras})),
-            tuple(sorted({n for s in stats for n in s.waiting_loras})), max(s.max_loras for s in stats))
+            stats[0].prefix_cache_scope, tuple(sorted({n for s in stats for n in s.running_adapters})),
+            tuple(sorted({n for s in stats for n in s.waiting_adapters})), max(s.adapter_slots for s in stats))
 
 
 class EngineStream(abc.ABC, AsyncIterator[tuple[int, RequestOutput]]):

@@ -29,6 +29,7 @@ from blockdiff.engine.multimodal import MultiModalIntake
 from blockdiff.engine.input_processor import InputProcessor
 from blockdiff.engine.kv_cache_manager import KVCacheManager
 from blockdiff.engine.kv_events import KVEvent, make_publisher
+from blockdiff.engine.lora_request import LoRARequest
 from blockdiff.engine.lora_slots import LoRASlots
 from blockdiff.engine.output_processor import fail, make_output, update_from_output
 from blockdiff.engine.request import Request
@@ -39,7 +40,7 @@ from blockdiff.inputs import EngineRequest
 from blockdiff.model.registry import default_sampler, load_config
 from blockdiff.outputs import RequestOutput
 from blockdiff.parallel.ranks import WorkerError
-from blockdiff.sampling_params import LoRARequest, SamplingParams, generation_defaults
+from blockdiff.sampling_params import SamplingParams, generation_defaults
 from blockdiff.step import ImageInputs, MinTokens, ScorePlan, StepPlan, StepRow, step_options
 from blockdiff.structured.compiler import StructuredOutputs
 from blockdiff.tokenizer import Tokenizer
@@ -82,7 +83,7 @@ class LLMEngine:
                                  self.model_config.window_past(self.max_model_len), cfg.prefix_cache_scope)
         self.scheduler = Scheduler(cache.num_slots, self.kv, cfg.max_prefill_tokens, cfg.preempt_after_canvases)
         self.lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank, self.model_config.arch) if cfg.enable_lora else None
-        self.scheduler.lora = self.lora
+        self.scheduler.adapters = self.lora
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             self.tokenizer, self.vocab_size, timeout=cfg.structured_outputs_timeout, memory=cfg.structured_outputs_memory,
             builds=cfg.structured_outputs_builds)
@@ -128,11 +129,11 @@ class LLMEngine:
 
     def add(self, request: EngineRequest, request_id: str | None = None) -> Request:
         """Queue an engine request made at the edge; a LoRAError where its adapter cannot be served."""
-        if request.lora is not None:
+        if request.adapter is not None:
             if self.lora is None:
-                raise ValueError(f"request names the LoRA adapter {request.lora.lora_name!r}, but LoRA is not "
+                raise ValueError(f"request names the LoRA adapter {request.adapter.name!r}, but LoRA is not "
                                  "enabled (--enable-lora)")
-            self.lora.check(request.lora)
+            self.lora.check(request.adapter)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -281,7 +282,7 @@ class LLMEngine:
             constraints=constraints,
             automata=automata,
             forget_automata=forget,
-            lora_loads=self.lora.take_loads() if self.lora is not None else {},
+            adapter_loads=self.lora.take_loads() if self.lora is not None else {},
         )
 
     def _steps_per_launch(self, sched: SchedulerOutput, min_tokens: bool) -> int:
@@ -324,8 +325,8 @@ class LLMEngine:
         """(running adapters, waiting adapters, adapter slots) for vllm:lora_requests_info."""
         if self.lora is None:
             return (), (), 0
-        running = sorted({r.lora.lora_name for r in self.scheduler.running if r.lora is not None})
-        waiting = sorted({r.lora.lora_name for r in self.scheduler.waiting if r.lora is not None})
+        running = sorted({r.adapter.name for r in self.scheduler.running if r.adapter is not None})
+        waiting = sorted({r.adapter.name for r in self.scheduler.waiting if r.adapter is not None})
         return tuple(running), tuple(waiting), len(self.lora.held)
 
     @property

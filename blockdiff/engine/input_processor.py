@@ -12,8 +12,8 @@ from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
 from blockdiff.engine.multimodal import MultiModalIntake, split_prompt
 from blockdiff.engine.request import Request
-from blockdiff.inputs import EngineRequest, PromptInputs
-from blockdiff.sampling_params import InvalidParam, LoRARequest, ResolvedParams, SamplingParams
+from blockdiff.inputs import Adapter, EngineRequest, PromptInputs
+from blockdiff.sampling_params import InvalidParam, ResolvedParams, SamplingParams
 from blockdiff.structured.compiler import OutputConstraint, StructuredOutputs, check_ends, tokens_needed
 from blockdiff.structured.lengths import check_room
 from blockdiff.structured.restrictions import VocabularyRules
@@ -54,7 +54,7 @@ class InputProcessor:
             raise ValueError(f"invalid sampler flags (over the checkpoint's generation_config.json): {e}") from None
 
     def request(self, prompt: str | list[int] | dict | PromptInputs, params: SamplingParams | None = None,
-                lora: LoRARequest | None = None, client: str | None = None) -> EngineRequest:
+                adapter: Adapter | None = None, client: str | None = None) -> EngineRequest:
         """The engine request of a prompt as vLLM takes it (text, token ids, or {"prompt" /
         "prompt_token_ids", "multi_modal_data": {"image": ..., "video": ...}} with PIL images, encoded
         bytes or file paths, one per placeholder; or PromptInputs, expanded already) and the user's
@@ -64,7 +64,7 @@ class InputProcessor:
             text, inputs = None, prompt
         else:
             text, inputs = self._prompt(*split_prompt(prompt))
-        return EngineRequest(inputs, self.resolve(params, len(inputs.token_ids)), text, lora, client)
+        return EngineRequest(inputs, self.resolve(params, len(inputs.token_ids)), text, adapter, client)
 
     def process(self, request_id: str, request: EngineRequest) -> Request:
         """`request`, made at the edge, checked against this engine, seeded, and its Request built;
@@ -112,7 +112,7 @@ class InputProcessor:
                                         params.skip_special_tokens, params.min_tokens, params.include_stop_str_in_output)
         constraint = self._constraint(params, stops)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, request.text, ids, params, self.canvas_length, seed, output, lora=request.lora,
+        req = Request(request_id, request.text, ids, params, self.canvas_length, seed, output, adapter=request.adapter,
                       placeholders=list(prompt.placeholders), client=request.client, constraint=constraint)
         if req.max_cached_tokens > self.cache_tokens:
             raise ValueError(f"request needs {req.max_cached_tokens} cached tokens, more than the whole KV cache "

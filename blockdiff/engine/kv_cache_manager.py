@@ -31,7 +31,7 @@ class KVCacheManager:
 
     def _root(self, req: Request) -> bytes:
         if req.key_root is None:  # its client is known once it is added
-            req.key_root = key_root(req.params.cache_salt, req.client, self.scope, None if req.lora is None else req.lora.key)
+            req.key_root = key_root(req.params.cache_salt, req.client, self.scope, None if req.adapter is None else req.adapter.key)
         return req.key_root
 
     def _hit(self, req: Request) -> tuple[int, list[int], list[int], list[bytes]]:

@@ -5,7 +5,7 @@ A request naming an adapter is admitted only when its adapter holds a slot or a 
 an empty one, else the least recently used one that no running request uses; a request whose
 adapter finds no slot waits like one the cache cannot hold yet (engine/scheduler.py), it is not
 failed. A slot that takes a new adapter is written on every rank before the step that first uses it
-(`StepPlan.lora_loads`); each rank reads the adapter's files itself (its own shard of A and B) and
+(`StepPlan.adapter_loads`); each rank reads the adapter's files itself (its own shard of A and B) and
 keeps the `max_cpu_loras` most recently used read in host memory (model/lora.py AdapterCache). An
 adapter is its files as a request first found them (their fingerprint): files changed since are
 refused when a request names it, and a rank that reads them again checks them against it.
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from blockdiff.engine.request import Request
+from blockdiff.engine.lora_request import LoRARequest
 from blockdiff.model.lora import Fingerprint, LoRAError, check_fits, fingerprint, read_adapter
-from blockdiff.sampling_params import LoRARequest
 
 
 class LoRASlots:
@@ -53,29 +53,29 @@ class LoRASlots:
 
     def available(self, req: Request) -> bool:
         """Whether `req` can be admitted as far as its adapter goes."""
-        return req.lora is None or req.lora.key in self.held or 0 in self.refs
+        return req.adapter is None or req.adapter.key in self.held or 0 in self.refs
 
     def acquire(self, req: Request) -> None:
         """`req` (admitted) takes its adapter's slot, the adapter loaded there if it is not yet."""
-        if req.lora is None:
-            req.lora_slot = -1
+        if req.adapter is None:
+            req.adapter_slot = -1
             return
-        key = req.lora.key
+        key = req.adapter.key
         if key in self.held:
             slot = self.held.index(key)
         else:
             slot = next(s for s in self.recent if self.refs[s] == 0 and self.held[s] is None) if None in self.held \
                 else next(s for s in self.recent if self.refs[s] == 0)
             self.held[slot] = key
-            self.pending[slot] = (req.lora.lora_path, self.identities[key])
+            self.pending[slot] = (req.adapter.lora_path, self.identities[key])
         self.refs[slot] += 1
         self.recent.move_to_end(slot)
-        req.lora_slot = slot
+        req.adapter_slot = slot
 
     def release(self, req: Request) -> None:
-        if req.lora_slot >= 0:
-            self.refs[req.lora_slot] -= 1
-            req.lora_slot = -1
+        if req.adapter_slot >= 0:
+            self.refs[req.adapter_slot] -= 1
+            req.adapter_slot = -1
 
     def take_loads(self) -> dict[int, tuple[str, Fingerprint]]:
         loads, self.pending = self.pending, {}

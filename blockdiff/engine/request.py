@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from blockdiff.engine.detokenizer import IncrementalDetokenizer
+from blockdiff.inputs import Adapter
 from blockdiff.multimodal import Placeholder
 from blockdiff.outputs import TokenLogprob
-from blockdiff.sampling_params import LoRARequest, SamplingParams
+from blockdiff.sampling_params import SamplingParams
 from blockdiff.step import Penalties
 from blockdiff.structured.compiler import OutputConstraint
 
@@ -110,8 +111,8 @@ class Request:
     # Keys of the full blocks of prompt + output, for prefix lookups while the request waits; its
     # tokens only grow, so they stay valid until num_tokens changes.
     prefix_keys: list = field(default_factory=list)
-    lora: LoRARequest | None = None  # its LoRA adapter (--enable-lora); None: the base model
-    lora_slot: int = -1  # the workers' LoRA pool slot its adapter holds while it is admitted (engine/lora_slots.py)
+    adapter: Adapter | None = None  # the adapter it runs with; None: the base model
+    adapter_slot: int = -1  # the workers' pool slot its adapter holds while it is admitted (Scheduler.adapters)
     key_root: bytes | None = None  # the parent key of its first block: whom it shares cached K/V with (kv_cache_manager.py)
     num_cached: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

@@ -74,7 +74,9 @@ class Scheduler:
         self.running: list[Request] = []  # in order of admission
         self.num_preemptions = 0
         self.num_steps = 0  # steps scheduled: when each canvas last ran (Request.denoised_at)
-        self.lora = None  # --enable-lora: the adapters' device slots (engine/lora_slots.py LoRASlots), a resource like the slots
+        # the adapters' device slots, a resource like the slots (set by the engine where adapters are enabled):
+        # available(request), acquire(request) as it is admitted, release(request) as it leaves
+        self.adapters = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -96,8 +98,8 @@ class Scheduler:
         self.kv.cached(request)
 
     def _free(self, request: Request) -> None:
-        if self.lora is not None:
-            self.lora.release(request)
+        if self.adapters is not None:
+            self.adapters.release(request)
         self.free_slots.append(request.slot)
         self.kv.free(request)
 
@@ -210,7 +212,7 @@ class Scheduler:
             req = self._head(running, deferred)
             if req is None:
                 break
-            if self.lora is not None and not self.lora.available(req):  # it waits for an adapter slot
+            if self.adapters is not None and not self.adapters.available(req):  # it waits for an adapter slot
                 break
             if self.kv.computing(req, self.running):
                 deferred.add(req)
@@ -220,8 +222,8 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             req.admit(self.free_slots.pop(), hit)
-            if self.lora is not None:
-                self.lora.acquire(req)
+            if self.adapters is not None:
+                self.adapters.acquire(req)
             self.running.append(req)
             running[req.client] += req.share
             if req.state == State.DENOISE:  # everything was cached

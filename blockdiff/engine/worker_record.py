@@ -54,7 +54,7 @@ class WorkerRecord:
             full += [(req.slot, i, b) for i, b in enumerate(req.blocks[sent_full:], sent_full)]
             sliding += [(req.slot, i, b) for i, b in enumerate(req.sliding_blocks[sent_sliding:], sent_sliding)]
             self._slots[req.slot] = (req, admission, len(req.blocks), len(req.sliding_blocks))
-        adapters = [r.lora_slot for r in taken]
+        adapters = [r.adapter_slot for r in taken]
         penalties = [r.penalties() for r in taken]
         new = NewRequests([r.slot for r in taken], [r.num_cached for r in taken], [r.seed for r in taken],
                           [r.steps_left for r in taken], [r.metrics.canvases for r in taken],

@@ -106,12 +106,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vLLM's: serve GET /tokenizer_info, the tokenizer's configuration and chat template, from "
                         "which tools such as lm-eval's local-completions tokenize through the server (off by "
                         "default: it shows the chat template)")
-    p.add_argument("--lora-modules-dir", default=None, metavar="DIR",
-                   help="with --enable-lora: POST /v1/load_lora_adapter may load adapter directories under DIR "
-                        "(and only there); without it runtime loading is off")
-    p.add_argument("--max-runtime-loras", type=at_least(1), default=ServerConfig.max_runtime_loras,
-                   help="LoRA adapters loaded at runtime at once; more are refused until one is unloaded "
-                        "(default %(default)s)")
     show_first(p, "main flags", ["--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--dtype",
                                  "--tensor-parallel-size", "--max-num-seqs"])
     p.set_defaults(func=run)
@@ -156,8 +150,6 @@ def run(args: argparse.Namespace) -> int:
         strict_request_fields=args.strict_request_fields,
         trust_request_chat_template=args.trust_request_chat_template,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-        lora_modules_dir=args.lora_modules_dir,
-        max_runtime_loras=args.max_runtime_loras,
     )
     engine = dataclasses.replace(engine_config(args), sampling_defaults=sampling_overrides(args))
     if engine.kv_events_config is not None:  # KV events carry every client's token ids: on the server's address,

@@ -8,7 +8,7 @@ from blockdiff.config import EngineConfig, ModelConfig
 from blockdiff.diffusion.registry import make_sampler
 from blockdiff.model.loader import load_model
 from blockdiff.parallel.group import TPGroup
-from blockdiff.step import CacheConfig, LoRAConfig, StepOutput, StepPlan
+from blockdiff.step import CacheConfig, StepOutput, StepPlan
 from blockdiff.worker.kv_cache import size_cache
 from blockdiff.worker.model_runner import ModelRunner, RunnerSettings
 
@@ -16,10 +16,10 @@ from blockdiff.worker.model_runner import ModelRunner, RunnerSettings
 def runner_settings(cfg: EngineConfig, device: str) -> RunnerSettings:
     """What the workers' ModelRunner takes of the engine's configuration on `device`."""
     compile, cuda_graphs = cfg.step_modes(device)
-    lora = LoRAConfig(cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras) if cfg.enable_lora else None
     return RunnerSettings(tune_cpu_heap=cfg.tune_cpu_heap, sampler_memory_gb=cfg.sampler_memory_gb, compile=compile,
                           cuda_graphs=cuda_graphs, steps_per_launch=cfg.steps_per_launch(device),
-                          attention_backend=cfg.attention_backend, logprobs_mode=cfg.logprobs_mode, lora=lora)
+                          attention_backend=cfg.attention_backend, logprobs_mode=cfg.logprobs_mode,
+                          adapters=cfg.adapter_pool())
 
 
 class LocalExecutor:

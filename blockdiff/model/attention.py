@@ -92,14 +92,12 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", _scale_buffer(), persistent=False)
         self.calculate_scales = False
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor],
-                lora=None) -> torch.Tensor:
-        """lora: the forward's adapters (model/lora.py LoRABatch) or None."""
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         kind = meta.kind(self.spec.sliding)
         n = x.shape[0]
         # q, k and v are normalised per head: one rms over all the heads of the projection (the
         # same bits per head), k's also giving v where the layer has no v_proj.
-        unit = unit_rms(self.qkv_proj(x, lora).view(n, -1, self.head_dim), self.q_norm.eps)
+        unit = unit_rms(self.qkv_proj(x).view(n, -1, self.head_dim), self.q_norm.eps)
         h, kv = self.local_heads, self.local_kv_heads
         q = self.q_norm.scaled(unit[:, :h], x.dtype)
         k = self.k_norm.scaled(unit[:, h : h + kv], x.dtype)
@@ -112,7 +110,7 @@ class Attention(nn.Module):
         if meta.num_encoder_tokens and scales is not None and self.calculate_scales:
             self._calculate_scales(k[: meta.num_encoder_tokens], v[: meta.num_encoder_tokens])
         kind.write(k, v, cache, scales)  # first: an encoder row's queries read their own keys from the cache
-        return self.o_proj(kind.attend(q, k, v, cache, scales), lora)
+        return self.o_proj(kind.attend(q, k, v, cache, scales))
 
     def _calculate_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The scales from this prefill's K/V, then fixed. Each rank holds only its own KV heads: the

@@ -19,7 +19,6 @@ from blockdiff.model.attention import ROW_ALIGN, Attention, AttentionMetadata
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.interface import LayerCacheSpec
 from blockdiff.model.layers import RMSNorm, Rotary, unit_rms
-from blockdiff.model.lora import LoRABatch
 from blockdiff.model.moe import GatedMLP, Router, make_experts
 from blockdiff.model.vision import VisionEncoder
 from blockdiff.parallel.group import TPGroup
@@ -61,18 +60,17 @@ class Block(nn.Module):
         self.encoder_scalar = nn.Parameter(torch.ones(1, dtype=dtype), requires_grad=False)
         self.decoder_scalar = nn.Parameter(torch.ones(1, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor],
-                lora: LoRABatch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         residual = x
-        x = self.post_attention_layernorm(self.attn(self.input_layernorm(x), meta, cache, lora))
+        x = self.post_attention_layernorm(self.attn(self.input_layernorm(x), meta, cache))
         x = residual + x
 
         residual = x
         # The MLP's, the experts' and the router's norms all normalise x: its rms is taken once.
         unit = unit_rms(x, self.pre_feedforward_layernorm.eps)
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm.scaled(unit, x.dtype), lora))
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm.scaled(unit, x.dtype)))
         weights, index = self.router.route(self.router.norm.scaled(unit, x.dtype))
-        experts = self.experts(self.pre_feedforward_layernorm_2.scaled(unit, x.dtype), weights, index, lora)
+        experts = self.experts(self.pre_feedforward_layernorm_2.scaled(unit, x.dtype), weights, index)
         moe = self.post_feedforward_layernorm_2(experts)
         x = residual + self.post_feedforward_layernorm(dense + moe)
 
@@ -96,11 +94,11 @@ class SelfConditioning(nn.Module):
         )
         self.post_norm = RMSNorm(h, config.rms_norm_eps, with_scale=False)
 
-    def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None, lora: LoRABatch | None = None) -> torch.Tensor:
-        # Without a previous step the reference feeds zeros, whose MLP output is exactly zero (a
-        # LoRA delta of zeros too).
+    def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        # Without a previous step the reference feeds zeros, whose MLP output is exactly zero (an
+        # adapter's delta of zeros too).
         if soft is not None:
-            embeds = embeds + self.mlp(self.pre_norm(soft), lora)
+            embeds = embeds + self.mlp(self.pre_norm(soft))
         return self.post_norm(embeds)
 
 
@@ -160,16 +158,14 @@ class DiffusionGemma(nn.Module):
         soft_embeds: torch.Tensor | None = None,
         images: ImageInputs | None = None,
         logits_out: torch.Tensor | None = None,
-        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """input_ids [meta.num_tokens] packed [encoder | decoder | padding]; soft_embeds
         [decoder tokens, hidden] or None; images: the soft tokens that replace image placeholders.
 
         Returns float32 soft-capped logits of the decoder tokens over this rank's vocabulary rows,
-        written into `logits_out` ([decoder tokens, local vocab] float32) where given. lora: the
-        tokens' adapters (model/lora.py; None: none, or a model without --enable-lora).
+        written into `logits_out` ([decoder tokens, local vocab] float32) where given.
         """
-        hidden = self.backbone(input_ids, meta, cache, soft_embeds, images, lora)
+        hidden = self.backbone(input_ids, meta, cache, soft_embeds, images)
         ne = meta.num_encoder_tokens
         return self.logits(self.norm(hidden[ne : ne + meta.num_decoder_tokens]), logits_out)
 
@@ -180,23 +176,19 @@ class DiffusionGemma(nn.Module):
         cache: list[tuple[torch.Tensor, torch.Tensor]],
         soft_embeds: torch.Tensor | None = None,
         images: ImageInputs | None = None,
-        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Last-layer hidden states of every token, before the final norm."""
         x = self.embed(input_ids)
-        if lora is not None:  # every LoRA layer reads one mask of the tokens' slots
-            lora = lora.with_mask(self.lora_slots, self.lora_rank, x.dtype)
         if images is not None:
             x[images.token_index] = self.vision.soft_tokens(images).to(x.dtype)
         ne, nd = meta.num_encoder_tokens, meta.num_decoder_tokens
         if nd:
-            sc_lora = None if lora is None else lora.rows(ne, ne + nd)
-            x[ne : ne + nd] = self.self_conditioning(x[ne : ne + nd], soft_embeds, sc_lora)
+            x[ne : ne + nd] = self.self_conditioning(x[ne : ne + nd], soft_embeds)
         for key, rotary in self.rotary.items():
             kind = meta.kind(key == "sliding")
             kind.cos, kind.sin = rotary.cos_sin(meta.positions, x.dtype)
         for layer, layer_cache in zip(self.layers, cache):
-            x = layer(x, meta, layer_cache, lora)
+            x = layer(x, meta, layer_cache)
         return x
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

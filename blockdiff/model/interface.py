@@ -29,6 +29,19 @@ class LayerCacheSpec:
     head_dim: int
 
 
+class StepAdapters(Protocol):
+    """A model's per-request adapters, where its layers were replaced by adapter-capable ones: which
+    adapter slot each request slot runs with (`table` [slots + 1], -1: none), how a step's rows use
+    them (`level`: 0 none, 1 some, 2 on the experts too), and the mapping that the runner sets
+    before each forward (`set`: each token's adapter slot, or None for none)."""
+
+    table: torch.Tensor
+
+    def level(self, rows) -> int: ...
+
+    def set(self, index: torch.Tensor | None, meta: AttentionMetadata, experts: bool = False) -> None: ...
+
+
 class BlockDiffusionModel(Protocol):
     config: ModelConfig
     dtype: torch.dtype
@@ -41,11 +54,10 @@ class BlockDiffusionModel(Protocol):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: list[tuple[torch.Tensor, torch.Tensor]],
                 soft_embeds: torch.Tensor | None = None, images: ImageInputs | None = None,
-                logits_out: torch.Tensor | None = None, lora=None) -> torch.Tensor:
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """Packed [encoder | decoder | padding] ids -> float32 logits of the decoder tokens over this
         rank's vocabulary rows (in `logits_out` where given); encoder rows append their K/V to
-        `cache`. `images`: soft tokens that replace image placeholders among the encoder tokens.
-        `lora`: the tokens' LoRA adapters (model/lora.py LoRABatch), or None."""
+        `cache`. `images`: soft tokens that replace image placeholders among the encoder tokens."""
         ...
 
     def static_shapes(self, device: torch.device) -> bool:

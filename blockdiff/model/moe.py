@@ -8,6 +8,8 @@ loaded whatever the router does; docs/tp.md has the measurements.
 
 from __future__ import annotations
 
+from typing import Callable, Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,6 @@ from blockdiff.ops.kernels import (
 )
 from blockdiff.model.attention import ROW_ALIGN
 from blockdiff.model.layers import RMSNorm, activation
-from blockdiff.model.lora import LoRABatch
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_shape, copy_into
 from blockdiff.parallel.quantization.base import (
@@ -48,10 +49,19 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, group, dtype, linear_method(quant, f"{prefix}.down_proj"))
         self.act = activation(act)
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """lora: the tokens' adapters (model/lora.py LoRABatch) or None."""
-        gate, up = self.gate_up_proj(x, lora).split(self.local, dim=-1)
-        return self.down_proj(self.act(gate) * up, lora)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class RowDeltas(Protocol):
+    """Additions to the experts' two products over the sorted expert rows of one forward (an
+    adapter layer that wraps the experts gives them: `Experts.run`). `product(x, weight)` is the
+    experts' own (grouped or per-expert) product of rows by [E, out, in] weights."""
+
+    def gate_up(self, xs: torch.Tensor, product: Callable) -> torch.Tensor: ...
+
+    def down(self, act: torch.Tensor, product: Callable) -> torch.Tensor: ...
 
 
 class Router(nn.Module):
@@ -149,12 +159,17 @@ class Experts(nn.Module):
     def grouped(self, x: torch.Tensor) -> bool:
         return self.kernel(x) != PER_EXPERT
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.run(x, weights, index)
+
+    def run(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
+            deltas: Callable[[torch.Tensor], RowDeltas] | None = None) -> torch.Tensor:
         """Tokens are sorted by expert into one buffer where each expert's rows start on a multiple
         of ROW_ALIGN, with no padding to the busiest expert's load. The buffer has a fixed size (the
         pairs plus every expert's worst alignment gap) and the offsets stay on the device, so the
         grouped path has static shapes and no host sync; the per-expert path reads the row counts.
-        lora: the tokens' adapters, applied where they target the experts (model/lora.py)."""
+        deltas: given the buffer's rows' tokens, what to add to the two products (an adapter layer
+        wrapping the experts: they then run the grouped or per-expert products)."""
         n, k = index.shape
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
@@ -165,9 +180,7 @@ class Experts(nn.Module):
         if self.hidden_in != self.hidden:  # zero columns for the padded weights (blockdiff/ops/kernels.py)
             x = F.pad(x, (0, self.hidden_in - self.hidden))
         kernel = self.kernel(x)
-        expert_lora = lora is not None and lora.experts and "lora_gate_up" in self._modules
-        # adapters on the experts: the grouped products, where their LoRA pools are
-        batched = self._batched(x, ranked, counts, token) if kernel == BATCHED and not expert_lora else None
+        batched = self._batched(x, ranked, counts, token) if kernel == BATCHED and deltas is None else None
         if batched is not None:
             y, dest = batched
         else:
@@ -180,11 +193,11 @@ class Experts(nn.Module):
             # arithmetic per element, ~5x slower on CPU); gap rows repeat token 0 and are dropped.
             source = torch.zeros(capacity, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
             xs = x.index_select(0, source)
-            mask = self.lora_gate_up.mask(lora, source) if expert_lora else None
+            added = None if deltas is None else deltas(source)
             if kernel != PER_EXPERT:
-                y = self._grouped(xs, ends.to(torch.int32), mask)
+                y = self._grouped(xs, ends.to(torch.int32), added)
             else:
-                y = self._per_expert(xs, rows.tolist(), mask)
+                y = self._per_expert(xs, rows.tolist(), added)
         y = (y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]).to(x.dtype)
         out = combine_top_k(y, order, n, k)
         if self.reduce:
@@ -211,29 +224,28 @@ class Experts(nn.Module):
         source = torch.zeros(e * cap, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
         return self._mlp(x.index_select(0, source), ExpertRows(experts=e)), dest
 
-    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor, deltas: RowDeltas | None = None) -> torch.Tensor:
         """Both products of every expert as one grouped call each (groups end at `ends`, int32)."""
-        return self._mlp(xs, ExpertRows(ends=ends), mask)
+        return self._mlp(xs, ExpertRows(ends=ends), deltas)
 
-    def _per_expert(self, xs: torch.Tensor, sizes: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Two products per busy expert over its own rows (the first sum(sizes) rows of xs)."""
-        total = sum(sizes)
-        return self._mlp(xs[:total], ExpertRows(sizes=sizes), None if mask is None else mask[:total])
+    def _per_expert(self, xs: torch.Tensor, sizes: list[int], deltas: RowDeltas | None = None) -> torch.Tensor:
+        """Two products per busy expert over its own rows (the first sum(sizes) rows of xs; the
+        deltas read as many of their rows)."""
+        return self._mlp(xs[: sum(sizes)], ExpertRows(sizes=sizes), deltas)
 
-    def _mlp(self, xs: torch.Tensor, rows: ExpertRows, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _mlp(self, xs: torch.Tensor, rows: ExpertRows, deltas: RowDeltas | None = None) -> torch.Tensor:
         """down(act(gate(xs)) * up(xs)) of the rows, laid out as `rows` says, by the quantization
-        method, with the LoRA pools' deltas where `mask` (the rows' adapter columns) is given (LoRA
-        pools exist on unquantized experts only: model/lora.py enable_lora)."""
+        method, plus `deltas` where given."""
         def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return expert_linear(x, weight, rows)
 
         hidden = self.method.apply(self, "gate_up", xs, rows)
-        if mask is not None:
-            hidden = hidden + self.lora_gate_up(xs, mask, product)
+        if deltas is not None:
+            hidden = hidden + deltas.gate_up(xs, product)
         gate, up = hidden.split(self.local, dim=-1)
         act = self.act(gate) * up
         out = self.method.apply(self, "down", act, rows)
-        return out if mask is None else out + self.lora_down(act, mask, product)
+        return out if deltas is None else out + deltas.down(act, product)
 
 
 def make_experts(config: GemmaConfig, group: TPGroup, dtype: torch.dtype, prefix: str) -> Experts:

@@ -103,13 +103,8 @@ class ColumnParallelLinear(nn.Module):
         check_shape(name, source, (global_rows, self.in_features))
         copy_into(param.data[off : off + local], source[start : start + local])
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """lora: the forward's adapters (model/lora.py LoRABatch), added where this layer has a pool."""
-        y = self.method.apply(self, x)
-        pool = self._modules.get("lora")  # a LoRA pool (model/lora.py enable_lora): only with --enable-lora
-        if lora is not None and pool is not None:
-            y = y + pool(x, lora)
-        return y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
 
 
 class RowParallelLinear(nn.Module):
@@ -139,13 +134,16 @@ class RowParallelLinear(nn.Module):
         start = self.group.rank * self.local_in
         copy_into(param.data, source[:, start : start + self.local_in])
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """lora: as ColumnParallelLinear's; the delta of this rank's A slice joins the partial
-        product before the one all-reduce."""
-        y = self.method.apply(self, x)
-        pool = self._modules.get("lora")  # a LoRA pool (model/lora.py enable_lora): only with --enable-lora
-        if lora is not None and pool is not None:
-            y = y + pool(x, lora)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduced(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product (its slice of the input features)."""
+        return self.method.apply(self, x)
+
+    def reduced(self, y: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of the partial products `y` (in place): a layer that wraps this one
+        adds its own partial terms to `partial`'s before this one all-reduce."""
         if self.reduce:
             self.group.all_reduce(y)
         return y

@@ -19,8 +19,7 @@ import torch
 from blockdiff.diffusion.strategy import DiffusionSampler, SlotState, StepParams
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel
 from blockdiff.model.attention import CacheGeometry, Row, canvas_metadata
-from blockdiff.model.interface import BlockDiffusionModel
-from blockdiff.model.lora import LoRABatch
+from blockdiff.model.interface import BlockDiffusionModel, StepAdapters
 from blockdiff.worker.penalties import SlotPenalties
 from blockdiff.worker.request_slots import RequestSlots
 
@@ -73,8 +72,8 @@ def canvas_step(
     inputs: CanvasInputs,
     steps: int = 1,
     logits: torch.Tensor | None = None,
-    adapters: torch.Tensor | None = None,
-    lora_experts: bool = False,
+    adapters: StepAdapters | None = None,
+    adapter_level: int = 0,
     penalties: SlotPenalties | None = None,
 ) -> CanvasOutputs:
     """`steps` denoising steps of every canvas in `inputs`, back to back; reads `state`, `kv`, the
@@ -82,8 +81,8 @@ def canvas_step(
     [slots + 1] (cached lengths) and `slot_params` (the sampler's [slots + 1] rows, with the step's
     options), writes none of them. `logits`: a float32 buffer of at least [canvases * CL, local
     vocab] that the model writes the logits into (the outputs' `dist` then views it), or None for
-    fresh ones. `adapters`: the slots' LoRA adapter slots [slots + 1] (--enable-lora), else None, and
-    `lora_experts` whether one of them targets the experts. `penalties`: the slots' penalties and
+    fresh ones. `adapters`: the model's adapters where its layers take them, whose mapping is set
+    here at `adapter_level` (StepAdapters.level) from the slots' adapters. `penalties`: the slots' penalties and
     logit biases where one of the canvases has some, else None. A canvas
     that finishes at one of the steps keeps its state and its results from that step on (the later
     steps still compute it, masked), so its results are those of one step at a time."""
@@ -94,9 +93,9 @@ def canvas_step(
     first = slot_params.select(inputs.slots)
     work = state.rows(inputs.slots)  # the canvases' state through the steps
     here = torch.arange(rows, device=inputs.slots.device)
-    lora = None
     if adapters is not None:  # every token of a canvas takes its slot's adapter
-        lora = adapters.index_select(0, inputs.slots).unsqueeze(1).expand(rows, cl).reshape(-1)
+        index = adapters.table.index_select(0, inputs.slots).unsqueeze(1).expand(rows, cl).reshape(-1)
+        adapters.set(index if adapter_level else None, meta, adapter_level == 2)
     out = None
     for i in range(steps):
         params = first if i == 0 else first.later(i)
@@ -105,8 +104,8 @@ def canvas_step(
             # forward, its logits [canvases, CL, local vocab] are freed before this step's are made,
             # and a launch holds one step's logits at a time, not two.
             out.dist = None
-        out = _then(out, forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits, lora=lora,
-                                      lora_experts=lora_experts, penalties=penalties, penalty_slots=inputs.slots)[1])
+        out = _then(out, forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits,
+                                      penalties=penalties, penalty_slots=inputs.slots)[1])
         work.put(here, out.updates)
     return out
 
@@ -132,7 +131,7 @@ def _where(keep: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Te
 def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, meta, state: SlotState,
                  slots: torch.Tensor, params: StepParams | None, prefix: torch.Tensor | None = None, scored: int = 0,
                  images=None, logits_out: torch.Tensor | None = None,
-                 lora: torch.Tensor | None = None, lora_experts: bool = False, penalties: SlotPenalties | None = None,
+                 penalties: SlotPenalties | None = None,
                  penalty_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, CanvasOutputs | None]:
     """The one step function, eager and static alike: a forward over [prefix: encoder tokens, then
     `scored` decoder tokens | the canvases of `slots`], then the sampler. -> (the scored tokens' logits,
@@ -146,13 +145,7 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
             soft = torch.cat((soft.new_zeros(scored, soft.shape[-1]), soft))
     if meta.num_tokens > ids.shape[0]:  # rows aligned for batch invariance (model/attention.py)
         ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
-    batch = None
-    if lora is not None:
-        if meta.num_tokens > lora.shape[0]:
-            lora = torch.cat((lora, lora.new_full((meta.num_tokens - lora.shape[0],), -1)))
-        batch = LoRABatch(lora, meta.num_encoder_tokens, lora_experts)
-    logits = model(ids, meta, kv, soft, images, logits_out=None if logits_out is None else logits_out[: scored + rows * cl],
-                   lora=batch)
+    logits = model(ids, meta, kv, soft, images, logits_out=None if logits_out is None else logits_out[: scored + rows * cl])
     if rows == 0:
         return logits[:scored], None
     canvases = logits[scored:].view(rows, cl, -1)
@@ -214,23 +207,25 @@ class CanvasSteps:
     def __init__(self, model: BlockDiffusionModel, sampler: DiffusionSampler, vocab: VocabParallel,
                  kv: list[tuple[torch.Tensor, torch.Tensor]], geometry: CacheGeometry, tables: dict[bool, torch.Tensor],
                  state: SlotState, requests: RequestSlots, device: torch.device, compile: bool, cuda_graphs: bool,
-                 steps_per_launch: int = 1, penalties: SlotPenalties | None = None):
+                 steps_per_launch: int = 1, penalties: SlotPenalties | None = None,
+                 adapters: StepAdapters | None = None):
         """tables: the rank's block tables (BlockTables.tables), and requests its per-slot positions
         and sampler parameters, read where they are at every step.
         steps_per_launch: the most steps one launch runs (EngineConfig.num_scheduler_steps): each
         shape has a graph for each number of steps up to it. penalties: the rank's per-slot
-        penalties and logit biases (worker/penalties.py): a step with some has graphs of its own."""
+        penalties and logit biases (worker/penalties.py): a step with some has graphs of its own.
+        adapters: the model's per-request adapters, where its layers take them (None: none)."""
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables = model, sampler, vocab, kv, geometry, tables
         self.state, self.requests, self.device, self.penalties = state, requests, device, penalties
-        self.lora = getattr(model, "lora_slots", 0) > 0  # --enable-lora: the model has LoRA pools
+        self.adapters = adapters
         self.fn = torch.compile(canvas_step, **COMPILE_OPTIONS) if compile else canvas_step
         # dynamo's recompile limit (8 by default) raised to the shapes this engine can meet, for
         # these calls only; a shape beyond them would be a bug and still fails.
         context = max(k.shape[0] for k, _ in kv) if kv else 0
         self.limits = dict(recompile_limit=steps_per_launch * shape_count(state.scratch, context, geometry.block_size)
-                           * (3 if self.lora else 1)  # LoRA: steps with none, with adapters, on the experts too
+                           * (3 if adapters is not None else 1)  # steps with no adapter, with some, on the experts too
                            * (2 if penalties is not None else 1))  # with and without penalties
         self.limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit,
                                                          2 * self.limits["recompile_limit"])
@@ -252,32 +247,32 @@ class CanvasSteps:
         size = bucket(len(rows))
         host = host_inputs(rows, size, self.state.scratch)
         # the options (e.g. restrict: top-k/p, min-p), the steps per launch and whether a canvas has a
-        # LoRA adapter: a graph each
-        lora = self.requests.lora_level(rows) if self.lora else 0
+        # adapter (StepAdapters.level): a graph each
+        level = self.adapters.level(rows) if self.adapters is not None else 0
         penalized = self.penalties is not None and self.penalties.of([r.slot for r in rows]) is not None
-        key = (size, context, tuple(options.items()), steps, penalized) + ((lora,) if self.lora else ())
+        key = (size, context, tuple(options.items()), steps, penalized) + ((level,) if self.adapters is not None else ())
         if key not in self.shapes:
             self.shapes[key] = (allocate_inputs(host, self.device), None, None)
         inputs, graph, outputs = self.shapes[key]
         copy_inputs(inputs, host)
         if self.pool is None:
             with torch._dynamo.config.patch(**self.limits):
-                return inputs, self.fn(*self.step_args(context, inputs, options, steps, lora, penalized))
+                return inputs, self.fn(*self.step_args(context, inputs, options, steps, level, penalized))
         if graph is None:
             with torch._dynamo.config.patch(**self.limits):
-                graph, outputs = self._capture(self.step_args(context, inputs, options, steps, lora, penalized))
+                graph, outputs = self._capture(self.step_args(context, inputs, options, steps, level, penalized))
             self.shapes[key] = (inputs, graph, outputs)
         graph.replay()
         return inputs, outputs
 
-    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1, lora: int = 0,
+    def step_args(self, context: int, inputs: CanvasInputs, options: dict, steps: int = 1, level: int = 0,
                   penalized: bool = False) -> tuple:
         """canvas_step's arguments for `steps` steps of `inputs` reading `context` prefix positions,
-        with the sampler's step `options`, with the slots' LoRA adapters at `lora`'s level
-        (RequestSlots.lora_level), and with their penalties where `penalized`."""
+        with the sampler's step `options`, with the slots' adapters at `level` (StepAdapters.level),
+        and with their penalties where `penalized`."""
         return (self.model, self.sampler, self.vocab, self.kv, self.geometry, self.tables, context, self.state,
                 self.requests.starts, self.requests.params.with_options(options), inputs, steps, self.logits,
-                self.requests.adapters if lora else None, lora == 2, self.penalties if penalized else None)
+                self.adapters, level, self.penalties if penalized else None)
 
     def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, CanvasOutputs]:
         # Compiled and warmed up on a side stream first (the step writes nothing, so running it is harmless).

@@ -29,8 +29,8 @@ from blockdiff.ops.kernels import step_modes, target
 from blockdiff.model.attention import build_metadata, calculate_kv_scales
 from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
-from blockdiff.model.lora import AdapterCache, LoRAError, enable_lora, put_adapter
-from blockdiff.step import CacheConfig, LoRAConfig, MinTokens, ScorePlan, StepOutput, StepPlan
+from blockdiff.model.lora_worker import WorkerLoRA
+from blockdiff.step import AdapterPool, CacheConfig, MinTokens, ScorePlan, StepOutput, StepPlan
 from blockdiff.worker.block_tables import BlockTables
 from blockdiff.worker.canvas_step import CanvasOutputs, CanvasSteps, all_canvases, forward_step
 from blockdiff.worker.cpu_heap import keep_freed_memory
@@ -52,14 +52,14 @@ class RunnerSettings:
     steps_per_launch: int = 1  # denoising steps a steady-state step may run back to back (static step)
     attention_backend: str | None = None  # a name of model/attention_backends; None / "auto": the device's
     logprobs_mode: str = LOGPROBS_MODES[0]  # what committed tokens' logprobs report (VocabParallel.reported)
-    lora: LoRAConfig | None = None  # --enable-lora's pool of adapter slots (model/lora.py); None: no LoRA
+    adapters: AdapterPool | None = None  # --enable-lora's pool of adapter slots (model/lora_worker.py); None: no LoRA
 
 
 class ModelRunner:
     def __init__(self, model: BlockDiffusionModel, cache: CacheConfig, device: torch.device | str,
                  sampler: DiffusionSampler, settings: RunnerSettings = RunnerSettings()):
         """sampler: how canvases are denoised (diffusion/registry.py). LoRA slots are filled by
-        plans (StepPlan.lora_loads) and named by requests (NewRequests.adapters)."""
+        plans (StepPlan.adapter_loads) and named by requests (NewRequests.adapters)."""
         self.model = model
         self.sampler = sampler
         self.device = torch.device(device)
@@ -71,11 +71,9 @@ class ModelRunner:
         if settings.tune_cpu_heap and self.device.type == "cpu":  # in every process that runs a model, each rank's included
             keep_freed_memory()
         self.cache_config = cache
-        self.lora = None
-        lora = settings.lora
-        if lora is not None:
-            enable_lora(model, lora.max_loras, lora.max_lora_rank)
-            self.lora = AdapterCache(lora.max_cpu_loras, lora.max_lora_rank)
+        pool = settings.adapters  # with LoRA, the model's adapter-capable layers are replaced here
+        self.lora = None if pool is None else WorkerLoRA(model, pool.slots, pool.max_rank, pool.host_cache,
+                                                          cache.num_slots + 1, self.device)
         self.kv = allocate(model, cache, self.device)
         if cache.calculate_kv_scales and cache.kv_cache_dtype != "auto":
             calculate_kv_scales(model)
@@ -100,20 +98,15 @@ class ModelRunner:
         if modes.compile or modes.cuda_graphs or self.steps_per_launch > 1:
             self.canvas_steps = CanvasSteps(model, sampler, self.vocab, self.kv, self.geometry, self.tables.tables,
                                             self.state, self.requests, self.device, modes.compile, modes.cuda_graphs,
-                                            self.steps_per_launch, self.penalties)
+                                            self.steps_per_launch, self.penalties, self.lora)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:
         self.tables.apply(plan.tables)
-        for slot, (path, fingerprint) in plan.lora_loads.items():
-            try:
-                adapter = self.lora.get(path, fingerprint)
-                put_adapter(self.model, slot, adapter)
-            except LoRAError:  # left empty: no request runs on the slot's old weights (the engine forgets it)
-                put_adapter(self.model, slot, None)
-                self.requests.expert_adapters.discard(slot)
-                raise
-            (self.requests.expert_adapters.add if adapter.experts else self.requests.expert_adapters.discard)(slot)
+        if self.lora is not None:
+            self.lora.load(plan.adapter_loads)
+            if plan.new_requests is not None:
+                self.lora.admit(plan.new_requests.slots, plan.new_requests.adapters)
         self.requests.admit(plan.new_requests)
         self.penalties.admit(plan.new_requests)
         rows = self.requests.rows(plan.rows)
@@ -144,13 +137,10 @@ class ModelRunner:
             meta = build_metadata(rows, self.geometry, self.kinds, self.device, self.tables.tables)
             params = self.requests.step_params(slots, plan.denoise) if dec_rows else None
             images = None if plan.images is None else plan.images.to(self.device)
-            lora, level = None, 0  # a step whose rows have no adapter runs as without --enable-lora
-            if self.lora is not None:
-                level = self.requests.lora_level(plan.rows)
-                if level:
-                    lora = self.requests.token_adapters(plan.rows, meta.num_tokens)
+            if self.lora is not None:  # one mapping per step, on every LoRA layer
+                self.lora.set_rows(plan.rows, meta)
             score_logits, out = forward_step(self.model, self.sampler, self.vocab, self.kv, meta, self.state, slots,
-                                             params, ids, scored_tokens, images, lora=lora, lora_experts=level == 2,
+                                             params, ids, scored_tokens, images,
                                              penalties=self.penalties.of([r.slot for r in dec_rows]))
             if plan.score is not None:
                 score = self._score(score_logits, plan.score)

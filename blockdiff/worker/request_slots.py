@@ -28,10 +28,6 @@ class RequestSlots:
         self.positions = [0] * rows  # host: the rows' starts
         self.starts = torch.zeros(rows, dtype=torch.long, device=device)  # the same on the device
         self.params = sampler.params_table(rows, device)
-        # each slot's LoRA adapter slot (-1: none), read per token where the model has a LoRA pool
-        self.adapters = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.adapters_host = [-1] * rows  # the same on the host: a step whose rows have none skips LoRA
-        self.expert_adapters: set[int] = set()  # the adapter slots whose adapter targets the experts
 
     def admit(self, new: NewRequests | None) -> None:
         if new is None:
@@ -41,28 +37,11 @@ class RequestSlots:
             self.positions[slot] = position
         self.starts.index_copy_(0, slots, torch.tensor(new.positions, dtype=torch.long, device=self.device))
         self.params.put(slots, self.sampler.step_params(new.steps, new.per_canvas, new.seeds, new.canvases))
-        adapters = new.adapters if new.adapters is not None else [-1] * len(new.slots)
-        for slot, adapter in zip(new.slots, adapters):
-            self.adapters_host[slot] = adapter
-        self.adapters.index_copy_(0, slots, torch.tensor(adapters, dtype=torch.long, device=self.device))
 
     def rows(self, plan_rows: list[StepRow]) -> list[Row]:
         """The attention rows of a plan's rows, at their slots' positions (before the step)."""
         return [Row(r.slot, self.positions[r.slot], r.length, r.decoder, bidirectional=r.bidirectional)
                 for r in plan_rows]
-
-    def lora_level(self, rows) -> int:
-        """How the rows (of a plan, or attention Rows) run LoRA: 0 no row has an adapter, 1 some
-        have, 2 one of them targets the experts too (whose pools then run)."""
-        held = {self.adapters_host[r.slot] for r in rows} - {-1}
-        return 0 if not held else 2 if held & self.expert_adapters else 1
-
-    def token_adapters(self, plan_rows: list[StepRow], tokens: int) -> torch.Tensor:
-        """[tokens] each packed token's adapter slot (rows in order, then -1 padding)."""
-        # from the host's copy: one upload, no device read (a repeat by device lengths would sync)
-        adapters = torch.tensor([self.adapters_host[r.slot] for r in plan_rows], dtype=torch.long)
-        index = adapters.repeat_interleave(torch.tensor([r.length for r in plan_rows], dtype=torch.long))
-        return torch.cat((index, index.new_full((tokens - index.shape[0],), -1))).to(self.device)
 
     def advance(self, plan_rows: list[StepRow]) -> None:
         """The encoder rows' tokens are in the cache now."""

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from blockdiff.model.attention import build_metadata
 from blockdiff.model.interface import layer_kinds
 from blockdiff.model.loader import load_model
-from blockdiff.model.lora import AdapterCache, LoRABatch, LoRAError, enable_lora, lora_pools, put_adapter, read_adapter
+from blockdiff.model.lora import AdapterCache, LoRAError, lora_pools, put_adapter, read_adapter
+from blockdiff.model.lora_layers import LoRABatch, enable_lora
 from blockdiff.model.attention import Row
 
 peft = pytest.importorskip("peft")
@@ -82,30 +83,31 @@ def peft_model(base: str, adapter: str):
 
 
 class LoRAHarness(Harness):
-    """Harness whose tokens all use adapter slot `slot`."""
+    """Harness whose tokens all use adapter slot `slot`, set on the LoRA layers' mapping before each forward."""
 
     def __init__(self, model, slot: int):
         super().__init__(model)
         self.slot = slot
+        self.mapping = model.layers[0].attn.qkv_proj.mapping
 
     @torch.no_grad()
     def encode(self, ids):
         row = Row(0, self.length, len(ids), False, self.blocks)
         meta = build_metadata([row], self.geo, layer_kinds(self.model), DEVICE)
         ids_t = torch.tensor(ids + [0] * (meta.num_tokens - len(ids)), device=DEVICE)
-        self.model(ids_t, meta, self.kv, lora=self.batch(meta, len(ids)))
+        self.mapping.set(self.index(len(ids)), meta, experts=True)
+        self.model(ids_t, meta, self.kv)
         self.length += len(ids)
 
-    def batch(self, meta, n):
-        index = torch.full((meta.num_tokens,), -1, dtype=torch.long, device=DEVICE)
-        index[:n] = self.slot
-        return LoRABatch(index, meta.num_encoder_tokens, experts=True)
+    def index(self, n):
+        return torch.full((n,), self.slot, dtype=torch.long, device=DEVICE)
 
     @torch.no_grad()
     def decode(self, canvas, soft=None):
         meta = build_metadata([Row(0, self.length, len(canvas), True, self.blocks)], self.geo, layer_kinds(self.model), DEVICE)
         ids_t = torch.tensor(canvas + [0] * (meta.num_tokens - len(canvas)), device=DEVICE)
-        return self.model(ids_t, meta, self.kv, soft, lora=self.batch(meta, len(canvas)))
+        self.mapping.set(self.index(len(canvas)), meta, experts=True)
+        return self.model(ids_t, meta, self.kv, soft)
 
 
 def _tokens(n, vocab, seed):
@@ -203,7 +205,7 @@ def test_expert_deltas_alike_on_the_grouped_and_the_per_expert_products(tiny, tm
     mask = experts.lora_gate_up.mask(batch, source)
     assert mask.sum() == 8 * (batch.index[source] >= 0).sum()  # rank 8: each row with an adapter keeps 8 columns
     ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
-    grouped, per_expert = experts._grouped(xs, ends, mask), experts._per_expert(xs, sizes, mask)
+    grouped, per_expert = experts._grouped(xs, ends, experts.deltas(mask)), experts._per_expert(xs, sizes, experts.deltas(mask))
     assert torch.allclose(grouped, per_expert, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(grouped, experts._grouped(xs, ends), atol=1e-3)  # the deltas are there
 
@@ -343,7 +345,7 @@ def test_mixed_batch_is_each_request_alone(tiny, adapters):
         alone = [llm.generate([p], params, use_tqdm=False, lora_request=[lo])[0].outputs[0].token_ids
                  for p, lo in zip(prompts, loras)]
         assert len(set(map(tuple, alone))) == len(alone)  # every adapter gives other tokens
-        # the static step ran at every LoRA level (its shape key ends with RequestSlots.lora_level:
+        # the static step ran at every LoRA level (its shape key ends with StepAdapters.level:
         # 0 no adapter, 1 adapters, 2 one of them on the experts)
         levels = {key[-1] for key in llm.engine.executor.runner.canvas_steps.shapes}
         assert levels == {0, 1, 2}
@@ -409,7 +411,7 @@ def test_pool_holds_at_most_max_loras(tiny, adapters, tmp_path_factory):
                  for lo in reversed(loras)]
         batch = [o.outputs[0].token_ids for o in llm.generate([prompt] * 5, params, use_tqdm=False, lora_request=loras)]
         assert sum(b.numel() for m in pools for b in m.buffers()) == size
-        assert len(runner.lora.entries) <= 2
+        assert len(runner.lora.cache.entries) <= 2
         assert len(llm.engine.lora.held) == 2 and sum(llm.engine.lora.refs) == 0
     assert again[::-1] == first == batch
     assert len(set(map(tuple, first))) == len(first)
@@ -419,7 +421,8 @@ def test_lora_flags_and_misuse(tiny, adapters):
     import argparse
 
     from blockdiff import LLM, LoRARequest
-    from blockdiff.arg_utils import add_engine_args, engine_config, lora_modules
+    from blockdiff.arg_utils import add_engine_args, engine_config
+    from blockdiff.engine.lora_request import lora_modules
 
     assert lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == [
         LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/y", "m")]
@@ -453,3 +456,59 @@ def test_an_adapter_of_another_model_is_refused_when_named(tiny, checkpoints, tm
         with pytest.raises(LoRAError, match="do not fit the model|layers"):
             llm.generate([[5, 6]], lora_request=LoRARequest("o", 1, path), use_tqdm=False)
         assert llm.generate([[5, 6]], use_tqdm=False)[0].outputs[0].token_ids  # the engine goes on
+
+
+def test_the_runner_swaps_in_the_lora_layers_only_with_lora(tiny, adapters):
+    """With --enable-lora the runner replaces every layer an adapter may target by its LoRA layer
+    (holding the base layer), and those are what runs: a step with an adapter runs every pool, a step
+    without runs none. Without --enable-lora the model keeps its plain layers."""
+    from blockdiff import LLM, SamplingParams
+    from blockdiff.model.lora_layers import LORA_LAYERS
+
+    twins = tuple(LORA_LAYERS.values())
+    params = SamplingParams(max_tokens=8, max_denoising_steps=STEPS, seed=2, ignore_eos=True)
+    prompt = _tokens(6, 301, 9)
+    with LLM(tiny, device="cpu") as llm:
+        model = llm.engine.executor.runner.model
+        assert not any(isinstance(m, twins) for m in model.modules())
+        plain = {name: type(m) for name, m in model.named_modules() if type(m) in LORA_LAYERS}
+    with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=8) as llm:
+        model = llm.engine.executor.runner.model
+        swapped = {name: m for name, m in model.named_modules() if isinstance(m, twins)}
+        targets = {f"layers.{i}.{p}" for i in range(len(model.layers))
+                   for p in ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "experts")}
+        assert set(swapped) == targets | {"self_conditioning.mlp.gate_up_proj", "self_conditioning.mlp.down_proj"}
+        for name, layer in swapped.items():
+            assert type(layer) is LORA_LAYERS[plain[name]] and type(layer.base_layer) is plain[name]
+        runs = []
+        pools = [p for m in swapped.values() for p in m.children() if not isinstance(p, tuple(LORA_LAYERS))]
+        for pool in pools:
+            pool.register_forward_hook(lambda module, args, out: runs.append(module))
+        llm.generate([prompt], params, use_tqdm=False, lora_request=_requests(adapters[:1])[0])
+        assert {id(p) for p in runs} == {id(p) for p in pools}  # adapters[0] targets the experts too
+        runs.clear()
+        llm.generate([prompt], params, use_tqdm=False)
+        assert not runs
+
+
+@pytest.mark.slow  # two engines and a dynamo trace of the static step: ~40 s on a 2-core machine
+def test_the_traced_step_runs_the_adapters_as_the_eager_one(tiny, adapters):
+    """The static step traced whole (fullgraph=True, dynamo's graph-only backend) sets the LoRA
+    layers' mapping inside the traced function: a batch of an adapter on the experts and the base
+    model gives the eager step's tokens."""
+    from blockdiff import LLM, SamplingParams
+    from blockdiff.worker.canvas_step import canvas_step
+
+    params = SamplingParams(max_tokens=16, max_denoising_steps=STEPS, seed=2, ignore_eos=True)
+    prompts, loras = [_tokens(7, 301, 5)] * 2, [_requests(adapters[:1])[0], None]
+    got, graphs = [], []
+    for traced in (False, True):
+        with LLM(tiny, device="cpu", enable_lora=True, max_lora_rank=8, compile=traced) as llm:
+            if traced:
+                def backend(gm, example_inputs):
+                    graphs.append(gm)
+                    return gm.forward
+
+                llm.engine.executor.runner.canvas_steps.fn = torch.compile(canvas_step, fullgraph=True, backend=backend)
+            got.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)])
+    assert graphs and got[0] == got[1] and got[0][0] != got[0][1]

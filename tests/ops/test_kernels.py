@@ -132,17 +132,17 @@ def test_expert_lora_is_grouped_products_on_hopper(ranks):
     """The 26B-A4B experts with LoRA pools (4 slots of rank 16) on a fake H200 in bfloat16: the
     base products and each pool's shrink and expand are grouped calls the CUDA kernel accepts,
     with no host read."""
-    from blockdiff.model.lora import LoRABatch, enable_expert_lora
+    from blockdiff.model.lora_layers import ExpertsWithLoRA, LoRABatch, LoRAMapping
 
     config = _config()
     with fake_cuda((9, 0)), GroupedCalls().watch() as calls:
-        experts = fake_module(lambda: Experts(config, fake_group(ranks), torch.bfloat16))
-        enable_expert_lora(experts, 4, 16, torch.bfloat16)
+        mapping = LoRAMapping(4, 16, torch.bfloat16)
+        experts = ExpertsWithLoRA(fake_module(lambda: Experts(config, fake_group(ranks), torch.bfloat16)), mapping)
         x = torch.randn(512, config.hidden_size, dtype=torch.bfloat16, device="cuda")
         weights = torch.rand(512, 8, device="cuda")
         index = torch.randint(0, 128, (512, 8), device="cuda")
-        lora = LoRABatch(torch.randint(-1, 4, (512,), device="cuda"), 200, experts=True)
-        out = experts(x, weights, index, lora)
+        mapping.batch = LoRABatch(torch.randint(-1, 4, (512,), device="cuda"), 200, experts=True)
+        out = experts(x, weights, index)
         assert out.device.type == "cuda" and out.dtype == torch.bfloat16 and out.shape == x.shape
         w, c = 2 * 704 // ranks, 2 * 4 * 16  # gate_up's local rows; the pools' columns (2 modes x 4 slots x 16)
         assert [a[1] for a in calls.grouped] == [(128, 2816, w), (128, 2816, c), (128, c, w),

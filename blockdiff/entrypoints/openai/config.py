@@ -43,13 +43,4 @@ class ServerConfig:
     strict_request_fields: bool = False  # unknown top-level request fields: a 400 (else ignored with a warning, as vLLM)
     trust_request_chat_template: bool = False  # vLLM's: a request may bring its own chat_template
     enable_tokenizer_info_endpoint: bool = False  # vLLM's: GET /tokenizer_info (it shows the chat template)
-    # --enable-lora (docs/lora.md): the adapters served from startup (--lora-modules, LoRARequests),
-    # the largest rank, and whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist
-    # (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, or --lora-modules-dir given)
-    enable_lora: bool = False
-    lora_modules: list = field(default_factory=list)
-    max_lora_rank: int = 16
-    runtime_lora_updating: bool = False
-    lora_modules_dir: str | None = None  # the directory whose adapters /v1/load_lora_adapter may load (None: none)
-    max_runtime_loras: int = 64  # adapters loaded at runtime at once (each is listed in /v1/models)
     media: MediaPolicy = MediaPolicy()  # where chat image URLs may point (the engine flags --allowed-media-*)

@@ -10,13 +10,11 @@ on_finish; what the engines keep (gauges, their own totals) is read from them at
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from blockdiff.engine.client import EngineClient, EngineStats
+from blockdiff.engine.client import EngineClient
 
 OUTCOMES = ("stop", "length", "abort", "error")
 
@@ -76,14 +74,7 @@ class EngineState(Collector):
                 family.add_metric(labels, getattr(now, field))
             info.add_metric([*labels, str(now.block_size), "auto", str(now.prefix_caching), str(now.kv_cache_blocks),
                              "sha256"], 1)
-        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (vLLM's: the adapters "
-                                 "of running and waiting requests in its labels; the value is the time).",
-                                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-        total = EngineStats.total(list(stats.values())) if stats else None
-        if total is not None and total.max_loras:
-            lora.add_metric([str(total.max_loras), ",".join(total.waiting_loras), ",".join(total.running_loras)],
-                            time.time())
-        return [family for _, family in families] + [info] + ([lora] if lora.samples else [])
+        return [family for _, family in families] + [info]
 
 
 class ServingMetrics:

@@ -426,7 +426,7 @@ class ModelCard(BaseModel):
     owned_by: str = "blockdiff"
     root: str
     max_model_len: int
-    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
+    parent: str | None = None  # an adapter's base model (vLLM's)
     canvas_length: int  # tokens denoised together
     # Sampler fields as a request that leaves them unset gets them (max_tokens None: what fits)
     sampling_defaults: dict[str, int | float | None]

@@ -123,7 +123,7 @@ class RequestBuilder:
         trust_request_chat_template: whether a request's own chat template is rendered (vLLM's flag)."""
         self.engine = engine
         self.trust_request_chat_template = trust_request_chat_template
-        self.loras: dict = {}  # the LoRA adapters served, by name (LoRARequest; the server shares one dict)
+        self.adapters: dict = {}  # the adapters served, by the model name a request gives (the server shares one dict)
         self.max_response_bytes = max_response_bytes
         # The CPU work of a request (tokenizer, chat template, their checks) runs in `pool`
         # (work_pool.py), its images and videos in `media` (media.py).
@@ -345,8 +345,8 @@ class RequestBuilder:
         choices = [[params if i == 0 else self._choice(params, i, not score_once or params.max_tokens == 0)
                     for i in range(n)] for params in resolved]
         self._check_cost(choices, size, req.return_tokens_as_token_ids)
-        lora = self.loras.get(req.model) if req.model is not None else None
-        return [EngineRequest(prompt, params, lora=lora, client=client, priority=req.priority or 0)
+        adapter = self.adapters.get(req.model) if req.model is not None else None
+        return [EngineRequest(prompt, params, adapter=adapter, client=client, priority=req.priority or 0)
                 for prompt, of_prompt in zip(inputs, choices) for params in of_prompt]
 
     @staticmethod

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import socket
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 
 import uvicorn
@@ -30,7 +30,6 @@ from blockdiff.entrypoints.openai import body, errors, playground
 from blockdiff.entrypoints.openai.config import ServerConfig
 from blockdiff.entrypoints.openai.connections import AcceptErrorLog, BodyAdmission, connection_limit, guarded_protocol
 from blockdiff.entrypoints.openai.media import ChatMedia
-from blockdiff.entrypoints.openai.lora_adapters import LoRAAdapters
 from blockdiff.entrypoints.openai.metrics import ServingMetrics
 from blockdiff.entrypoints.openai.protocol import (MAX_CHOICES, MAX_MESSAGES, DetokenizeRequest, DetokenizeResponse,
                                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now,
@@ -45,8 +44,7 @@ from blockdiff.entrypoints.openai.serving_completion import OpenAIServingComplet
 from blockdiff.entrypoints.openai.tokenization import OpenAIServingTokenization
 from blockdiff.entrypoints.openai.tokenizer_info import tokenizer_info
 from blockdiff.engine.startup import start_client
-from blockdiff.arg_utils import lora_modules
-from blockdiff.model.lora import LoRAError, read_adapter
+from blockdiff.engine.lora_adapters import AdapterRefused, LoRAAdapters, LoRAInfo, served_adapters
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +122,12 @@ class RequireAPIKey(_Middleware):
         await self.app(scope, receive, send)
 
 
-def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
-    """The app owns the client `engine` from here on: it is started and stopped by the app's lifespan."""
+def build_app(engine: EngineClient, cfg: ServerConfig, loras: LoRAAdapters | None = None) -> FastAPI:
+    """The app owns the client `engine` from here on: it is started and stopped by the app's lifespan.
+    `loras`: the LoRA adapters served by name (docs/lora.md; None: none)."""
     limits = engine.limits
     metrics = ServingMetrics(engine, cfg.served_model_names[0])
+    metrics.registry.register(LoRAInfo(engine))
     engine.on_step, engine.on_finish = metrics.step, metrics.finished
     pool = WorkPool(cfg.preprocess_threads, cfg.preprocess_timeout, "blockdiff-preprocess")
     media = ChatMedia(engine.mm, cfg.media,
@@ -140,10 +140,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     completion = OpenAIServingCompletion(*shared)
     chat_serving = OpenAIServingChat(*shared, cfg.tool_call_parser, cfg.reasoning_parser)
     tokenization = OpenAIServingTokenization(chat_serving)
-    # The LoRA adapters served by name, one dict that every endpoint reads (docs/lora.md).
-    adapters = LoRAAdapters(cfg.lora_modules, cfg.served_model_names, cfg.lora_modules_dir, cfg.max_runtime_loras,
-                            cfg.max_lora_rank)
-    loras = preprocess.loras = adapters.by_name
+    # The LoRA adapters served by name, one dict that every endpoint reads.
+    adapters = preprocess.adapters = {} if loras is None else loras.by_name
     # What a request that sets no sampler field gets: server flags over the checkpoint's defaults.
     sampling_defaults = {f.name: engine.defaults[f.name] for f in engine.sampler.fields}
 
@@ -202,9 +200,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
                          + [ModelCard(id=name, created=created, root=model_root(lo.lora_path), parent=cfg.served_model_names[0],
                                       max_model_len=limits.max_model_len, canvas_length=limits.canvas_length,
                                       sampling_defaults=sampling_defaults)
-                            for name, lo in list(loras.items())])
+                            for name, lo in list(adapters.items())])
 
-    if cfg.enable_lora and cfg.runtime_lora_updating:
+    if loras is not None and loras.runtime_updating:
         async def lora_body(request: Request, *fields: str) -> dict:
             try:
                 data = json.loads(await request.body())
@@ -219,14 +217,16 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
         async def load_lora_adapter(request: Request) -> Response:
             """vLLM's: {"lora_name", "lora_path"} served from now on under lora_name."""
             data = await lora_body(request, "lora_name", "lora_path")
-            await adapters.load(data["lora_name"], data["lora_path"])
+            with refused_as_api_error():
+                await loras.load(data["lora_name"], data["lora_path"])
             return Response(f"Success: LoRA adapter '{data['lora_name']}' added successfully.", media_type="text/plain")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(request: Request) -> Response:
             """vLLM's: {"lora_name"} no longer served (requests running with it finish)."""
             name = (await lora_body(request, "lora_name"))["lora_name"]
-            adapters.unload(name)
+            with refused_as_api_error():
+                loras.unload(name)
             return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     # Bodies are parsed by `body.BodyParser` (bounded, off the loop when large), not by FastAPI; the
@@ -353,23 +353,13 @@ def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
     try:
         # Image URLs are the server's to fetch, under the engine flags that allow them.
         cfg = replace(cfg, port=sock.getsockname()[1], media=MediaPolicy.of(engine_cfg))
+        loras = None
         if engine_cfg.enable_lora:
-            cfg = replace(cfg, enable_lora=True, lora_modules=lora_modules(engine_cfg.lora_modules),
-                          max_lora_rank=engine_cfg.max_lora_rank,
-                          runtime_lora_updating=cfg.runtime_lora_updating or cfg.lora_modules_dir is not None
-                          or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
-            if cfg.lora_modules_dir is not None and not os.path.isdir(cfg.lora_modules_dir):
-                raise ValueError(f"--lora-modules-dir {cfg.lora_modules_dir!r} is not a directory")
-            for lo in cfg.lora_modules:  # a broken adapter fails the start, naming what is wrong
-                try:
-                    read_adapter(lo.lora_path, engine_cfg.max_lora_rank)
-                except LoRAError as e:
-                    raise LoRAError(f"--lora-modules {lo.lora_name}={lo.lora_path}: {e}") from None
-        elif cfg.lora_modules_dir is not None:
-            raise ValueError("--lora-modules-dir needs --enable-lora")
+            loras = served_adapters(engine_cfg, cfg.served_model_names,
+                                    os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
         engine = start_client(engine_cfg, cfg.max_queued_requests)
         try:
-            app = build_app(engine, cfg)
+            app = build_app(engine, cfg, loras)
         except BaseException:
             engine.shutdown()  # stops tensor-parallel workers and replicas too
             raise
@@ -418,6 +408,15 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; stop what uses it or pick another --port") from None
     return sock
+
+
+@contextmanager
+def refused_as_api_error():
+    """A refused adapter load or unload as the OpenAI-style error the endpoints answer."""
+    try:
+        yield
+    except AdapterRefused as e:
+        raise errors.APIError(e.status, str(e), param=e.param, code=e.code) from None
 
 
 def model_root(model: str) -> str:

@@ -252,17 +252,17 @@ class OpenAIServing:
         self.model_names = served_model_names
 
     @property
-    def loras(self) -> dict:
-        """The LoRA adapters served, by name (the preprocessor's, which names each request's adapter)."""
-        return self.preprocess.loras
+    def adapters(self) -> dict:
+        """The adapters served, by name (the preprocessor's, which names each request's adapter)."""
+        return self.preprocess.adapters
 
     def model_name(self, requested: str | None) -> str:
         if requested is None:
             return self.model_names[0]
-        if requested not in self.model_names and requested not in self.loras:
+        if requested not in self.model_names and requested not in self.adapters:
             # The adapters as served now: runtime loads and unloads change the dict.
             raise APIError(404, f"model {requested!r} does not exist; this server serves "
-                                f"{[*self.model_names, *self.loras]}",
+                                f"{[*self.model_names, *self.adapters]}",
                            param="model", code="model_not_found")
         return requested
 

@@ -11,7 +11,7 @@ for none: such a token's shrink is zeros and its output gets nothing added.
     expand:  y[t, o] += s[t, part[o]*R : ... + R] @ B[o, index[t]*R : ... + R]
 
 One program computes one token's rank-R vector of one part (shrink), or one token's BLOCK_O output
-columns (expand), in float32. Checked under Triton's interpreter (tests/ops/test_triton_lora.py).
+columns (expand), in float32. Checked under Triton's interpreter (tests/model/test_lora_triton.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The segmented LoRA product's Triton kernels (blockdiff/ops/triton_lora.py) against the plain torch
+"""The segmented LoRA product's Triton kernels (blockdiff/model/lora_triton.py) against the plain torch
 product of model/lora.py, under Triton's interpreter where there is no GPU (tests/conftest.py): a
 fused layer of three parts of different widths (q/k/v), adapters of different ranks in a pool of
 three slots, tokens of every slot and of none, both modes."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from blockdiff.model.lora import DECODER, ENCODER, LoRABatch, LoRALinear
-from blockdiff.ops.triton_lora import lora_expand, lora_shrink
+from blockdiff.model.lora_layers import DECODER, ENCODER, LoRABatch, LoRALinear
+from blockdiff.model.lora_triton import lora_expand, lora_shrink
 
 
 def _pool(seed: int) -> LoRALinear:
