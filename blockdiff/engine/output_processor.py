@@ -42,7 +42,8 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     for i, req in enumerate(sched.decoder):
         if req in gone:
             continue
-        req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None, steps[i])
+        req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None, steps[i],
+                     None if out.rows_evaluated is None else out.rows_evaluated[i])
         if req.params.draft_details:
             req.draft.entropy, req.draft.accepted = out.entropy[i].tolist(), out.accepted[i].tolist()
         if not finished[i]:

@@ -300,11 +300,12 @@ class Request:
         self.new_canvas = canvas
         self.steps_left = self.params.max_denoising_steps
 
-    def denoised(self, argmax: list[int] | None, steps: int = 1) -> None:
-        """`steps` denoising steps ran; `argmax` is the last one's argmax canvas when drafts are streamed."""
+    def denoised(self, argmax: list[int] | None, steps: int = 1, rows: int | None = None) -> None:
+        """`steps` denoising steps ran, which evaluated `rows` canvas positions (None: the whole canvas
+        at each); `argmax` is the last one's argmax canvas when drafts are streamed."""
         self.steps_left -= steps
         self.metrics.denoising_steps += steps
-        self.metrics.canvas_positions_evaluated += steps * self.canvas_length
+        self.metrics.canvas_positions_evaluated += steps * self.canvas_length if rows is None else rows
         if argmax is not None:
             self.draft.token_ids = argmax
 

@@ -13,15 +13,15 @@ import torch
 from torch import nn
 
 from blockdiff.model.attention_backends import backend_module
-from blockdiff.model.attention_layout import (FP8_KV_DTYPE, KEY_BLOCK, QUERY_TILE, ROW_ALIGN, AttentionMetadata,
-                                              CacheGeometry, Row, align)
+from blockdiff.model.attention_layout import (FP8_KV_DTYPE, KEY_BLOCK, QUERY_TILE, ROW_ALIGN, ActiveRows,
+                                              AttentionMetadata, CacheGeometry, Row, align)
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.layers import RMSNorm, apply_rotary, unit_rms
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from blockdiff.parallel.quantization.base import linear_method
 
-__all__ = ["FP8_KV_DTYPE", "KEY_BLOCK", "QUERY_TILE", "ROW_ALIGN", "Attention", "AttentionMetadata", "CacheGeometry",
+__all__ = ["FP8_KV_DTYPE", "KEY_BLOCK", "QUERY_TILE", "ROW_ALIGN", "ActiveRows", "Attention", "AttentionMetadata", "CacheGeometry",
            "Row", "align", "build_metadata", "calculate_kv_scales", "canvas_metadata", "qkv_parts"]
 
 # --calculate-kv-scales: scale = max |x| of the first prefill / this, vLLM's K_SCALE_CONSTANT and
@@ -111,8 +111,13 @@ class Attention(nn.Module):
         # num_encoder_tokens first: a step of canvases only (compiled, graphed) never reads the flag.
         if meta.num_encoder_tokens and scales is not None and self.calculate_scales:
             self._calculate_scales(k[: meta.num_encoder_tokens], v[: meta.num_encoder_tokens])
-        kind.write(k, v, cache, scales)  # first: an encoder row's queries read their own keys from the cache
-        return self.o_proj(kind.attend(q, k, v, cache, scales), lora)
+        if meta.active is None:
+            kind.write(k, v, cache, scales)  # first: an encoder row's queries read their own keys from the cache
+            return self.o_proj(kind.attend(q, k, v, cache, scales), lora)
+        ne = meta.num_encoder_tokens
+        q, k, v = meta.active.widen(q, k, v, ne)
+        kind.write(k, v, cache, scales)
+        return self.o_proj(meta.active.narrow(kind.attend(q, k, v, cache, scales), ne, n), lora)
 
     def _calculate_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The scales from this prefill's K/V, then fixed. Each rank holds only its own KV heads: the

@@ -71,9 +71,56 @@ class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens]
     sliding: KindAttention | None
     full: KindAttention | None
+    # A step that runs only some of its decoder rows (the fast denoising mode); None: every row runs.
+    active: "ActiveRows | None" = None
 
     def kind(self, sliding: bool) -> KindAttention:
         return self.sliding if sliding else self.full
+
+
+@dataclass
+class ActiveRows:
+    """The decoder rows a step runs when some canvas positions are settled (the fast denoising mode,
+    docs/architecture.md "Fewer forwards"), and the K/V kept for the others.
+
+    The backend's metadata is built for every decoder row (the `full` layout: [encoder | every decoder
+    token | padding]); the model runs only the encoder tokens and the active decoder tokens. Around
+    the backend, each attention layer widens its q/k/v to the full layout (a settled position's K/V:
+    the one it had at the last step that computed it, from `kept`; its query: zeros, its output
+    dropped) and narrows the output back, and keeps the active canvas tokens' fresh K/V. So any
+    backend runs it unchanged, and an active row's result does not depend on which other rows run."""
+
+    index: torch.Tensor  # [A] int64: the active tokens' places among the full layout's decoder tokens
+    full_tokens: int  # tokens of the full layout, padded
+    slot_rows: torch.Tensor  # [full decoder tokens] int64: each one's row of `kept` (slot * CL + position)
+    store_src: torch.Tensor  # [S] int64: active tokens (among the A) of canvases, whose K/V are kept...
+    store_dst: torch.Tensor  # [S] int64: ...at these rows of `kept`
+    kept: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V [(slots + 1) * CL, kv heads, dim]
+    layer: int = 0  # the layer running (the model's backbone sets it)
+
+    def widen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ne: int) -> tuple[torch.Tensor, ...]:
+        """q, k, v over [encoder | active | padding] tokens -> over the full layout; the active canvas
+        tokens' k and v are kept for the steps in which they are settled."""
+        out = []
+        for i, x in enumerate((q, k, v)):
+            full = x.new_zeros(self.full_tokens, *x.shape[1:])
+            full[:ne] = x[:ne]
+            dec = full[ne : ne + self.slot_rows.shape[0]]
+            active = x[ne : ne + self.index.shape[0]]
+            if i:
+                kept = self.kept[self.layer][i - 1]
+                dec.copy_(kept.index_select(0, self.slot_rows))
+                kept.index_copy_(0, self.store_dst, active.index_select(0, self.store_src))
+            dec.index_copy_(0, self.index, active)
+            out.append(full)
+        return tuple(out)
+
+    def narrow(self, out: torch.Tensor, ne: int, num_tokens: int) -> torch.Tensor:
+        """The attention output over the full layout -> over [encoder | active | padding] tokens."""
+        small = out.new_zeros(num_tokens, *out.shape[1:])
+        small[:ne] = out[:ne]
+        small[ne : ne + self.index.shape[0]] = out[ne:].index_select(0, self.index)
+        return small
 
 
 @dataclass

@@ -26,7 +26,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.sampler_kernels import choose_sampler_backend, sampler_kernels
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.ops.kernels import step_modes, target
-from blockdiff.model.attention import build_metadata, calculate_kv_scales
+from blockdiff.model.attention import ActiveRows, AttentionMetadata, align, build_metadata, calculate_kv_scales
 from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.model.lora import AdapterCache, LoRAError, enable_lora, put_adapter
@@ -92,6 +92,11 @@ class ModelRunner:
         self.requests = RequestSlots(sampler, cache.num_slots + 1, self.device)
         self.penalties = SlotPenalties(cache.num_slots + 1, model.shard, self.device)
         self.automata: dict[str, DeviceAutomaton] = {}  # structured outputs' automata, by key (StepPlan.automata)
+        # The fast denoising mode's: each slot's settled positions as the last step left them, on
+        # the host (read back with the step's results), which choose the next step's rows; and each
+        # layer's K/V of the canvases' positions as last computed (made at the first fast step).
+        self.settled = torch.zeros(cache.num_slots + 1, self.canvas_length, dtype=torch.bool)
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
         static = model.static_shapes(self.device)
@@ -129,8 +134,11 @@ class ModelRunner:
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
             self._start_canvases(plan, slots)
+            self.settled[[dec_rows[i].slot for i in plan.new_canvas_rows]] = False
         score = {}
-        if self.canvas_steps is not None and plan.score is None and all_canvases(rows):
+        fast = bool(plan.denoise and plan.denoise.get("fast"))
+        evaluated = None
+        if self.canvas_steps is not None and plan.score is None and all_canvases(rows) and not fast:
             # The step function with static shapes (a padded bucket), compiled or graphed.
             out = self.canvas_steps(rows, plan.denoise, plan.steps)[1].head(len(dec_rows))
         else:
@@ -149,6 +157,8 @@ class ModelRunner:
                 level = self.requests.lora_level(plan.rows)
                 if level:
                     lora = self.requests.token_adapters(plan.rows, meta.num_tokens)
+            if fast:
+                evaluated = self._run_active_rows(meta, [r.slot for r in dec_rows], scored_tokens)
             score_logits, out = forward_step(self.model, self.sampler, self.vocab, self.kv, meta, self.state, slots,
                                              params, ids, scored_tokens, images, lora=lora, lora_experts=level == 2,
                                              penalties=self.penalties.of([r.slot for r in dec_rows]))
@@ -159,14 +169,43 @@ class ModelRunner:
                     return None
                 return StepOutput(finished=torch.zeros(0, dtype=torch.bool), tokens=torch.zeros(
                     0, self.canvas_length, dtype=torch.long), logprob=None, top_logprobs=None, top_ids=None, **score)
-        return self._finish(plan, slots, out, score)
+        return self._finish(plan, slots, out, score, evaluated, [r.slot for r in dec_rows])
 
-    def _finish(self, plan: StepPlan, slots: torch.Tensor, out: CanvasOutputs, score: dict) -> StepOutput:
+    def _run_active_rows(self, meta: AttentionMetadata, slots: list[int], scored: int) -> list[int]:
+        """`meta` (built for every decoder row) narrowed to the rows that run: every scored token and
+        every unsettled canvas position (model/attention_layout.py ActiveRows); -> the rows each
+        canvas runs. Decided on the host from the settled positions the last step read back."""
+        if self.kept is None:
+            rows = self.settled.numel()
+            self.kept = [tuple(torch.zeros(rows, k.shape[0], k.shape[2], dtype=self.model.dtype, device=self.device)
+                               for _ in range(2)) for k, _ in self.kv]
+        cl = self.canvas_length
+        running = ~self.settled[slots]  # [canvases, CL]
+        canvas = running.reshape(-1).nonzero().squeeze(1) + scored
+        index = torch.cat((torch.arange(scored), canvas))
+        scratch = (self.settled.shape[0] - 1) * cl  # a scored token keeps no K/V: any row, it always runs
+        slot_rows = torch.cat((torch.full((scored,), scratch), (torch.tensor(slots)[:, None] * cl + torch.arange(cl)).reshape(-1)))
+        ne, n = meta.num_encoder_tokens, index.shape[0]
+        dev = lambda t: t.to(self.device)  # noqa: E731
+        positions = meta.positions.new_zeros(align(ne + n))
+        positions[:ne] = meta.positions[:ne]
+        positions[ne : ne + n] = meta.positions[ne:].index_select(0, dev(index))
+        meta.active = ActiveRows(dev(index), meta.num_tokens, dev(slot_rows), dev(torch.arange(scored, n)),
+                                 dev(slot_rows[canvas]), self.kept)
+        meta.num_tokens, meta.num_decoder_tokens, meta.positions = positions.shape[0], n, positions
+        return running.sum(-1).tolist()
+
+    def _finish(self, plan: StepPlan, slots: torch.Tensor, out: CanvasOutputs, score: dict,
+                evaluated: list[int] | None = None, host_slots: list[int] | None = None) -> StepOutput:
         """The canvases' new state kept, and what the host reads of the step: which finished, what
         they commit (min_tokens and structured outputs applied) and the logprobs asked for."""
         self.state.put(slots, out.updates)
         self.requests.stepped(slots, plan.steps)
         finished = out.finished.cpu()  # the only host sync the control flow below needs
+        settled = None
+        if "settled" in out.updates and evaluated is not None:  # read back with the step's results
+            settled = out.updates["settled"].cpu()
+            self.settled[host_slots] = settled
         tokens, logprob, dist = out.tokens, out.logprob, out.dist
         if plan.steps > 1 and (plan.min_tokens is not None or plan.constraints or plan.top_logprobs >= 0):
             # they read the finishing step's distribution; `dist` is the last step's (engine._steps_per_launch)
@@ -201,6 +240,8 @@ class ModelRunner:
             entropy=out.entropy.cpu() if plan.draft_details else None,
             accepted=out.accepted.cpu() if plan.draft_details else None,
             steps=out.steps.cpu() if plan.steps > 1 else None,
+            settled=settled,
+            rows_evaluated=evaluated,
             **score,
         )
 

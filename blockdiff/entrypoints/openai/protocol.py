@@ -239,9 +239,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 def sampler_extensions(table: tuple[SamplerField, ...]) -> tuple[str, ...]:
-    """The extension fields a sampler's table adds to the generation bodies: its per-canvas fields
-    that they do not have already."""
-    return tuple(f.name for f in table if f.per_canvas and f.name not in CompletionRequest.model_fields)
+    """The extension fields a sampler's table adds to the generation bodies: its fields that they
+    do not have already."""
+    return tuple(f.name for f in table if f.name not in CompletionRequest.model_fields)
 
 
 def request_types(table: tuple[SamplerField, ...]) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
