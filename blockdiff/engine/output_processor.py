@@ -47,6 +47,17 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
         if req.params.draft_details:
             req.draft.entropy, req.draft.accepted = out.entropy[i].tolist(), out.accepted[i].tolist()
         if not finished[i]:
+            if out.settled is not None and req.streams_settled:
+                before = len(req.output.token_ids)
+                reason = req.settled(out.tokens[i].tolist(), out.settled[i].tolist())
+                if reason is not None:  # an EOS, a stop string or max_tokens in the settled prefix
+                    req.finish(reason)
+                    scheduler.release(req)
+                    news.append(req)
+                    continue
+                if len(req.output.token_ids) > before:
+                    news.append(req)
+                    continue
             if req.params.stream_drafts:
                 news.append(req)
             continue

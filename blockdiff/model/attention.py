@@ -14,7 +14,7 @@ from torch import nn
 
 from blockdiff.model.attention_backends import backend_module
 from blockdiff.model.attention_layout import (FP8_KV_DTYPE, KEY_BLOCK, QUERY_TILE, ROW_ALIGN, ActiveRows,
-                                              AttentionMetadata, CacheGeometry, Row, align)
+                                              AttentionMetadata, CacheGeometry, Row, align, keep_kv, run_active_rows)
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.layers import RMSNorm, apply_rotary, unit_rms
 from blockdiff.parallel.group import TPGroup
@@ -22,7 +22,8 @@ from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from blockdiff.parallel.quantization.base import linear_method
 
 __all__ = ["FP8_KV_DTYPE", "KEY_BLOCK", "QUERY_TILE", "ROW_ALIGN", "ActiveRows", "Attention", "AttentionMetadata", "CacheGeometry",
-           "Row", "align", "build_metadata", "calculate_kv_scales", "canvas_metadata", "qkv_parts"]
+           "Row", "align", "build_metadata", "calculate_kv_scales", "canvas_metadata", "keep_kv", "qkv_parts",
+           "run_active_rows"]
 
 # --calculate-kv-scales: scale = max |x| of the first prefill / this, vLLM's K_SCALE_CONSTANT and
 # V_SCALE_CONSTANT. The headroom (448 / 200 and 448 / 100) leaves room for later tokens' larger

@@ -293,3 +293,31 @@ def step_tables(rows: list[Row], sliding: bool, device: torch.device | str,
     if tables is None:
         return kind_tables(rows, sliding).to(device), list(range(len(rows)))
     return tables[sliding], [r.slot for r in rows]
+
+
+def keep_kv(kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, dtype: torch.dtype,
+            device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer of the cache `kv` ([kv heads, entries, dim] each), K and V stores of `rows` canvas
+    positions ((slots + 1) * CL): what ActiveRows keeps."""
+    return [tuple(torch.zeros(rows, k.shape[0], k.shape[2], dtype=dtype, device=device) for _ in range(2))
+            for k, _ in kv]
+
+
+def run_active_rows(meta: AttentionMetadata, running: torch.Tensor, slots: list[int], scored: int, scratch: int,
+                    kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Narrow `meta` (built for every decoder row: `scored` scored tokens, then the canvases of
+    `slots`) to the rows that run: every scored token and the canvas positions `running` [canvases,
+    CL] bool (host); `scratch`: the slot whose kept rows a scored token points at (it always runs)."""
+    cl = running.shape[1]
+    canvas = running.reshape(-1).nonzero().squeeze(1) + scored
+    index = torch.cat((torch.arange(scored), canvas))
+    slot_rows = torch.cat((torch.full((scored,), scratch * cl),
+                           (torch.tensor(slots, dtype=torch.long)[:, None] * cl + torch.arange(cl)).reshape(-1)))
+    device = meta.positions.device
+    ne, n = meta.num_encoder_tokens, index.shape[0]
+    positions = meta.positions.new_zeros(align(ne + n))
+    positions[:ne] = meta.positions[:ne]
+    positions[ne : ne + n] = meta.positions[ne:].index_select(0, index.to(device))
+    meta.active = ActiveRows(index.to(device), meta.num_tokens, slot_rows.to(device),
+                             torch.arange(scored, n, device=device), slot_rows[canvas].to(device), kept)
+    meta.num_tokens, meta.num_decoder_tokens, meta.positions = positions.shape[0], n, positions

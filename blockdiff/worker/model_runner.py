@@ -26,7 +26,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.sampler_kernels import choose_sampler_backend, sampler_kernels
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.ops.kernels import step_modes, target
-from blockdiff.model.attention import ActiveRows, AttentionMetadata, align, build_metadata, calculate_kv_scales
+from blockdiff.model.attention import AttentionMetadata, build_metadata, calculate_kv_scales, keep_kv, run_active_rows
 from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.model.lora import AdapterCache, LoRAError, enable_lora, put_adapter
@@ -172,27 +172,12 @@ class ModelRunner:
         return self._finish(plan, slots, out, score, evaluated, [r.slot for r in dec_rows])
 
     def _run_active_rows(self, meta: AttentionMetadata, slots: list[int], scored: int) -> list[int]:
-        """`meta` (built for every decoder row) narrowed to the rows that run: every scored token and
-        every unsettled canvas position (model/attention_layout.py ActiveRows); -> the rows each
-        canvas runs. Decided on the host from the settled positions the last step read back."""
+        """`meta` narrowed to the rows that run: every scored token and every canvas position not
+        settled (decided on the host from what the last step read back); -> the rows each canvas runs."""
         if self.kept is None:
-            rows = self.settled.numel()
-            self.kept = [tuple(torch.zeros(rows, k.shape[0], k.shape[2], dtype=self.model.dtype, device=self.device)
-                               for _ in range(2)) for k, _ in self.kv]
-        cl = self.canvas_length
-        running = ~self.settled[slots]  # [canvases, CL]
-        canvas = running.reshape(-1).nonzero().squeeze(1) + scored
-        index = torch.cat((torch.arange(scored), canvas))
-        scratch = (self.settled.shape[0] - 1) * cl  # a scored token keeps no K/V: any row, it always runs
-        slot_rows = torch.cat((torch.full((scored,), scratch), (torch.tensor(slots)[:, None] * cl + torch.arange(cl)).reshape(-1)))
-        ne, n = meta.num_encoder_tokens, index.shape[0]
-        dev = lambda t: t.to(self.device)  # noqa: E731
-        positions = meta.positions.new_zeros(align(ne + n))
-        positions[:ne] = meta.positions[:ne]
-        positions[ne : ne + n] = meta.positions[ne:].index_select(0, dev(index))
-        meta.active = ActiveRows(dev(index), meta.num_tokens, dev(slot_rows), dev(torch.arange(scored, n)),
-                                 dev(slot_rows[canvas]), self.kept)
-        meta.num_tokens, meta.num_decoder_tokens, meta.positions = positions.shape[0], n, positions
+            self.kept = keep_kv(self.kv, self.settled.numel(), self.model.dtype, self.device)
+        running = ~self.settled[slots]
+        run_active_rows(meta, running, slots, scored, self.settled.shape[0] - 1, self.kept)
         return running.sum(-1).tolist()
 
     def _finish(self, plan: StepPlan, slots: torch.Tensor, out: CanvasOutputs, score: dict,
