@@ -38,7 +38,7 @@ BACKENDS = {"vllm": "/v1/completions", "openai": "/v1/completions", "openai-chat
 DATASETS = ["random", "prefix-repetition", "sharegpt"]
 # What `--save-detailed` keeps: vLLM's per-request lists (benchmarks/serve.py drops these without it).
 # vLLM's sampling flags, each sent as the request field of its name when given.
-SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
+SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "denoising_mode": str}
 DETAILED = ["input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors"]
 
 

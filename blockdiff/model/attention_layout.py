@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 # Positions per key block of full-attention layers (rounded to whole cache blocks): big enough
@@ -303,21 +304,21 @@ def keep_kv(kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, dtype: torch
             for k, _ in kv]
 
 
-def run_active_rows(meta: AttentionMetadata, running: torch.Tensor, slots: list[int], scored: int, scratch: int,
+def run_active_rows(meta: AttentionMetadata, running: np.ndarray, slots: list[int], scored: int, scratch: int,
                     kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Narrow `meta` (built for every decoder row: `scored` scored tokens, then the canvases of
     `slots`) to the rows that run: every scored token and the canvas positions `running` [canvases,
-    CL] bool (host); `scratch`: the slot whose kept rows a scored token points at (it always runs)."""
+    CL] bool; `scratch`: the slot whose kept rows a scored token points at (it always runs). The
+    indices are made on the host, in numpy, from host data: no read of the device."""
     cl = running.shape[1]
-    canvas = running.reshape(-1).nonzero().squeeze(1) + scored
-    index = torch.cat((torch.arange(scored), canvas))
-    slot_rows = torch.cat((torch.full((scored,), scratch * cl),
-                           (torch.tensor(slots, dtype=torch.long)[:, None] * cl + torch.arange(cl)).reshape(-1)))
+    canvas = np.flatnonzero(running.reshape(-1)) + scored
+    index = np.concatenate((np.arange(scored), canvas))
+    slot_rows = np.concatenate((np.full(scored, scratch * cl), (np.asarray(slots)[:, None] * cl + np.arange(cl)).reshape(-1)))
     device = meta.positions.device
+    on = lambda a: torch.tensor(a, dtype=torch.long, device=device)  # noqa: E731
     ne, n = meta.num_encoder_tokens, index.shape[0]
     positions = meta.positions.new_zeros(align(ne + n))
     positions[:ne] = meta.positions[:ne]
-    positions[ne : ne + n] = meta.positions[ne:].index_select(0, index.to(device))
-    meta.active = ActiveRows(index.to(device), meta.num_tokens, slot_rows.to(device),
-                             torch.arange(scored, n, device=device), slot_rows[canvas].to(device), kept)
+    positions[ne : ne + n] = meta.positions[ne:].index_select(0, on(index))
+    meta.active = ActiveRows(on(index), meta.num_tokens, on(slot_rows), on(np.arange(scored, n)), on(slot_rows[canvas]), kept)
     meta.num_tokens, meta.num_decoder_tokens, meta.positions = positions.shape[0], n, positions

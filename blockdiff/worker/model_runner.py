@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from blockdiff.config import LOGPROBS_MODES
@@ -95,7 +96,7 @@ class ModelRunner:
         # The fast denoising mode's: each slot's settled positions as the last step left them, on
         # the host (read back with the step's results), which choose the next step's rows; and each
         # layer's K/V of the canvases' positions as last computed (made at the first fast step).
-        self.settled = torch.zeros(cache.num_slots + 1, self.canvas_length, dtype=torch.bool)
+        self.settled = np.zeros((cache.num_slots + 1, self.canvas_length), dtype=bool)
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
@@ -175,7 +176,7 @@ class ModelRunner:
         """`meta` narrowed to the rows that run: every scored token and every canvas position not
         settled (decided on the host from what the last step read back); -> the rows each canvas runs."""
         if self.kept is None:
-            self.kept = keep_kv(self.kv, self.settled.numel(), self.model.dtype, self.device)
+            self.kept = keep_kv(self.kv, self.settled.size, self.model.dtype, self.device)
         running = ~self.settled[slots]
         run_active_rows(meta, running, slots, scored, self.settled.shape[0] - 1, self.kept)
         return running.sum(-1).tolist()
@@ -190,7 +191,7 @@ class ModelRunner:
         settled = None
         if "settled" in out.updates and evaluated is not None:  # read back with the step's results
             settled = out.updates["settled"].cpu()
-            self.settled[host_slots] = settled
+            self.settled[host_slots] = np.array(settled.tolist(), dtype=bool).reshape(len(host_slots), -1)
         tokens, logprob, dist = out.tokens, out.logprob, out.dist
         if plan.steps > 1 and (plan.min_tokens is not None or plan.constraints or plan.top_logprobs >= 0):
             # they read the finishing step's distribution; `dist` is the last step's (engine._steps_per_launch)

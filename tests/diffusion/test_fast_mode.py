@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -171,7 +172,7 @@ def test_active_row_attention_on_triton_matches_the_reference(tiny):
     model = load_model(tiny)
     cache = CacheConfig(num_slots=2, num_blocks=32, block_size=4, max_model_len=64)
     blocks = tuple(range(20, 4, -1))
-    running = torch.tensor([[True, False, False, True, True, False, True, False]])
+    running = np.array([[True, False, False, True, True, False, True, False]])
     canvas = [40, 41, 42, 43, 44, 45, 46, 47]
     logits = {}
     for backend in ("reference", "triton"):
@@ -180,10 +181,10 @@ def test_active_row_attention_on_triton_matches_the_reference(tiny):
         prompt = build_metadata([Row(0, 0, 13, False, blocks)], geo, layer_kinds(model), "cpu")
         model(torch.tensor(list(range(3, 16)) + [0] * (prompt.num_tokens - 13)), prompt, kv, None)
         out = []
-        for mask in (torch.ones_like(running), running):
+        for mask in (np.ones_like(running), running):
             meta = build_metadata([Row(0, 13, CANVAS, True, blocks)], geo, layer_kinds(model), "cpu")
             run_active_rows(meta, mask, [0], 0, cache.num_slots, kept)
-            ids = torch.tensor(canvas)[mask[0]]
+            ids = torch.tensor(canvas)[torch.from_numpy(mask[0])]
             out.append(model(torch.cat((ids, ids.new_zeros(meta.num_tokens - len(ids)))), meta, kv, None))
         assert out[1].shape[0] == int(running.sum())
         logits[backend] = torch.cat(out)
