@@ -1,7 +1,8 @@
 """The fast denoising mode's speed against its accuracy, beside the exact mode, on the demo's
-held-out eval (the problems `blockdiff eval --task demo` asks), greedy, in one run.
+held-out eval (the problems `blockdiff eval --task demo` asks), greedy (or --sampled: at the
+checkpoint's temperatures, seeded per problem), in one run.
 
-    .venv/bin/python benchmarks/fast_mode.py [--model DIR] [--num 60] [--speed-problems 16] [--ttft-problems 8]
+    .venv/bin/python benchmarks/fast_mode.py [--model DIR] [--num 60] [--speed-problems 16] [--ttft-problems 8] [--sampled]
 
 Settings (rows of the table): the exact mode at the seed's settings (confidence_threshold 0,
 16 steps: every canvas runs every step), at the checkpoint's defaults (its adaptive stop), and
@@ -30,7 +31,8 @@ SETTINGS = {
     "exact, checkpoint defaults": {},
     "exact, 4 steps (no stop)": dict(confidence_threshold=0.0, max_denoising_steps=4),
     "fast, defaults": dict(denoising_mode="fast"),
-    "fast, settle_steps 1": dict(denoising_mode="fast", settle_steps=1),
+    "fast, settle_steps 2": dict(denoising_mode="fast", settle_steps=2),
+    "fast, settle_entropy 0.05": dict(denoising_mode="fast", settle_entropy=0.05),
     "fast, no adaptive stop (16 steps)": dict(denoising_mode="fast", confidence_threshold=0.0, max_denoising_steps=16),
 }
 
@@ -72,11 +74,12 @@ def main() -> None:
     p.add_argument("--num", type=int, default=60, help="held-out problems for accuracy and the per-token figures")
     p.add_argument("--speed-problems", type=int, default=16, help="problems timed at batch 1 and 8")
     p.add_argument("--ttft-problems", type=int, default=8, help="streamed chats timed to their first text")
+    p.add_argument("--sampled", action="store_true", help="sample at the checkpoint's temperatures instead of greedily")
     args = p.parse_args()
     problems = heldout_problems(args.num, EVAL_SEED, TASKS)
     llm = LLM(args.model, max_num_seqs=128, max_model_len=384)
     prompts = [_prompt(llm, pr) for pr in problems]
-    base = SamplingParams(temperature=0.0, skip_special_tokens=True)
+    base = SamplingParams(temperature=None if args.sampled else 0.0, skip_special_tokens=True)
     _throughput(llm, prompts[:8], base, 8)  # warm-up
     rows = []
     for name, values in SETTINGS.items():

@@ -103,7 +103,7 @@ SAMPLER_FIELDS: tuple[SamplerField, ...] = (
                  "steps run only the unsettled ones and the settled prefix streams", 0, 0, per_canvas=False,
                  neutral=("exact",), choices=DENOISING_MODES),
     # The fast mode's rule. Defaults from the held-out eval's speed-accuracy table (docs/benchmarks.md).
-    SamplerField("settle_steps", int, 2, "fast mode: steps a position's argmax must hold before it settles", 1,
+    SamplerField("settle_steps", int, 1, "fast mode: steps a position's argmax must hold before it settles", 1,
                  INT32_MAX, dtype="int32", steps=True),
     SamplerField("settle_entropy", float, 0.3, "fast mode: entropy (nats) under which a held position settles", 0,
                  FLOAT32_MAX),

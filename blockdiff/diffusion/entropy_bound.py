@@ -154,6 +154,8 @@ class EntropyBound(DiffusionSampler):
                     raise InvalidParam("temperature", f"temperature {given.temperature} scales {name} to {value!r}, "
                                                       f"outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
             out = replace(out, **scaled, temperature=None)
+        if out.denoising_mode == "fast" and _reads_the_last_distribution(out):
+            out = replace(out, denoising_mode="exact")
         lowest = min_temperature(out.t_min, out.t_max, out.max_denoising_steps)
         if not lowest >= MIN_TEMPERATURE:
             who = "temperature" if given.temperature is not None else "t_min"
@@ -196,6 +198,14 @@ class EntropyBound(DiffusionSampler):
         res = denoise_step(logits, last_argmax, run, params, vocab)
         return StepResult(updates={"canvas": res.canvas, "last_argmax": res.argmax, "run": res.run}, tokens=res.argmax,
                           logprob=-res.dist.log_total, accepted=res.accepted, finished=res.finished, dist=res.dist)
+
+
+def _reads_the_last_distribution(params: SamplingParams) -> bool:
+    """Whether what a request's canvas commits is read from the whole distribution of the step that
+    ends it (structured outputs and vocabulary restrictions, min_tokens, top logprobs): a fast step
+    has none for its settled positions, so such a request runs in the exact mode."""
+    return (params.structured_outputs is not None or params.allowed_token_ids is not None or bool(params.bad_words)
+            or params.min_tokens > 0 or (params.logprobs or 0) > 0)
 
 
 def fast_step(logits: torch.Tensor, state: EntropyBoundState, slots: torch.Tensor, last_argmax: torch.Tensor,

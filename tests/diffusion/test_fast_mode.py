@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from blockdiff import LLM, SamplingParams
+from blockdiff.diffusion.entropy_bound import EntropyBound
 from blockdiff.model.attention import Row, build_metadata, keep_kv, run_active_rows
 from blockdiff.model.interface import layer_kinds
 from blockdiff.model.loader import load_model
+from blockdiff.sampling_params import REFERENCE_DEFAULTS
 from blockdiff.step import CacheConfig
 from blockdiff.worker.kv_cache import allocate, geometry
 
@@ -189,3 +191,16 @@ def test_active_row_attention_on_triton_matches_the_reference(tiny):
         assert out[1].shape[0] == int(running.sum())
         logits[backend] = torch.cat(out)
     torch.testing.assert_close(logits["triton"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("extra", [dict(min_tokens=2), dict(logprobs=2), dict(allowed_token_ids=[3, 4, 5]),
+                                   dict(bad_words=["x"])])
+def test_a_request_whose_commit_reads_the_whole_distribution_runs_exact(extra):
+    """A settled position has no distribution of its own in a fast step, so a request whose
+    committed canvas is chosen from the last step's whole distribution runs in the exact mode."""
+    sampler = EntropyBound()
+    fast = sampler.resolve(SamplingParams(denoising_mode="fast"), REFERENCE_DEFAULTS)
+    assert fast.denoising_mode == "fast" and sampler.request_options(fast)["fast"]
+    resolved = sampler.resolve(SamplingParams(denoising_mode="fast", **extra), REFERENCE_DEFAULTS)
+    assert resolved.denoising_mode == "exact" and not sampler.request_options(resolved)["fast"]
+    assert sampler.canvas_values(resolved)["settle_steps"] == 0
