@@ -102,7 +102,7 @@ SAMPLER_FIELDS: tuple[SamplerField, ...] = (
     SamplerField("denoising_mode", str, "exact", "exact: the reference's steps; fast: positions settle early, later "
                  "steps run only the unsettled ones and the settled prefix streams", 0, 0, per_canvas=False,
                  neutral=("exact",), choices=DENOISING_MODES),
-    # The fast mode's rule. Defaults from the held-out eval's speed-accuracy table (docs/benchmarks.md).
+    # The fast mode's rule; defaults from the held-out eval (docs/benchmarks.md, "The fast denoising mode").
     SamplerField("settle_steps", int, 1, "fast mode: steps a position's argmax must hold before it settles", 1,
                  INT32_MAX, dtype="int32", steps=True),
     SamplerField("settle_entropy", float, 0.3, "fast mode: entropy (nats) under which a held position settles", 0,
