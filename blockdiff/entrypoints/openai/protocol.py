@@ -429,7 +429,7 @@ class ModelCard(BaseModel):
     parent: str | None = None  # a LoRA adapter's base model (vLLM's)
     canvas_length: int  # tokens denoised together
     # Sampler fields as a request that leaves them unset gets them (max_tokens None: what fits)
-    sampling_defaults: dict[str, int | float | None]
+    sampling_defaults: dict[str, int | float | str | None]
 
 
 class ModelList(BaseModel):
