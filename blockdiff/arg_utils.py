@@ -278,7 +278,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
             seen.add(f.name)
             default = ("what fits in --max-model-len" if f.default is None else
                        f"generation_config.json, else {f.default}" if f.generation_config else str(f.default))
-            group.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None,
+            group.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None, choices=f.choices or None,
                                help=f"{f.help} (default: {default})")
 
 

@@ -49,7 +49,7 @@ class InvalidParam(ValueError):
 @dataclass(frozen=True)
 class SamplerField:
     name: str
-    type: type  # int or float
+    type: type  # int, float, or str (one of `choices`)
     default: int | float | None  # the reference implementation's; None: decided per request
     help: str
     minimum: float
@@ -62,7 +62,13 @@ class SamplerField:
     # Values that change nothing: a model whose sampler lacks the field accepts it at these (clients
     # send vLLM's truncation knobs at their neutral values whatever the model).
     neutral: tuple = ()
+    choices: tuple[str, ...] = ()  # a str field's values
 
+
+# The denoising modes (docs/architecture.md, "Fewer forwards"): "exact" runs the reference's steps;
+# "fast" settles positions whose argmax held, stops renoising them, runs only the unsettled rows and
+# streams the settled prefix.
+DENOISING_MODES = ("exact", "fast")
 
 SAMPLER_FIELDS: tuple[SamplerField, ...] = (
     # Unset, a request may generate what fits in the context (engine/input_processor.py), as in vLLM:
@@ -93,6 +99,14 @@ SAMPLER_FIELDS: tuple[SamplerField, ...] = (
                  "much probability", 0, 1, exclusive_minimum=True, neutral=(1,)),
     SamplerField("min_p", float, 0.0, "draw candidates only among tokens at least this fraction as likely as "
                  "the most likely one", 0, 1, neutral=(0,)),
+    SamplerField("denoising_mode", str, "exact", "exact: the reference's steps; fast: positions settle early, later "
+                 "steps run only the unsettled ones and the settled prefix streams", 0, 0, per_canvas=False,
+                 neutral=("exact",), choices=DENOISING_MODES),
+    # The fast mode's rule; defaults from the held-out eval (docs/benchmarks.md, "The fast denoising mode").
+    SamplerField("settle_steps", int, 1, "fast mode: steps a position's argmax must hold before it settles", 1,
+                 INT32_MAX, dtype="int32", steps=True),
+    SamplerField("settle_entropy", float, 0.3, "fast mode: entropy (nats) under which a held position settles", 0,
+                 FLOAT32_MAX),
 )
 # The fields of every sampler's table: how much a request generates, how long a canvas may take.
 ENGINE_FIELDS = SAMPLER_FIELDS[:2]
@@ -160,6 +174,9 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    denoising_mode: str | None = None
+    settle_steps: int | None = None
+    settle_entropy: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -368,7 +385,9 @@ def generation_defaults(model_dir: str | None, table: tuple[SamplerField, ...] =
 
 
 def within(f: SamplerField, v) -> bool:
-    """Whether `v` is a value of field `f`: of its type, within its bounds."""
+    """Whether `v` is a value of field `f`: of its type, within its bounds (one of its choices)."""
+    if f.choices:
+        return v in f.choices
     if f.type is int:
         if not _is_int(v):
             return False
@@ -382,6 +401,8 @@ def check_field(f: SamplerField, v, where: str = "") -> None:
     """InvalidParam unless `v` is None or a value of field `f`."""
     if v is None or within(f, v):
         return
+    if f.choices:
+        raise InvalidParam(f.name, f"{where}{f.name} must be one of {', '.join(map(repr, f.choices))}, got {v!r}")
     kind = "an integer" if f.type is int else "a finite number"
     low = ">" if f.exclusive_minimum else ">="
     raise InvalidParam(f.name, f"{where}{f.name} must be {kind} {low} {f.minimum:g} and <= {f.maximum:g}, got {v!r}")

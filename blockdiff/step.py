@@ -308,3 +308,8 @@ class StepOutput:
     score_top_ids: torch.Tensor | None = None
     # [decoder rows] int32: denoising steps each canvas ran, up to the one that finished it (plan.steps > 1)
     steps: torch.Tensor | None = None
+    # A step with a canvas in the fast mode: [decoder rows, CL] bool, the positions settled after the
+    # step (final: never renoised, never changed), and [decoder rows] the rows the model ran for each
+    # canvas (None: every canvas ran its whole canvas at each step).
+    settled: torch.Tensor | None = None
+    rows_evaluated: list[int] | None = None

@@ -126,7 +126,7 @@ def engine_keywords(options: dict) -> dict:
     """`LLM(...)`'s keywords as EngineConfig fields: vLLM's options that mean nothing here dropped with
     the command line's warning, refused ones a ValueError with the reason, max_num_batched_tokens
     under its name here (max_prefill_tokens), and diffusion_config / hf_overrides mapped as their
-    flags are (sampler defaults into sampling_defaults)."""
+    flags are, and the samplers' fields taken as the server's flags are (into sampling_defaults)."""
     out = dict(options)
     for name, _, _ in ACCEPTED:
         if name in out:
@@ -144,6 +144,8 @@ def engine_keywords(options: dict) -> dict:
             raise ValueError("max_num_batched_tokens and max_prefill_tokens are the same setting; give one")
         out["max_prefill_tokens"] = out.pop("max_num_batched_tokens")
     engine, sampler = diffusion_settings(out.pop("diffusion_config", None), out.pop("hf_overrides", None))
+    # the samplers' fields (denoising_mode="fast", ...) as keywords: defaults, as the server's flags are
+    sampler.update({name: out.pop(name) for name in _sampler_fields() if name in out})
     for name, value in engine.items():
         if out.get(name) is not None and out[name] != value:
             raise ValueError(f"{name}={out[name]!r} disagrees with {value!r} from diffusion_config / hf_overrides")

@@ -20,7 +20,7 @@ from blockdiff.bench.roofline import Cost, Peak, bound, measure_peak, parameter_
 from blockdiff.engine.request import State
 from blockdiff.model.attention import Row
 from blockdiff.arg_utils import add_engine_args, at_least, engine_config
-from blockdiff.sampling_params import SamplingParams
+from blockdiff.sampling_params import DENOISING_MODES, SamplingParams
 
 WIDTH = 96  # the report's, that of its widest table (the roofline)
 
@@ -30,7 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes; the first row is the latency row")
     p.add_argument("--input-len", type=at_least(1), default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=at_least(1), default=256, help="new tokens per request")
-    p.add_argument("--denoising-steps", type=at_least(1), default=8, help="denoising steps every canvas takes")
+    p.add_argument("--denoising-steps", type=at_least(1), default=8, help="denoising steps every canvas takes "
+                   "(at most, in the fast mode)")
+    p.add_argument("--denoising-mode", choices=DENOISING_MODES, default="exact",
+                   help="exact: the reference's steps; fast: positions settle early (docs/architecture.md)")
     p.add_argument("--num-iters", type=at_least(1), default=3, help="timed runs per batch size and engine (the median is shown)")
     p.add_argument("--num-warmup", type=at_least(0), default=1, help="untimed runs per batch size and engine")
     p.add_argument("--compare", choices=["transformers"], default=None,
@@ -208,7 +211,7 @@ def _benchmark(llm, cfg, args: argparse.Namespace, batch_sizes: list[int]) -> in
         # stability_threshold = steps: a canvas never counts as stable, so each takes every step.
         params = [
             SamplingParams(max_tokens=args.output_len, max_denoising_steps=steps, stability_threshold=steps,
-                           ignore_eos=True, seed=args.seed + i)
+                           ignore_eos=True, seed=args.seed + i, denoising_mode=args.denoising_mode)
             for i in range(batch)
         ]
 

@@ -38,7 +38,7 @@ BACKENDS = {"vllm": "/v1/completions", "openai": "/v1/completions", "openai-chat
 DATASETS = ["random", "prefix-repetition", "sharegpt"]
 # What `--save-detailed` keeps: vLLM's per-request lists (benchmarks/serve.py drops these without it).
 # vLLM's sampling flags, each sent as the request field of its name when given.
-SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
+SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "denoising_mode": str}
 DETAILED = ["input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors"]
 
 
@@ -351,6 +351,9 @@ def compute_metrics(outputs: list[RequestOutput], duration: float, percentiles: 
             "denoising_steps": steps,
             "canvas_positions_evaluated": sum(d.get("canvas_positions_evaluated", 0) for d in reports),
         }
+        # what the fast denoising mode saves: forwards and model rows per committed token
+        d["denoising_steps_per_committed_token"] = steps / committed if committed else 0.0
+        d["rows_per_committed_token"] = d["canvas_positions_evaluated"] / committed if committed else 0.0
         # vLLM's names for the same figures (it reads them from the server's vllm:diffusion_* counters)
         result.update(diffusion_committed_throughput=d["committed_throughput"],
                       diffusion_steps_per_canvas=d["denoising_steps_per_canvas"],
@@ -403,6 +406,8 @@ _DIFFUSION = [
     ("Committed tokens:", "committed_tokens"),
     ("Denoising steps:", "denoising_steps"),
     ("Canvas positions evaluated:", "canvas_positions_evaluated"),
+    ("Denoising steps per committed token:", "denoising_steps_per_committed_token"),
+    ("Rows evaluated per committed token:", "rows_per_committed_token"),
 ]
 _SECTIONS = [
     ("ttft", "TTFT", "Time to First Token"),

@@ -17,12 +17,14 @@ class EvalResult:
     total: dict[str, int] = field(default_factory=dict)
     tokens: int = 0  # tokens committed, EOS included, nothing after it
     denoising_steps: int = 0
+    rows: int = 0  # canvas positions the model evaluated (usage's canvas_positions_evaluated)
 
-    def add(self, problem: Problem, right: bool, tokens: int, steps: int) -> None:
+    def add(self, problem: Problem, right: bool, tokens: int, steps: int, rows: int = 0) -> None:
         self.correct[problem.task] = self.correct.get(problem.task, 0) + int(right)
         self.total[problem.task] = self.total.get(problem.task, 0) + 1
         self.tokens += tokens
         self.denoising_steps += steps
+        self.rows += rows
 
     @property
     def accuracy(self) -> float:
@@ -40,6 +42,7 @@ class EvalResult:
             if task in self.total
         ]
         out.append(f"tokens per denoising step: {self.tokens_per_step:.3f} ({self.tokens} tokens, {self.denoising_steps} steps)")
+        out.append(f"rows evaluated per token: {self.rows / max(1, self.tokens):.3f} ({self.rows} canvas positions)")
         out.append(f"accuracy: {self.accuracy:.3f}")
         return out
 
@@ -52,7 +55,8 @@ def per_problem_params(params: SamplingParams, n: int, seed: int) -> list[Sampli
 def score(problems: Sequence[Problem], outputs: Sequence[RequestOutput]) -> EvalResult:
     result = EvalResult()
     for problem, out in zip(problems, outputs, strict=True):
-        result.add(problem, is_correct(problem, out.text), len(out.token_ids), out.metrics["denoising_steps"])
+        result.add(problem, is_correct(problem, out.text), len(out.token_ids), out.metrics["denoising_steps"],
+                   out.metrics["canvas_positions_evaluated"])
     return result
 
 

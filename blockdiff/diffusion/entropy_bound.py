@@ -47,9 +47,13 @@ class DenoiseParams(StepParams):
     top_k: torch.Tensor  # int32
     top_p: torch.Tensor
     min_p: torch.Tensor
+    settle_steps: torch.Tensor  # int32; 0: the canvas runs in the exact mode
+    settle_entropy: torch.Tensor
     # Whether any canvas sets top_k, top_p or min_p: decided on the host when the step is planned,
     # so that a step without them never pays for their search.
     restrict: bool = False
+    # Whether any canvas runs in the fast mode: a step without one runs the exact step's operations only.
+    fast: bool = False
 
 
 @dataclass
@@ -57,6 +61,11 @@ class EntropyBoundState(SlotState):
     last_argmax: torch.Tensor = start(-1)  # [slots + 1, CL] int64: the previous step's argmax canvas
     run: torch.Tensor = start(0)  # [slots + 1] int64: how many previous argmax canvases equal it
     soft: torch.Tensor = start(0)  # [slots + 1, CL, hidden]: the self-conditioning input
+    # The fast mode's (module docstring, "Fast mode"); an exact canvas leaves them at their start.
+    held: torch.Tensor = start(0)  # [slots + 1, CL] int64: steps each position's argmax has held
+    settled: torch.Tensor = start(False)  # [slots + 1, CL] bool: final, no longer renoised nor computed
+    kept_entropy: torch.Tensor = start(0)  # [slots + 1, CL] float32: a settled position's entropy at settling
+    kept_logprob: torch.Tensor = start(0)  # [slots + 1, CL] float32: its token's logprob then
 
 
 def denoise_params(step: list[int], params: list, seeds: list[int], canvases: list[int] | None = None) -> DenoiseParams:
@@ -145,6 +154,8 @@ class EntropyBound(DiffusionSampler):
                     raise InvalidParam("temperature", f"temperature {given.temperature} scales {name} to {value!r}, "
                                                       f"outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
             out = replace(out, **scaled, temperature=None)
+        if out.denoising_mode == "fast" and _reads_the_last_distribution(out):
+            out = replace(out, denoising_mode="exact")
         lowest = min_temperature(out.t_min, out.t_max, out.max_denoising_steps)
         if not lowest >= MIN_TEMPERATURE:
             who = "temperature" if given.temperature is not None else "t_min"
@@ -153,9 +164,17 @@ class EntropyBound(DiffusionSampler):
                                     f"stay >= {MIN_TEMPERATURE}")
         return out
 
+    def canvas_values(self, params: SamplingParams) -> dict[str, int | float]:
+        """The table's per-canvas values; an exact canvas's settle_steps is 0 (it never settles)."""
+        values = super().canvas_values(params)
+        if params.denoising_mode != "fast":
+            values["settle_steps"] = 0
+        return values
+
     def request_options(self, params: SamplingParams) -> dict[str, bool]:
-        """Whether the request restricts its draw (top_k, top_p, min_p)."""
-        return {"restrict": params.top_k > 0 or params.top_p < 1 or params.min_p > 0}
+        """Whether the request restricts its draw (top_k, top_p, min_p), and whether it runs fast."""
+        return {"restrict": params.top_k > 0 or params.top_p < 1 or params.min_p > 0,
+                "fast": params.denoising_mode == "fast"}
 
     def new_state(self, rows: int, canvas_length: int, hidden_size: int, dtype: torch.dtype,
                   device: torch.device) -> EntropyBoundState:
@@ -165,11 +184,60 @@ class EntropyBound(DiffusionSampler):
                 last_argmax=torch.full((rows, canvas_length), -1, dtype=torch.long),
                 run=torch.zeros(rows, dtype=torch.long),
                 soft=torch.zeros(rows, canvas_length, hidden_size, dtype=dtype),
+                held=torch.zeros(rows, canvas_length, dtype=torch.long),
+                settled=torch.zeros(rows, canvas_length, dtype=torch.bool),
+                kept_entropy=torch.zeros(rows, canvas_length, dtype=torch.float32),
+                kept_logprob=torch.zeros(rows, canvas_length, dtype=torch.float32),
             )
 
     def step(self, logits: torch.Tensor, state: EntropyBoundState, slots: torch.Tensor, params: DenoiseParams,
              vocab: VocabParallel) -> StepResult:
-        res = denoise_step(logits, state.last_argmax.index_select(0, slots), state.run.index_select(0, slots), params,
-                           vocab)
+        last_argmax, run = state.last_argmax.index_select(0, slots), state.run.index_select(0, slots)
+        if params.fast:
+            return fast_step(logits, state, slots, last_argmax, run, params, vocab)
+        res = denoise_step(logits, last_argmax, run, params, vocab)
         return StepResult(updates={"canvas": res.canvas, "last_argmax": res.argmax, "run": res.run}, tokens=res.argmax,
                           logprob=-res.dist.log_total, accepted=res.accepted, finished=res.finished, dist=res.dist)
+
+
+def _reads_the_last_distribution(params: SamplingParams) -> bool:
+    """Whether what a request's canvas commits is read from the whole distribution of the step that
+    ends it (structured outputs and vocabulary restrictions, min_tokens, top logprobs): a fast step
+    has none for its settled positions, so such a request runs in the exact mode."""
+    return (params.structured_outputs is not None or params.allowed_token_ids is not None or bool(params.bad_words)
+            or params.min_tokens > 0 or (params.logprobs or 0) > 0)
+
+
+def fast_step(logits: torch.Tensor, state: EntropyBoundState, slots: torch.Tensor, last_argmax: torch.Tensor,
+              run: torch.Tensor, params: DenoiseParams, vocab: VocabParallel) -> StepResult:
+    """One step of canvases some of which run in the fast mode (settle_steps > 0; the others' rows
+    come out as `denoise_step`'s). A position settled before this step was not computed (its logits
+    rows are filler): it keeps its argmax, entropy and logprob, and its input stays its argmax."""
+    settled = state.settled.index_select(0, slots)
+    held = state.held.index_select(0, slots)
+    t = temperature(params.step, params.max_denoising_steps, params.t_min, params.t_max)
+    words = step_words(params, logits.shape[1])
+    uniform, renoise = randoms.uniform(words[0]), randoms.below(words[1], vocab.shard.vocab_size)
+    dist = vocab.distribution(logits, t[:, None, None])
+    draw = vocab.restricted_draw(dist, params.top_k, params.top_p, params.min_p) if params.restrict else None
+    argmax, candidates = vocab.argmax_and_sample(dist, uniform, draw)
+    argmax = torch.where(settled, last_argmax, argmax)
+    entropy = torch.where(settled, state.kept_entropy.index_select(0, slots), dist.entropy)
+    logprob = torch.where(settled, state.kept_logprob.index_select(0, slots), -dist.log_total)
+    # Settled positions take part in the acceptance as they did when they settled (their entropy
+    # uses the bound's budget), and are never renoised.
+    accepted = entropy_bound_accept(entropy, params.entropy_bound, vocab.kernels) | settled
+    held = torch.where(argmax == last_argmax, held + 1, torch.zeros_like(held))
+    fast = params.settle_steps > 0
+    now = settled | (fast[:, None] & (held >= params.settle_steps[:, None])
+                     & (entropy < params.settle_entropy[:, None]))
+    canvas = torch.where(now, argmax, torch.where(accepted, candidates, renoise))
+    same = (argmax == last_argmax).all(dim=-1)
+    run = torch.where(same, run + 1, torch.zeros_like(run))
+    stable = run >= params.stability_threshold
+    confident = (params.confidence_threshold > 0) & (entropy.mean(dim=-1) < params.confidence_threshold)
+    finished = (stable & confident) | (params.step <= 1) | (fast & now.all(dim=-1))
+    updates = {"canvas": canvas, "last_argmax": argmax, "run": run, "held": held, "settled": now,
+               "kept_entropy": entropy, "kept_logprob": logprob}
+    return StepResult(updates=updates, tokens=argmax, logprob=logprob, accepted=accepted, finished=finished,
+                      dist=replace(dist, entropy=entropy), frozen=settled)

@@ -91,6 +91,9 @@ class StepResult:
     accepted: torch.Tensor  # [canvases, CL] bool: where the next input keeps this step's token (else renoised)
     finished: torch.Tensor  # [canvases] bool
     dist: Distribution  # the step's distribution statistics (top logprobs, soft embeddings, commit)
+    # [canvases, CL] bool: positions the step did not compute (settled before it, fast mode), whose
+    # self-conditioning rows stay as they were; None: it computed every position.
+    frozen: torch.Tensor | None = None
 
 
 class DiffusionSampler:

@@ -295,7 +295,7 @@ class LLMEngine:
         if k == 1 or sched.encoder or sched.score or not dec or (self.scheduler.waiting and self.scheduler.free_slots):
             return 1
         if min_tokens or any(r.params.stream_drafts or r.params.draft_details or r.params.logprobs is not None
-                             or r.constraint is not None for r in dec):
+                             or r.constraint is not None or r.params.denoising_mode == "fast" for r in dec):
             return 1
         return min(k, max(r.steps_left for r in dec))
 

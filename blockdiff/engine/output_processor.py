@@ -42,10 +42,22 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput, out: StepOu
     for i, req in enumerate(sched.decoder):
         if req in gone:
             continue
-        req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None, steps[i])
+        req.denoised(out.tokens[i].tolist() if req.params.stream_drafts else None, steps[i],
+                     None if out.rows_evaluated is None else out.rows_evaluated[i])
         if req.params.draft_details:
             req.draft.entropy, req.draft.accepted = out.entropy[i].tolist(), out.accepted[i].tolist()
         if not finished[i]:
+            if out.settled is not None and req.streams_settled:
+                before = len(req.output.token_ids)
+                reason = req.settled(out.tokens[i].tolist(), out.settled[i].tolist())
+                if reason is not None:  # an EOS, a stop string or max_tokens in the settled prefix
+                    req.finish(reason)
+                    scheduler.release(req)
+                    news.append(req)
+                    continue
+                if len(req.output.token_ids) > before:
+                    news.append(req)
+                    continue
             if req.params.stream_drafts:
                 news.append(req)
             continue

@@ -137,6 +137,9 @@ class Request:
     prompt_scores: list[TokenLogprob] | None = None
     sent_prompt_scores: bool = False
     constraint: OutputConstraint | None = None  # structured outputs: what the committed text must be
+    # The fast mode: tokens of the canvas being denoised already in the output (its settled prefix,
+    # streamed before the canvas ends); they go through the encoder with the rest of the canvas.
+    partial: int = 0
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -164,7 +167,27 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt and committed output: what the cache holds once the request is caught up."""
-        return len(self.prompt_token_ids) + len(self.output.token_ids)
+        return len(self.prompt_token_ids) + len(self.output.token_ids) - self.partial
+
+    @property
+    def streams_settled(self) -> bool:
+        """Whether its canvas's settled prefix is output before the canvas ends (the fast mode), where
+        nothing at the canvas's end could change it: no structured output or min_tokens rule left
+        to apply there, and no logprobs, which a finished canvas reports."""
+        p = self.params
+        return (p.denoising_mode == "fast" and self.constraint is None and p.logprobs is None
+                and p.min_tokens <= len(self.output.token_ids) - self.partial)
+
+    def settled(self, canvas: list[int], settled: list[bool]) -> str | None:
+        """Its canvas's argmax `canvas` after a step, with the positions settled: the leftmost run of
+        settled positions is final, and what of it is new goes to the output; -> the finish reason
+        (an EOS, a stop string or max_tokens in it), or None."""
+        n = next((i for i, s in enumerate(settled) if not s), len(settled))
+        if n <= self.partial:
+            return None
+        new = canvas[self.partial : n]
+        self.partial = n
+        return self.output.append(new)
 
     def penalties(self) -> Penalties | None:
         """What the workers keep of its penalties and logit bias when it takes a slot (None: none):
@@ -301,11 +324,12 @@ class Request:
         self.new_canvas = canvas
         self.steps_left = self.params.max_denoising_steps
 
-    def denoised(self, argmax: list[int] | None, steps: int = 1) -> None:
-        """`steps` denoising steps ran; `argmax` is the last one's argmax canvas when drafts are streamed."""
+    def denoised(self, argmax: list[int] | None, steps: int = 1, rows: int | None = None) -> None:
+        """`steps` denoising steps ran, which evaluated `rows` canvas positions (None: the whole canvas
+        at each); `argmax` is the last one's argmax canvas when drafts are streamed."""
         self.steps_left -= steps
         self.metrics.denoising_steps += steps
-        self.metrics.canvas_positions_evaluated += steps * self.canvas_length
+        self.metrics.canvas_positions_evaluated += steps * self.canvas_length if rows is None else rows
         if argmax is not None:
             self.draft.token_ids = argmax
 
@@ -321,8 +345,9 @@ class Request:
         else:
             m.canvas_gaps.append(now - m.last_canvas_time)
         m.last_canvas_time = now
-        before = len(self.output.token_ids)
-        reason = self.output.append(canvas, logprobs)
+        before = len(self.output.token_ids) - self.partial
+        reason = self.output.append(canvas[self.partial :], logprobs)
+        self.partial = 0
         if self.constraint is not None:
             self.constraint.commit(self.output.token_ids[before:])
             if reason == "length" and self.constraint.complete:

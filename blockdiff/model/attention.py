@@ -13,16 +13,17 @@ import torch
 from torch import nn
 
 from blockdiff.model.attention_backends import backend_module
-from blockdiff.model.attention_layout import (FP8_KV_DTYPE, KEY_BLOCK, QUERY_TILE, ROW_ALIGN, AttentionMetadata,
-                                              CacheGeometry, Row, align)
+from blockdiff.model.attention_layout import (FP8_KV_DTYPE, KEY_BLOCK, QUERY_TILE, ROW_ALIGN, ActiveRows,
+                                              AttentionMetadata, CacheGeometry, Row, align, keep_kv, run_active_rows)
 from blockdiff.model.gemma_config import GemmaConfig, LayerSpec
 from blockdiff.model.layers import RMSNorm, apply_rotary, unit_rms
 from blockdiff.parallel.group import TPGroup
 from blockdiff.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from blockdiff.parallel.quantization.base import linear_method
 
-__all__ = ["FP8_KV_DTYPE", "KEY_BLOCK", "QUERY_TILE", "ROW_ALIGN", "Attention", "AttentionMetadata", "CacheGeometry",
-           "Row", "align", "build_metadata", "calculate_kv_scales", "canvas_metadata", "qkv_parts"]
+__all__ = ["FP8_KV_DTYPE", "KEY_BLOCK", "QUERY_TILE", "ROW_ALIGN", "ActiveRows", "Attention", "AttentionMetadata", "CacheGeometry",
+           "Row", "align", "build_metadata", "calculate_kv_scales", "canvas_metadata", "keep_kv", "qkv_parts",
+           "run_active_rows"]
 
 # --calculate-kv-scales: scale = max |x| of the first prefill / this, vLLM's K_SCALE_CONSTANT and
 # V_SCALE_CONSTANT. The headroom (448 / 200 and 448 / 100) leaves room for later tokens' larger
@@ -109,8 +110,13 @@ class Attention(nn.Module):
         # num_encoder_tokens first: a step of canvases only (compiled, graphed) never reads the flag.
         if meta.num_encoder_tokens and scales is not None and self.calculate_scales:
             self._calculate_scales(k[: meta.num_encoder_tokens], v[: meta.num_encoder_tokens])
-        kind.write(k, v, cache, scales)  # first: an encoder row's queries read their own keys from the cache
-        return self.o_proj(kind.attend(q, k, v, cache, scales))
+        if meta.active is None:
+            kind.write(k, v, cache, scales)  # first: an encoder row's queries read their own keys from the cache
+            return self.o_proj(kind.attend(q, k, v, cache, scales))
+        ne = meta.num_encoder_tokens
+        q, k, v = meta.active.widen(q, k, v, ne)
+        kind.write(k, v, cache, scales)
+        return self.o_proj(meta.active.narrow(kind.attend(q, k, v, cache, scales), ne, n))
 
     def _calculate_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The scales from this prefill's K/V, then fixed. Each rank holds only its own KV heads: the

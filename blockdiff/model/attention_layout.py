@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 # Positions per key block of full-attention layers (rounded to whole cache blocks): big enough
@@ -71,9 +72,56 @@ class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens]
     sliding: KindAttention | None
     full: KindAttention | None
+    # A step that runs only some of its decoder rows (the fast denoising mode); None: every row runs.
+    active: "ActiveRows | None" = None
 
     def kind(self, sliding: bool) -> KindAttention:
         return self.sliding if sliding else self.full
+
+
+@dataclass
+class ActiveRows:
+    """The decoder rows a step runs when some canvas positions are settled (the fast denoising mode,
+    docs/architecture.md "Fewer forwards"), and the K/V kept for the others.
+
+    The backend's metadata is built for every decoder row (the `full` layout: [encoder | every decoder
+    token | padding]); the model runs only the encoder tokens and the active decoder tokens. Around
+    the backend, each attention layer widens its q/k/v to the full layout (a settled position's K/V:
+    the one it had at the last step that computed it, from `kept`; its query: zeros, its output
+    dropped) and narrows the output back, and keeps the active canvas tokens' fresh K/V. So any
+    backend runs it unchanged, and an active row's result does not depend on which other rows run."""
+
+    index: torch.Tensor  # [A] int64: the active tokens' places among the full layout's decoder tokens
+    full_tokens: int  # tokens of the full layout, padded
+    slot_rows: torch.Tensor  # [full decoder tokens] int64: each one's row of `kept` (slot * CL + position)
+    store_src: torch.Tensor  # [S] int64: active tokens (among the A) of canvases, whose K/V are kept...
+    store_dst: torch.Tensor  # [S] int64: ...at these rows of `kept`
+    kept: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V [(slots + 1) * CL, kv heads, dim]
+    layer: int = 0  # the layer running (the model's backbone sets it)
+
+    def widen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ne: int) -> tuple[torch.Tensor, ...]:
+        """q, k, v over [encoder | active | padding] tokens -> over the full layout; the active canvas
+        tokens' k and v are kept for the steps in which they are settled."""
+        out = []
+        for i, x in enumerate((q, k, v)):
+            full = x.new_zeros(self.full_tokens, *x.shape[1:])
+            full[:ne] = x[:ne]
+            dec = full[ne : ne + self.slot_rows.shape[0]]
+            active = x[ne : ne + self.index.shape[0]]
+            if i:
+                kept = self.kept[self.layer][i - 1]
+                dec.copy_(kept.index_select(0, self.slot_rows))
+                kept.index_copy_(0, self.store_dst, active.index_select(0, self.store_src))
+            dec.index_copy_(0, self.index, active)
+            out.append(full)
+        return tuple(out)
+
+    def narrow(self, out: torch.Tensor, ne: int, num_tokens: int) -> torch.Tensor:
+        """The attention output over the full layout -> over [encoder | active | padding] tokens."""
+        small = out.new_zeros(num_tokens, *out.shape[1:])
+        small[:ne] = out[:ne]
+        small[ne : ne + self.index.shape[0]] = out[ne:].index_select(0, self.index)
+        return small
 
 
 @dataclass
@@ -246,3 +294,31 @@ def step_tables(rows: list[Row], sliding: bool, device: torch.device | str,
     if tables is None:
         return kind_tables(rows, sliding).to(device), list(range(len(rows)))
     return tables[sliding], [r.slot for r in rows]
+
+
+def keep_kv(kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, dtype: torch.dtype,
+            device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer of the cache `kv` ([kv heads, entries, dim] each), K and V stores of `rows` canvas
+    positions ((slots + 1) * CL): what ActiveRows keeps."""
+    return [tuple(torch.zeros(rows, k.shape[0], k.shape[2], dtype=dtype, device=device) for _ in range(2))
+            for k, _ in kv]
+
+
+def run_active_rows(meta: AttentionMetadata, running: np.ndarray, slots: list[int], scored: int, scratch: int,
+                    kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Narrow `meta` (built for every decoder row: `scored` scored tokens, then the canvases of
+    `slots`) to the rows that run: every scored token and the canvas positions `running` [canvases,
+    CL] bool; `scratch`: the slot whose kept rows a scored token points at (it always runs). The
+    indices are made on the host, in numpy, from host data: no read of the device."""
+    cl = running.shape[1]
+    canvas = np.flatnonzero(running.reshape(-1)) + scored
+    index = np.concatenate((np.arange(scored), canvas))
+    slot_rows = np.concatenate((np.full(scored, scratch * cl), (np.asarray(slots)[:, None] * cl + np.arange(cl)).reshape(-1)))
+    device = meta.positions.device
+    on = lambda a: torch.tensor(a, dtype=torch.long, device=device)  # noqa: E731
+    ne, n = meta.num_encoder_tokens, index.shape[0]
+    positions = meta.positions.new_zeros(align(ne + n))
+    positions[:ne] = meta.positions[:ne]
+    positions[ne : ne + n] = meta.positions[ne:].index_select(0, on(index))
+    meta.active = ActiveRows(on(index), meta.num_tokens, on(slot_rows), on(np.arange(scored, n)), on(slot_rows[canvas]), kept)
+    meta.num_tokens, meta.num_decoder_tokens, meta.positions = positions.shape[0], n, positions

@@ -187,7 +187,9 @@ class DiffusionGemma(nn.Module):
         for key, rotary in self.rotary.items():
             kind = meta.kind(key == "sliding")
             kind.cos, kind.sin = rotary.cos_sin(meta.positions, x.dtype)
-        for layer, layer_cache in zip(self.layers, cache):
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            if meta.active is not None:  # which layer's kept K/V its attention reads
+                meta.active.layer = i
             x = layer(x, meta, layer_cache)
         return x
 

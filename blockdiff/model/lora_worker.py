@@ -65,4 +65,7 @@ class WorkerLoRA:
             adapters = torch.tensor([self.host[r.slot] for r in rows], dtype=torch.long)
             index = adapters.repeat_interleave(torch.tensor([r.length for r in rows], dtype=torch.long))
             index = index.to(self.table.device)
+            if meta.active is not None:  # a fast step runs its encoder tokens and its unsettled decoder rows
+                ne = meta.num_encoder_tokens
+                index = torch.cat((index[:ne], index[ne:].index_select(0, meta.active.index)))
         self.mapping.set(index, meta, level == 2)

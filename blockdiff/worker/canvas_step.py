@@ -135,7 +135,9 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
                  penalty_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, CanvasOutputs | None]:
     """The one step function, eager and static alike: a forward over [prefix: encoder tokens, then
     `scored` decoder tokens | the canvases of `slots`], then the sampler. -> (the scored tokens' logits,
-    the canvases' outputs or None). A starting canvas's soft embeddings are zeros: the reference's first step."""
+    the canvases' outputs or None). A starting canvas's soft embeddings are zeros: the reference's first step.
+    With `meta.active` (the fast mode) only its active decoder rows run; the others' logits are zeros,
+    which the sampler does not read (it keeps a settled position's results)."""
     rows, cl = slots.shape[0], state.canvas.shape[1]
     ids = state.canvas.index_select(0, slots).reshape(-1)
     soft = state.soft.index_select(0, slots).flatten(0, 1) if sampler.self_conditioning else None
@@ -143,9 +145,16 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
         ids = torch.cat((prefix, ids))
         if soft is not None and scored:  # a scored piece is a canvas's first step: zeros
             soft = torch.cat((soft.new_zeros(scored, soft.shape[-1]), soft))
+    active = meta.active
+    if active is not None:
+        ne = meta.num_encoder_tokens
+        ids = torch.cat((ids[:ne], ids[ne:].index_select(0, active.index)))
+        soft = None if soft is None else soft.index_select(0, active.index)
     if meta.num_tokens > ids.shape[0]:  # rows aligned for batch invariance (model/attention.py)
         ids = torch.cat((ids, ids.new_zeros(meta.num_tokens - ids.shape[0])))
     logits = model(ids, meta, kv, soft, images, logits_out=None if logits_out is None else logits_out[: scored + rows * cl])
+    if active is not None:
+        logits = logits.new_zeros(scored + rows * cl, logits.shape[1]).index_copy_(0, active.index, logits)
     if rows == 0:
         return logits[:scored], None
     canvases = logits[scored:].view(rows, cl, -1)
@@ -155,6 +164,8 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
     updates = dict(res.updates)
     if sampler.self_conditioning:
         updates["soft"] = vocab.soft_embed(res.dist, None, model.soft_embed, model.dtype)
+        if res.frozen is not None:  # a settled position's row stays its last distribution's
+            updates["soft"] = torch.where(res.frozen[..., None], state.soft.index_select(0, slots), updates["soft"])
     return logits[:scored], CanvasOutputs(updates, sampler.commit(res, params), res.finished, res.logprob,
                                           res.dist.entropy, res.accepted, res.dist,
                                           torch.ones(rows, dtype=torch.int32, device=slots.device))

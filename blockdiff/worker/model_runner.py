@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from blockdiff.config import LOGPROBS_MODES
@@ -26,7 +27,7 @@ from blockdiff.diffusion.strategy import DiffusionSampler
 from blockdiff.diffusion.sampler_kernels import choose_sampler_backend, sampler_kernels
 from blockdiff.diffusion.vocab_parallel import Distribution, VocabParallel, workspace_bytes
 from blockdiff.ops.kernels import step_modes, target
-from blockdiff.model.attention import build_metadata, calculate_kv_scales
+from blockdiff.model.attention import AttentionMetadata, build_metadata, calculate_kv_scales, keep_kv, run_active_rows
 from blockdiff.model.attention_backends import choose_attention_backend
 from blockdiff.model.interface import BlockDiffusionModel, layer_kinds
 from blockdiff.model.lora_worker import WorkerLoRA
@@ -90,6 +91,11 @@ class ModelRunner:
         self.requests = RequestSlots(sampler, cache.num_slots + 1, self.device)
         self.penalties = SlotPenalties(cache.num_slots + 1, model.shard, self.device)
         self.automata: dict[str, DeviceAutomaton] = {}  # structured outputs' automata, by key (StepPlan.automata)
+        # The fast denoising mode's: each slot's settled positions as the last step left them, on
+        # the host (read back with the step's results), which choose the next step's rows; and each
+        # layer's K/V of the canvases' positions as last computed (made at the first fast step).
+        self.settled = np.zeros((cache.num_slots + 1, self.canvas_length), dtype=bool)
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.canvas_steps = None
         # Models whose step is not static (their experts read group sizes on the host) run eagerly.
         static = model.static_shapes(self.device)
@@ -122,8 +128,11 @@ class ModelRunner:
         slots = torch.tensor([r.slot for r in dec_rows], dtype=torch.long, device=self.device)
         if plan.new_canvas_rows:
             self._start_canvases(plan, slots)
+            self.settled[[dec_rows[i].slot for i in plan.new_canvas_rows]] = False
         score = {}
-        if self.canvas_steps is not None and plan.score is None and all_canvases(rows):
+        fast = bool(plan.denoise and plan.denoise.get("fast"))
+        evaluated = None
+        if self.canvas_steps is not None and plan.score is None and all_canvases(rows) and not fast:
             # The step function with static shapes (a padded bucket), compiled or graphed.
             out = self.canvas_steps(rows, plan.denoise, plan.steps)[1].head(len(dec_rows))
         else:
@@ -137,7 +146,9 @@ class ModelRunner:
             meta = build_metadata(rows, self.geometry, self.kinds, self.device, self.tables.tables)
             params = self.requests.step_params(slots, plan.denoise) if dec_rows else None
             images = None if plan.images is None else plan.images.to(self.device)
-            if self.lora is not None:  # one mapping per step, on every LoRA layer
+            if fast:
+                evaluated = self._run_active_rows(meta, [r.slot for r in dec_rows], scored_tokens)
+            if self.lora is not None:  # one mapping per step, on every LoRA layer, over the rows that run
                 self.lora.set_rows(plan.rows, meta)
             score_logits, out = forward_step(self.model, self.sampler, self.vocab, self.kv, meta, self.state, slots,
                                              params, ids, scored_tokens, images,
@@ -149,14 +160,28 @@ class ModelRunner:
                     return None
                 return StepOutput(finished=torch.zeros(0, dtype=torch.bool), tokens=torch.zeros(
                     0, self.canvas_length, dtype=torch.long), logprob=None, top_logprobs=None, top_ids=None, **score)
-        return self._finish(plan, slots, out, score)
+        return self._finish(plan, slots, out, score, evaluated, [r.slot for r in dec_rows])
 
-    def _finish(self, plan: StepPlan, slots: torch.Tensor, out: CanvasOutputs, score: dict) -> StepOutput:
+    def _run_active_rows(self, meta: AttentionMetadata, slots: list[int], scored: int) -> list[int]:
+        """`meta` narrowed to the rows that run: every scored token and every canvas position not
+        settled (decided on the host from what the last step read back); -> the rows each canvas runs."""
+        if self.kept is None:
+            self.kept = keep_kv(self.kv, self.settled.size, self.model.dtype, self.device)
+        running = ~self.settled[slots]
+        run_active_rows(meta, running, slots, scored, self.settled.shape[0] - 1, self.kept)
+        return running.sum(-1).tolist()
+
+    def _finish(self, plan: StepPlan, slots: torch.Tensor, out: CanvasOutputs, score: dict,
+                evaluated: list[int] | None = None, host_slots: list[int] | None = None) -> StepOutput:
         """The canvases' new state kept, and what the host reads of the step: which finished, what
         they commit (min_tokens and structured outputs applied) and the logprobs asked for."""
         self.state.put(slots, out.updates)
         self.requests.stepped(slots, plan.steps)
         finished = out.finished.cpu()  # the only host sync the control flow below needs
+        settled = None
+        if "settled" in out.updates and evaluated is not None:  # read back with the step's results
+            settled = out.updates["settled"].cpu()
+            self.settled[host_slots] = np.array(settled.tolist(), dtype=bool).reshape(len(host_slots), -1)
         tokens, logprob, dist = out.tokens, out.logprob, out.dist
         if plan.steps > 1 and (plan.min_tokens is not None or plan.constraints or plan.top_logprobs >= 0):
             # they read the finishing step's distribution; `dist` is the last step's (engine._steps_per_launch)
@@ -191,6 +216,8 @@ class ModelRunner:
             entropy=out.entropy.cpu() if plan.draft_details else None,
             accepted=out.accepted.cpu() if plan.draft_details else None,
             steps=out.steps.cpu() if plan.steps > 1 else None,
+            settled=settled,
+            rows_evaluated=evaluated,
             **score,
         )
 

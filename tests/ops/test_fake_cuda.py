@@ -262,3 +262,31 @@ class _no_reads_inside:
 
     def __exit__(self, *exc):
         del self.model.forward
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fast_mode_step_on_a_fake_h200(tp):
+    """A step of the fast denoising mode (docs/architecture.md, "Fewer forwards"): two canvases, one
+    with half its positions settled by the last step (the runner's host copy of them, as that step
+    read them back), beside a prompt chunk. Only the unsettled rows run, through the device's
+    attention backend over the kept K/V, and nothing inside the model's forward reads the device."""
+    reads = HostReads()
+    fast = EntropyBound().resolve(SamplingParams(denoising_mode="fast"), REFERENCE_DEFAULTS)
+    with fake_cuda((9, 0)):
+        runner = _runner(tp)
+        cl = runner.canvas_length
+        rows = [Row(0, 0, 300, False, _blocks(0, -(-300 // BLOCK))),  # a prompt chunk
+                Row(2, 40, cl, True, _blocks(2, 3)),  # a canvas going on, half settled
+                Row(3, 1200, cl, True, _blocks(3, 75))]  # a canvas going on
+        params = denoise_params([16, 16], [fast, fast], [0, 1])
+        admitted = new_requests(rows, [16] * 3, [fast] * 3, [0, 1, 2])
+        runner.settled[2, : cl // 2] = True
+        plan = StepPlan([step_row(r) for r in rows], torch.randint(0, 262144, (300,)), [], torch.empty(0, cl, dtype=torch.long),
+                        params.options(), tables=whole_tables(rows), new_requests=admitted)
+        ran = []
+        runner.model.self_conditioning.register_forward_pre_hook(lambda _, args: ran.append(args[0].shape[0]))
+        with reads, _no_reads_inside(runner.model):
+            out = runner.execute(plan)
+    assert params.options()["fast"]
+    assert out.rows_evaluated == [cl - cl // 2, cl] and ran == [cl - cl // 2 + cl]  # the decoder rows the model ran
+    assert out.settled.shape == out.tokens.shape == (2, cl) and out.settled.device.type == "cpu"

@@ -304,3 +304,22 @@ def test_cli_generates_with_tensor_parallelism(tp_ckpt):
 def test_model_that_does_not_split_is_a_value_error(tp_ckpt):
     with pytest.raises(ValueError, match="tensor_parallel_size=5: 12 attention heads cannot be split over 5 ranks"):
         LLM(tp_ckpt, tensor_parallel_size=5)
+
+
+def test_the_fast_mode_under_tensor_parallelism_gives_one_rank_tokens(tp_ckpt):
+    """The fast denoising mode (settled positions, steps over the active rows only, kept K/V per
+    rank's KV heads) decides the same on every rank: two ranks commit one rank's tokens, step for
+    step and row for row."""
+    params = [SamplingParams(max_tokens=22, max_denoising_steps=8, confidence_threshold=0.0, denoising_mode="fast",
+                             settle_steps=1, seed=s, **GREEDY) for s in (1, 2)]
+    runs = {}
+    for tp in (1, 2):
+        with LLM(tp_ckpt, tensor_parallel_size=tp) as llm:
+            runs[tp] = llm.generate(PROMPTS, params, use_tqdm=False)
+    for ours, ref in zip(runs[2], runs[1]):
+        assert ours.token_ids == ref.token_ids
+        for key in ("denoising_steps", "canvas_positions_evaluated"):
+            assert ours.metrics[key] == ref.metrics[key], key
+    canvas = TP_SPEC["canvas_length"]
+    assert any(r.metrics["canvas_positions_evaluated"] < r.metrics["denoising_steps"] * canvas for r in runs[1]), \
+        "no step ran fewer rows than its canvas: the test proves nothing"

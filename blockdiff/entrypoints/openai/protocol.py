@@ -239,9 +239,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 def sampler_extensions(table: tuple[SamplerField, ...]) -> tuple[str, ...]:
-    """The extension fields a sampler's table adds to the generation bodies: its per-canvas fields
-    that they do not have already."""
-    return tuple(f.name for f in table if f.per_canvas and f.name not in CompletionRequest.model_fields)
+    """The extension fields a sampler's table adds to the generation bodies: its fields that they
+    do not have already."""
+    return tuple(f.name for f in table if f.name not in CompletionRequest.model_fields)
 
 
 def request_types(table: tuple[SamplerField, ...]) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
@@ -429,7 +429,7 @@ class ModelCard(BaseModel):
     parent: str | None = None  # an adapter's base model (vLLM's)
     canvas_length: int  # tokens denoised together
     # Sampler fields as a request that leaves them unset gets them (max_tokens None: what fits)
-    sampling_defaults: dict[str, int | float | None]
+    sampling_defaults: dict[str, int | float | str | None]
 
 
 class ModelList(BaseModel):

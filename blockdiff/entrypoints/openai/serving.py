@@ -100,7 +100,9 @@ class ChoiceState:
         self.canvases = 0
 
     def is_draft(self, out: RequestOutput) -> bool:
-        return not out.finished and out.metrics["canvases"] == self.canvases
+        """An output that only shows a canvas being denoised: no canvas ended, and no token came
+        (the fast mode streams a canvas's settled prefix before it ends)."""
+        return not out.finished and out.metrics["canvases"] == self.canvases and not out.token_ids
 
     def advance(self, out: RequestOutput) -> Piece:
         self.canvases = out.metrics["canvases"]
