@@ -356,6 +356,28 @@ def test_mixed_batch_is_each_request_alone(tiny, adapters):
         assert len(llm.engine.lora.held) == 2
 
 
+def test_fast_mode_with_adapters_is_each_request_alone(tiny, adapters):
+    """The fast denoising mode runs only a canvas's unsettled rows, so the adapter mapping covers
+    only those: in one batch of fast requests with two adapters (one on the experts) and the base
+    model, each gets the tokens it gets alone, and the steps ran fewer rows than the canvases hold."""
+    from blockdiff import LLM, SamplingParams
+
+    loras = [*_requests(adapters[:2]), None]
+    prompts = [_tokens(n, 301, 400 + n) for n in (5, 8, 11)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, max_denoising_steps=8, seed=3, ignore_eos=True, t_min=0.1,
+                            t_max=0.2, confidence_threshold=0.0, denoising_mode="fast", settle_steps=1,
+                            settle_entropy=100.0)
+    with LLM(tiny, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8) as llm:
+        together = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        alone = [llm.generate([p], params, use_tqdm=False, lora_request=[lo])[0].outputs[0].token_ids
+                 for p, lo in zip(prompts, loras)]
+    assert len(set(map(tuple, alone))) == len(alone)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    evaluated = sum(o.metrics["canvas_positions_evaluated"] for o in together)
+    steps = sum(o.metrics["denoising_steps"] for o in together)
+    assert 0 < evaluated < steps * 8  # settled positions were not run again (8: the tiny canvas)
+
+
 @pytest.mark.slow  # two replica processes of their own: ~20 s on a busy 2-core machine
 def test_data_parallel_replicas_serve_adapters(tiny, adapters):
     """LLM(data_parallel_size=2) routes each prompt with its adapter to a replica: the tokens of one engine."""
