@@ -286,9 +286,9 @@ def enable_lora(model: nn.Module, slots: int, rank: int) -> None:
     for layer in [m for block in model.layers for m in (block.attn.qkv_proj, block.attn.o_proj, block.mlp.gate_up_proj,
                                                         block.mlp.down_proj)] + [model.self_conditioning.mlp.gate_up_proj,
                                                                                  model.self_conditioning.mlp.down_proj]:
-        weight = layer.weight
-        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise LoRAError(f"LoRA on a quantized layer ({weight.dtype}) is not supported")
+        weight = getattr(layer, "weight", None)  # integer layers keep theirs under their format's names
+        if weight is None or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise LoRAError(f"LoRA on a quantized layer ({'integer' if weight is None else weight.dtype}) is not supported")
         if isinstance(layer, RowParallelLinear):
             start = group.rank * layer.local_in
             pool = LoRALinear([(weight.shape[0], weight.shape[0], 0)], layer.in_features, layer.local_in, start, slots,
@@ -305,8 +305,8 @@ def enable_lora(model: nn.Module, slots: int, rank: int) -> None:
 def enable_expert_lora(experts: nn.Module, slots: int, rank: int, dtype: torch.dtype) -> None:
     """Gives a layer's experts (model/moe.py Experts) a pool for each of gate_up and down."""
     ex = experts
-    if ex.gate_up.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise LoRAError(f"LoRA on quantized experts ({ex.gate_up.dtype}) is not supported")
+    if ex.shape.weight_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise LoRAError(f"LoRA on quantized experts ({ex.shape.weight_dtype}) is not supported")
     e, h, i, lo, n, w = ex.num_experts, ex.hidden, ex.inter, ex.lo, ex.owned, ex.local
     device = ex.gate_up.device
     ex.lora_gate_up = LoRAExperts(e, 2 * w, ex.hidden_in, [(lo, 0, n), (i + lo, w, n)], (0, 0, h), (2 * i, h),
