@@ -19,12 +19,10 @@ from torch import nn
 from blockdiff.model.quantize import DEFAULT_IGNORE, check_float
 from blockdiff.parallel.quantization.compressed_int import FORMAT, parse
 
-SCHEMES = ("w8a16", "w4a16", "mixed")
-GROUP_SIZE = 128  # W4A16's group size, as llm-compressor's W4A16 preset
 EXPERTS = "re:.*experts.*"
 
 
-def int_config(scheme: str, group_size: int = GROUP_SIZE, ignore: tuple[str, ...] = DEFAULT_IGNORE) -> QuantizationConfig:
+def int_config(scheme: str, group_size: int, ignore: tuple[str, ...] = DEFAULT_IGNORE) -> QuantizationConfig:
     """The QuantizationConfig of a named scheme: w8a16 int8 per-channel, w4a16 int4 in groups of
     `group_size`, mixed the experts in int4 and every other Linear in int8 (mlx-vlm's finding: 8-bit
     attention and dense layers keep the 4-bit experts' error from compounding); symmetric, weights only."""
@@ -37,7 +35,7 @@ def int_config(scheme: str, group_size: int = GROUP_SIZE, ignore: tuple[str, ...
                   "group_1": QuantizationScheme(targets=["Linear"], weights=int8)},
     }
     if scheme not in groups:
-        raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(groups)}")
     return QuantizationConfig(config_groups=groups[scheme], ignore=list(ignore), format=FORMAT)
 
 

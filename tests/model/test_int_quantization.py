@@ -248,3 +248,45 @@ def test_bad_integer_tensors_are_named(written, tmp_path, edit, message):
 def test_unserved_gptq_configs_are_named(gptq, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
         load_model(_edited(gptq("gptq-int4-g32")[1], tmp_path / "bad", config_edit=edit))
+
+
+@pytest.mark.parametrize("scheme, bits", [("w8a16", (8, 8)), ("w4a16", (4, 4)), ("mixed", (8, 4))])
+def test_cli_schemes_round_trip_through_compressed_tensors(spec_path, tmp_path, scheme, bits):
+    """`blockdiff quantize --scheme` writes what compressed-tensors decompresses to the source weights
+    within half a quantization step, and blockdiff loads the same weights from it."""
+    from blockdiff.entrypoints.cli import main as cli
+    from blockdiff.ops.intmm import dequantize
+
+    src, dst = spec_path(GROUP_SPEC), str(tmp_path / scheme)
+    assert cli(["quantize", "--scheme", scheme, "--group-size", "32", src, dst]) == 0
+    theirs, tensors, source = decompressed(dst), load_file(os.path.join(dst, "model.safetensors")), load_file(os.path.join(src, "model.safetensors"))
+    layer = "model.decoder.layers.0"
+    assert f"{layer}.router.proj.weight" in tensors and "model.decoder.embed_tokens.weight" in tensors
+    for name, w in theirs.items():
+        if ".experts." in name:
+            e, proj = name.split(".")[-2:]
+            fused = source[name.rsplit(".", 2)[0] + (".down_proj" if proj == "down_proj" else ".gate_up_proj")][int(e)]
+            original = fused if proj == "down_proj" else fused.chunk(2)[proj == "up_proj"]
+        else:
+            original = source[name + ".weight"]
+        scale = tensors[name + ".weight_scale"]
+        step = scale.repeat_interleave(w.shape[1] // scale.shape[1], dim=1)
+        assert (w - original).abs().le(step / 2 * (1 + 1e-5) + 1e-7).all(), name
+    model = load_model(dst)
+    qkv, experts = model.layers[0].attn.qkv_proj, model.layers[0].experts
+    assert (qkv.method.tensors.scheme.bits, experts.method.tensors.scheme.bits) == bits
+    ours = dequantize(qkv.weight_packed, qkv.weight_scale, None, qkv.group_index)
+    torch.testing.assert_close(ours, torch.cat([theirs[f"{layer}.self_attn.{p}_proj"] for p in "qkv"]), rtol=0, atol=0)
+    gate_up = dequantize(experts.gate_up_packed[1], experts.gate_up_scale[1], None, experts.gate_up_group_index)
+    w = GROUP_SPEC["moe_intermediate_size"]
+    torch.testing.assert_close(gate_up[:w], theirs[f"{layer}.experts.1.gate_proj"], rtol=0, atol=0)
+    torch.testing.assert_close(gate_up[w:], theirs[f"{layer}.experts.1.up_proj"], rtol=0, atol=0)
+    assert torch.isfinite(_logits(Harness(model), GROUP_SPEC["vocab_size"])).all()
+
+
+def test_cli_names_a_width_the_group_size_does_not_divide(spec_path, tmp_path, capsys):
+    from blockdiff.entrypoints.cli import main as cli
+
+    assert cli(["quantize", "--scheme", "w4a16", spec_path(GROUP_SPEC), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "not a multiple of the group size 128" in err[0]
