@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockdiff.ops.intmm import Segments, int_linear, regular_groups
+from blockdiff.ops.intmm import Segments, fast_kernel, int_linear, regular_groups
 from blockdiff.ops.kernels import ExpertRows, per_expert
 from blockdiff.parallel.layers import RowParallelLinear
 from blockdiff.parallel.quantization.base import ExpertsMethod, LinearMethod, QuantizationError
@@ -79,6 +79,15 @@ def _columns(layer: nn.Module) -> tuple[int, int, int]:
     return layer.in_features, 0, layer.in_features
 
 
+def _kernel(tensors: IntTensors, rows: int, columns: int, first: int, real: int) -> str | None:
+    """torch's CPU kernel for a weight of `rows` x `columns` in memory, of which the first `real`
+    are the checkpoint's columns first..., or None (ops/intmm.py fast_kernel)."""
+    s = tensors.scheme
+    if not tensors.regular or (real != columns and s.group_size is not None):
+        return None
+    return fast_kernel(s.bits, s.group_size, s.symmetric, rows, columns, first)
+
+
 def _group_span(tensors: IntTensors, inp: int, first: int, n: int) -> tuple[int, int]:
     """(the first group of columns first..first+n-1, how many groups this rank keeps)."""
     scheme = tensors.scheme
@@ -105,6 +114,7 @@ class IntLinearMethod(LinearMethod):
             setattr(layer, suffix, _param(torch.zeros(shape, dtype=kind), loader, parts))
         if t.regular:
             layer.register_buffer("group_index", regular_groups(first, n, t.scheme.group_size), persistent=False)
+        self.kernel = _kernel(t, out_features, n, first, n)
 
     def _load(self, layer: nn.Module, role: str, first: int, n: int, g0: int,
               param: torch.Tensor, source, name: str, part: int = 0) -> None:
@@ -127,7 +137,7 @@ class IntLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         names = self.tensors.names
         zero = getattr(layer, names[ZERO]) if ZERO in names else None
-        return int_linear(x, getattr(layer, names[Q]), getattr(layer, names[SCALE]), zero, self.segments(layer))
+        return int_linear(x, getattr(layer, names[Q]), getattr(layer, names[SCALE]), zero, self.segments(layer), self.kernel)
 
 
 def expert_name(projection: str, suffix: str) -> str:
@@ -143,6 +153,7 @@ class IntExpertsMethod(ExpertsMethod):
 
     def __init__(self, tensors: IntTensors):
         self.tensors = tensors
+        self.kernels: dict[str, str | None] = {}  # per projection
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.int8
@@ -167,6 +178,7 @@ class IntExpertsMethod(ExpertsMethod):
             if t.regular:  # padded columns: the last group (their weights and inputs are zero)
                 index = regular_groups(first, cols, t.scheme.group_size).clamp(max=groups - 1)
                 layer.register_buffer(f"{projection}_group_index", index, persistent=False)
+            self.kernels[projection] = _kernel(t, rows, cols, first, n)
 
     def _load(self, layer: nn.Module, projection: str, role: str, g0: int,
               param: torch.Tensor, source, name: str, part: int) -> None:
@@ -200,6 +212,7 @@ class IntExpertsMethod(ExpertsMethod):
         zero = getattr(layer, expert_name(projection, names[ZERO])) if ZERO in names else None
 
         def product(part: torch.Tensor, e: int) -> torch.Tensor:
-            return int_linear(part, q[e], scale[e], None if zero is None else zero[e], self._segments(layer, projection, e))
+            return int_linear(part, q[e], scale[e], None if zero is None else zero[e], self._segments(layer, projection, e),
+                              self.kernels[projection])
 
         return per_expert(x, rows.sizes, product)
