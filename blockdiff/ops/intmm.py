@@ -32,7 +32,7 @@ from blockdiff.ops.matmul import WIDEN_ELEMENTS, packed_copy
 INT8_ROWS, INT4_GROUPS = "int8_rows", "int4_groups"  # torch's CPU weight-only kernels (`fast_kernel`)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 INT4_ROW_MULTIPLE = 16  # its packing takes whole blocks of 16 output rows
-FAST_ROWS = 64  # products of up to this many rows take torch's kernels (measured: docs/benchmarks.md)
+FAST_ROWS = 16  # products of up to this many rows take torch's kernels: they lost to bfloat16 from 32 rows (docs/benchmarks.md)
 _FAST_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -67,7 +67,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     return w * s
 
 
-Segments = list[tuple[int, int, torch.Tensor]]  # (first row, end row, the rows' group_index)
+# (first row, end row, the rows' group_index, or None where their groups are contiguous runs of
+# in / groups columns from column 0: one scale per row, or a shard cut on group boundaries)
+Segments = list[tuple[int, int, torch.Tensor | None]]
 
 
 def fast_kernel(bits: int, group_size: int | None, symmetric: bool, rows: int, columns: int, first: int) -> str | None:
@@ -92,7 +94,8 @@ def _int4_scales(scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dt
     return torch.stack([scale.T, offset.T], dim=-1).to(dtype).contiguous()
 
 
-def _fast(kernel: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+def torch_kernel_linear(kernel: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ W.T by torch's CPU `kernel` (`fast_kernel`), whatever the rows."""
     rows = x.reshape(-1, x.shape[-1])
     if kernel == INT8_ROWS:
         y = torch._weight_int8pack_mm(rows, q, scale[:, 0].to(x.dtype))
@@ -112,7 +115,7 @@ def int_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torc
     rounded to x's dtype once."""
     if (kernel is not None and x.device.type == "cpu" and x.dtype in _FAST_DTYPES
             and x.numel() <= FAST_ROWS * x.shape[-1] and x.numel()):
-        return _fast(kernel, x, q, scale, zero)
+        return torch_kernel_linear(kernel, x, q, scale, zero)
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(compute)
     out = x.new_empty(*x.shape[:-1], q.shape[0])
@@ -120,6 +123,26 @@ def int_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torc
     for first, end, groups in segments:
         for a in range(first, end, step):
             b = min(a + step, end)
-            w = dequantize(q[a:b], scale[a:b], None if zero is None else zero[a:b], groups, compute)
+            z = None if zero is None else zero[a:b]
+            if groups is None:
+                out[..., a:b] = _aligned_tile(xf, q[a:b], scale[a:b], z)
+                continue
+            w = dequantize(q[a:b], scale[a:b], z, groups, compute)
             out[..., a:b] = F.linear(xf, w)
     return out
+
+
+def _aligned_tile(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T for rows of W whose groups are contiguous runs of in / groups columns from column 0:
+    the scales applied by broadcasting (per-channel ones to the product), the zero points as the
+    product of each group's sum of x with zero * scale, so the tile is read twice at most."""
+    rows, (n, k), g = x.shape[:-1], q.shape, scale.shape[1]
+    if g == 1:
+        y = F.linear(x, q.to(x.dtype)) * scale[:, 0].to(x.dtype)
+    else:
+        w = q.to(x.dtype).view(n, g, k // g).mul_(scale.to(x.dtype).unsqueeze(-1))
+        y = F.linear(x, w.view(n, k))
+    if zero is not None:
+        sums = x.reshape(*rows, g, k // g).sum(-1)
+        y = y - F.linear(sums, (zero * scale).to(x.dtype))
+    return y

@@ -10,7 +10,8 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from torch import nn
 
 from blockdiff.ops.intmm import (
-    FAST_ROWS, INT4_GROUPS, INT8_ROWS, dequantize, fast_kernel, int_linear, regular_groups, unpack_int32,
+    FAST_ROWS, INT4_GROUPS, INT8_ROWS, dequantize, fast_kernel, int_linear, regular_groups, torch_kernel_linear,
+    unpack_int32,
 )
 
 ROWS = (1, 7, 16, 64)
@@ -67,8 +68,12 @@ def test_each_kernel_equals_the_float64_dequantized_product(bits, group_size, sy
     segments = [(0, out, regular_groups(0, inp, group_size))]
     # float32: rounding of the sums only; bfloat16: x and the result rounded to bfloat16, scales too in torch's kernels
     tol = 2e-6 if dtype == torch.float32 else 2e-2
-    for k in {kernel, None}:
-        y = int_linear(x, q, scale, zero, segments, k)
+    aligned = [(0, out, None)]  # groups in contiguous runs from column 0: scales broadcast
+    products = {"tile": int_linear(x, q, scale, zero, segments), "aligned tile": int_linear(x, q, scale, zero, aligned),
+                "chosen": int_linear(x, q, scale, zero, aligned, kernel)}
+    if kernel is not None:
+        products[kernel] = torch_kernel_linear(kernel, x, q, scale, zero)
+    for k, y in products.items():
         assert y.dtype == dtype and y.shape == (rows, out)
         assert _err(y, ref) < tol, (k, _err(y, ref))
 

@@ -79,11 +79,19 @@ def _columns(layer: nn.Module) -> tuple[int, int, int]:
     return layer.in_features, 0, layer.in_features
 
 
+def _aligned(tensors: IntTensors, columns: int, first: int, real: int) -> bool:
+    """Whether a weight of `columns` in memory, of which the first `real` are the checkpoint's
+    columns first..., has its groups in contiguous runs from column 0 (ops/intmm.py Segments)."""
+    size = tensors.scheme.group_size
+    if not tensors.regular:
+        return False
+    return size is None or (real == columns and columns % size == 0 and first % size == 0)
+
+
 def _kernel(tensors: IntTensors, rows: int, columns: int, first: int, real: int) -> str | None:
-    """torch's CPU kernel for a weight of `rows` x `columns` in memory, of which the first `real`
-    are the checkpoint's columns first..., or None (ops/intmm.py fast_kernel)."""
+    """torch's CPU kernel for such a weight of `rows` rows, or None (ops/intmm.py fast_kernel)."""
     s = tensors.scheme
-    if not tensors.regular or (real != columns and s.group_size is not None):
+    if not _aligned(tensors, columns, first, real):
         return None
     return fast_kernel(s.bits, s.group_size, s.symmetric, rows, columns, first)
 
@@ -115,6 +123,7 @@ class IntLinearMethod(LinearMethod):
         if t.regular:
             layer.register_buffer("group_index", regular_groups(first, n, t.scheme.group_size), persistent=False)
         self.kernel = _kernel(t, out_features, n, first, n)
+        self.aligned = _aligned(t, n, first, n)
 
     def _load(self, layer: nn.Module, role: str, first: int, n: int, g0: int,
               param: torch.Tensor, source, name: str, part: int = 0) -> None:
@@ -129,7 +138,7 @@ class IntLinearMethod(LinearMethod):
 
     def segments(self, layer: nn.Module) -> Segments:
         if self.tensors.regular:
-            return [(0, getattr(layer, self.tensors.names[Q]).shape[0], layer.group_index)]
+            return [(0, getattr(layer, self.tensors.names[Q]).shape[0], None if self.aligned else layer.group_index)]
         groups = getattr(layer, self.tensors.names[GROUPS])
         return [(off, off + local, groups[p]) for p in range(layer.num_parts)
                 for _, local, _, off in [layer.output_rows(p)]]
@@ -154,6 +163,7 @@ class IntExpertsMethod(ExpertsMethod):
     def __init__(self, tensors: IntTensors):
         self.tensors = tensors
         self.kernels: dict[str, str | None] = {}  # per projection
+        self.aligned: dict[str, bool] = {}
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.int8
@@ -179,6 +189,7 @@ class IntExpertsMethod(ExpertsMethod):
                 index = regular_groups(first, cols, t.scheme.group_size).clamp(max=groups - 1)
                 layer.register_buffer(f"{projection}_group_index", index, persistent=False)
             self.kernels[projection] = _kernel(t, rows, cols, first, n)
+            self.aligned[projection] = _aligned(t, cols, first, n)
 
     def _load(self, layer: nn.Module, projection: str, role: str, g0: int,
               param: torch.Tensor, source, name: str, part: int) -> None:
@@ -199,7 +210,7 @@ class IntExpertsMethod(ExpertsMethod):
     def _segments(self, layer: nn.Module, projection: str, expert: int) -> Segments:
         rows = self._geometry(layer, projection)[0]
         if self.tensors.regular:
-            return [(0, rows, getattr(layer, f"{projection}_group_index"))]
+            return [(0, rows, None if self.aligned[projection] else getattr(layer, f"{projection}_group_index"))]
         groups = getattr(layer, expert_name(projection, self.tensors.names[GROUPS]))
         if projection == "down":
             return [(0, rows, groups[expert])]
