@@ -358,9 +358,12 @@ def enable_lora(model: nn.Module, slots: int, rank: int) -> LoRAMapping:
         twin = LORA_LAYERS.get(type(layer))
         if twin is None or not _TARGET.fullmatch(name):
             continue
-        weight = layer.gate_up if isinstance(layer, Experts) else layer.weight
-        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise LoRAError(f"LoRA on a quantized layer ({name}: {weight.dtype}) is not supported")
+        if isinstance(layer, Experts):
+            dtype = layer.shape.weight_dtype
+        else:  # integer formats keep their weights under their own names
+            dtype = layer.weight.dtype if hasattr(layer, "weight") else None
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise LoRAError(f"LoRA on a quantized layer ({name}: {dtype or 'integer weights'}) is not supported")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, twin(layer, mapping, name.startswith(_DECODER_ROWS)))
     return mapping

@@ -100,7 +100,7 @@ class ExpertShape:
 
     hidden: int  # the gate/up products' inner dimension (and down's output)
     width: int  # the per-rank intermediate width (down's inner dimension)
-    weight_dtype: torch.dtype  # FP8 for FP8 experts
+    weight_dtype: torch.dtype  # FP8 for FP8 experts, int8 for integer ones
     activations: str | None = None  # FP8 experts: "dynamic", "static" or None (weights only)
 
 
@@ -150,6 +150,8 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
         if shape.hidden % 16 or shape.width % 16:
             return PER_EXPERT, f"torch._scaled_grouped_mm needs dimensions divisible by 16, not {shape.hidden} x {shape.width}"
         return SCALED_GROUPED, "FP8 row-wise scaled grouped products, offsets on the device"
+    if not shape.weight_dtype.is_floating_point:
+        return PER_EXPERT, "integer weights are dequantized one expert at a time (blockdiff/ops/intmm.py)"
     if not (_aligned(shape.hidden, shape.weight_dtype) and _aligned(shape.width, shape.weight_dtype)):
         return PER_EXPERT, f"widths {shape.hidden} x {shape.width} of {shape.weight_dtype} miss 16-byte rows (unpadded)"
     if where.type == "cpu":

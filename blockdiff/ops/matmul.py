@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import platform
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,29 +85,35 @@ def dense_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
     return "F.linear"
 
 
-# Per parameter (by id, dropped with it): (data pointer, shape, strides) of a weight view of it ->
-# (the parameter's version when packed, oneDNN's blocked copy).
+# Per parameter (by id, dropped with it): (what the copy is, data pointer, shape, strides) of a view
+# of it -> (the parameter's version when made, the copy).
 _PACKED: dict[int, dict[tuple, tuple[int, torch.Tensor]]] = {}
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked copy of `weight` when it is (a view of) a parameter, made on its first
-    product and again after the parameter is written in place; other tensors (an FP8 weight
-    dequantized for one product, a parameter made under inference_mode) as they are. The blocked
-    copy gives the products' exact bits."""
+def packed_copy(weight: torch.Tensor, kind: str, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """make(weight), a kernel's own layout of `weight` (`kind` names it), kept while `weight` is (a
+    view of) a parameter: made on its first use and again after the parameter is written in place.
+    None for other tensors (an FP8 weight dequantized for one product, a parameter made under
+    inference_mode, which keeps no version counter to notice writes by)."""
     base = weight if weight._base is None else weight._base
-    # A parameter made under inference_mode keeps no version counter to notice writes by: unpacked too.
     if not isinstance(base, nn.Parameter) or base.is_inference():
-        return weight
+        return None
     views = _PACKED.get(id(base))
     if views is None:
         views = _PACKED[id(base)] = {}
         weakref.finalize(base, _PACKED.pop, id(base), None)
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride())
+    key = (kind, weight.data_ptr(), tuple(weight.shape), weight.stride())
     hit = views.get(key)
     if hit is None or hit[0] != base._version:
-        hit = views[key] = (base._version, torch.ops.mkldnn._reorder_linear_weight(weight))
+        hit = views[key] = (base._version, make(weight))
     return hit[1]
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a parameter's `weight` (`packed_copy`; the same bits as the plain
+    layout, which other tensors keep)."""
+    packed = packed_copy(weight, "onednn", torch.ops.mkldnn._reorder_linear_weight)
+    return weight if packed is None else packed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

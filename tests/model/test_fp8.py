@@ -136,7 +136,7 @@ def _with_config(src: str, dst, edit) -> str:
     "edit, message",
     [
         (lambda q: q.update(quant_method="awq"), "unsupported quantization method 'awq'"),
-        (lambda q: q.update(format="pack-quantized"), "unsupported compressed-tensors format 'pack-quantized'"),
+        (lambda q: q.update(format="nvfp4-pack-quantized"), "unsupported compressed-tensors format 'nvfp4-pack-quantized'"),
         (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4), "unsupported weight scheme 'int' 4-bit"),
         (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group"), "unsupported FP8 weight strategy 'group'"),
         (lambda q: q["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"), "unsupported input activation strategy 'tensor'"),

@@ -9,11 +9,12 @@ each layer its method by the checkpoint names of the layers it fuses. The layer 
 - `apply` multiplies, every forward.
 
 The unquantized methods here are the plain weights. A format is one module implementing
-`QuantConfig`, `LinearMethod` and `ExpertsMethod` (fp8.py), and one line in registry.py.
+`QuantConfig`, `LinearMethod` and `ExpertsMethod` (fp8.py, compressed_int.py), and one line in registry.py.
 """
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 
 import torch
@@ -55,6 +56,22 @@ class ExpertsMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, projection: str, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
         """x's rows, laid out by expert as `rows` says, times the experts' `projection` ("gate_up" or "down")."""
+
+
+def match_rank(name: str, pattern: str) -> int:
+    """How closely a compressed-tensors target or ignore entry names the linear layer `name`: 3 it is
+    the name, 2 a regular expression ("re:...") matched from its start, 1 "Linear" (every linear
+    layer), 0 no match."""
+    if pattern == name:
+        return 3
+    if pattern.startswith("re:") and re.match(pattern[3:], name):
+        return 2
+    return 1 if pattern == "Linear" else 0
+
+
+def matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether one of compressed-tensors' targets or ignore entries `patterns` names the linear layer `name`."""
+    return any(match_rank(name, p) for p in patterns)
 
 
 class QuantConfig(ABC):

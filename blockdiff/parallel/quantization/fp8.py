@@ -6,9 +6,7 @@ are either quantized per token on the fly (dynamic, "FP8-dynamic"), quantized wi
 per-tensor scale (static), or left alone (weight-only). Anything else is refused with a ValueError
 naming what was found.
 
-Module names follow compressed-tensors' rules: a target or ignore entry either equals the module's
-name or, prefixed with "re:", is a regular expression matched from the start of the name; the
-target "Linear" names every linear layer.
+Module names follow compressed-tensors' rules (base.matches).
 
 Weights stay FP8 in memory with float32 scales, one per output row (a per-tensor scale is stored
 repeated on its rows); each product dequantizes one weight (one expert's) only, so no full-precision
@@ -18,7 +16,6 @@ copy of a layer ever exists (blockdiff/ops/fp8.py has the arithmetic).
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +26,7 @@ from blockdiff.ops.fp8 import FP8, fp8_linear, scaled_grouped_linear, sharded_to
 from blockdiff.ops.kernels import ExpertRows, per_expert
 from blockdiff.parallel.layers import RowParallelLinear, ShapeMismatch, check_shape, copy_into, source_shape
 from blockdiff.parallel.quantization.base import (
-    ExpertsMethod, LinearMethod, QuantConfig, QuantizationError, expert_weights,
+    ExpertsMethod, LinearMethod, QuantConfig, QuantizationError, expert_weights, matches,
 )
 
 QUANT_METHOD = "compressed-tensors"  # the quantization_config's quant_method (registry.py)
@@ -46,7 +43,7 @@ class Fp8Config(QuantConfig):
 
     def quantizes(self, name: str) -> bool:
         """Whether the linear layer called `name` in the checkpoint holds FP8 weights."""
-        return _matches(name, self.targets) and not _matches(name, self.ignore)
+        return matches(name, self.targets) and not matches(name, self.ignore)
 
     def covering(self, *names: str) -> "Fp8Config | None":
         """This scheme if it quantizes every one of the checkpoint layers that blockdiff fuses into one
@@ -89,13 +86,6 @@ class Fp8Config(QuantConfig):
             "ignore": list(self.ignore),
             "kv_cache_scheme": None,
         }
-
-
-def _matches(name: str, patterns: tuple[str, ...]) -> bool:
-    for p in patterns:
-        if p == "Linear" or p == name or (p.startswith("re:") and re.match(p[3:], name)):
-            return True
-    return False
 
 
 def parse(raw: dict[str, Any]) -> Fp8Config:
