@@ -290,3 +290,15 @@ def test_cli_names_a_width_the_group_size_does_not_divide(spec_path, tmp_path, c
     assert cli(["quantize", "--scheme", "w4a16", spec_path(GROUP_SPEC), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "not a multiple of the group size 128" in err[0]
+
+
+def test_lora_on_integer_layers_is_refused_naming_the_layer(written):
+    """Adapters add a float delta to a float weight; an integer layer has none, so --enable-lora on an
+    integer checkpoint is refused at load, naming the first layer it would have swapped."""
+    from blockdiff.model.lora_layers import enable_lora
+    from blockdiff.model.lora import LoRAError
+
+    _, path = written("int8-channel")
+    model = load_model(path)
+    with pytest.raises(LoRAError, match=r"LoRA on a quantized layer \(.*: integer weights\) is not supported"):
+        enable_lora(model, 2, 8)
