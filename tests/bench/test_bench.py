@@ -350,6 +350,7 @@ def test_an_unwritable_result_path_is_refused_before_the_run(server, tiny, tmp_p
 demo_server = serve(None, "--max-num-seqs", "4")
 
 
+@pytest.mark.slow  # a bench run against the demo server: ~20 s on 2 cores
 def test_the_seeds_bench_command_runs_as_written(demo_server, tmp_path):
     """vLLM's command from the seed, only the model and lengths adapted: the served name (no local
     tokenizer), a relative result path whose folder does not exist yet; prompts of exactly 64 tokens of

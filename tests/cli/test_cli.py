@@ -103,6 +103,7 @@ def test_serve_help_starts_with_the_model_and_the_main_flags():
     assert len(flags) > 100 and flags <= listed, sorted(flags - listed)
 
 
+@pytest.mark.slow  # several CLI processes: ~12 s on 2 cores
 def test_tokenizer_chat_template_and_ignored_vllm_flags(tmp_path):
     """--tokenizer gives a tokenizer-less checkpoint one; --chat-template replaces the template (the
     prompt token count shows which was used); an ignored vLLM flag warns and changes nothing."""

@@ -85,7 +85,15 @@ if not torch.cuda.is_available():
     CASES.append(("device-cuda-on-cpu-build", ["generate", "--device", "cuda", "hi"], 2, "use the cpu device (--device cpu)"))
 
 
-@pytest.mark.parametrize("argv, code, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# Cases that load a checkpoint, a tokenizer or a server's startup before failing: 7-14 s each on 2
+# cores, so the default suite keeps one of each kind and the slow one runs them all.
+SLOW_CASES = {"missing-directory", "hub-id-not-cached", "no-tokenizer", "missing-tokenizer",
+              "tokenizer-without-tokenizer-json", "make-tiny-model-over-a-checkpoint",
+              "forwarded-allow-ips-not-an-address", "metrics-key-without-api-key"}
+
+
+@pytest.mark.parametrize("argv, code, expected", [
+    pytest.param(*c[1:], id=c[0], marks=[pytest.mark.slow] if c[0] in SLOW_CASES else []) for c in CASES])
 def test_cli_error_is_one_line_with_the_right_exit_code(argv, code, expected, broken):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -161,6 +161,7 @@ def test_seeded_outputs_are_the_same_alone_in_a_batch_of_8_and_after_preemptions
         assert llm.engine.scheduler.num_preemptions >= 4
 
 
+@pytest.mark.slow  # two engines, one of two ranks: ~20 s on 2 cores
 def test_seeded_outputs_at_two_ranks_equal_one_rank(single_threaded_workers):
     """The demo model, eight sampled requests: each rank draws the step's numbers itself, and the
     tokens are those of one rank. (On a random checkpoint, whose distributions are nearly uniform,

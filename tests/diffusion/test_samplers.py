@@ -122,6 +122,7 @@ def _tokens(llm: LLM, prompts, **kw) -> list[list[int]]:
 PROMPTS = [[5, 9, 2], [7] * 11, [3, 4]]
 
 
+@pytest.mark.slow  # three engines, one of two ranks: ~15 s on 2 cores
 def test_confidence_threshold_runs_eager_static_and_on_two_ranks(tiny, single_threaded_workers):
     """One position per step at threshold 1 (no probability reaches it): a canvas of 8 takes its 8
     steps; at a tiny threshold every position commits at once. The static canvas step and two

@@ -166,7 +166,7 @@ def _exact_draw(shifted: torch.Tensor, u: torch.Tensor, top_k: int, top_p: float
     return keep, sample, plain, decided & clear
 
 
-# ~4 s (not slow): two engines, the second of two ranks
+@pytest.mark.slow  # two engines, the second of two ranks: ~15 s on a loaded 2-core machine
 def test_seeded_generation_on_two_ranks_equals_one_rank(restricted_ckpt, single_threaded_workers):
     """Seeded restricted sampling through the engine, on one rank and on two worker processes:
     every step's candidates are the draw that top_k + min_p and top_p make from that step's logits

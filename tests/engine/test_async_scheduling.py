@@ -175,6 +175,7 @@ def test_the_llm_api_the_flag_and_the_default(tiny):
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
 
 
+@pytest.mark.slow  # two servers: ~20 s on 2 cores
 def test_the_server_with_async_scheduling(tiny, tmp_path):
     """`blockdiff serve --async-scheduling` and the openai client: 12 requests at once (streamed or
     not, chat or not, stop strings) on 6 slots and a small KV cache, each exactly as alone; a client

@@ -75,6 +75,7 @@ def _without_the_gpus_missing_packages(root) -> str:
     return str(root)
 
 
+@pytest.mark.slow  # every part of the script at small shapes: ~2 min on 2 cores
 def test_the_device_check_runs_every_part_on_the_cpu_at_small_shapes(tmp_path, failing_check):
     """Every part, in the script's order, without the packages the GPU machine lacks; the tests
     part collects the CUDA test selections under the same blocks, so a CUDA-only test that imports

@@ -38,7 +38,8 @@ DOC_PORTS = ("8000", "8123")
 SETUP = "bash scripts/setup.sh && "
 _MARKER = re.compile(r"^<!-- doc-test: (skip|text|background|expect)\b:?\s*(.*?)\s*-->$")
 # Documents whose blocks run a benchmark or an evaluation (a minute or more), or start replicas.
-SLOW_DOCS = {"README.md", "demo.md", "quickstart.md", "scaling.md", "serving_without_a_gpu.md"}
+SLOW_DOCS = {"README.md", "demo.md", "quickstart.md", "scaling.md", "serving_without_a_gpu.md", "tp.md", "images.md",
+             "video.md", "structured_outputs.md"}
 
 
 @dataclasses.dataclass

@@ -198,6 +198,7 @@ def test_llm_with_two_replicas_generates_what_one_engine_does(tiny):
         assert a.token_ids != b.token_ids
 
 
+@pytest.mark.slow  # a replica restarted: ~11 s on 2 cores
 def test_killing_a_replica_fails_only_its_requests(server, client):
     """Two long streams, one on each replica; SIGKILL one replica: its stream ends with a 503 error
     event, the other finishes, the server keeps serving, and the replica comes back."""

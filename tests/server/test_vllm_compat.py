@@ -211,6 +211,7 @@ def test_each_server_has_its_own_registry():
 random_demo = serve(None, "--load-format", "dummy", "--max-model-len", "256")
 
 
+@pytest.mark.slow  # ~12 s on 2 cores
 def test_a_parsed_chat_reply_carries_no_special_token_unless_asked(random_demo):
     """A chat with tools is decoded with its special tokens, for the parsers to read the markers;
     what they leave as text drops them (vLLM's skip_special_tokens, true by default), and keeps
