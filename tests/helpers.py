@@ -188,3 +188,15 @@ def vllm_penalized(logits: torch.Tensor, prompt: list[int], output: list[int], r
     seen |= counts > 0
     x = torch.where(seen & (x > 0), x / repetition, torch.where(seen, x * repetition, x))
     return x - frequency * counts - presence * (counts > 0).double()
+
+
+def step_until_done(engine, prompt: list[int], requests: dict) -> dict[str, list]:
+    """Adds each named request (name -> SamplingParams) with `prompt`, then steps `engine` until every
+    one ends; -> each request's outputs in the order they came."""
+    for name, params in requests.items():
+        engine.add_request(prompt, params, request_id=name)
+    outputs = {name: [] for name in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    return outputs

@@ -107,14 +107,9 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor, kernels: Re
     return keep.gather(-1, torch.sort(order, dim=-1).indices)
 
 
-def denoise_step(
-    logits: torch.Tensor,
-    last_argmax: torch.Tensor,
-    run: torch.Tensor,
-    params: DenoiseParams,
-    vocab: VocabParallel,
-) -> DenoiseResult:
-    """logits [canvases, CL, local vocab] float32 (overwritten)."""
+def _draw(logits: torch.Tensor, params: DenoiseParams, vocab: VocabParallel):
+    """A step's distribution at its temperature, its argmax and sampled candidates, and the tokens
+    that renoise the positions not accepted; -> (dist, argmax, candidates, renoise)."""
     t = temperature(params.step, params.max_denoising_steps, params.t_min, params.t_max)
     words = step_words(params, logits.shape[1])
     uniform, renoise = randoms.uniform(words[0]), randoms.below(words[1], vocab.shard.vocab_size)
@@ -123,6 +118,18 @@ def denoise_step(
     # candidates and stop the canvas, and the self-conditioning input keep the full distribution.
     draw = vocab.restricted_draw(dist, params.top_k, params.top_p, params.min_p) if params.restrict else None
     argmax, candidates = vocab.argmax_and_sample(dist, uniform, draw)
+    return dist, argmax, candidates, renoise
+
+
+def denoise_step(
+    logits: torch.Tensor,
+    last_argmax: torch.Tensor,
+    run: torch.Tensor,
+    params: DenoiseParams,
+    vocab: VocabParallel,
+) -> DenoiseResult:
+    """logits [canvases, CL, local vocab] float32 (overwritten)."""
+    dist, argmax, candidates, renoise = _draw(logits, params, vocab)
     accepted = entropy_bound_accept(dist.entropy, params.entropy_bound, vocab.kernels)
     canvas = torch.where(accepted, candidates, renoise)
     same = (argmax == last_argmax).all(dim=-1)
@@ -215,12 +222,7 @@ def fast_step(logits: torch.Tensor, state: EntropyBoundState, slots: torch.Tenso
     rows are filler): it keeps its argmax, entropy and logprob, and its input stays its argmax."""
     settled = state.settled.index_select(0, slots)
     held = state.held.index_select(0, slots)
-    t = temperature(params.step, params.max_denoising_steps, params.t_min, params.t_max)
-    words = step_words(params, logits.shape[1])
-    uniform, renoise = randoms.uniform(words[0]), randoms.below(words[1], vocab.shard.vocab_size)
-    dist = vocab.distribution(logits, t[:, None, None])
-    draw = vocab.restricted_draw(dist, params.top_k, params.top_p, params.min_p) if params.restrict else None
-    argmax, candidates = vocab.argmax_and_sample(dist, uniform, draw)
+    dist, argmax, candidates, renoise = _draw(logits, params, vocab)
     argmax = torch.where(settled, last_argmax, argmax)
     entropy = torch.where(settled, state.kept_entropy.index_select(0, slots), dist.entropy)
     logprob = torch.where(settled, state.kept_logprob.index_select(0, slots), -dist.log_total)

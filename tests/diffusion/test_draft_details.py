@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import step_until_done
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.diffusion.entropy_bound import entropy_bound_accept
@@ -31,12 +32,7 @@ def _run(llm: LLM, requests: dict[str, SamplingParams]) -> tuple[dict[str, list]
 
     engine.executor.execute = recording
     try:
-        for name, params in requests.items():
-            engine.add_request(list(range(3, 15)), params, request_id=name)
-        outputs = {name: [] for name in requests}
-        while engine.has_unfinished():
-            for out in engine.step():
-                outputs[out.request_id].append(out)
+        outputs = step_until_done(engine, list(range(3, 15)), requests)
     finally:
         engine.executor.execute = execute
     return outputs, steps

@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from helpers import step_until_done
 
 from blockdiff import LLM, SamplingParams
 from blockdiff.diffusion.entropy_bound import EntropyBound
@@ -54,12 +55,7 @@ def _run(llm: LLM, requests: dict[str, SamplingParams]) -> tuple[dict[str, list]
     hook = runner.model.self_conditioning.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
     engine.executor.execute = recording
     try:
-        for name, params in requests.items():
-            engine.add_request(PROMPT, params, request_id=name)
-        outputs = {name: [] for name in requests}
-        while engine.has_unfinished():
-            for out in engine.step():
-                outputs[out.request_id].append(out)
+        outputs = step_until_done(engine, PROMPT, requests)
     finally:
         engine.executor.execute = execute
         hook.remove()
