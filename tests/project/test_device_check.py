@@ -112,6 +112,7 @@ def test_the_device_check_runs_every_part_on_the_cpu_at_small_shapes(tmp_path, f
     assert proc.stdout.endswith(text) and "ms/step" in text and "fake_cuda: ok" in text
 
 
+@pytest.mark.slow  # the whole script with one part failing and one hanging: ~1 min on 2 cores
 def test_a_failing_or_hanging_part_leaves_every_other_result(failing_check):
     """--fail-part makes env raise: it is recorded with its traceback's tail. --hang-part makes the
     headline hang after its first result: at its time-out it is killed (with its children) and

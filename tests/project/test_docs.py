@@ -39,7 +39,7 @@ SETUP = "bash scripts/setup.sh && "
 _MARKER = re.compile(r"^<!-- doc-test: (skip|text|background|expect)\b:?\s*(.*?)\s*-->$")
 # Documents whose blocks run a benchmark or an evaluation (a minute or more), or start replicas.
 SLOW_DOCS = {"README.md", "demo.md", "quickstart.md", "scaling.md", "serving_without_a_gpu.md", "tp.md", "images.md",
-             "video.md", "structured_outputs.md"}
+             "video.md", "structured_outputs.md", "server.md"}
 
 
 @dataclasses.dataclass
