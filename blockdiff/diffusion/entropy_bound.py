@@ -237,7 +237,11 @@ def fast_step(logits: torch.Tensor, state: EntropyBoundState, slots: torch.Tenso
     same = (argmax == last_argmax).all(dim=-1)
     run = torch.where(same, run + 1, torch.zeros_like(run))
     stable = run >= params.stability_threshold
-    confident = (params.confidence_threshold > 0) & (entropy.mean(dim=-1) < params.confidence_threshold)
+    # A settled position is final: it counts as certain for the stop, not at the entropy it settled
+    # with, which no later step lowers (it is not computed again): counted so, positions that settled
+    # under settle_entropy but above confidence_threshold would hold the canvas's mean above it.
+    unsure = torch.where(now, torch.zeros_like(entropy), entropy)
+    confident = (params.confidence_threshold > 0) & (unsure.mean(dim=-1) < params.confidence_threshold)
     finished = (stable & confident) | (params.step <= 1) | (fast & now.all(dim=-1))
     updates = {"canvas": canvas, "last_argmax": argmax, "run": run, "held": held, "settled": now,
                "kept_entropy": entropy, "kept_logprob": logprob}

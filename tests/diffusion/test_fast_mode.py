@@ -153,6 +153,31 @@ def test_a_stop_string_across_the_streamed_prefix_ends_the_text_where_it_would_h
     assert texts[-1] == cut and stopped["fast"][-1].outputs[0].finish_reason == "stop"
 
 
+def test_settled_positions_count_as_certain_for_the_exact_stop():
+    """Half a canvas settled at entropy 0.2, the other half now sure of the argmax it repeats: the
+    exact stop holds (argmax stable, mean entropy under confidence_threshold), since a settled
+    position is final. Counted at the entropy it settled with, which no later step lowers, the mean
+    would stay at 0.1 and the canvas would run on."""
+    from blockdiff.diffusion.entropy_bound import denoise_params
+    from blockdiff.diffusion.vocab_parallel import VocabParallel
+    from blockdiff.parallel.group import TPGroup
+    from blockdiff.parallel.vocab import VocabShard
+
+    vocab, sampler = 37, EntropyBound()
+    params = sampler.resolve(SamplingParams(denoising_mode="fast", settle_steps=3, settle_entropy=0.5,
+                                            confidence_threshold=0.01, stability_threshold=1), REFERENCE_DEFAULTS)
+    state = sampler.new_state(2, CANVAS, 4, torch.float32, "cpu")
+    tokens = torch.arange(CANVAS) + 3
+    state.last_argmax[0], state.run[0] = tokens, 1
+    state.settled[0, : CANVAS // 2], state.kept_entropy[0, : CANVAS // 2] = True, 0.2
+    logits = torch.full((1, CANVAS, vocab), -30.0)
+    logits[0, torch.arange(CANVAS), tokens] = 30.0
+    res = sampler.step(logits, state, torch.tensor([0]), denoise_params([8], [params], [1]),
+                       VocabParallel(VocabShard.make(0, 1, vocab), TPGroup()))
+    assert not res.updates["settled"][0, CANVAS // 2 :].any()  # the sure half has held 1 step of 3
+    assert torch.equal(res.tokens[0], tokens) and bool(res.finished[0])
+
+
 def test_bad_values_name_their_field():
     with pytest.raises(ValueError, match="^denoising_mode must be one of 'exact', 'fast', got 'quick'"):
         SamplingParams(denoising_mode="quick")
