@@ -44,6 +44,7 @@ transformers' runs with glibc's defaults.
 
     python benchmarks/cpu_roofline.py                      # both configs, 3 timed runs each
     python benchmarks/cpu_roofline.py --configs 15m --iters 1 --batches 1
+    python benchmarks/cpu_roofline.py --configs 319m --dtypes bfloat16 --torch-experts   # the expert kernels
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ CONFIGS = {
 }
 
 
+TORCH_EXPERTS = "blockdiff-torch-experts"
+
+
 def checkpoint(name: str) -> str:
     path = f"/tmp/cpu_roofline_{name}"
     if not os.path.isdir(path):
@@ -89,7 +93,11 @@ def _side(conn, side: str, path: str, dtype_name: str, args: argparse.Namespace,
     (None ends it) and sends back the seconds."""
     torch.set_num_threads(args.threads)
     config = load_config(path)
-    if side == "blockdiff":
+    if side == TORCH_EXPERTS:  # blockdiff with torch's grouped kernel for the experts, in its [in, out] layout
+        from blockdiff.ops import cpu_grouped
+
+        cpu_grouped.extension = lambda: None
+    if side.startswith("blockdiff"):
         from blockdiff import LLM, SamplingParams
 
         llm = LLM(path, dtype=dtype_name, device="cpu", max_num_seqs=max_batch,
@@ -102,7 +110,7 @@ def _side(conn, side: str, path: str, dtype_name: str, args: argparse.Namespace,
     while (batch := conn.recv()) is not None:
         prompts = random_token_prompts([args.input_len] * batch, config.vocab_size, special_token_ids(config), seed=batch)
         start = time.perf_counter()
-        if side == "blockdiff":
+        if side.startswith("blockdiff"):
             params = [SamplingParams(max_tokens=args.output_len, max_denoising_steps=args.steps,
                                      stability_threshold=args.steps, ignore_eos=True, seed=i) for i in range(batch)]
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -110,7 +118,7 @@ def _side(conn, side: str, path: str, dtype_name: str, args: argparse.Namespace,
         else:
             reference.generate(prompts, seed=0)
         conn.send(time.perf_counter() - start)
-    if side == "blockdiff":
+    if side.startswith("blockdiff"):
         llm.shutdown()
 
 
@@ -125,6 +133,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-transformers", action="store_true", help="blockdiff only")
+    p.add_argument("--torch-experts", action="store_true",
+                   help=f"a third side, {TORCH_EXPERTS}: blockdiff with torch's grouped kernel for the experts where "
+                        "blockdiff's AVX512-BF16 one would run (ops/cpu_grouped.py), side by side with it")
     p.add_argument("--no-tune-cpu-heap", action="store_true",
                    help="leave glibc's heap as it is in blockdiff's process (the blockdiff commands tune it: "
                         "worker/cpu_heap.py)")
@@ -146,7 +157,8 @@ def main() -> None:
         gen_s = {}
         for dtype_name in args.dtypes.split(","):
             sides = {}
-            for side in ["blockdiff"] + ([] if args.no_transformers else ["transformers"]):
+            for side in (["blockdiff"] + ([TORCH_EXPERTS] if args.torch_experts else [])
+                         + ([] if args.no_transformers else ["transformers"])):
                 ours, theirs = spawn.Pipe()
                 proc = spawn.Process(target=_side, args=(theirs, side, path, dtype_name, args, max(batches)))
                 proc.start()
@@ -180,6 +192,8 @@ def main() -> None:
                                  f"(best run {best / peak.gflops:.1%}) {limit.fraction(s):6.1%} of bound "
                                  f"(best run {limit.fraction(min(times[k])):.1%})")
                 speed = f", speedup {med['transformers'] / med['blockdiff']:.2f}x" if "transformers" in med else ""
+                if TORCH_EXPERTS in med:
+                    speed += f", blockdiff's expert kernel {med[TORCH_EXPERTS] / med['blockdiff']:.2f}x torch's"
                 line = (f"{name} {dtype_name:8} batch {batch}: bound {limit.seconds:.3f} s ({limit.limit}) | "
                         + " | ".join(parts) + speed + f" (load {loadavg()})")
                 print("  " + line, flush=True)

@@ -195,7 +195,7 @@ class Experts(nn.Module):
             xs = x.index_select(0, source)
             added = None if deltas is None else deltas(source)
             if kernel != PER_EXPERT:
-                y = self._grouped(xs, ends.to(torch.int32), added)
+                y = self._grouped(xs, ends.to(torch.int32), added, counts.to(torch.int32))
             else:
                 y = self._per_expert(xs, rows.tolist(), added)
         y = (y[:, : self.hidden].index_select(0, dest) * weights.reshape(-1)[order, None]).to(x.dtype)
@@ -224,9 +224,11 @@ class Experts(nn.Module):
         source = torch.zeros(e * cap, dtype=torch.long, device=x.device).index_copy_(0, dest, token)
         return self._mlp(x.index_select(0, source), ExpertRows(experts=e)), dest
 
-    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor, deltas: RowDeltas | None = None) -> torch.Tensor:
-        """Both products of every expert as one grouped call each (groups end at `ends`, int32)."""
-        return self._mlp(xs, ExpertRows(ends=ends), deltas)
+    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor, deltas: RowDeltas | None = None,
+                 counts: torch.Tensor | None = None) -> torch.Tensor:
+        """Both products of every expert as one grouped call each (groups end at `ends` and begin
+        with `counts` rows of tokens, int32; None: every row is a token's)."""
+        return self._mlp(xs, ExpertRows(ends=ends, counts=counts), deltas)
 
     def _per_expert(self, xs: torch.Tensor, sizes: list[int], deltas: RowDeltas | None = None) -> torch.Tensor:
         """Two products per busy expert over its own rows (the first sum(sizes) rows of xs; the

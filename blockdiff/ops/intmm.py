@@ -32,6 +32,9 @@ from blockdiff.ops.matmul import WIDEN_ELEMENTS, packed_copy
 INT8_ROWS, INT4_GROUPS = "int8_rows", "int4_groups"  # torch's CPU weight-only kernels (`fast_kernel`)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 INT4_ROW_MULTIPLE = 16  # its packing takes whole blocks of 16 output rows
+# _weight_int8pack_mm reads past the end of bfloat16 rows whose width is no multiple of 16 on an EPYC
+# with AVX512-BF16 (torch 2.13): garbage results at 72 or 100 columns, then a segfault.
+INT8_COLUMN_MULTIPLE = 16
 FAST_ROWS = 16  # products of up to this many rows take torch's kernels: they lost to bfloat16 from 32 rows (docs/benchmarks.md)
 _FAST_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -75,7 +78,7 @@ Segments = list[tuple[int, int, torch.Tensor | None]]
 def fast_kernel(bits: int, group_size: int | None, symmetric: bool, rows: int, columns: int, first: int) -> str | None:
     """torch's CPU kernel that multiplies a weight of this scheme held as `rows` x `columns` (the
     checkpoint's columns first..first+columns-1, all real), or None."""
-    if bits == 8 and group_size is None and symmetric:
+    if bits == 8 and group_size is None and symmetric and columns % INT8_COLUMN_MULTIPLE == 0:
         return INT8_ROWS
     if (bits == 4 and group_size in INT4_GROUP_SIZES and columns % group_size == 0 and first % group_size == 0
             and rows % INT4_ROW_MULTIPLE == 0):

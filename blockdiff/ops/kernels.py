@@ -5,7 +5,9 @@ experts multiply, and whether a step of canvases can run as one static step, com
 captured as a CUDA graph:
 
 - "grouped": `torch._grouped_mm`, all experts in one call with the offsets on the device. On the
-  CPU wherever torch has the kernel (float32 and bfloat16). On CUDA only where torch runs it
+  CPU wherever torch has the kernel (float32 and bfloat16); bfloat16 on CPUs with AVX512-BF16 and no
+  AMX runs blockdiff's own grouped kernel instead (ops/cpu_grouped.py), which reads each expert's
+  weight once at close to memory speed. On CUDA only where torch runs it
   without reading the offsets on the host: bfloat16 on compute capability 9.x and 10.x (its
   `_grouped_mm_cuda` "fast path"); elsewhere it falls back to a loop that copies the offsets to the
   host, a sync that cannot be captured in a graph.
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockdiff.ops import cpu_grouped
 from blockdiff.ops.cpu import cpu_features
 from blockdiff.ops.matmul import batched_linear, bf16_products_widen, grouped_linear, linear
 
@@ -111,6 +114,8 @@ class Ops:
     grouped_mm: bool
     scaled_grouped_mm: bool
     cpu_grouped_mm: tuple[torch.dtype, ...]  # the dtypes torch's CPU grouped kernel runs
+    # blockdiff's AVX512-BF16 grouped kernel built here (ops/cpu_grouped.py); None: build it when first asked
+    cpu_bf16_grouped: bool | None = None
 
 
 def _cpu_grouped_mm_runs(dtype: torch.dtype) -> bool:
@@ -160,6 +165,8 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
             return BATCHED, (f"one torch.bmm per projection over all experts' rows padded to {BATCH_TILE}-row tiles "
                              f"(AMX; grouped where that padding exceeds {BATCH_MAX_PADDING:g}x)")
         if dtype in ops.cpu_grouped_mm:
+            if _own_bf16_kernel(where, dtype, shape, ops):
+                return GROUPED, "blockdiff's AVX512-BF16 grouped kernel (blockdiff/ops/cpu_grouped.py), offsets on the device"
             return GROUPED, "torch._grouped_mm's CPU kernel, offsets on the device"
         return PER_EXPERT, f"this torch has no CPU grouped_mm for {dtype}"
     if where.type == "cuda" and ops.grouped_mm:
@@ -170,6 +177,15 @@ def expert_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Op
             return PER_EXPERT, f"torch._grouped_mm on CUDA runs {dtype} in a loop that reads the offsets on the host"
         return GROUPED, "torch._grouped_mm's bfloat16 kernel, offsets on the device"
     return PER_EXPERT, f"no grouped kernel on {where.type}"
+
+
+def _own_bf16_kernel(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Ops) -> bool:
+    """Whether bfloat16 experts on `where` take blockdiff's AVX512-BF16 grouped kernel, which reads
+    the checkpoint's [out, in] layout (CPUs with AMX take the batched products instead)."""
+    if not (where.type == "cpu" and dtype == torch.bfloat16 and shape.weight_dtype == torch.bfloat16
+            and "avx512_bf16" in where.features and "amx_bf16" not in where.features):
+        return False
+    return ops.cpu_bf16_grouped if ops.cpu_bf16_grouped is not None else cpu_grouped.extension() is not None
 
 
 def transposed_layout(where: Target, dtype: torch.dtype, shape: ExpertShape, ops: Ops | None = None) -> bool:
@@ -183,6 +199,8 @@ def transposed_layout(where: Target, dtype: torch.dtype, shape: ExpertShape, ops
     kernels and the CPU's batched products (torch.bmm, whose oneDNN kernel read that layout faster:
     docs/benchmarks.md, "MoE: grouped against per-expert products") take the checkpoint's layout."""
     if where.type != "cpu" or expert_kernel(where, dtype, shape, ops)[0] != GROUPED:
+        return False
+    if _own_bf16_kernel(where, dtype, shape, ops or INSTALLED):
         return False
     return not (dtype == torch.bfloat16 and BF16_WIDENED in where.features)
 
@@ -208,6 +226,9 @@ class ExpertRows:
     """How the experts' rows are laid out for their kernel; exactly one field is set."""
 
     ends: torch.Tensor | None = None  # grouped kernels: int32 ends of each expert's rows, on the device
+    # grouped kernels: int32 rows of tokens each expert's rows begin with (the rest up to its end pad
+    # it to an aligned start for the next), or None: all of them
+    counts: torch.Tensor | None = None
     sizes: list[int] | None = None  # per expert: each expert's row count, read on the host
     experts: int | None = None  # batched: the rows are [experts, rows per expert]
 
@@ -222,7 +243,7 @@ def per_expert(x: torch.Tensor, sizes: list[int], product: Callable[[torch.Tenso
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
     """Each expert's rows of x [rows, in] times its weight[e] [out, in].T, by the kernel `rows` is laid out for."""
     if rows.ends is not None:
-        return grouped_linear(x, weight, rows.ends)
+        return grouped_linear(x, weight, rows.ends, rows.counts)
     if rows.experts is not None:
         return batched_linear(x.view(rows.experts, -1, x.shape[-1]), weight).view(x.shape[0], -1)
     return per_expert(x, rows.sizes, lambda part, e: linear(part, weight[e]))

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockdiff.ops import cpu_grouped
+
 _ONEDNN_AVAILABLE = (
     torch.backends.mkldnn.is_available()
     and platform.machine().lower() in ("x86_64", "amd64")
@@ -148,39 +150,42 @@ def _float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # torch._grouped_mm's fake-tensor rule only accepts bfloat16 (torch 2.13), although the CPU kernel
 # runs float32 too: wrapped as an opaque op with its own shape rule, it compiles in every dtype.
 @torch.library.custom_op("blockdiff::grouped_mm", mutates_args=())
-def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    ours = cpu_grouped.grouped_mm_bf16(x, weight, ends, counts)  # bfloat16 on AVX512-BF16, [out, in] weights
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends) if ours is None else ours
 
 
 @_grouped_mm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
     if x.dtype == torch.bfloat16:  # torch's own rule, with its dtype, stride and offset checks
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
 def _grouped_mm_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:3])
 
 
-def _grouped_mm_backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+def _grouped_mm_backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
     """The gradients as grouped products too: rows past ends[-1] get none (their outputs are
     undefined, so nothing reads them), a group without rows a zero weight gradient."""
     x, weight, ends = ctx.saved_tensors
     grad_x = torch._grouped_mm(grad, weight, offs=ends)
     grad_x.masked_fill_((torch.arange(x.shape[0], device=x.device) >= ends[-1])[:, None], 0)
     grad_weight = torch._grouped_mm(grad.t(), x, offs=ends)
-    return grad_x, grad_weight, None
+    return grad_x, grad_weight, None, None
 
 
 # The demo trainer differentiates the experts' products.
 _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
+                   counts: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ends[g-1]:ends[g] of x [rows, in] times weight[g] [out, in].T, in one call; `ends`
-    int32 on x's device. Rows past ends[-1] are left undefined."""
-    return _grouped_mm(x, weight, ends)
+    int32 on x's device. Rows past ends[-1] are left undefined. `counts` (int32, where given): how
+    many rows each group begins with that matter; a kernel may give the rest of the group 0."""
+    return _grouped_mm(x, weight, ends, counts)
 
 
 def batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

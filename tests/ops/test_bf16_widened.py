@@ -3,12 +3,14 @@ tile at a time (ops/matmul.py `_float32_linear`), and the experts' layout on suc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from blockdiff.ops.kernels import BF16_WIDENED, GROUPED, ExpertShape, Target, expert_kernel, transposed_layout
+from blockdiff.ops.kernels import BF16_WIDENED, GROUPED, INSTALLED, ExpertShape, Target, expert_kernel, transposed_layout
 from blockdiff.ops.matmul import WIDEN_ELEMENTS, _float32_linear
 
 BF16_STEP = 2**-7  # bfloat16's relative rounding step
@@ -41,4 +43,5 @@ def test_bfloat16_experts_keep_the_checkpoint_layout_on_a_cpu_without_bfloat16_k
     assert expert_kernel(widened, torch.bfloat16, bf16)[0] == GROUPED  # a static step all the same
     assert not transposed_layout(widened, torch.bfloat16, bf16)
     assert transposed_layout(widened, torch.float32, f32)
-    assert transposed_layout(Target("cpu", features=frozenset({"avx512_bf16"})), torch.bfloat16, bf16)
+    torch_grouped = replace(INSTALLED, cpu_bf16_grouped=False)  # not blockdiff's kernel, which reads [out, in]
+    assert transposed_layout(Target("cpu", features=frozenset({"avx512_bf16"})), torch.bfloat16, bf16, torch_grouped)

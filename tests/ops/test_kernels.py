@@ -15,7 +15,7 @@ from blockdiff.model.gemma_config import GemmaConfig
 from blockdiff.model.registry import load_config
 from blockdiff.ops.kernels import (
     BATCHED, FP8, GROUPED, PER_EXPERT, SCALED_GROUPED, ExpertShape, Ops, Target, batched_rows, expert_kernel, padded,
-    static_kernel, step_modes,
+    static_kernel, step_modes, transposed_layout,
 )
 from blockdiff.parallel.group import TPGroup
 from blockdiff.model.moe import Experts, combine_top_k
@@ -24,7 +24,8 @@ from blockdiff.parallel.quantization.fp8 import Fp8Config, Fp8ExpertsMethod
 BIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "diffusiongemma-26b-a4b.json")
 CPU, H200, B200, A100, L40, RTX5090 = (Target("cpu"), Target("cuda", (9, 0)), Target("cuda", (10, 0)),
                                        Target("cuda", (8, 0)), Target("cuda", (8, 9)), Target("cuda", (12, 0)))
-ALL_OPS = Ops(grouped_mm=True, scaled_grouped_mm=True, cpu_grouped_mm=(torch.float32, torch.bfloat16))
+ALL_OPS = Ops(grouped_mm=True, scaled_grouped_mm=True, cpu_grouped_mm=(torch.float32, torch.bfloat16),
+              cpu_bf16_grouped=False)
 # The 26B-A4B experts on one rank: hidden 2816, width 704.
 BF16_26B = ExpertShape(2816, 704, torch.bfloat16)
 FP8_26B = ExpertShape(2816, 704, FP8, "dynamic")
@@ -198,6 +199,23 @@ def test_bfloat16_cpus_take_the_batched_kernel(where, dtype, shape, kernel):
     machine's CPU), the grouped ones elsewhere; a batched step stays static."""
     assert expert_kernel(where, dtype, shape, ALL_OPS)[0] == kernel
     assert static_kernel(BATCHED)
+
+
+def test_avx512_bf16_cpus_take_blockdiffs_grouped_kernel_in_the_checkpoint_layout():
+    """Where blockdiff's AVX512-BF16 kernel is built (injected here), bfloat16 experts on such a CPU
+    without AMX take it, still a static grouped step, and keep the checkpoint's [out, in] layout it
+    reads; AMX keeps its batched products and float32 torch's grouped kernel in [in, out]."""
+    ours = replace(ALL_OPS, cpu_bf16_grouped=True)
+    kernel, why = expert_kernel(AVX512_BF16, torch.bfloat16, BF16_26B, ours)
+    assert kernel == GROUPED and "AVX512-BF16" in why
+    assert not transposed_layout(AVX512_BF16, torch.bfloat16, BF16_26B, ours)
+    assert transposed_layout(AVX512_BF16, torch.bfloat16, BF16_26B, ALL_OPS)  # torch's kernel reads [in, out]
+    assert "AVX512-BF16" not in expert_kernel(AVX512_BF16, torch.bfloat16, BF16_26B, ALL_OPS)[1]
+    both = Target("cpu", features=frozenset({"amx_bf16", "avx512_bf16"}))
+    assert expert_kernel(both, torch.bfloat16, BF16_26B, ours)[0] == BATCHED
+    fp32 = ExpertShape(2816, 704, torch.float32)
+    assert "AVX512-BF16" not in expert_kernel(AVX512_BF16, torch.float32, fp32, ours)[1]
+    assert transposed_layout(AVX512_BF16, torch.float32, fp32, ours)
 
 
 def test_batched_rows_pad_to_tiles_unless_padding_doubles_the_rows():
