@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cstring>
+
 namespace {
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -16,17 +18,39 @@ constexpr int64_t OUTS = 4;      // weight rows (outputs) per block
 constexpr int64_t CHUNK = 64;    // outputs per parallel work item
 constexpr int64_t AHEAD = 8;     // weight rows prefetched ahead of the block being multiplied
 
-// y[m][n] = sum_k x[m][k] w[n][k] for an MB x NB block: 32 k at a time into float32 lanes, then
-// each lane set summed. Every output takes the same steps whatever the block's shape, so a row's
-// result does not depend on how many rows share the call (batch invariance).
+// The 16 sums of the lanes of v[0..15], as one vector (lane i: the sum of v[i]): a tree of 15
+// shuffle-and-add steps instead of 16 separate reductions. Each sum is added in the same order
+// whatever the other vectors hold.
+BF16_TARGET inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: partials of v[2i], v[2i+1], v[2i], v[2i+1]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partials of v[4i..4i+3]
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: v[8i..8i+3] twice, v[8i+4..8i+7] twice
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// y[m][n] = sum_k x[m][k] w[n][k] for an MB x NB block (at most 4 x 4): 32 k at a time into float32
+// lanes, then the lanes summed and rounded to bfloat16 once. Every output takes the same steps
+// whatever the block's shape, so a row's result does not depend on how many rows share the call
+// (batch invariance).
 template <int MB, int NB>
 BF16_TARGET void block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw, int64_t k,
                        at::BFloat16* y, int64_t ldy, const at::BFloat16* prefetch) {
-  __m512 acc[MB][NB];
+  __m512 acc[ROWS][OUTS];
 #pragma GCC unroll 4
-  for (int m = 0; m < MB; ++m)
+  for (int m = 0; m < ROWS; ++m)
 #pragma GCC unroll 4
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int n = 0; n < OUTS; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; kk += 32) {
     const __mmask32 mask = k - kk >= 32 ? ~__mmask32(0) : ((__mmask32(1) << (k - kk)) - 1);
     // The weight streams from memory in short runs of rows the hardware prefetcher is slow to
@@ -45,10 +69,13 @@ BF16_TARGET void block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w
       for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
     }
   }
+  __m512 flat[ROWS * OUTS];
+#pragma GCC unroll 16
+  for (int i = 0; i < ROWS * OUTS; ++i) flat[i] = acc[i / OUTS][i % OUTS];
+  alignas(32) uint16_t sums[ROWS * OUTS];  // round to nearest even, as torch rounds float32 to bfloat16
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), (__m256i)_mm512_cvtneps_pbh(sum_lanes16(flat)));
 #pragma GCC unroll 4
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 4
-    for (int n = 0; n < NB; ++n) y[m * ldy + n] = at::BFloat16(_mm512_reduce_add_ps(acc[m][n]));
+  for (int m = 0; m < MB; ++m) std::memcpy(y + m * ldy, sums + m * OUTS, NB * sizeof(uint16_t));
 }
 
 template <int MB>
