@@ -38,13 +38,23 @@ class DenseKind:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
                scales=None) -> torch.Tensor:
-        out = [_attention(q[s : s + n], k[s : s + n], v[s : s + n], causal=True) for s, n in self.sequences]
-        cl = self.canvas_length
-        for i, (s, before) in enumerate(self.canvases):
-            rows = slice(i * cl, (i + 1) * cl)
-            keys = torch.cat((cache[0][s : s + before], k[rows]))
-            values = torch.cat((cache[1][s : s + before], v[rows]))
-            out.append(_attention(q[rows], keys, values, causal=False))
+        # Operands are cut with split, not one slice per sequence or canvas: the backward of a slice
+        # writes its gradient into zeros the size of the whole tensor, so slices cost the square of
+        # the batch; a split's backward concatenates its parts' gradients once.
+        lengths = [n for _, n in self.sequences]
+        out = ([_attention(*parts, causal=True) for parts in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+               if lengths else [])
+        if self.canvases:
+            cl = self.canvas_length
+            # the cache in one piece per sequence a canvas reads (from its first token to the next one's)
+            firsts = sorted({0} | {s for s, _ in self.canvases})
+            sizes = [b - a for a, b in zip(firsts, firsts[1:] + [cache[0].shape[0]])]
+            piece = {s: i for i, s in enumerate(firsts)}
+            keys, values = cache[0].split(sizes), cache[1].split(sizes)
+            for (s, before), qc, kc, vc in zip(self.canvases, q.split(cl), k.split(cl), v.split(cl)):
+                i = piece[s]
+                out.append(_attention(qc, torch.cat((keys[i][:before], kc)), torch.cat((values[i][:before], vc)),
+                                      causal=False))
         return torch.cat(out).flatten(1)
 
 
