@@ -14,8 +14,8 @@ One training step on a batch of (prompt, answer) pairs:
 Decoder rows read only the encoder's K/V of positions before their canvas (the sliding window is
 larger than any training sequence, so it never cuts). The loss is the
 diffusion loss plus `ar_weight` (1 by default) times the autoregressive loss. Every draw comes from
-generators seeded by `TrainConfig.seed`: the same seed gives the same model on the same machine
-and thread count.
+generators seeded by `TrainConfig.seed`: the same seed gives the same model on the same machine,
+thread count and number of data-parallel workers.
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ class TrainConfig:
     init_from: str | None = None  # a demo checkpoint to start from instead of random weights
     tasks: tuple[str, ...] = TASKS + AGENT_TASKS  # drawn in equal shares
     spec: TinySpec = field(default_factory=demo_spec)
+    # Data-parallel processes, each with its share of every batch and of this process's threads,
+    # their gradients averaged in one all-reduce per step (parallel/ranks.py); 1: this process only.
+    workers: int = 1
 
 
 @dataclass
@@ -208,11 +211,45 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def train(cfg: TrainConfig, progress=None) -> tuple[DiffusionGemma, list[dict]]:
-    """-> (trained model, per-step loss parts). `progress(step, parts)` is called every log_every steps."""
+    """-> (trained model, per-step loss parts). `progress(step, parts)` is called every log_every steps.
+    With cfg.workers > 1 the steps run in that many processes (this one is the first), each with
+    its share of this process's threads: on 2 cores two single-threaded processes outran one with
+    two threads, whose small products leave a thread idle (docs/demo.md)."""
+    if cfg.workers == 1:
+        return _train(cfg, progress)
+    from blockdiff.parallel.ranks import RankProcesses
+
+    threads = torch.get_num_threads()
+    try:
+        with RankProcesses(cfg.workers, "cpu") as ranks:
+            ranks.context.state["progress"] = progress
+            results = ranks.run(_train_rank, cfg, max(1, threads // cfg.workers), gather=True)
+    finally:
+        torch.set_num_threads(threads)
+    model, history, checksum = results[0]
+    sums = [checksum, *results[1:]]
+    if len(set(sums)) != 1:  # every replica took the same steps from the same weights
+        raise RuntimeError(f"the data-parallel replicas' weights differ after training: checksums {sums}")
+    return model, history
+
+
+def _train_rank(context, cfg: TrainConfig, threads: int):
+    """One data-parallel rank's training; -> rank 0: (model, history, weight checksum), others: the checksum."""
+    torch.set_num_threads(threads)
+    model, history = _train(cfg, context.state.get("progress"), context.group, context.rank)
+    checksum = float(sum(p.double().sum() for p in model.parameters()))
+    return (model, history, checksum) if context.rank == 0 else checksum
+
+
+def _train(cfg: TrainConfig, progress=None, group=None, rank: int = 0) -> tuple[DiffusionGemma, list[dict]]:
+    """The training loop on one process, or on one rank of a data-parallel `group`: every rank builds
+    the same model and draws the same batches, takes every group.size-th example from its rank on,
+    corrupts them with its own generator, and averages its gradients and loss parts with the others'
+    before each optimizer step, so the replicas stay one model."""
     model = grown_from(cfg.init_from, cfg.spec, cfg.seed) if cfg.init_from else build_model(cfg.spec, cfg.seed)
     tokenizer = demo_tokenizer()
     problems = training_problems(random.Random(cfg.seed), cfg.tasks)
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    gen = torch.Generator().manual_seed(cfg.seed + 1 + 1000 * rank)
     matrices = [p for p in model.parameters() if p.dim() > 1]
     vectors = [p for p in model.parameters() if p.dim() <= 1]
     opt = torch.optim.AdamW(
@@ -220,13 +257,17 @@ def train(cfg: TrainConfig, progress=None) -> tuple[DiffusionGemma, list[dict]]:
         lr=cfg.lr, betas=(0.9, 0.98),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
+    size = 1 if group is None else group.size
     history = []
     model.train()
     for step in range(cfg.steps):
-        examples = [encode(tokenizer, next(problems)) for _ in range(cfg.batch_size)]
+        batch = [next(problems) for _ in range(cfg.batch_size)]
+        examples = [encode(tokenizer, p) for p in batch[rank::size]]
         loss, parts = training_loss(model, examples, cfg, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if group is not None:
+            parts = _average(model, parts, group)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -237,6 +278,21 @@ def train(cfg: TrainConfig, progress=None) -> tuple[DiffusionGemma, list[dict]]:
     for p in model.parameters():
         p.requires_grad_(False)
     return model, history
+
+
+def _average(model: DiffusionGemma, parts: dict, group) -> dict:
+    """Every parameter's gradient and the loss parts averaged over the group, in one all-reduce."""
+    params = list(model.parameters())
+    for p in params:
+        if p.grad is None:  # a weight this rank's examples did not reach: the others' may have
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor(list(parts.values()))])
+    group.all_reduce(flat).div_(group.size)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return dict(zip(parts, flat[offset:].tolist()))
 
 
 def save_checkpoint(model: DiffusionGemma, cfg: TrainConfig, out_dir: str, report: dict | None = None) -> str:

@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", default=None, metavar="CHECKPOINT",
                    help="start from this demo checkpoint's weights (tokens added since keep random embeddings) "
                         "instead of random weights: a fine-tune")
+    p.add_argument("--workers", type=at_least(1), default=d.workers,
+                   help="data-parallel training processes, each with its share of every batch and of the threads "
+                        "(docs/demo.md: 2 on a 2-core machine, with OMP_NUM_THREADS=1)")
     p.add_argument("--tasks", default=",".join(d.tasks), metavar="TASK,...",
                    help="the tasks to draw, in equal shares; name a task twice to draw it twice as often")
     p.set_defaults(func=run)
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)}; the tasks are {', '.join(TASKS + AGENT_TASKS)}")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, warmup=args.warmup,
-                      init_from=args.init_from, tasks=tasks)
+                      init_from=args.init_from, tasks=tasks, workers=args.workers)
     report = train_and_save(cfg, args.out)
     print(json.dumps(report, indent=2))
     print(f"wrote {os.path.abspath(args.out)}")

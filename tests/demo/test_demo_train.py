@@ -40,6 +40,22 @@ def test_training_is_seeded_and_the_loss_falls(trained):
     assert last < 0.75 * first, (first, last)  # measured 0.62-0.68 over seeds 3-5
 
 
+def test_data_parallel_workers_keep_one_model_and_learn(trained):
+    """Two real worker processes, gradients averaged in one all-reduce per step: the replicas end
+    with the same weights (train checks their checksums), the loss falls as in one process, and a
+    step draws other noise than one process does (each rank corrupts its own share)."""
+    cfg, _, history = trained
+    parallel = dataclasses.replace(cfg, workers=2)
+    model, parts = train(parallel)
+    assert len(parts) == cfg.steps and not any(p.requires_grad for p in model.parameters())
+    first = sum(h["loss"] for h in parts[:4]) / 4
+    last = sum(h["loss"] for h in parts[-8:]) / 8
+    assert last < 0.8 * first, (first, last)
+    assert parts[0] != history[0]
+    _, again = train(dataclasses.replace(parallel, steps=3))
+    assert again == train(dataclasses.replace(parallel, steps=3))[1]  # seeded in every rank
+
+
 def test_saved_checkpoint_loads_back_identically(trained, tmp_path):
     """save -> load_model gives the same logits; transformers loads every tensor and computes them too."""
     cfg, model, _ = trained
