@@ -223,7 +223,8 @@ def static_kernel(kernel: str) -> bool:
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """How the experts' rows are laid out for their kernel; exactly one field is set."""
+    """How the experts' rows are laid out for their kernel: exactly one of `ends`, `sizes` and
+    `experts` is set (`counts` goes with `ends`)."""
 
     ends: torch.Tensor | None = None  # grouped kernels: int32 ends of each expert's rows, on the device
     # grouped kernels: int32 rows of tokens each expert's rows begin with (the rest up to its end pad
