@@ -226,10 +226,11 @@ def test_setup_script_says_what_each_stage_does(tmp_path):
                           env={**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    # venv, pip, torch, blockdiff: each said before it runs; then done
+    # venv, pip, torch, blockdiff, the CPU kernels: each said before it runs; then done
     assert ["said" if ln.startswith("setup.sh [") else ln.split(" -q ")[-1] for ln in lines] == [
-        "said", "said", "--upgrade pip", "said", "torch==2.13.0", "said", "-c scripts/constraints.txt -e .[test]", "said"], lines
-    assert "torch" in lines[3] and "test extra" in lines[5] and "done" in lines[7]
+        "said", "said", "--upgrade pip", "said", "torch==2.13.0", "said", "-c scripts/constraints.txt -e .[test]", "said",
+        "ran python -c from blockdiff.ops import cpu_grouped; cpu_grouped.extension()", "said"], lines
+    assert "torch" in lines[3] and "test extra" in lines[5] and "kernels" in lines[7] and "done" in lines[9]
 
 
 def test_engine_flags_are_the_engine_config_fields():

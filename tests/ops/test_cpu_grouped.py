@@ -96,8 +96,11 @@ def test_it_refuses_what_it_cannot_multiply(ext):
     x, w, ends = _operands([4], 8, 64)
     assert cpu_grouped.grouped_mm_bf16(x.float(), w.float(), ends) is None  # another dtype: torch's kernel
     assert cpu_grouped.grouped_mm_bf16(x, w.transpose(1, 2).contiguous().transpose(1, 2), ends) is None  # [in, out]
-    with pytest.raises(RuntimeError, match="ends past the rows"):
+    with pytest.raises(RuntimeError, match="not past the rows"):
         ext.grouped_mm_bf16(x[:2], w, ends, None)
+    x2, w2, _ = _operands([2, 2], 8, 64)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        ext.grouped_mm_bf16(x2, w2, torch.tensor([3, 1], dtype=torch.int32), None)
 
 
 def test_bfloat16_experts_run_on_it_and_agree_with_float32_ones(ext):

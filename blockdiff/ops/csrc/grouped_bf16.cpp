@@ -123,7 +123,8 @@ torch::Tensor grouped_mm_bf16(const torch::Tensor& x, const torch::Tensor& weigh
   const auto* wp = weight.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
   const auto* ep = ends.data_ptr<int32_t>();
-  TORCH_CHECK(experts == 0 || (ep[experts - 1] <= rows), "ends past the rows of x");
+  for (int64_t e = 0; e < experts; ++e)  // each group's rows lie inside x, in order
+    TORCH_CHECK((e ? ep[e - 1] : 0) <= ep[e] && ep[e] <= rows, "ends must be non-decreasing and not past the rows of x");
   TORCH_CHECK(!counts || (counts->scalar_type() == at::kInt && counts->dim() == 1 && counts->is_contiguous() &&
                           counts->size(0) == experts), "counts: int32, one per expert");
   const int32_t* cp = counts ? counts->data_ptr<int32_t>() : nullptr;
