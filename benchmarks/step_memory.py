@@ -25,7 +25,8 @@ keeps freed memory, the blocks of earlier steps are resident already).
 --vocab below the real one scales the sampler's default workspace with it (`scaled_workspace_gb`), so that the
 figures keep their ratios; --sampler-memory-gb sets it. --logprobs K asks every request for K top logprobs (the
 logprob path; one denoising step per launch then).
---compile compiles the step of canvases (EngineConfig.compile): minutes of compiling per shape on this CPU.
+--compile compiles the step of canvases (EngineConfig.compile): minutes of compiling per shape on this CPU; the
+stages inside a step are then one graph, and only the results and the whole step are measured.
 """
 
 from __future__ import annotations
@@ -132,13 +133,14 @@ def report(llm: LLM, args: argparse.Namespace) -> None:
     llm.generate(prompts[:1], params, use_tqdm=False)
     peaks = Peaks()
     runner = llm.engine.executor.runner
-    for cls, name, label in ((DiffusionGemma, "backbone", "forward to the final norm"),
-                             (VocabParallelEmbedding, "logits", "LM head"),
-                             (DiffusionGemma, "logits", "LM head + softcap"),
-                             (type(runner.sampler), "step", "sampler step"),
-                             (VocabParallel, "soft_embed", "self-conditioning product"),
-                             (ModelRunner, "_finish", "results and logprobs"),
-                             (ModelRunner, "execute", "whole step")):
+    inside = ((DiffusionGemma, "backbone", "forward to the final norm"),
+              (VocabParallelEmbedding, "logits", "LM head"),
+              (DiffusionGemma, "logits", "LM head + softcap"),
+              (type(runner.sampler), "step", "sampler step"),
+              (VocabParallel, "soft_embed", "self-conditioning product"))
+    # Compiled, the stages inside a step are one graph, which a wrapper reading /proc cannot enter.
+    for cls, name, label in (() if args.compile else inside) + ((ModelRunner, "_finish", "results and logprobs"),
+                                                                (ModelRunner, "execute", "whole step")):
         peaks.wrap(cls, name, label)
     peaks.start()
     outs = llm.generate(prompts, params, use_tqdm=False)

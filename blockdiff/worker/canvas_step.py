@@ -12,7 +12,7 @@ accepts it, and on CUDA each shape is captured once as a CUDA graph and replayed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -106,7 +106,10 @@ def canvas_step(
             out.dist = None
         out = _then(out, forward_step(model, sampler, vocab, kv, meta, work, here, params, logits_out=logits,
                                       penalties=penalties, penalty_slots=inputs.slots)[1])
-        work.put(here, out.updates)
+        # The next step's state is these rows, in order: taken as they are, not copied into the working
+        # copy in place, which inductor's CPU loop fusion mishandles when the next step's norms read it back
+        # (KeyError 'buf444' in try_outer_loop_fusion_with_local_buf, torch 2.13).
+        work = replace(work, **out.updates)
     return out
 
 
