@@ -194,10 +194,9 @@ class DiffusionGemma(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if hidden.dtype == torch.float32:  # the product's output is the logits (or is copied into `out` whole)
+        if hidden.dtype == torch.float32 and out is None:  # the product's output is the logits
             logits = self.embed.logits(hidden)
-            logits = logits if out is None else out.copy_(logits)
-        else:
+        else:  # into `out`, or widened to float32: HEAD_ROWS rows at a time, never a second whole logits tensor
             logits = hidden.new_empty(hidden.shape[0], self.shard.local_rows, dtype=torch.float32) if out is None else out
             for a in range(0, hidden.shape[0], HEAD_ROWS):
                 logits[a : a + HEAD_ROWS].copy_(self.embed.logits(hidden[a : a + HEAD_ROWS]))
