@@ -160,7 +160,7 @@ def forward_step(model, sampler: DiffusionSampler, vocab: VocabParallel, kv, met
         # (worker/cpu_heap.py) they then take the block the step before freed, which those tensors would
         # otherwise split (a float32 generate grew by 1.88x its logits, not 0.88x: docs/benchmarks.md).
         # Compiled, inductor plans the step's memory itself (made here, they took more: 3.42x, not 2.89-3.13x).
-        logits_out = torch.empty(scored + rows * cl, vocab.shard.local_rows, device=ids.device)
+        logits_out = torch.empty(scored + rows * cl, vocab.shard.local_rows, dtype=torch.float32, device=ids.device)
     logits = model(ids, meta, kv, soft, images, logits_out=None if logits_out is None else logits_out[: scored + rows * cl])
     if active is not None:
         logits = logits.new_zeros(scored + rows * cl, logits.shape[1]).index_copy_(0, active.index, logits)
