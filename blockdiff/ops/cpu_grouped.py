@@ -1,8 +1,8 @@
 """blockdiff's own grouped product for bfloat16 experts on CPUs with AVX512-BF16 and no AMX.
 
 A denoising step gives each expert 8-32 rows. At those row counts torch's grouped kernel and
-oneDNN's packed one read each expert's weight at 10-23 GB/s on a 2-core EPYC with AVX512-BF16 that
-copies at 60-100 GB/s (docs/benchmarks.md, "Expert products at memory speed"), and a step of a
+oneDNN's packed one read each expert's weight at 9-23 GB/s on a 2-core EPYC with AVX512-BF16 that
+reads 30-120 GB/s (docs/benchmarks.md, "Expert products at memory speed"), and a step of a
 large model at batch 1 is bound by those bytes. The kernel (csrc/grouped_bf16.cpp) streams each
 expert's weight once in the checkpoint's [out, in] layout, prefetching rows ahead, and takes dot
 products 32 inputs at a time with AVX512-BF16's bfloat16 pairs summed into float32 lanes. Every

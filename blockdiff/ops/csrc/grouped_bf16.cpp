@@ -1,7 +1,7 @@
 // Grouped products of bfloat16 experts on CPUs with AVX512-BF16: rows ends[e-1]:ends[e] of x times
 // weight[e].T, each expert's weight read from memory once, in the checkpoint's [out, in] layout.
 // Why (blockdiff/ops/cpu_grouped.py): at 8-32 rows per expert torch's grouped and oneDNN's kernels
-// read a weight at 10-23 GB/s on a CPU that copies at 60-100; a step of a large model at batch 1 is
+// read a weight at 9-23 GB/s on a CPU that reads 30-120; a step of a large model at batch 1 is
 // bound by those bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
